@@ -1,0 +1,24 @@
+# The two commands a new user runs, as root, on a fresh Debian 12 machine:
+#   make demo   install everything, then freeze and restore a real training job
+#   make test   install everything, then run the whole test suite
+VENV := .venv
+
+.PHONY: install demo test bench lint clean
+install:
+	@bash scripts/bootstrap.sh
+
+demo: install
+	$(VENV)/bin/criuctl demo
+
+test: install
+	$(VENV)/bin/python -m pytest -ra tests
+
+bench: install
+	$(VENV)/bin/python bench/dump_restore.py
+
+lint: install
+	$(VENV)/bin/ruff check criuctl hooks tests bench
+	$(VENV)/bin/ruff format --check criuctl hooks tests bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache

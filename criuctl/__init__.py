@@ -1,0 +1,1 @@
+"""criuctl: freeze a running PyTorch job with CRIU and restore it elsewhere."""
