@@ -1,0 +1,303 @@
+"""The CRIU engine: typed options in, typed results out, over pycriu's RPC (`criu swrk`).
+
+Bottom layer of criuctl: imports nothing of criuctl but `errors`. Build, then execute: the
+`build_*_request` functions are pure (they turn options into the RPC message you can look at);
+`dump`, `restore` and `check` run CRIU. No CLI output is ever parsed. Every failure raises `CriuError`
+with the tail of CRIU's own log and a hint in words a user understands.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from criuctl.errors import CriuctlError
+
+MIN_VERSION = (4, 0)
+ENV_CRIU_BINARY = "CRIUCTL_CRIU"  # path or name of the criu binary; default "criu" on PATH
+LOG_LEVEL_DEBUG = 4
+
+
+class CriuError(CriuctlError):
+    """CRIU refused or failed; `log_tail` holds the end of its log."""
+
+    def __init__(self, what: str, hint: str = "", log_tail: str = "", errno: int = 0) -> None:
+        super().__init__(what, hint, detail=log_tail)
+        self.log_tail = log_tail
+        self.errno = errno
+
+
+# What CRIU's log says → what the user should do. First match wins; order from specific to generic.
+_HINTS: list[tuple[str, str, str]] = [
+    (r"No space left on device", "disk full",
+     "free space where the bundle is written (or pick another -o directory); the workload keeps running"),
+    (r"anon_inode:\[io_uring\]|io_uring", "the workload uses io_uring, which CRIU cannot checkpoint",
+     "run it under `criuctl run` without --allow-io-uring, or set sysctl kernel.io_uring_disabled=2"),
+    (r"Can't get \d+:\d+ opt: Operation not supported", "this CRIU cannot dump TCP/UDP sockets on kernels >= 6.16",
+     "reinstall CRIU with scripts/install-criu.sh, which applies criuctl's socket-option patch"),
+    (r"Unexpected rt vDSO area bounds|vdso", "this CRIU does not understand this kernel's vDSO",
+     "install CRIU >= 4.0 with scripts/install-criu.sh"),
+    (r"has bad size", "a file the workload had open changed size since the checkpoint",
+     "restore the file as it was at checkpoint time, or take a new checkpoint"),
+    (r"(?:/dev/nvidia|nvidia)", "the workload holds NVIDIA GPU state that plain CRIU cannot save",
+     "use a driver with the CUDA checkpoint API (r570+) so criuctl can move GPU state to host memory"),
+    (r"PID \d+ is busy|already exists", "a process with one of the checkpoint's PIDs already exists",
+     "restore into a new PID namespace (checkpoint workloads started with `criuctl run`)"),
+    (r"(?:Can't|Unable to) (?:open|find)? ?(?:file|path)? ?.*No such file or directory",
+     "a file the workload had open is missing on this host",
+     "make the same paths (script, data, logs, Python) available here before restoring"),
+    (r"Unsupported|Can't dump|unknown|Unknown",
+     "the workload holds a resource CRIU cannot checkpoint",
+     "see the CRIU log below for the resource; the workload was left running"),
+]
+
+
+def hint_for(log_tail: str) -> tuple[str, str]:
+    """(what, hint) for a CRIU log tail: the most specific diagnosis we know."""
+    for pattern, what, hint in _HINTS:
+        if re.search(pattern, log_tail):
+            return what, hint
+    return "CRIU failed", "see the CRIU log below"
+
+
+@dataclass
+class DumpOptions:
+    """What to checkpoint and how. `leave_stopped` leaves the tree frozen for the caller to commit."""
+
+    pid: int
+    images_dir: Path
+    work_dir: Path  # where CRIU writes its log
+    leave_running: bool = False
+    leave_stopped: bool = False
+    shell_job: bool = False
+    tcp_established: bool = False
+    ext_unix_sk: bool = False
+    file_locks: bool = False
+    network_lock: str = "nftables"  # no iptables on our nodes; CRIU's default is iptables
+    external: list[str] = field(default_factory=list)
+    ghost_limit: int = 1 << 30  # deleted-but-open files (DataLoader shared memory) up to 1 GiB
+    log_level: int = LOG_LEVEL_DEBUG
+    log_file: str = "dump.log"
+
+
+@dataclass
+class RestoreOptions:
+    """How to recreate a tree. `inherit_fds` maps a resource key ('pipe:[123]') to our fd for it."""
+
+    images_dir: Path
+    work_dir: Path
+    rst_sibling: bool = True  # the restored tree becomes *our* child, so we can wait for it
+    shell_job: bool = False
+    tcp_established: bool = False
+    ext_unix_sk: bool = False
+    file_locks: bool = False
+    network_lock: str = "nftables"
+    inherit_fds: dict[str, int] = field(default_factory=dict)
+    external: list[str] = field(default_factory=list)
+    log_level: int = LOG_LEVEL_DEBUG
+    log_file: str = "restore.log"
+
+
+@dataclass(frozen=True)
+class DumpResult:
+    seconds: float
+    log_path: Path
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    pid: int  # host PID of the restored root
+    seconds: float
+    log_path: Path
+
+
+def _pycriu() -> Any:
+    try:
+        import pycriu  # noqa: PLC0415 - optional until CRIU is used
+    except ImportError as exc:
+        raise CriuError(
+            "pycriu is not installed in this Python",
+            "run `make install` (scripts/install-criu.sh installs it from CRIU's source)",
+        ) from exc
+    return pycriu
+
+
+def binary() -> str:
+    """Absolute path of the criu binary, or a CriuError saying how to get one."""
+    name = os.environ.get(ENV_CRIU_BINARY, "criu")
+    path = shutil.which(name)
+    if path is None:
+        raise CriuError(f"CRIU not found ({name!r} is not on PATH)",
+                        "install CRIU >= 4.0 with scripts/install-criu.sh (or `make install`)")
+    return path
+
+
+def _network_lock(rpc: Any, method: str) -> int:
+    return {"iptables": rpc.IPTABLES, "nftables": rpc.NFTABLES, "skip": rpc.SKIP}[method]
+
+
+def _common(opts: Any, rpc: Any, o: DumpOptions | RestoreOptions) -> None:
+    opts.shell_job = o.shell_job
+    opts.tcp_established = o.tcp_established
+    opts.ext_unix_sk = o.ext_unix_sk
+    opts.file_locks = o.file_locks
+    opts.network_lock = _network_lock(rpc, o.network_lock)
+    opts.external.extend(o.external)
+    opts.log_level = o.log_level
+    opts.log_file = o.log_file
+
+
+def build_dump_request(o: DumpOptions, images_fd: int = -1, work_fd: int = -1) -> Any:
+    """The `criu_opts` message for a dump (pure: opens nothing)."""
+    rpc = _pycriu().rpc
+    opts = rpc.criu_opts()
+    opts.images_dir_fd = images_fd
+    if work_fd >= 0:
+        opts.work_dir_fd = work_fd
+    opts.pid = o.pid
+    opts.leave_running = o.leave_running
+    opts.leave_stopped = o.leave_stopped
+    opts.ghost_limit = o.ghost_limit
+    _common(opts, rpc, o)
+    return opts
+
+
+def build_restore_request(o: RestoreOptions, images_fd: int = -1, work_fd: int = -1) -> Any:
+    """The `criu_opts` message for a restore (pure: opens nothing)."""
+    rpc = _pycriu().rpc
+    opts = rpc.criu_opts()
+    opts.images_dir_fd = images_fd
+    if work_fd >= 0:
+        opts.work_dir_fd = work_fd
+    opts.rst_sibling = o.rst_sibling
+    for key, fd in o.inherit_fds.items():
+        opts.inherit_fd.add(key=key, fd=fd)
+    _common(opts, rpc, o)
+    return opts
+
+
+class _Dirs:
+    """Open images/work dirs as fds that survive pycriu's fork+exec of `criu swrk`."""
+
+    def __init__(self, images_dir: Path, work_dir: Path) -> None:
+        self.images_dir, self.work_dir = images_dir, work_dir
+
+    def __enter__(self) -> tuple[int, int]:
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.fds = [os.open(d, os.O_DIRECTORY) for d in (self.images_dir, self.work_dir)]
+        for fd in self.fds:
+            os.set_inheritable(fd, True)
+        return self.fds[0], self.fds[1]
+
+    def __exit__(self, *exc: object) -> None:
+        for fd in self.fds:
+            os.close(fd)
+
+
+def log_tail(path: Path, lines: int = 25) -> str:
+    """The last error-bearing lines of a CRIU log (errors first, then the very end)."""
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    errors = [line for line in text if "Error" in line or "error" in line.lower()[:40]]
+    tail = errors[-lines:] if errors else text[-lines:]
+    return "\n".join(tail)
+
+
+def _run(action: str, opts: Any, log_path: Path) -> tuple[Any, float]:
+    pycriu = _pycriu()
+    c = pycriu.criu()
+    c.use_binary(binary())
+    c.opts = opts
+    started = time.monotonic()
+    try:
+        resp = getattr(c, action)()
+    except pycriu.CRIUExceptionExternal as exc:
+        tail = log_tail(log_path)
+        what, hint = hint_for(tail)
+        raise CriuError(f"CRIU {action} failed: {what}", hint, tail, exc.errno) from exc
+    except pycriu.CRIUExceptionInternal as exc:
+        raise CriuError(f"CRIU {action} could not run: {exc}",
+                        "check that `criu check` passes (criuctl doctor)", log_tail(log_path)) from exc
+    return resp, time.monotonic() - started
+
+
+def dump(o: DumpOptions) -> DumpResult:
+    """Checkpoint the tree rooted at `o.pid` into `o.images_dir`."""
+    with _Dirs(o.images_dir, o.work_dir) as (images_fd, work_fd):
+        _, seconds = _run("dump", build_dump_request(o, images_fd, work_fd), o.work_dir / o.log_file)
+    return DumpResult(seconds=seconds, log_path=o.work_dir / o.log_file)
+
+
+def restore(o: RestoreOptions) -> RestoreResult:
+    """Recreate the tree in `o.images_dir`; with rst_sibling it becomes the caller's child."""
+    for fd in o.inherit_fds.values():
+        os.set_inheritable(fd, True)
+    with _Dirs(o.images_dir, o.work_dir) as (images_fd, work_fd):
+        resp, seconds = _run("restore", build_restore_request(o, images_fd, work_fd),
+                             o.work_dir / o.log_file)
+    return RestoreResult(pid=resp.pid, seconds=seconds, log_path=o.work_dir / o.log_file)
+
+
+def _request(req_type: str, **fields: Any) -> Any:
+    pycriu = _pycriu()
+    c = pycriu.criu()
+    c.use_binary(binary())
+    req = pycriu.rpc.criu_req()
+    req.type = getattr(pycriu.rpc, req_type)
+    for name, value in fields.items():
+        getattr(req, name).CopyFrom(value)
+    try:
+        return c._send_req_and_recv_resp(req)  # pycriu has no public call for VERSION/FEATURE_CHECK
+    except pycriu.CRIUExceptionInternal as exc:
+        raise CriuError(f"CRIU at {binary()} does not answer RPC: {exc}",
+                        "install CRIU >= 4.0 with scripts/install-criu.sh") from exc
+
+
+def version() -> tuple[int, int, int]:
+    """(major, minor, sublevel) of the criu binary, asked over RPC."""
+    resp = _request("VERSION")
+    if not resp.success or not resp.HasField("version"):
+        raise CriuError(f"CRIU at {binary()} is too old to report its version",
+                        "install CRIU >= 4.0 with scripts/install-criu.sh")
+    v = resp.version
+    return v.major_number, v.minor_number, v.sublevel if v.HasField("sublevel") else 0
+
+
+def require_version() -> tuple[int, int, int]:
+    v = version()
+    if v[:2] < MIN_VERSION:
+        raise CriuError(f"CRIU {'.'.join(map(str, v))} at {binary()} is too old (criuctl needs >= 4.0)",
+                        "install CRIU >= 4.0 with scripts/install-criu.sh")
+    return v
+
+
+def check() -> None:
+    """`criu check`: raises CriuError when the kernel lacks what CRIU needs."""
+    pycriu = _pycriu()
+    c = pycriu.criu()
+    c.use_binary(binary())
+    try:
+        c.check()
+    except pycriu.CRIUException as exc:
+        raise CriuError(f"`criu check` failed: {exc}", "run `criu check` for the missing kernel feature") from exc
+
+
+@dataclass(frozen=True)
+class Features:
+    mem_track: bool  # soft-dirty: pre-copy migration
+    lazy_pages: bool  # userfaultfd: post-copy migration
+
+
+def features() -> Features:
+    rpc = _pycriu().rpc
+    asked = rpc.criu_features(mem_track=True, lazy_pages=True)
+    resp = _request("FEATURE_CHECK", features=asked)
+    f = resp.features
+    return Features(mem_track=f.mem_track, lazy_pages=f.lazy_pages)

@@ -1,0 +1,93 @@
+"""PID 1 of a workload's PID namespace: start the command, forward signals, reap, pass on its status.
+
+Why a separate init: CRIU dumps a PID namespace only from its PID 1, and a namespace init ignores
+every signal it has no handler for, so a trainer running as PID 1 would ignore the preStop SIGTERM.
+This init is part of the dumped tree, so it stays tiny: standard library only (it is exec'd with
+`python -I -m criuctl.nsinit`, never with the workload's PYTHONPATH).
+
+It also keeps io_uring out of the workload with a seccomp filter (io_uring_setup fails with ENOSYS):
+CRIU cannot dump an io_uring, and torch's gloo opens one when it can, falling back to epoll.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import signal
+import struct
+import sys
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+             signal.SIGUSR2, signal.SIGWINCH)
+ENV_ALLOW_IO_URING = "CRIUCTL_ALLOW_IO_URING"
+
+# seccomp/BPF constants (linux/seccomp.h, linux/filter.h, linux/audit.h)
+_PR_SET_NO_NEW_PRIVS, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 38, 22, 2
+_LD_W_ABS, _JEQ_K, _RET_K = 0x20, 0x15, 0x06
+_RET_ALLOW, _RET_ERRNO = 0x7FFF0000, 0x00050000
+_ENOSYS = 38
+_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+_NR_IO_URING_SETUP = 425  # same number on every architecture (generic syscall table)
+
+
+def block_io_uring() -> bool:
+    """Install the filter for this process and all its descendants; False where unsupported."""
+    arch = _ARCH.get(platform.machine())
+    if arch is None:
+        return False
+    prog = [
+        (_LD_W_ABS, 0, 0, 4),  # A = seccomp_data.arch
+        (_JEQ_K, 0, 3, arch),  # other arch (x32/compat): allow
+        (_LD_W_ABS, 0, 0, 0),  # A = seccomp_data.nr
+        (_JEQ_K, 0, 1, _NR_IO_URING_SETUP),
+        (_RET_K, 0, 0, _RET_ERRNO | _ENOSYS),
+        (_RET_K, 0, 0, _RET_ALLOW),
+    ]
+    raw = b"".join(struct.pack("HBBI", *ins) for ins in prog)
+    buf = ctypes.create_string_buffer(raw, len(raw))
+    fprog = struct.pack("HxxxxxxP", len(prog), ctypes.addressof(buf))
+    fbuf = ctypes.create_string_buffer(fprog, len(fprog))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
+    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        return False
+    return libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.addressof(fbuf), 0, 0) == 0
+
+
+def exit_code(status: int) -> int:
+    """A wait status as a shell would report it: the exit code, or 128 + the signal."""
+    return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        print("criuctl-init: no command", file=sys.stderr)
+        return 2
+    if os.getpid() == 1:
+        os.setsid()  # the session must start inside the namespace, or CRIU cannot dump it
+    if os.environ.get(ENV_ALLOW_IO_URING) != "1" and not block_io_uring():
+        print("criuctl-init: warning: could not block io_uring; CRIU may fail to dump", file=sys.stderr)
+    child = os.fork()
+    if child == 0:
+        try:
+            os.execvp(argv[0], argv)
+        except OSError as exc:
+            print(f"criuctl: cannot start {argv[0]!r}: {exc.strerror}", file=sys.stderr)
+        os._exit(127)
+    for sig in FORWARDED:
+        signal.signal(sig, lambda n, _f: os.kill(child, n))
+    while True:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            return 0
+        if pid == child:
+            # Leaving kills whatever the trainer left behind: nothing outlives its workload.
+            return exit_code(status)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

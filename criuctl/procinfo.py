@@ -1,0 +1,86 @@
+"""Facts about a live process tree, read through psutil and /proc, for the manifest and `ps`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psutil
+
+from criuctl.bundle import ProcessInfo
+
+
+def tree_pids(root_pid: int) -> list[int]:
+    """The root and all its descendants, root first; [] when the root is gone."""
+    try:
+        root = psutil.Process(root_pid)
+        return [root_pid, *(p.pid for p in root.children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def ns_pid(pid: int) -> int:
+    """The PID as seen in the process's innermost PID namespace (last field of NSpid)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("NSpid:"):
+            return int(line.split()[-1])
+    return pid
+
+
+def describe(root_pid: int) -> list[ProcessInfo]:
+    out: list[ProcessInfo] = []
+    for pid in tree_pids(root_pid):
+        try:
+            p = psutil.Process(pid)
+            with p.oneshot():
+                out.append(ProcessInfo(
+                    pid=pid, ns_pid=ns_pid(pid), ppid=p.ppid(), name=p.name(), cmdline=p.cmdline(),
+                    cwd=p.cwd(), rss_bytes=p.memory_info().rss, threads=p.num_threads()))
+        except (psutil.NoSuchProcess, FileNotFoundError):
+            continue
+    return out
+
+
+def rss_bytes(root_pid: int) -> int:
+    total = 0
+    for pid in tree_pids(root_pid):
+        try:
+            total += psutil.Process(pid).memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def open_files(pids: list[int]) -> list[str]:
+    """Every path the tree holds open (regular files, devices, sockets, pipes), deduplicated."""
+    seen: set[str] = set()
+    for pid in pids:
+        fd_dir = Path(f"/proc/{pid}/fd")
+        try:
+            entries = list(fd_dir.iterdir())
+        except OSError:
+            continue
+        for fd in entries:
+            try:
+                seen.add(str(fd.readlink()))
+            except OSError:
+                continue
+    return sorted(seen)
+
+
+def uses_gpu(pids: list[int]) -> bool:
+    """True when any process maps the CUDA driver or holds an NVIDIA device open."""
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        if "libcuda.so" in maps or "/dev/nvidia" in maps:
+            return True
+    return any(f.startswith("/dev/nvidia") for f in open_files(pids))
+
+
+def is_stopped(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+    except psutil.NoSuchProcess:
+        return False

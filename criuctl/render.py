@@ -1,0 +1,126 @@
+"""How criuctl shows things to a person: rich tables, trees and progress. Data in, text out."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+from rich.tree import Tree
+
+from criuctl import bundle, workloads
+
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def workloads_table(all_states: bool = False) -> None:
+    from criuctl import procinfo
+
+    rows = []
+    for w in workloads.all_workloads():
+        live = w.state == workloads.RUNNING and w.alive()
+        state = "running" if live else (w.state if w.state != workloads.RUNNING else "lost")
+        if not live and not all_states:
+            continue
+        rss = human_bytes(procinfo.rss_bytes(w.root_pid)) if live else "-"
+        rows.append((w.name, str(w.root_pid), " ".join(w.command)[:60], rss, state))
+    if not rows:
+        out.print(f"No workloads on this host (state dir {workloads.state_dir()}). "
+                  "Start one with: criuctl run -- CMD")
+        return
+    t = Table(box=None, header_style="bold")
+    for col in ("NAME", "PID", "COMMAND", "RSS", "STATE"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(*r)
+    out.print(t)
+
+
+@contextlib.contextmanager
+def phase_progress() -> Iterator[callable]:
+    """A spinner on stderr that names the current phase and its elapsed time."""
+    status = err.status("starting")
+    status.start()
+    t0 = time.monotonic()
+    try:
+        yield lambda phase: status.update(f"{phase} ({time.monotonic() - t0:.1f} s)")
+    finally:
+        status.stop()
+
+
+def dump_summary(o, leave_running: bool) -> None:
+    after = "still running" if leave_running else "stopped"
+    err.print(f"checkpointed {o.manifest.workload!r} to {o.bundle}: {human_bytes(o.size_bytes)}, "
+              f"frozen {o.freeze_seconds:.2f} s, total {o.total_seconds:.2f} s; workload {after}")
+
+
+def _checks(root: Path) -> tuple[bool | None, list[str]]:
+    try:
+        key = bundle.load_key(workloads.key_path(), create=False)
+    except bundle.BundleError:
+        return None, []
+    v = bundle.check(root, key)
+    return v.signature_ok, v.bad_files
+
+
+def inspect(root: Path, as_json: bool) -> int:
+    m = bundle.read_manifest(root)
+    sig_ok, bad = _checks(root)
+    if as_json:
+        data = asdict(m)
+        data["rss_bytes"] = m.rss_bytes
+        data["checks"] = {"signature": sig_ok, "bad_files": bad, "ok": bool(sig_ok) and not bad}
+        out.print_json(json.dumps(data))
+        return 0 if sig_ok and not bad else 1
+    created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created))
+    out.print(f"[bold]{root}[/]  bundle {m.id[:12]}, format {m.format_version}")
+    out.print(f"workload {m.workload!r}: {' '.join(m.command)}")
+    out.print(f"taken {created} on {m.host} (kernel {m.kernel}, CRIU {m.criu_version}), "
+              f"frozen {m.freeze_seconds:.2f} s")
+    out.print(f"memory: {human_bytes(m.rss_bytes)} RSS in {len(m.processes)} processes; "
+              f"bundle {human_bytes(bundle.size_bytes(root))}; GPU: {'yes' if m.uses_gpu else 'no'}")
+    by_pid = {p.pid: p for p in m.processes}
+    nodes: dict[int, Tree] = {}
+    tree = Tree("processes")
+    for p in m.processes:
+        label = f"{p.ns_pid} {' '.join(p.cmdline)[:70]}  ({human_bytes(p.rss_bytes)}, {p.threads} threads)"
+        parent = nodes.get(p.ppid) if p.ppid in by_pid else tree
+        nodes[p.pid] = (parent or tree).add(label)
+    out.print(tree)
+    files = [f for f in m.open_files if f.startswith("/")]
+    out.print(f"open files ({len(files)} paths, {len(m.open_files) - len(files)} pipes/sockets/anon):")
+    for f in files[:20]:
+        out.print(f"  {f}")
+    if len(files) > 20:
+        out.print(f"  … {len(files) - 20} more (--output json lists all)")
+    if sig_ok is None:
+        out.print("checks: [yellow]no signing key on this host; signature not checked[/]")
+    else:
+        out.print(f"checks: signature {'[green]ok[/]' if sig_ok else '[red]BAD[/]'}, "
+                  f"{len(m.files)} files " + ("[green]ok[/]" if not bad else f"[red]{len(bad)} bad[/]"))
+        for b in bad:
+            out.print(f"  [red]{b}[/]")
+    return 0 if sig_ok is not False and not bad else 1
+
+
+def doctor(checks) -> None:
+    for c in checks:
+        mark = "[green]ok  [/]" if c.ok else ("[red]FAIL[/]" if c.required else "[yellow]warn[/]")
+        line = f"{mark} {c.name}: {c.detail}"
+        if not c.ok and c.fix:
+            line += f" → {c.fix}"
+        out.print(line)

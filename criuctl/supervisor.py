@@ -1,0 +1,176 @@
+"""The supervisor: starts a workload so that CRIU can checkpoint it, and stands by it until it ends.
+
+    criuctl run (this process, outside the tree)
+      └─ criuctl-init   PID 1 of a new PID namespace and session (criuctl.nsinit)
+           └─ CMD       the user's job, with hooks/ on PYTHONPATH
+
+The supervisor owns the pipes the workload writes its stdout/stderr to and copies them to its own;
+a restore gives CRIU new pipes for the same pipe ids (`--inherit-fd`), so output keeps flowing.
+It forwards SIGTERM/SIGINT/SIGHUP to the init, and exits with the workload's status; when the
+workload was checkpointed and stopped, it says so on stderr and exits 0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import selectors
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import criuctl_hook
+from criuctl import workloads
+from criuctl.errors import CriuctlError
+from criuctl.nsinit import ENV_ALLOW_IO_URING, exit_code
+from criuctl_hook.contract import ENV_HOOKS_DIR, ENV_WORKLOAD
+
+_CLONE_NEWPID = 0x20000000
+_PR_SET_CHILD_SUBREAPER = 36
+HOOKS_DIR = Path(criuctl_hook.__file__).resolve().parent.parent
+
+
+@dataclass
+class Stdio:
+    """Read ends the supervisor copies from, and the write ends handed to the workload (or CRIU)."""
+
+    out_r: int
+    out_w: int
+    err_r: int
+    err_w: int
+
+    @classmethod
+    def create(cls) -> Stdio:
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        return cls(out_r, out_w, err_r, err_w)
+
+    def keys(self) -> dict[str, str]:
+        """CRIU's names for the pipes the workload writes to ('pipe:[inode]')."""
+        return {"stdout": f"pipe:[{os.fstat(self.out_w).st_ino}]",
+                "stderr": f"pipe:[{os.fstat(self.err_w).st_ino}]"}
+
+    def close_write_ends(self) -> None:
+        os.close(self.out_w)
+        os.close(self.err_w)
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def workload_env(name: str, allow_io_uring: bool) -> dict[str, str]:
+    env = dict(os.environ)
+    env[ENV_WORKLOAD] = name
+    env[ENV_HOOKS_DIR] = str(HOOKS_DIR)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HOOKS_DIR), env.get("PYTHONPATH")]))
+    if allow_io_uring:
+        env[ENV_ALLOW_IO_URING] = "1"
+    return env
+
+
+def _spawn_in_new_pidns(argv: list[str], env: dict[str, str], stdio: Stdio) -> int:
+    """Fork a child that is PID 1 of a new PID namespace; return its host PID.
+
+    unshare(CLONE_NEWPID) only affects the caller's *next* child, so an intermediate process does
+    it, forks the init and exits; the init is reparented to us (we are a child subreaper).
+    """
+    _libc().prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    report_r, report_w = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        try:
+            if _libc().unshare(_CLONE_NEWPID) != 0:
+                os.write(report_w, f"E{ctypes.get_errno()}".encode())
+                os._exit(1)
+            init = os.fork()
+            if init == 0:
+                devnull = os.open(os.devnull, os.O_RDONLY)
+                os.dup2(devnull, 0)
+                os.dup2(stdio.out_w, 1)
+                os.dup2(stdio.err_w, 2)
+                os.closerange(3, 65536)
+                os.execve(sys.executable, argv, env)
+            os.write(report_w, str(init).encode())
+        finally:
+            os._exit(0)
+    os.close(report_w)
+    answer = os.read(report_r, 64).decode()
+    os.close(report_r)
+    os.waitpid(middle, 0)
+    if not answer or answer.startswith("E"):
+        err = int(answer[1:] or 0)
+        raise CriuctlError(f"cannot create a PID namespace: {os.strerror(err)}",
+                           "criuctl run needs root (CAP_SYS_ADMIN) on a kernel with PID namespaces")
+    return int(answer)
+
+
+def start(command: list[str], name: str | None, allow_io_uring: bool = False) -> tuple[workloads.Workload, Stdio]:
+    """Start `command` as a checkpointable workload and register it."""
+    if not command:
+        raise CriuctlError("no command given", "usage: criuctl run [--name NAME] -- CMD [ARG...]")
+    if name is None:
+        name = workloads.unique_name(Path(command[0]).name)
+    elif (old := workloads.load(name)) is not None and old.state == workloads.RUNNING and old.alive():
+        raise CriuctlError(f"a workload named {name!r} is already running (PID {old.root_pid})",
+                           "pick another --name, or stop it first")
+    stdio = Stdio.create()
+    argv = [sys.executable, "-I", "-m", "criuctl.nsinit", "--", *command]
+    root = _spawn_in_new_pidns(argv, workload_env(name, allow_io_uring), stdio)
+    w = workloads.Workload(name=name, command=command, root_pid=root, supervisor_pid=os.getpid(),
+                           stdio_pipes=stdio.keys())
+    workloads.save(w)
+    stdio.close_write_ends()
+    return w, stdio
+
+
+def supervise(w: workloads.Workload, stdio: Stdio) -> int:
+    """Copy the workload's output until it ends; return the exit status for this command."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda n, _f: _forward(w.root_pid, n))
+    sinks = {stdio.out_r: sys.stdout.buffer, stdio.err_r: sys.stderr.buffer}
+    sel = selectors.DefaultSelector()
+    for fd in sinks:
+        sel.register(fd, selectors.EVENT_READ)
+    status: int | None = None
+    drain_until = 0.0
+    while sinks:
+        for key, _ in sel.select(timeout=0.2):
+            data = os.read(key.fd, 1 << 16)
+            if data:
+                sinks[key.fd].write(data)
+                sinks[key.fd].flush()
+            else:
+                sel.unregister(key.fd)
+                os.close(key.fd)
+                del sinks[key.fd]
+        if status is None:
+            pid, st = os.waitpid(w.root_pid, os.WNOHANG)
+            if pid:
+                status, drain_until = st, time.monotonic() + 5.0
+        elif time.monotonic() > drain_until:
+            break  # a writer outside the namespace kept a pipe open; do not hang on it
+    if status is None:
+        _, status = os.waitpid(w.root_pid, 0)
+    return _finish(w, status)
+
+
+def _forward(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _finish(w: workloads.Workload, status: int) -> int:
+    now = workloads.load(w.name)
+    if now is not None and now.state == workloads.CHECKPOINTED and now.root_pid == w.root_pid:
+        print(f"criuctl: workload {w.name!r} was checkpointed to {now.bundle} and stopped; "
+              f"resume it with: criuctl restore {now.bundle}", file=sys.stderr)
+        return 0
+    code = exit_code(status)
+    w.state, w.exit_code = workloads.EXITED, code
+    workloads.save(w)
+    return code
