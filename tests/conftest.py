@@ -1,0 +1,45 @@
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from criuctl.workloads import ENV_STATE_DIR
+
+
+def _missing_for_criu() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root: CRIU freezes processes with ptrace (CI runs as root)"
+    if shutil.which(os.environ.get("CRIUCTL_CRIU", "criu")) is None:
+        return "needs CRIU >= 4.0 on PATH: run `make test`, which installs it"
+    try:
+        import pycriu  # noqa: F401
+    except ImportError:
+        return "needs pycriu in this Python: run `make test`, which installs it"
+    return None
+
+
+_REASON = _missing_for_criu()
+needs_criu = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
+
+
+@pytest.fixture(autouse=True)
+def state_dir(tmp_path, monkeypatch):
+    """Each test gets its own criuctl state dir (registry, signing key), like its own node."""
+    d = tmp_path / "state"
+    monkeypatch.setenv(ENV_STATE_DIR, str(d))
+    return d
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_workloads(state_dir):
+    """Fail a test that leaves a workload process behind; then kill it."""
+    yield
+    from criuctl import workloads
+
+    if not state_dir.exists():
+        return
+    leaked = [w for w in workloads.all_workloads() if w.alive()]
+    for w in leaked:
+        subprocess.run(["kill", "-9", str(w.root_pid)], check=False)
+    assert not leaked, f"test left workloads running: {[w.name for w in leaked]}"

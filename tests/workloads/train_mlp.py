@@ -1,0 +1,41 @@
+"""A plain training loop: MLP regression, SGD with momentum, no DataLoader."""
+
+import argparse
+import signal
+import sys
+import time
+
+import torch
+
+import _report
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=40)
+p.add_argument("--step-time", type=float, default=0.05, help="seconds of simulated input latency per step")
+p.add_argument("--exit-code", type=int, default=0)
+a = p.parse_args()
+
+
+def on_term(signum, _frame):
+    print(f"got signal {signum}, stopping cleanly", flush=True)
+    sys.exit(0)
+
+
+signal.signal(signal.SIGTERM, on_term)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.Tanh(), torch.nn.Linear(128, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+x = torch.randn(512, 32)
+y = (x[:, :4].sum(dim=1, keepdim=True)).sin()
+for i in range(a.steps):
+    idx = torch.randint(0, 512, (64,))
+    loss = torch.nn.functional.mse_loss(model(x[idx]), y[idx])
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    _report.step(i, loss.item())
+    if i % 10 == 0:
+        print(f"stderr heartbeat {i}", file=sys.stderr, flush=True)
+    time.sleep(a.step_time)
+_report.final(model)
+sys.exit(a.exit_code)
