@@ -72,6 +72,10 @@ def dump(target: str, out: Path, leave_running: bool = False, progress: Progress
     key = bundle.load_key(workloads.key_path())
     processes = procinfo.describe(w.root_pid)
     pids = [p.pid for p in processes]
+    for pid, fd, what, fix in procinfo.unsupported_resources(pids)[:1]:
+        name = next(p.name for p in processes if p.pid == pid)
+        raise CriuctlError(f"PID {pid} ({name}) holds {what} (fd {fd}), which CRIU cannot checkpoint",
+                           f"{fix}; nothing was frozen, the workload keeps running")
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     images = staging / bundle.IMAGES_DIR
     images.mkdir(mode=0o700)

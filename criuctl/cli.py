@@ -12,9 +12,9 @@ from criuctl.errors import CriuctlError, require_root
 
 
 def _cmd_run(a: argparse.Namespace) -> int:
+    require_root("run")
     from criuctl import supervisor
 
-    require_root("run")
     w, stdio = supervisor.start(a.command, a.name, allow_io_uring=a.allow_io_uring)
     print(f"criuctl: started {w.name!r} (PID {w.root_pid})", file=sys.stderr, flush=True)
     return supervisor.supervise(w, stdio)
@@ -28,9 +28,9 @@ def _cmd_ps(a: argparse.Namespace) -> int:
 
 
 def _cmd_dump(a: argparse.Namespace) -> int:
+    require_root("dump")
     from criuctl import checkpoint, render
 
-    require_root("dump")
     with render.phase_progress() as progress:
         outcome = checkpoint.dump(a.target, Path(a.output), leave_running=a.leave_running, progress=progress)
     render.dump_summary(outcome, a.leave_running)
@@ -38,9 +38,9 @@ def _cmd_dump(a: argparse.Namespace) -> int:
 
 
 def _cmd_restore(a: argparse.Namespace) -> int:
+    require_root("restore")
     from criuctl import checkpoint
 
-    require_root("restore")
     return checkpoint.restore(Path(a.bundle), a.name)
 
 

@@ -205,7 +205,7 @@ def log_tail(path: Path, lines: int = 25) -> str:
         text = path.read_text(errors="replace").splitlines()
     except OSError:
         return ""
-    errors = [line for line in text if "Error" in line or "error" in line.lower()[:40]]
+    errors = [line for line in text if "Error" in line and "RLIMIT_NOFILE" not in line]  # that one is noise
     tail = errors[-lines:] if errors else text[-lines:]
     return "\n".join(tail)
 

@@ -84,3 +84,30 @@ def is_stopped(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_STOPPED
     except psutil.NoSuchProcess:
         return False
+
+
+# Kernel objects CRIU cannot checkpoint, as /proc/PID/fd shows them, with what to do about each.
+UNSUPPORTED_FDS = {
+    "anon_inode:[io_uring]": ("an io_uring", "run it under `criuctl run` without --allow-io-uring "
+                              "(or set sysctl kernel.io_uring_disabled=2)"),
+    "anon_inode:[perf_event]": ("a perf event", "stop profiling the job before checkpointing it"),
+    "anon_inode:[userfaultfd]": ("a userfaultfd", "checkpoint the job when it does not use userfaultfd"),
+}
+
+
+def unsupported_resources(pids: list[int]) -> list[tuple[int, int, str, str]]:
+    """(pid, fd, what, fix) for every open file CRIU is known to refuse; checked before freezing."""
+    found = []
+    for pid in pids:
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = str(fd.readlink())
+            except OSError:
+                continue
+            if target in UNSUPPORTED_FDS:
+                found.append((pid, int(fd.name), *UNSUPPORTED_FDS[target]))
+    return found

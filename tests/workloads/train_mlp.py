@@ -13,7 +13,16 @@ p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=40)
 p.add_argument("--step-time", type=float, default=0.05, help="seconds of simulated input latency per step")
 p.add_argument("--exit-code", type=int, default=0)
+p.add_argument("--hold-io-uring", action="store_true", help="keep an io_uring open, as async-IO readers do")
 a = p.parse_args()
+
+if a.hold_io_uring:
+    import ctypes
+
+    params = ctypes.create_string_buffer(120)  # struct io_uring_params, zeroed
+    ring_fd = ctypes.CDLL(None, use_errno=True).syscall(425, 8, params)  # io_uring_setup(8, &params)
+    if ring_fd < 0:
+        sys.exit(f"io_uring_setup failed: errno {ctypes.get_errno()}")
 
 
 def on_term(signum, _frame):

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Real things some tests need besides CRIU 4.1.1 (installed by bootstrap.sh):
+#  - Debian 12's own criu 3.17.1, unpacked (not installed) to check that criuctl refuses a CRIU < 4.0.
+# Idempotent: does nothing when already there.
+set -euo pipefail
+OLD=/usr/local/lib/criuctl/criu-3.17
+if [ ! -x "$OLD/usr/sbin/criu" ]; then
+  tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+  (cd "$tmp" && apt-get download -qq "criu=3.17*" >/dev/null 2>&1) || {
+    apt-get update -qq && (cd "$tmp" && apt-get download -qq "criu=3.17*" >/dev/null); }
+  mkdir -p "$OLD" && dpkg -x "$tmp"/criu_3.17*.deb "$OLD"
+fi
