@@ -15,8 +15,8 @@ from rich.tree import Tree
 
 from criuctl import bundle, workloads
 
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def human_bytes(n: float) -> str:

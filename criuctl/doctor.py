@@ -1,0 +1,132 @@
+"""`criuctl doctor`: can this host checkpoint and restore training jobs, and what is missing.
+
+Each check is one line: ok, or what is wrong and what to do. `required` checks make doctor fail;
+the others only limit what criuctl can do here (post-copy, pre-copy, GPU).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from criuctl import criu, cuda
+from criuctl.errors import CriuctlError
+
+CAP_CHECKPOINT_RESTORE = 40
+POSTCOPY_PIPE_SIZE = 8 << 20  # CRIU's page server sizes its pipe to ~3.3 MB; see docs/architecture.md
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    required: bool = True
+
+
+def _criu_version() -> Check:
+    try:
+        v = criu.require_version()
+        return Check("CRIU", True, f"{'.'.join(map(str, v))} at {criu.binary()}")
+    except CriuctlError as exc:
+        return Check("CRIU", False, exc.what, exc.hint)
+
+
+def _criu_check() -> Check:
+    try:
+        criu.check()
+        return Check("criu check", True, "kernel has what CRIU needs")
+    except CriuctlError as exc:
+        return Check("criu check", False, exc.what, exc.hint)
+
+
+def _features() -> list[Check]:
+    try:
+        f = criu.features()
+    except CriuctlError as exc:
+        return [Check("CRIU features", False, exc.what, exc.hint, required=False)]
+    return [
+        Check("soft-dirty (pre-copy)", f.mem_track,
+              "memory dirty tracking works" if f.mem_track else "dirty tracking is off in this kernel",
+              "pre-copy migration is unavailable; stop-and-copy and post-copy still work", required=False),
+        Check("userfaultfd (post-copy)", f.lazy_pages,
+              "lazy pages work" if f.lazy_pages else "userfaultfd is unavailable",
+              "post-copy migration is unavailable; use stop-and-copy", required=False),
+    ]
+
+
+def _root() -> Check:
+    ok = os.geteuid() == 0
+    return Check("root", ok, "running as root" if ok else f"running as uid {os.geteuid()}",
+                 "run criuctl with sudo")
+
+
+def _cap_checkpoint_restore() -> Check:
+    cap_eff = next((int(line.split()[1], 16) for line in Path("/proc/self/status").read_text().splitlines()
+                    if line.startswith("CapEff:")), 0)
+    ok = bool(cap_eff >> CAP_CHECKPOINT_RESTORE & 1)
+    return Check("CAP_CHECKPOINT_RESTORE", ok, "held" if ok else "not held",
+                 "run as root, or grant cap_checkpoint_restore (and cap_sys_ptrace) to criuctl")
+
+
+def _pid_namespaces() -> Check:
+    ok = Path("/proc/self/ns/pid").exists() and Path("/proc/self/ns/pid_for_children").exists()
+    return Check("PID namespaces", ok, "supported" if ok else "not supported by this kernel",
+                 "criuctl run needs CONFIG_PID_NS to give restored trees their own PIDs")
+
+
+def _sysctl(name: str) -> str | None:
+    try:
+        return Path("/proc/sys", name.replace(".", "/")).read_text().strip()
+    except OSError:
+        return None
+
+
+def _pipe_max_size() -> Check:
+    v = int(_sysctl("fs.pipe-max-size") or 0)
+    ok = v >= POSTCOPY_PIPE_SIZE
+    return Check("fs.pipe-max-size", ok, f"{v} bytes",
+                 f"post-copy needs sysctl fs.pipe-max-size={POSTCOPY_PIPE_SIZE} "
+                 "(CRIU's page server fails without CAP_SYS_RESOURCE)", required=False)
+
+
+def _nftables() -> Check:
+    ok = shutil.which("nft") is not None or Path("/usr/lib/x86_64-linux-gnu/libnftables.so.1").exists()
+    return Check("network lock", ok, "nftables available" if ok else "nftables not found",
+                 "apt-get install nftables (CRIU locks TCP connections with it while frozen)", required=False)
+
+
+def _io_uring() -> Check:
+    v = _sysctl("kernel.io_uring_disabled")
+    detail = f"kernel.io_uring_disabled={v}; `criuctl run` blocks io_uring per workload (seccomp)"
+    return Check("io_uring", True, detail, required=False)
+
+
+def _cuda() -> Check:
+    info = cuda.probe()
+    if not info.loaded:
+        return Check("CUDA checkpoint API", False, "no CUDA driver (libcuda.so.1) on this host",
+                     "GPU jobs cannot be checkpointed here; CPU jobs are unaffected", required=False)
+    if info.has_checkpoint_api:
+        return Check("CUDA checkpoint API", True, f"driver {info.driver_version} exports cuCheckpointProcess*")
+    return Check("CUDA checkpoint API", False, f"driver {info.driver_version} lacks cuCheckpointProcess*",
+                 "upgrade to driver r570+; until then GPU jobs fall back to the hook's host copy",
+                 required=False)
+
+
+CHECKS: list[Callable[[], Check | list[Check]]] = [
+    _root, _criu_version, _criu_check, _features, _cap_checkpoint_restore, _pid_namespaces,
+    _pipe_max_size, _nftables, _io_uring, _cuda,
+]
+
+
+def run_checks() -> list[Check]:
+    out: list[Check] = []
+    for fn in CHECKS:
+        r = fn()
+        out.extend(r if isinstance(r, list) else [r])
+    return out
