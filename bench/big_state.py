@@ -1,0 +1,42 @@
+"""A job holding N GiB of model + Adam state (params, grads, exp_avg, exp_avg_sq: 16 bytes/param).
+
+Prints `ready` once the state exists, then keeps training slowly. With --save/--load it instead
+times torch.save / torch.load of the same state (the app-level checkpoint criuctl replaces).
+"""
+
+import argparse
+import os
+import time
+
+import torch
+
+p = argparse.ArgumentParser()
+p.add_argument("--gib", type=float, required=True)
+p.add_argument("--save", help="time torch.save of the state to this file, then torch.load of it")
+a = p.parse_args()
+
+torch.manual_seed(0)
+n_params = int(a.gib * (1 << 30) / 16)
+width = 4096
+layers = max(1, n_params // (width * width))
+model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+for prm in model.parameters():
+    prm.grad = torch.randn_like(prm)  # a backward pass' worth of gradients, without the compute
+opt.step()  # materialises exp_avg and exp_avg_sq
+
+if a.save:
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    t0 = time.perf_counter()
+    torch.save(state, a.save)
+    t_save = time.perf_counter() - t0
+    del state
+    t0 = time.perf_counter()
+    loaded = torch.load(a.save)
+    t_load = time.perf_counter() - t0
+    size = os.path.getsize(a.save)
+    print(f"save {t_save:.3f} load {t_load:.3f} bytes {size} tensors {len(loaded['model'])}", flush=True)
+else:
+    print(f"ready {layers} layers", flush=True)
+    while True:
+        time.sleep(0.5)
