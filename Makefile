@@ -11,6 +11,7 @@ demo: install
 	$(VENV)/bin/criuctl demo
 
 test: install
+	@bash scripts/test-fixtures.sh
 	$(VENV)/bin/python -m pytest -ra tests
 
 bench: install

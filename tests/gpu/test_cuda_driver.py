@@ -1,0 +1,26 @@
+"""The real CUDA driver's checkpoint API (needs an NVIDIA GPU host; run by bench/gpu_check.sh there).
+
+Skipped with the reason on hosts without libcuda.so.1 (development and CI machines have no GPU).
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+
+import pytest
+
+from criuctl import cuda, doctor
+
+pytestmark = pytest.mark.skipif(ctypes.util.find_library("cuda") is None and not cuda.probe().loaded,
+                                reason="no CUDA driver (libcuda.so.1) on this host; run on a GPU node")
+
+
+def test_driver_exports_the_checkpoint_api():
+    info = cuda.probe()
+    assert info.loaded and info.driver_version and info.driver_version >= 12080
+    assert info.has_checkpoint_api, f"missing: {set(cuda.CHECKPOINT_SYMBOLS) - set(info.checkpoint_symbols)}"
+
+
+def test_doctor_reports_the_api():
+    check = next(c for c in doctor.run_checks() if c.name == "CUDA checkpoint API")
+    assert check.ok and "cuCheckpointProcess" in check.detail
