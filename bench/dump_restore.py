@@ -45,8 +45,12 @@ def wait_line(proc: subprocess.Popen, pattern: str, stream: str = "stdout", time
 
 
 def start_job(name: str, gib: float) -> subprocess.Popen:
-    p = subprocess.Popen([*CRIUCTL, "run", "--name", name, "--", *JOB, "--gib", str(gib)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [*CRIUCTL, "run", "--name", name, "--", *JOB, "--gib", str(gib)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_line(p, r"^ready")
     return p
 
@@ -84,15 +88,18 @@ def bench_criuctl(gib: float, work: Path) -> dict:
         bundle.sha256_file(p)
     t_hash = time.perf_counter() - t0
     t0 = time.perf_counter()
-    rest = subprocess.Popen([*CRIUCTL, "restore", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    rest = subprocess.Popen(
+        [*CRIUCTL, "restore", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     line = wait_line(rest, r"restored .* in ([0-9.]+) s", stream="stderr")
     t_restore = time.perf_counter() - t0
     criu_restore = float(re.search(r" in ([0-9.]+) s", line)[1])
     rest.send_signal(signal.SIGTERM)
     rest.wait(60)
     drop(out)
-    return dict(dump=t_dump, freeze=freeze, hash=t_hash, restore=t_restore, restore_criu=criu_restore, bytes=size)
+    return dict(
+        dump=t_dump, freeze=freeze, hash=t_hash, restore=t_restore, restore_criu=criu_restore, bytes=size
+    )
 
 
 def bench_plain_criu(gib: float, work: Path) -> dict:
@@ -154,8 +161,9 @@ def main() -> int:
     drop(work)
     report(rows)
     Path(a.json).parent.mkdir(exist_ok=True)
-    Path(a.json).write_text(json.dumps(dict(machine=machine(), date=time.strftime("%Y-%m-%d"), rows=rows),
-                                       indent=2))
+    Path(a.json).write_text(
+        json.dumps(dict(machine=machine(), date=time.strftime("%Y-%m-%d"), rows=rows), indent=2)
+    )
     return 0
 
 
@@ -167,33 +175,75 @@ def machine() -> str:
 
 def report(rows: list[dict]) -> None:
     t = Table(title=f"seconds — {machine()}, {time.strftime('%Y-%m-%d')}")
-    for col in ("state", "bundle", "criuctl dump", "(CRIU part)", "plain criu dump", "torch.save",
-                "dd", "dd+fdatasync", "criuctl restore", "plain criu restore", "torch.load"):
+    for col in (
+        "state",
+        "bundle",
+        "criuctl dump",
+        "(CRIU part)",
+        "plain criu dump",
+        "torch.save",
+        "dd",
+        "dd+fdatasync",
+        "criuctl restore",
+        "plain criu restore",
+        "torch.load",
+    ):
         t.add_column(col, justify="right")
     for r in rows:
         c, p, tt, d = r["criuctl"], r["criu"], r["torch"], r["dd"]
-        t.add_row(f"{r['gib']} GiB", f"{c['bytes'] / 2**30:.2f} GiB",
-                  *(f"{v:.2f}" for v in (c["dump"], c["freeze"], p["dump"], tt["save"], d["cache"], d["sync"],
-                                         c["restore"], p["restore"], tt["load"])))
+        t.add_row(
+            f"{r['gib']} GiB",
+            f"{c['bytes'] / 2**30:.2f} GiB",
+            *(
+                f"{v:.2f}"
+                for v in (
+                    c["dump"],
+                    c["freeze"],
+                    p["dump"],
+                    tt["save"],
+                    d["cache"],
+                    d["sync"],
+                    c["restore"],
+                    p["restore"],
+                    tt["load"],
+                )
+            ),
+        )
     console.print(t)
     t = Table(title="ratios (measured side by side above)")
-    for col in ("state", "criuctl dump GB/s", "dd GB/s", "dump ÷ dd throughput", "criuctl ÷ criu dump",
-                "criuctl ÷ criu restore", "criuctl dump ÷ torch.save", "criuctl restore ÷ torch.load"):
+    for col in (
+        "state",
+        "criuctl dump GB/s",
+        "dd GB/s",
+        "dump ÷ dd throughput",
+        "criuctl ÷ criu dump",
+        "criuctl ÷ criu restore",
+        "criuctl dump ÷ torch.save",
+        "criuctl restore ÷ torch.load",
+    ):
         t.add_column(col, justify="right")
     for r in rows:
         c, p, tt, d = r["criuctl"], r["criu"], r["torch"], r["dd"]
         n = c["bytes"]
-        t.add_row(f"{r['gib']} GiB", f"{n / c['dump'] / 1e9:.2f}", f"{n / d['cache'] / 1e9:.2f}",
-                  f"{d['cache'] / c['dump']:.2f}", f"{c['dump'] / p['dump']:.2f}",
-                  f"{c['restore'] / p['restore']:.2f}", f"{c['dump'] / tt['save']:.2f}",
-                  f"{c['restore'] / tt['load']:.2f}")
+        t.add_row(
+            f"{r['gib']} GiB",
+            f"{n / c['dump'] / 1e9:.2f}",
+            f"{n / d['cache'] / 1e9:.2f}",
+            f"{d['cache'] / c['dump']:.2f}",
+            f"{c['dump'] / p['dump']:.2f}",
+            f"{c['restore'] / p['restore']:.2f}",
+            f"{c['dump'] / tt['save']:.2f}",
+            f"{c['restore'] / tt['load']:.2f}",
+        )
     console.print(t)
     for r in rows:
         c = r["criuctl"]
         other = c["dump"] - c["freeze"] - c["hash"]
-        console.print(f"{r['gib']} GiB dump breakdown: CRIU {c['freeze']:.2f} s "
-                      f"({c['bytes'] / c['freeze'] / 1e9:.2f} GB/s), sha256 of the images {c['hash']:.2f} s, "
-                      f"the rest (Python start-up, process facts, manifest, kill) {max(0.0, other):.2f} s")
+        console.print(
+            f"{r['gib']} GiB dump breakdown: CRIU {c['freeze']:.2f} s "
+            f"({c['bytes'] / c['freeze'] / 1e9:.2f} GB/s), sha256 of the images {c['hash']:.2f} s, "
+            f"the rest (Python start-up, process facts, manifest, kill) {max(0.0, other):.2f} s"
+        )
 
 
 if __name__ == "__main__":

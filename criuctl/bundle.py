@@ -81,13 +81,16 @@ class Manifest:
     def from_json(cls, raw: bytes) -> Manifest:
         data = json.loads(raw)
         if data.get("format_version") != FORMAT_VERSION:
-            raise BundleError(f"bundle format {data.get('format_version')} is not supported",
-                              f"this criuctl reads format {FORMAT_VERSION}; use a matching criuctl")
+            raise BundleError(
+                f"bundle format {data.get('format_version')} is not supported",
+                f"this criuctl reads format {FORMAT_VERSION}; use a matching criuctl",
+            )
         data["processes"] = [ProcessInfo(**p) for p in data["processes"]]
         return cls(**data)
 
 
 # ---------------------------------------------------------------------------------------------- keys
+
 
 def load_key(path: Path, create: bool = True) -> bytes:
     """The node's signing key, created (root-only) on first use."""
@@ -95,10 +98,13 @@ def load_key(path: Path, create: bool = True) -> bytes:
         return bytes.fromhex(path.read_text().strip())
     except FileNotFoundError:
         if not create:
-            raise BundleError(f"no signing key at {path}",
-                              "copy the cluster key there (it is created on first dump)") from None
+            raise BundleError(
+                f"no signing key at {path}", "copy the cluster key there (it is created on first dump)"
+            ) from None
     except (OSError, ValueError) as exc:
-        raise BundleError(f"cannot read signing key {path}: {exc}", "check its contents and permissions") from exc
+        raise BundleError(
+            f"cannot read signing key {path}: {exc}", "check its contents and permissions"
+        ) from exc
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     key = secrets.token_bytes(32)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -113,13 +119,16 @@ def _sign(key: bytes, manifest_bytes: bytes) -> str:
 
 # ------------------------------------------------------------------------------------------- writing
 
+
 def sha256_file(path: Path) -> str:
     with path.open("rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _payload_files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if p.is_file() and p.relative_to(root).as_posix() not in _UNSIGNED)
+    return sorted(
+        p for p in root.rglob("*") if p.is_file() and p.relative_to(root).as_posix() not in _UNSIGNED
+    )
 
 
 def lock_down(root: Path) -> None:
@@ -145,18 +154,23 @@ def size_bytes(root: Path) -> int:
 
 # ------------------------------------------------------------------------------------------- reading
 
+
 def read_manifest(root: Path) -> Manifest:
     """The manifest, unverified (for `inspect`); use `verify` before acting on the images."""
     try:
         raw = (root / MANIFEST).read_bytes()
     except FileNotFoundError:
-        raise BundleError(f"{root} is not a criuctl bundle (no {MANIFEST})",
-                          "pass the directory written by `criuctl dump -o DIR`") from None
+        raise BundleError(
+            f"{root} is not a criuctl bundle (no {MANIFEST})",
+            "pass the directory written by `criuctl dump -o DIR`",
+        ) from None
     try:
         return Manifest.from_json(raw)
     except (ValueError, TypeError, KeyError) as exc:
-        raise BundleError(f"{root / MANIFEST} is corrupted ({exc.__class__.__name__})",
-                          "the bundle cannot be trusted; take a new checkpoint") from exc
+        raise BundleError(
+            f"{root / MANIFEST} is corrupted ({exc.__class__.__name__})",
+            "the bundle cannot be trusted; take a new checkpoint",
+        ) from exc
 
 
 @dataclass(frozen=True)
@@ -198,9 +212,12 @@ def verify(root: Path, key: bytes) -> Manifest:
     manifest = read_manifest(root)
     result = check(root, key)
     if not result.signature_ok:
-        raise BundleError(f"{root / SIGNATURE}: signature does not verify",
-                          "the bundle was altered or signed with another node's key; refusing to restore it")
+        raise BundleError(
+            f"{root / SIGNATURE}: signature does not verify",
+            "the bundle was altered or signed with another node's key; refusing to restore it",
+        )
     if result.bad_files:
-        raise BundleError(f"{root}/{result.bad_files[0]}",
-                          "the bundle was altered or damaged; refusing to restore it")
+        raise BundleError(
+            f"{root}/{result.bad_files[0]}", "the bundle was altered or damaged; refusing to restore it"
+        )
     return manifest

@@ -56,10 +56,7 @@ def _check_out_dir(out: Path) -> None:
 
 def _thaw(root_pid: int) -> None:
     for pid in procinfo.tree_pids(root_pid):
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
+        procinfo.send_signal(pid, signal.SIGCONT)
 
 
 def dump(target: str, out: Path, leave_running: bool = False, progress: Progress = _quiet) -> DumpOutcome:
@@ -74,21 +71,36 @@ def dump(target: str, out: Path, leave_running: bool = False, progress: Progress
     pids = [p.pid for p in processes]
     for pid, fd, what, fix in procinfo.unsupported_resources(pids)[:1]:
         name = next(p.name for p in processes if p.pid == pid)
-        raise CriuctlError(f"PID {pid} ({name}) holds {what} (fd {fd}), which CRIU cannot checkpoint",
-                           f"{fix}; nothing was frozen, the workload keeps running")
+        raise CriuctlError(
+            f"PID {pid} ({name}) holds {what} (fd {fd}), which CRIU cannot checkpoint",
+            f"{fix}; nothing was frozen, the workload keeps running",
+        )
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     images = staging / bundle.IMAGES_DIR
     images.mkdir(mode=0o700)
     progress("freezing")
     try:
-        result = criu.dump(criu.DumpOptions(pid=w.root_pid, images_dir=images, work_dir=staging,
-                                            leave_stopped=True, log_file=bundle.DUMP_LOG, **_COMMON))
+        result = criu.dump(
+            criu.DumpOptions(
+                pid=w.root_pid,
+                images_dir=images,
+                work_dir=staging,
+                leave_stopped=True,
+                log_file=bundle.DUMP_LOG,
+                **_COMMON,
+            )
+        )
         progress("sealing")
         manifest = bundle.Manifest(
-            workload=w.name, command=w.command, processes=processes,
-            open_files=procinfo.open_files(pids), uses_gpu=procinfo.uses_gpu(pids),
-            criu_version=".".join(map(str, criu.version())), stdio_pipes=w.stdio_pipes,
-            freeze_seconds=result.seconds)
+            workload=w.name,
+            command=w.command,
+            processes=processes,
+            open_files=procinfo.open_files(pids),
+            uses_gpu=procinfo.uses_gpu(pids),
+            criu_version=".".join(map(str, criu.version())),
+            stdio_pipes=w.stdio_pipes,
+            freeze_seconds=result.seconds,
+        )
         bundle.seal(staging, manifest, key)
         if out.exists():
             out.rmdir()
@@ -100,8 +112,10 @@ def dump(target: str, out: Path, leave_running: bool = False, progress: Progress
         if isinstance(exc, CriuctlError) and log:
             exc.hint += f" (CRIU log: {log})"
         if isinstance(exc, OSError) and exc.errno == 28:
-            raise CriuctlError(f"disk full while writing {out}",
-                               "free space or pick another -o directory; the workload keeps running") from exc
+            raise CriuctlError(
+                f"disk full while writing {out}",
+                "free space or pick another -o directory; the workload keeps running",
+            ) from exc
         raise
     # Commit: the bundle is complete and signed.
     if leave_running:
@@ -120,23 +134,38 @@ def restore(bundle_dir: Path, name: str | None = None, progress: Progress = _qui
     criu.require_version()
     name = workloads.unique_name(name or manifest.workload)
     stdio = supervisor.Stdio.create()
-    inherit = {manifest.stdio_pipes[k]: fd for k, fd in (("stdout", stdio.out_w), ("stderr", stdio.err_w))
-               if k in manifest.stdio_pipes}
+    inherit = {
+        manifest.stdio_pipes[k]: fd
+        for k, fd in (("stdout", stdio.out_w), ("stderr", stdio.err_w))
+        if k in manifest.stdio_pipes
+    }
     work = Path(tempfile.mkdtemp(prefix=f"restore-{name}-", dir=_restore_logs()))
     progress("restoring")
     try:
-        result = criu.restore(criu.RestoreOptions(images_dir=bundle_dir / bundle.IMAGES_DIR, work_dir=work,
-                                                  inherit_fds=inherit, **_COMMON))
+        result = criu.restore(
+            criu.RestoreOptions(
+                images_dir=bundle_dir / bundle.IMAGES_DIR, work_dir=work, inherit_fds=inherit, **_COMMON
+            )
+        )
     except BaseException:
         for fd in (stdio.out_r, stdio.out_w, stdio.err_r, stdio.err_w):
             os.close(fd)
         raise
-    w = workloads.Workload(name=name, command=manifest.command, root_pid=result.pid,
-                           supervisor_pid=os.getpid(), stdio_pipes=stdio.keys(), restored_from=str(bundle_dir))
+    w = workloads.Workload(
+        name=name,
+        command=manifest.command,
+        root_pid=result.pid,
+        supervisor_pid=os.getpid(),
+        stdio_pipes=stdio.keys(),
+        restored_from=str(bundle_dir),
+    )
     workloads.save(w)
     stdio.close_write_ends()
-    print(f"criuctl: restored {name!r} from {bundle_dir} in {result.seconds:.2f} s (PID {result.pid})",
-          file=sys.stderr, flush=True)
+    print(
+        f"criuctl: restored {name!r} from {bundle_dir} in {result.seconds:.2f} s (PID {result.pid})",
+        file=sys.stderr,
+        flush=True,
+    )
     return supervisor.supervise(w, stdio)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -66,14 +65,20 @@ def _cmd_demo(a: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="criuctl", description="Freeze a running training job with CRIU "
-                                "and restore it, bit-identical, here or on another node.")
+    p = argparse.ArgumentParser(
+        prog="criuctl",
+        description="Freeze a running training job with CRIU "
+        "and restore it, bit-identical, here or on another node.",
+    )
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     s = sub.add_parser("run", help="start a command as a checkpointable workload")
     s.add_argument("--name", help="workload name (default: the command's name)")
-    s.add_argument("--allow-io-uring", action="store_true",
-                   help="do not block io_uring (CRIU cannot checkpoint a process that uses it)")
+    s.add_argument(
+        "--allow-io-uring",
+        action="store_true",
+        help="do not block io_uring (CRIU cannot checkpoint a process that uses it)",
+    )
     s.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
     s.set_defaults(func=_cmd_run)
 

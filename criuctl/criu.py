@@ -38,26 +38,51 @@ class CriuError(CriuctlError):
 
 # What CRIU's log says → what the user should do. First match wins; order from specific to generic.
 _HINTS: list[tuple[str, str, str]] = [
-    (r"No space left on device", "disk full",
-     "free space where the bundle is written (or pick another -o directory); the workload keeps running"),
-    (r"anon_inode:\[io_uring\]|io_uring", "the workload uses io_uring, which CRIU cannot checkpoint",
-     "run it under `criuctl run` without --allow-io-uring, or set sysctl kernel.io_uring_disabled=2"),
-    (r"Can't get \d+:\d+ opt: Operation not supported", "this CRIU cannot dump TCP/UDP sockets on kernels >= 6.16",
-     "reinstall CRIU with scripts/install-criu.sh, which applies criuctl's socket-option patch"),
-    (r"Unexpected rt vDSO area bounds|vdso", "this CRIU does not understand this kernel's vDSO",
-     "install CRIU >= 4.0 with scripts/install-criu.sh"),
-    (r"has bad size", "a file the workload had open changed size since the checkpoint",
-     "restore the file as it was at checkpoint time, or take a new checkpoint"),
-    (r"(?:/dev/nvidia|nvidia)", "the workload holds NVIDIA GPU state that plain CRIU cannot save",
-     "use a driver with the CUDA checkpoint API (r570+) so criuctl can move GPU state to host memory"),
-    (r"PID \d+ is busy|already exists", "a process with one of the checkpoint's PIDs already exists",
-     "restore into a new PID namespace (checkpoint workloads started with `criuctl run`)"),
-    (r"(?:Can't|Unable to) (?:open|find)? ?(?:file|path)? ?.*No such file or directory",
-     "a file the workload had open is missing on this host",
-     "make the same paths (script, data, logs, Python) available here before restoring"),
-    (r"Unsupported|Can't dump|unknown|Unknown",
-     "the workload holds a resource CRIU cannot checkpoint",
-     "see the CRIU log below for the resource; the workload was left running"),
+    (
+        r"No space left on device",
+        "disk full",
+        "free space where the bundle is written (or pick another -o directory); the workload keeps running",
+    ),
+    (
+        r"anon_inode:\[io_uring\]|io_uring",
+        "the workload uses io_uring, which CRIU cannot checkpoint",
+        "run it under `criuctl run` without --allow-io-uring, or set sysctl kernel.io_uring_disabled=2",
+    ),
+    (
+        r"Can't get \d+:\d+ opt: Operation not supported",
+        "this CRIU cannot dump TCP/UDP sockets on kernels >= 6.16",
+        "reinstall CRIU with scripts/install-criu.sh, which applies criuctl's socket-option patch",
+    ),
+    (
+        r"Unexpected rt vDSO area bounds|vdso",
+        "this CRIU does not understand this kernel's vDSO",
+        "install CRIU >= 4.0 with scripts/install-criu.sh",
+    ),
+    (
+        r"has bad size",
+        "a file the workload had open changed size since the checkpoint",
+        "restore the file as it was at checkpoint time, or take a new checkpoint",
+    ),
+    (
+        r"(?:/dev/nvidia|nvidia)",
+        "the workload holds NVIDIA GPU state that plain CRIU cannot save",
+        "use a driver with the CUDA checkpoint API (r570+) so criuctl can move GPU state to host memory",
+    ),
+    (
+        r"PID \d+ is busy|already exists",
+        "a process with one of the checkpoint's PIDs already exists",
+        "restore into a new PID namespace (checkpoint workloads started with `criuctl run`)",
+    ),
+    (
+        r"(?:Can't|Unable to) (?:open|find)? ?(?:file|path)? ?.*No such file or directory",
+        "a file the workload had open is missing on this host",
+        "make the same paths (script, data, logs, Python) available here before restoring",
+    ),
+    (
+        r"Unsupported|Can't dump|unknown|Unknown",
+        "the workload holds a resource CRIU cannot checkpoint",
+        "see the CRIU log below for the resource; the workload was left running",
+    ),
 ]
 
 
@@ -122,7 +147,7 @@ class RestoreResult:
 
 def _pycriu() -> Any:
     try:
-        import pycriu  # noqa: PLC0415 - optional until CRIU is used
+        import pycriu
     except ImportError as exc:
         raise CriuError(
             "pycriu is not installed in this Python",
@@ -136,8 +161,10 @@ def binary() -> str:
     name = os.environ.get(ENV_CRIU_BINARY, "criu")
     path = shutil.which(name)
     if path is None:
-        raise CriuError(f"CRIU not found ({name!r} is not on PATH)",
-                        "install CRIU >= 4.0 with scripts/install-criu.sh (or `make install`)")
+        raise CriuError(
+            f"CRIU not found ({name!r} is not on PATH)",
+            "install CRIU >= 4.0 with scripts/install-criu.sh (or `make install`)",
+        )
     return path
 
 
@@ -227,8 +254,11 @@ def _run(action: str, opts: Any, log_path: Path) -> tuple[Any, float]:
         what, hint = hint_for(tail)
         raise CriuError(f"CRIU {action} failed: {what}", hint, tail, exc.errno) from exc
     except pycriu.CRIUExceptionInternal as exc:
-        raise CriuError(f"CRIU {action} could not run: {exc}",
-                        "check that `criu check` passes (criuctl doctor)", log_tail(log_path)) from exc
+        raise CriuError(
+            f"CRIU {action} could not run: {exc}",
+            "check that `criu check` passes (criuctl doctor)",
+            log_tail(log_path),
+        ) from exc
     return resp, time.monotonic() - started
 
 
@@ -244,8 +274,7 @@ def restore(o: RestoreOptions) -> RestoreResult:
     for fd in o.inherit_fds.values():
         os.set_inheritable(fd, True)
     with _Dirs(o.images_dir, o.work_dir) as (images_fd, work_fd):
-        resp, seconds = _run("restore", build_restore_request(o, images_fd, work_fd),
-                             o.work_dir / o.log_file)
+        resp, seconds = _run("restore", build_restore_request(o, images_fd, work_fd), o.work_dir / o.log_file)
     return RestoreResult(pid=resp.pid, seconds=seconds, log_path=o.work_dir / o.log_file)
 
 
@@ -260,16 +289,20 @@ def _request(req_type: str, **fields: Any) -> Any:
     try:
         return c._send_req_and_recv_resp(req)  # pycriu has no public call for VERSION/FEATURE_CHECK
     except pycriu.CRIUExceptionInternal as exc:
-        raise CriuError(f"CRIU at {binary()} does not answer RPC: {exc}",
-                        "install CRIU >= 4.0 with scripts/install-criu.sh") from exc
+        raise CriuError(
+            f"CRIU at {binary()} does not answer RPC: {exc}",
+            "install CRIU >= 4.0 with scripts/install-criu.sh",
+        ) from exc
 
 
 def version() -> tuple[int, int, int]:
     """(major, minor, sublevel) of the criu binary, asked over RPC."""
     resp = _request("VERSION")
     if not resp.success or not resp.HasField("version"):
-        raise CriuError(f"CRIU at {binary()} is too old to report its version",
-                        "install CRIU >= 4.0 with scripts/install-criu.sh")
+        raise CriuError(
+            f"CRIU at {binary()} is too old to report its version",
+            "install CRIU >= 4.0 with scripts/install-criu.sh",
+        )
     v = resp.version
     return v.major_number, v.minor_number, v.sublevel if v.HasField("sublevel") else 0
 
@@ -277,8 +310,10 @@ def version() -> tuple[int, int, int]:
 def require_version() -> tuple[int, int, int]:
     v = version()
     if v[:2] < MIN_VERSION:
-        raise CriuError(f"CRIU {'.'.join(map(str, v))} at {binary()} is too old (criuctl needs >= 4.0)",
-                        "install CRIU >= 4.0 with scripts/install-criu.sh")
+        raise CriuError(
+            f"CRIU {'.'.join(map(str, v))} at {binary()} is too old (criuctl needs >= 4.0)",
+            "install CRIU >= 4.0 with scripts/install-criu.sh",
+        )
     return v
 
 

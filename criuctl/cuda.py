@@ -12,9 +12,13 @@ import ctypes
 from dataclasses import dataclass
 
 LIBCUDA = "libcuda.so.1"
-CHECKPOINT_SYMBOLS = ("cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint",
-                      "cuCheckpointProcessRestore", "cuCheckpointProcessUnlock",
-                      "cuCheckpointProcessGetState")
+CHECKPOINT_SYMBOLS = (
+    "cuCheckpointProcessLock",
+    "cuCheckpointProcessCheckpoint",
+    "cuCheckpointProcessRestore",
+    "cuCheckpointProcessUnlock",
+    "cuCheckpointProcessGetState",
+)
 
 
 @dataclass(frozen=True)

@@ -57,8 +57,13 @@ def main(out: Path, steps: int = 80, freeze_at: int = 30) -> int:
     bundle_dir = out / "bundle"
     shutil.rmtree(bundle_dir, ignore_errors=True)
     job = [sys.executable, train_demo.__file__, "--steps", str(steps)]
-    columns = (SpinnerColumn(), TextColumn("{task.description:<34}"), BarColumn(), TextColumn("{task.fields[info]}"),
-               TimeElapsedColumn())
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description:<34}"),
+        BarColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=render.err) as bar:
         ref_task = bar.add_task("uninterrupted run", total=steps, info="")
         ref = Run([*CRIUCTL, "run", "--name", "demo-reference", "--", *job])
@@ -69,12 +74,17 @@ def main(out: Path, steps: int = 80, freeze_at: int = 30) -> int:
 
         run_task = bar.add_task("run under criuctl until the freeze", total=freeze_at + 1, info="")
         run = Run([*CRIUCTL, "run", "--name", "demo", "--", *job])
-        run.read_until(lambda i: i >= freeze_at, lambda i: bar.update(run_task, completed=i + 1, info=f"step {i}"))
+        run.read_until(
+            lambda i: i >= freeze_at, lambda i: bar.update(run_task, completed=i + 1, info=f"step {i}")
+        )
 
         freeze_task = bar.add_task("freeze + checkpoint (CRIU dump)", total=1, info="")
         dumped = checkpoint.dump("demo", bundle_dir)
-        bar.update(freeze_task, completed=1, info=f"{dumped.freeze_seconds:.2f} s, "
-                                                 f"{render.human_bytes(dumped.size_bytes)}")
+        bar.update(
+            freeze_task,
+            completed=1,
+            info=f"{dumped.freeze_seconds:.2f} s, {render.human_bytes(dumped.size_bytes)}",
+        )
         run.finish(lambda i: None)  # lines already in the pipe at the freeze
         frozen_after = max(run.steps)
 
@@ -96,8 +106,16 @@ def main(out: Path, steps: int = 80, freeze_at: int = 30) -> int:
     combined = {**run.steps, **resumed.steps}
     identical = combined == ref.steps and resumed.final == ref.final
     plot = _plot(out / "criuctl-demo.png", ref.steps, run.steps, resumed.steps, frozen_after)
-    _summary(dumped, restore_seconds, first_step[0] if first_step else float("nan"), ref, resumed,
-             frozen_after, identical, plot)
+    _summary(
+        dumped,
+        restore_seconds,
+        first_step[0] if first_step else float("nan"),
+        ref,
+        resumed,
+        frozen_after,
+        identical,
+        plot,
+    )
     return 0 if identical else 1
 
 
@@ -109,12 +127,17 @@ def _summary(dumped, restore_s, first_step_s, ref, resumed, frozen_after, identi
     t.add_row("restore (CRIU)", f"{restore_s:.2f} s")
     t.add_row("restore to first new step", f"{first_step_s:.2f} s")
     same = sum(1 for i, v in resumed.steps.items() if ref.steps.get(i) == v)
-    t.add_row("losses after the freeze", f"{same}/{len(resumed.steps)} bit-identical to the uninterrupted run")
+    t.add_row(
+        "losses after the freeze", f"{same}/{len(resumed.steps)} bit-identical to the uninterrupted run"
+    )
     t.add_row("final weights", "identical" if resumed.final == ref.final else "DIFFERENT")
     t.add_row("plot", str(plot))
     render.out.print(t)
-    render.out.print("[green]OK: the restored job continued exactly where it stopped.[/]" if identical
-                     else "[red]MISMATCH: the restored job diverged from the uninterrupted run.[/]")
+    render.out.print(
+        "[green]OK: the restored job continued exactly where it stopped.[/]"
+        if identical
+        else "[red]MISMATCH: the restored job diverged from the uninterrupted run.[/]"
+    )
 
 
 def _plot(path: Path, ref: dict, before: dict, after: dict, frozen_after: int) -> Path:
@@ -131,8 +154,15 @@ def _plot(path: Path, ref: dict, before: dict, after: dict, frozen_after: int) -
     xa = sorted(after)
     ax.plot(xa, [after[i] for i in xa], "x", ms=4, color="tab:red", label="restored from the bundle")
     ax.axvline(frozen_after + 0.5, color="black", ls="--", lw=1)
-    ax.annotate("freeze → CRIU dump → restore", (frozen_after + 0.5, ax.get_ylim()[1]), ha="left", va="top",
-                fontsize=9, xytext=(4, -4), textcoords="offset points")
+    ax.annotate(
+        "freeze → CRIU dump → restore",
+        (frozen_after + 0.5, ax.get_ylim()[1]),
+        ha="left",
+        va="top",
+        fontsize=9,
+        xytext=(4, -4),
+        textcoords="offset points",
+    )
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_title("Loss curves: identical after a freeze and restore")

@@ -50,33 +50,56 @@ def _features() -> list[Check]:
     except CriuctlError as exc:
         return [Check("CRIU features", False, exc.what, exc.hint, required=False)]
     return [
-        Check("soft-dirty (pre-copy)", f.mem_track,
-              "memory dirty tracking works" if f.mem_track else "dirty tracking is off in this kernel",
-              "pre-copy migration is unavailable; stop-and-copy and post-copy still work", required=False),
-        Check("userfaultfd (post-copy)", f.lazy_pages,
-              "lazy pages work" if f.lazy_pages else "userfaultfd is unavailable",
-              "post-copy migration is unavailable; use stop-and-copy", required=False),
+        Check(
+            "soft-dirty (pre-copy)",
+            f.mem_track,
+            "memory dirty tracking works" if f.mem_track else "dirty tracking is off in this kernel",
+            "pre-copy migration is unavailable; stop-and-copy and post-copy still work",
+            required=False,
+        ),
+        Check(
+            "userfaultfd (post-copy)",
+            f.lazy_pages,
+            "lazy pages work" if f.lazy_pages else "userfaultfd is unavailable",
+            "post-copy migration is unavailable; use stop-and-copy",
+            required=False,
+        ),
     ]
 
 
 def _root() -> Check:
     ok = os.geteuid() == 0
-    return Check("root", ok, "running as root" if ok else f"running as uid {os.geteuid()}",
-                 "run criuctl with sudo")
+    return Check(
+        "root", ok, "running as root" if ok else f"running as uid {os.geteuid()}", "run criuctl with sudo"
+    )
 
 
 def _cap_checkpoint_restore() -> Check:
-    cap_eff = next((int(line.split()[1], 16) for line in Path("/proc/self/status").read_text().splitlines()
-                    if line.startswith("CapEff:")), 0)
+    cap_eff = next(
+        (
+            int(line.split()[1], 16)
+            for line in Path("/proc/self/status").read_text().splitlines()
+            if line.startswith("CapEff:")
+        ),
+        0,
+    )
     ok = bool(cap_eff >> CAP_CHECKPOINT_RESTORE & 1)
-    return Check("CAP_CHECKPOINT_RESTORE", ok, "held" if ok else "not held",
-                 "run as root, or grant cap_checkpoint_restore (and cap_sys_ptrace) to criuctl")
+    return Check(
+        "CAP_CHECKPOINT_RESTORE",
+        ok,
+        "held" if ok else "not held",
+        "run as root, or grant cap_checkpoint_restore (and cap_sys_ptrace) to criuctl",
+    )
 
 
 def _pid_namespaces() -> Check:
     ok = Path("/proc/self/ns/pid").exists() and Path("/proc/self/ns/pid_for_children").exists()
-    return Check("PID namespaces", ok, "supported" if ok else "not supported by this kernel",
-                 "criuctl run needs CONFIG_PID_NS to give restored trees their own PIDs")
+    return Check(
+        "PID namespaces",
+        ok,
+        "supported" if ok else "not supported by this kernel",
+        "criuctl run needs CONFIG_PID_NS to give restored trees their own PIDs",
+    )
 
 
 def _sysctl(name: str) -> str | None:
@@ -89,15 +112,25 @@ def _sysctl(name: str) -> str | None:
 def _pipe_max_size() -> Check:
     v = int(_sysctl("fs.pipe-max-size") or 0)
     ok = v >= POSTCOPY_PIPE_SIZE
-    return Check("fs.pipe-max-size", ok, f"{v} bytes",
-                 f"post-copy needs sysctl fs.pipe-max-size={POSTCOPY_PIPE_SIZE} "
-                 "(CRIU's page server fails without CAP_SYS_RESOURCE)", required=False)
+    return Check(
+        "fs.pipe-max-size",
+        ok,
+        f"{v} bytes",
+        f"post-copy needs sysctl fs.pipe-max-size={POSTCOPY_PIPE_SIZE} "
+        "(CRIU's page server fails without CAP_SYS_RESOURCE)",
+        required=False,
+    )
 
 
 def _nftables() -> Check:
     ok = shutil.which("nft") is not None or Path("/usr/lib/x86_64-linux-gnu/libnftables.so.1").exists()
-    return Check("network lock", ok, "nftables available" if ok else "nftables not found",
-                 "apt-get install nftables (CRIU locks TCP connections with it while frozen)", required=False)
+    return Check(
+        "network lock",
+        ok,
+        "nftables available" if ok else "nftables not found",
+        "apt-get install nftables (CRIU locks TCP connections with it while frozen)",
+        required=False,
+    )
 
 
 def _io_uring() -> Check:
@@ -109,18 +142,37 @@ def _io_uring() -> Check:
 def _cuda() -> Check:
     info = cuda.probe()
     if not info.loaded:
-        return Check("CUDA checkpoint API", False, "no CUDA driver (libcuda.so.1) on this host",
-                     "GPU jobs cannot be checkpointed here; CPU jobs are unaffected", required=False)
+        return Check(
+            "CUDA checkpoint API",
+            False,
+            "no CUDA driver (libcuda.so.1) on this host",
+            "GPU jobs cannot be checkpointed here; CPU jobs are unaffected",
+            required=False,
+        )
     if info.has_checkpoint_api:
-        return Check("CUDA checkpoint API", True, f"driver {info.driver_version} exports cuCheckpointProcess*")
-    return Check("CUDA checkpoint API", False, f"driver {info.driver_version} lacks cuCheckpointProcess*",
-                 "upgrade to driver r570+; until then GPU jobs fall back to the hook's host copy",
-                 required=False)
+        return Check(
+            "CUDA checkpoint API", True, f"driver {info.driver_version} exports cuCheckpointProcess*"
+        )
+    return Check(
+        "CUDA checkpoint API",
+        False,
+        f"driver {info.driver_version} lacks cuCheckpointProcess*",
+        "upgrade to driver r570+; until then GPU jobs fall back to the hook's host copy",
+        required=False,
+    )
 
 
 CHECKS: list[Callable[[], Check | list[Check]]] = [
-    _root, _criu_version, _criu_check, _features, _cap_checkpoint_restore, _pid_namespaces,
-    _pipe_max_size, _nftables, _io_uring, _cuda,
+    _root,
+    _criu_version,
+    _criu_check,
+    _features,
+    _cap_checkpoint_restore,
+    _pid_namespaces,
+    _pipe_max_size,
+    _nftables,
+    _io_uring,
+    _cuda,
 ]
 
 

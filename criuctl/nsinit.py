@@ -18,8 +18,15 @@ import signal
 import struct
 import sys
 
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
-             signal.SIGUSR2, signal.SIGWINCH)
+FORWARDED = (
+    signal.SIGTERM,
+    signal.SIGINT,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGWINCH,
+)
 ENV_ALLOW_IO_URING = "CRIUCTL_ALLOW_IO_URING"
 
 # seccomp/BPF constants (linux/seccomp.h, linux/filter.h, linux/audit.h)

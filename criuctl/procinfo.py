@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 
 import psutil
@@ -32,9 +34,18 @@ def describe(root_pid: int) -> list[ProcessInfo]:
         try:
             p = psutil.Process(pid)
             with p.oneshot():
-                out.append(ProcessInfo(
-                    pid=pid, ns_pid=ns_pid(pid), ppid=p.ppid(), name=p.name(), cmdline=p.cmdline(),
-                    cwd=p.cwd(), rss_bytes=p.memory_info().rss, threads=p.num_threads()))
+                out.append(
+                    ProcessInfo(
+                        pid=pid,
+                        ns_pid=ns_pid(pid),
+                        ppid=p.ppid(),
+                        name=p.name(),
+                        cmdline=p.cmdline(),
+                        cwd=p.cwd(),
+                        rss_bytes=p.memory_info().rss,
+                        threads=p.num_threads(),
+                    )
+                )
         except (psutil.NoSuchProcess, FileNotFoundError):
             continue
     return out
@@ -43,11 +54,15 @@ def describe(root_pid: int) -> list[ProcessInfo]:
 def rss_bytes(root_pid: int) -> int:
     total = 0
     for pid in tree_pids(root_pid):
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             total += psutil.Process(pid).memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
     return total
+
+
+def send_signal(pid: int, sig: int) -> None:
+    """Signal a process that may already be gone."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
 
 
 def open_files(pids: list[int]) -> list[str]:
@@ -88,8 +103,10 @@ def is_stopped(pid: int) -> bool:
 
 # Kernel objects CRIU cannot checkpoint, as /proc/PID/fd shows them, with what to do about each.
 UNSUPPORTED_FDS = {
-    "anon_inode:[io_uring]": ("an io_uring", "run it under `criuctl run` without --allow-io-uring "
-                              "(or set sysctl kernel.io_uring_disabled=2)"),
+    "anon_inode:[io_uring]": (
+        "an io_uring",
+        "run it under `criuctl run` without --allow-io-uring (or set sysctl kernel.io_uring_disabled=2)",
+    ),
     "anon_inode:[perf_event]": ("a perf event", "stop profiling the job before checkpointing it"),
     "anon_inode:[userfaultfd]": ("a userfaultfd", "checkpoint the job when it does not use userfaultfd"),
 }

@@ -39,8 +39,10 @@ def workloads_table(all_states: bool = False) -> None:
         rss = human_bytes(procinfo.rss_bytes(w.root_pid)) if live else "-"
         rows.append((w.name, str(w.root_pid), " ".join(w.command)[:60], rss, state))
     if not rows:
-        out.print(f"No workloads on this host (state dir {workloads.state_dir()}). "
-                  "Start one with: criuctl run -- CMD")
+        out.print(
+            f"No workloads on this host (state dir {workloads.state_dir()}). "
+            "Start one with: criuctl run -- CMD"
+        )
         return
     t = Table(box=None, header_style="bold")
     for col in ("NAME", "PID", "COMMAND", "RSS", "STATE"):
@@ -64,8 +66,10 @@ def phase_progress() -> Iterator[callable]:
 
 def dump_summary(o, leave_running: bool) -> None:
     after = "still running" if leave_running else "stopped"
-    err.print(f"checkpointed {o.manifest.workload!r} to {o.bundle}: {human_bytes(o.size_bytes)}, "
-              f"frozen {o.freeze_seconds:.2f} s, total {o.total_seconds:.2f} s; workload {after}")
+    err.print(
+        f"checkpointed {o.manifest.workload!r} to {o.bundle}: {human_bytes(o.size_bytes)}, "
+        f"frozen {o.freeze_seconds:.2f} s, total {o.total_seconds:.2f} s; workload {after}"
+    )
 
 
 def _checks(root: Path) -> tuple[bool | None, list[str]]:
@@ -89,10 +93,14 @@ def inspect(root: Path, as_json: bool) -> int:
     created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created))
     out.print(f"[bold]{root}[/]  bundle {m.id[:12]}, format {m.format_version}")
     out.print(f"workload {m.workload!r}: {' '.join(m.command)}")
-    out.print(f"taken {created} on {m.host} (kernel {m.kernel}, CRIU {m.criu_version}), "
-              f"frozen {m.freeze_seconds:.2f} s")
-    out.print(f"memory: {human_bytes(m.rss_bytes)} RSS in {len(m.processes)} processes; "
-              f"bundle {human_bytes(bundle.size_bytes(root))}; GPU: {'yes' if m.uses_gpu else 'no'}")
+    out.print(
+        f"taken {created} on {m.host} (kernel {m.kernel}, CRIU {m.criu_version}), "
+        f"frozen {m.freeze_seconds:.2f} s"
+    )
+    out.print(
+        f"memory: {human_bytes(m.rss_bytes)} RSS in {len(m.processes)} processes; "
+        f"bundle {human_bytes(bundle.size_bytes(root))}; GPU: {'yes' if m.uses_gpu else 'no'}"
+    )
     by_pid = {p.pid: p for p in m.processes}
     nodes: dict[int, Tree] = {}
     tree = Tree("processes")
@@ -110,8 +118,10 @@ def inspect(root: Path, as_json: bool) -> int:
     if sig_ok is None:
         out.print("checks: [yellow]no signing key on this host; signature not checked[/]")
     else:
-        out.print(f"checks: signature {'[green]ok[/]' if sig_ok else '[red]BAD[/]'}, "
-                  f"{len(m.files)} files " + ("[green]ok[/]" if not bad else f"[red]{len(bad)} bad[/]"))
+        out.print(
+            f"checks: signature {'[green]ok[/]' if sig_ok else '[red]BAD[/]'}, "
+            f"{len(m.files)} files " + ("[green]ok[/]" if not bad else f"[red]{len(bad)} bad[/]")
+        )
         for b in bad:
             out.print(f"  [red]{b}[/]")
     return 0 if sig_ok is not False and not bad else 1

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import criuctl_hook
-from criuctl import workloads
+from criuctl import procinfo, workloads
 from criuctl.errors import CriuctlError
 from criuctl.nsinit import ENV_ALLOW_IO_URING, exit_code
 from criuctl_hook.contract import ENV_HOOKS_DIR, ENV_WORKLOAD
@@ -49,8 +49,10 @@ class Stdio:
 
     def keys(self) -> dict[str, str]:
         """CRIU's names for the pipes the workload writes to ('pipe:[inode]')."""
-        return {"stdout": f"pipe:[{os.fstat(self.out_w).st_ino}]",
-                "stderr": f"pipe:[{os.fstat(self.err_w).st_ino}]"}
+        return {
+            "stdout": f"pipe:[{os.fstat(self.out_w).st_ino}]",
+            "stderr": f"pipe:[{os.fstat(self.err_w).st_ino}]",
+        }
 
     def close_write_ends(self) -> None:
         os.close(self.out_w)
@@ -102,25 +104,32 @@ def _spawn_in_new_pidns(argv: list[str], env: dict[str, str], stdio: Stdio) -> i
     os.waitpid(middle, 0)
     if not answer or answer.startswith("E"):
         err = int(answer[1:] or 0)
-        raise CriuctlError(f"cannot create a PID namespace: {os.strerror(err)}",
-                           "criuctl run needs root (CAP_SYS_ADMIN) on a kernel with PID namespaces")
+        raise CriuctlError(
+            f"cannot create a PID namespace: {os.strerror(err)}",
+            "criuctl run needs root (CAP_SYS_ADMIN) on a kernel with PID namespaces",
+        )
     return int(answer)
 
 
-def start(command: list[str], name: str | None, allow_io_uring: bool = False) -> tuple[workloads.Workload, Stdio]:
+def start(
+    command: list[str], name: str | None, allow_io_uring: bool = False
+) -> tuple[workloads.Workload, Stdio]:
     """Start `command` as a checkpointable workload and register it."""
     if not command:
         raise CriuctlError("no command given", "usage: criuctl run [--name NAME] -- CMD [ARG...]")
     if name is None:
         name = workloads.unique_name(Path(command[0]).name)
     elif (old := workloads.load(name)) is not None and old.state == workloads.RUNNING and old.alive():
-        raise CriuctlError(f"a workload named {name!r} is already running (PID {old.root_pid})",
-                           "pick another --name, or stop it first")
+        raise CriuctlError(
+            f"a workload named {name!r} is already running (PID {old.root_pid})",
+            "pick another --name, or stop it first",
+        )
     stdio = Stdio.create()
     argv = [sys.executable, "-I", "-m", "criuctl.nsinit", "--", *command]
     root = _spawn_in_new_pidns(argv, workload_env(name, allow_io_uring), stdio)
-    w = workloads.Workload(name=name, command=command, root_pid=root, supervisor_pid=os.getpid(),
-                           stdio_pipes=stdio.keys())
+    w = workloads.Workload(
+        name=name, command=command, root_pid=root, supervisor_pid=os.getpid(), stdio_pipes=stdio.keys()
+    )
     workloads.save(w)
     stdio.close_write_ends()
     return w, stdio
@@ -129,7 +138,7 @@ def start(command: list[str], name: str | None, allow_io_uring: bool = False) ->
 def supervise(w: workloads.Workload, stdio: Stdio) -> int:
     """Copy the workload's output until it ends; return the exit status for this command."""
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda n, _f: _forward(w.root_pid, n))
+        signal.signal(sig, lambda n, _f: procinfo.send_signal(w.root_pid, n))
     sinks = {stdio.out_r: sys.stdout.buffer, stdio.err_r: sys.stderr.buffer}
     sel = selectors.DefaultSelector()
     for fd in sinks:
@@ -157,18 +166,14 @@ def supervise(w: workloads.Workload, stdio: Stdio) -> int:
     return _finish(w, status)
 
 
-def _forward(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
-
-
 def _finish(w: workloads.Workload, status: int) -> int:
     now = workloads.load(w.name)
     if now is not None and now.state == workloads.CHECKPOINTED and now.root_pid == w.root_pid:
-        print(f"criuctl: workload {w.name!r} was checkpointed to {now.bundle} and stopped; "
-              f"resume it with: criuctl restore {now.bundle}", file=sys.stderr)
+        print(
+            f"criuctl: workload {w.name!r} was checkpointed to {now.bundle} and stopped; "
+            f"resume it with: criuctl restore {now.bundle}",
+            file=sys.stderr,
+        )
         return 0
     code = exit_code(status)
     w.state, w.exit_code = workloads.EXITED, code

@@ -110,10 +110,14 @@ def resolve(target: str) -> Workload:
             if pid in (w.root_pid, w.supervisor_pid) or _descends_from(pid, w.root_pid):
                 return w
         if psutil.pid_exists(pid):
-            raise UnknownWorkload(f"PID {pid} is not part of a criuctl workload",
-                                  "start the job with `criuctl run -- CMD` so it can be checkpointed")
-    raise UnknownWorkload(f"no running workload named or with PID {target!r} on this host",
-                          "see `criuctl ps` for the workloads here")
+            raise UnknownWorkload(
+                f"PID {pid} is not part of a criuctl workload",
+                "start the job with `criuctl run -- CMD` so it can be checkpointed",
+            )
+    raise UnknownWorkload(
+        f"no running workload named or with PID {target!r} on this host",
+        "see `criuctl ps` for the workloads here",
+    )
 
 
 def _descends_from(pid: int, root: int) -> bool:

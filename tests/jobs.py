@@ -34,8 +34,10 @@ class Job:
         self.out: list[str] = []
         self.err: list[str] = []
         self._cv = threading.Condition()
-        self._readers = [threading.Thread(target=self._read, args=(s, buf), daemon=True)
-                         for s, buf in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        self._readers = [
+            threading.Thread(target=self._read, args=(s, buf), daemon=True)
+            for s, buf in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))
+        ]
         for t in self._readers:
             t.start()
 
@@ -63,9 +65,13 @@ class Job:
                     if rx.search(line):
                         return line
                 left = deadline - time.monotonic()
-                if left <= 0 or (self.proc.poll() is not None and not any(t.is_alive() for t in self._readers)):
-                    raise AssertionError(f"no line matching {pattern!r} within {timeout}s;\n"
-                                         f"stdout: {self.out[-10:]}\nstderr: {self.err[-10:]}")
+                if left <= 0 or (
+                    self.proc.poll() is not None and not any(t.is_alive() for t in self._readers)
+                ):
+                    raise AssertionError(
+                        f"no line matching {pattern!r} within {timeout}s;\n"
+                        f"stdout: {self.out[-10:]}\nstderr: {self.err[-10:]}"
+                    )
                 self._cv.wait(min(left, 0.5))
 
     def wait_for_step(self, n: int, timeout: float = 120) -> None:

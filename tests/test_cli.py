@@ -59,11 +59,18 @@ def test_hook_is_loaded_and_user_sitecustomize_still_runs(tmp_path):
     user = tmp_path / "user_site"
     user.mkdir()
     (user / "sitecustomize.py").write_text("import os\nos.environ['USER_SITE_RAN'] = 'yes'\n")
-    code = ("import os, sys, criuctl_hook; print(os.environ['CRIUCTL_WORKLOAD'], criuctl_hook.workload_name(), "
-            "os.environ['CRIUCTL_HOOKED_PID'] == str(os.getpid()), os.environ.get('USER_SITE_RAN'))")
+    code = (
+        "import os, sys, criuctl_hook; print(os.environ['CRIUCTL_WORKLOAD'], criuctl_hook.workload_name(), "
+        "os.environ['CRIUCTL_HOOKED_PID'] == str(os.getpid()), os.environ.get('USER_SITE_RAN'))"
+    )
     env = {**os.environ, "PYTHONPATH": str(user)}
-    r = subprocess.run([*CRIUCTL, "run", "--name", "hooked", "--", sys.executable, "-c", code],
-                       capture_output=True, text=True, env=env, timeout=60)
+    r = subprocess.run(
+        [*CRIUCTL, "run", "--name", "hooked", "--", sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["hooked", "hooked", "True", "yes"]
 
@@ -79,8 +86,10 @@ def test_inspect_describes_a_real_bundle(tmp_path):
     assert m["checks"] == {"signature": True, "bad_files": [], "ok": True}
     assert m["workload"] == "cnn" and m["uses_gpu"] is False
     cmdlines = [" ".join(p["cmdline"]) for p in m["processes"]]
-    assert cmdlines[0].endswith(f"criuctl.nsinit -- {' '.join(workload_cmd('train_cnn_loader.py'))} "
-                                f"--steps 200 --log {tmp_path / 'log'}")
+    assert cmdlines[0].endswith(
+        f"criuctl.nsinit -- {' '.join(workload_cmd('train_cnn_loader.py'))} "
+        f"--steps 200 --log {tmp_path / 'log'}"
+    )
     assert len(m["processes"]) >= 4  # init, trainer, two DataLoader workers
     assert [p["ns_pid"] for p in m["processes"][:2]] == [1, 2]
     assert m["rss_bytes"] > 100 << 20 and str(tmp_path / "log") in m["open_files"]
@@ -97,15 +106,26 @@ def test_doctor_reports_each_check():
     lines = r.stdout.splitlines()
     assert any(line.startswith("ok   CRIU: 4.") for line in lines)
     assert any(line.startswith("ok   criu check") for line in lines)
-    for name in ("soft-dirty", "userfaultfd", "CAP_CHECKPOINT_RESTORE", "PID namespaces", "CUDA checkpoint API"):
+    for name in (
+        "soft-dirty",
+        "userfaultfd",
+        "CAP_CHECKPOINT_RESTORE",
+        "PID namespaces",
+        "CUDA checkpoint API",
+    ):
         assert any(name in line for line in lines), name
 
 
 def test_install_script_is_idempotent_and_fast():
     venv = os.path.dirname(os.path.dirname(sys.executable))
     t0 = time.monotonic()
-    r = subprocess.run(["bash", "scripts/install-criu.sh", venv], capture_output=True, text=True, timeout=120,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run(
+        ["bash", "scripts/install-criu.sh", venv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert r.returncode == 0, r.stderr
     assert "ok: Version: 4." in r.stderr and "building" not in r.stderr
     assert time.monotonic() - t0 < 10

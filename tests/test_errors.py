@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -63,35 +62,54 @@ def test_not_root(tmp_path, job, ref):
     # A real unprivileged process: the system Python as `nobody`, with only the project on its path
     # (criuctl checks for root before importing anything beyond the standard library).
     project = Path(__file__).resolve().parent.parent
-    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "env",
-                        f"PYTHONPATH={project}", "/usr/bin/python3", "-m", "criuctl.cli",
-                        "dump", "mlp", "-o", str(tmp_path / "b")], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "env",
+            f"PYTHONPATH={project}",
+            "/usr/bin/python3",
+            "-m",
+            "criuctl.cli",
+            "dump",
+            "mlp",
+            "-o",
+            str(tmp_path / "b"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert_error_line(r, "needs root", "sudo")
     assert r.returncode == 77
     assert_still_training_exactly_once(job, ref)
 
 
 def test_criu_missing(tmp_path, job, ref):
-    env = {**os.environ, "CRIUCTL_CRIU": "/nonexistent/criu"}
-    r = subprocess.run([*CRIUCTL, "dump", "mlp", "-o", str(tmp_path / "b")], capture_output=True, text=True,
-                       env=env, timeout=60)
+    r = criuctl(
+        "dump", "mlp", "-o", str(tmp_path / "b"), env={**os.environ, "CRIUCTL_CRIU": "/nonexistent/criu"}
+    )
     assert_error_line(r, "CRIU not found", "install-criu.sh")
     assert not (tmp_path / "b").exists()
     assert_still_training_exactly_once(job, ref)
 
 
-@pytest.mark.skipif(not OLD_CRIU.exists(), reason="needs Debian 12's criu 3.17: run `make test` "
-                    "(scripts/test-fixtures.sh unpacks it)")
+@pytest.mark.skipif(
+    not OLD_CRIU.exists(),
+    reason="needs Debian 12's criu 3.17: run `make test` (scripts/test-fixtures.sh unpacks it)",
+)
 def test_criu_too_old(tmp_path, job, ref):
-    env = {**os.environ, "CRIUCTL_CRIU": str(OLD_CRIU)}
-    r = subprocess.run([*CRIUCTL, "dump", "mlp", "-o", str(tmp_path / "b")], capture_output=True, text=True,
-                       env=env, timeout=60)
+    r = criuctl("dump", "mlp", "-o", str(tmp_path / "b"), env={**os.environ, "CRIUCTL_CRIU": str(OLD_CRIU)})
     assert_error_line(r, "3.17", "too old", "install-criu.sh")
     assert_still_training_exactly_once(job, ref)
 
 
 def test_unsupported_resource_leaves_job_running(tmp_path, ref):
-    job = Job.run("uring", "train_mlp.py", "--steps", "30", "--hold-io-uring", run_flags=("--allow-io-uring",))
+    job = Job.run(
+        "uring", "train_mlp.py", "--steps", "30", "--hold-io-uring", run_flags=("--allow-io-uring",)
+    )
     try:
         job.wait_for_step(3)
         r = criuctl("dump", "uring", "-o", str(tmp_path / "b"))
@@ -161,8 +179,9 @@ def test_restore_refuses_tampered_unsigned_and_foreign_bundles(sealed, tmp_path)
     env = {**os.environ, "CRIUCTL_STATE_DIR": str(state)}
 
     def restore(b: Path, environ=env) -> subprocess.CompletedProcess:
-        return subprocess.run([*CRIUCTL, "restore", str(b)], capture_output=True, text=True, env=environ,
-                              timeout=60)
+        return subprocess.run(
+            [*CRIUCTL, "restore", str(b)], capture_output=True, text=True, env=environ, timeout=60
+        )
 
     tampered = _copy_bundle(src, tmp_path / "tampered")
     pages = max((tampered / "images").glob("pages-*.img"), key=lambda p: p.stat().st_size)

@@ -35,12 +35,23 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2)
     a = p.parse_args()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(2, 256), torch.nn.SiLU(), torch.nn.Linear(256, 256),
-                                torch.nn.SiLU(), torch.nn.Linear(256, 2))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(2, 256),
+        torch.nn.SiLU(),
+        torch.nn.Linear(256, 256),
+        torch.nn.SiLU(),
+        torch.nn.Linear(256, 2),
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=a.steps)
-    loader = DataLoader(Spirals(), batch_size=64, shuffle=True, num_workers=a.workers,
-                        generator=torch.Generator().manual_seed(1), persistent_workers=a.workers > 0)
+    loader = DataLoader(
+        Spirals(),
+        batch_size=64,
+        shuffle=True,
+        num_workers=a.workers,
+        generator=torch.Generator().manual_seed(1),
+        persistent_workers=a.workers > 0,
+    )
     step = 0
     while step < a.steps:
         for xb, yb in loader:

@@ -11,8 +11,10 @@ import pytest
 
 from criuctl import cuda, doctor
 
-pytestmark = pytest.mark.skipif(ctypes.util.find_library("cuda") is None and not cuda.probe().loaded,
-                                reason="no CUDA driver (libcuda.so.1) on this host; run on a GPU node")
+pytestmark = pytest.mark.skipif(
+    ctypes.util.find_library("cuda") is None and not cuda.probe().loaded,
+    reason="no CUDA driver (libcuda.so.1) on this host; run on a GPU node",
+)
 
 
 def test_driver_exports_the_checkpoint_api():

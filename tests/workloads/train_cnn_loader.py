@@ -48,13 +48,25 @@ class Heartbeat(threading.Thread):
 
 torch.manual_seed(1)
 model = torch.nn.Sequential(
-    torch.nn.Conv2d(1, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-    torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
-    torch.nn.Flatten(), torch.nn.Linear(16, 2))
+    torch.nn.Conv2d(1, 8, 3, padding=1),
+    torch.nn.ReLU(),
+    torch.nn.MaxPool2d(2),
+    torch.nn.Conv2d(8, 16, 3, padding=1),
+    torch.nn.ReLU(),
+    torch.nn.AdaptiveAvgPool2d(1),
+    torch.nn.Flatten(),
+    torch.nn.Linear(16, 2),
+)
 opt = torch.optim.Adam(model.parameters(), lr=3e-3)
 sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=a.steps)
-loader = DataLoader(Shapes(), batch_size=32, shuffle=True, num_workers=a.workers,
-                    generator=torch.Generator().manual_seed(2), persistent_workers=a.workers > 0)
+loader = DataLoader(
+    Shapes(),
+    batch_size=32,
+    shuffle=True,
+    num_workers=a.workers,
+    generator=torch.Generator().manual_seed(2),
+    persistent_workers=a.workers > 0,
+)
 log = open(a.log, "a")  # noqa: SIM115 - held open for the job's life, like a real training log
 beat = Heartbeat(log)
 beat.start()
