@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -15,8 +16,10 @@ from rich.tree import Tree
 
 from criuctl import bundle, workloads
 
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+# Piped output (scripts, tests, `| grep`) is not cut to 80 columns: one row stays one line.
+_WIDTH = None if sys.stdout.isatty() else 200
+out = Console(highlight=False, soft_wrap=True, width=_WIDTH)
+err = Console(stderr=True, highlight=False, soft_wrap=True, width=None if sys.stderr.isatty() else 200)
 
 
 def human_bytes(n: float) -> str:
@@ -25,6 +28,12 @@ def human_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n:.1f} GiB"
+
+
+def short_command(argv: list[str], width: int = 90) -> str:
+    """The command as a person reads it: the program's name, then its arguments, cut at `width`."""
+    text = " ".join([Path(argv[0]).name, *argv[1:]]) if argv else ""
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def workloads_table(all_states: bool = False) -> None:
@@ -37,7 +46,7 @@ def workloads_table(all_states: bool = False) -> None:
         if not live and not all_states:
             continue
         rss = human_bytes(procinfo.rss_bytes(w.root_pid)) if live else "-"
-        rows.append((w.name, str(w.root_pid), " ".join(w.command)[:60], rss, state))
+        rows.append((w.name, str(w.root_pid), short_command(w.command), rss, state))
     if not rows:
         out.print(
             f"No workloads on this host (state dir {workloads.state_dir()}). "
@@ -46,7 +55,7 @@ def workloads_table(all_states: bool = False) -> None:
         return
     t = Table(box=None, header_style="bold")
     for col in ("NAME", "PID", "COMMAND", "RSS", "STATE"):
-        t.add_column(col)
+        t.add_column(col, no_wrap=True)
     for r in rows:
         t.add_row(*r)
     out.print(t)
