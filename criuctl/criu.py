@@ -172,7 +172,13 @@ def _network_lock(rpc: Any, method: str) -> int:
     return {"iptables": rpc.IPTABLES, "nftables": rpc.NFTABLES, "skip": rpc.SKIP}[method]
 
 
-def _common(opts: Any, rpc: Any, o: DumpOptions | RestoreOptions) -> None:
+def _base_request(o: DumpOptions | RestoreOptions, images_fd: int, work_fd: int) -> Any:
+    """The options dump and restore share, as a fresh `criu_opts` message."""
+    rpc = _pycriu().rpc
+    opts = rpc.criu_opts()
+    opts.images_dir_fd = images_fd
+    if work_fd >= 0:
+        opts.work_dir_fd = work_fd
     opts.shell_job = o.shell_job
     opts.tcp_established = o.tcp_established
     opts.ext_unix_sk = o.ext_unix_sk
@@ -181,34 +187,25 @@ def _common(opts: Any, rpc: Any, o: DumpOptions | RestoreOptions) -> None:
     opts.external.extend(o.external)
     opts.log_level = o.log_level
     opts.log_file = o.log_file
+    return opts
 
 
 def build_dump_request(o: DumpOptions, images_fd: int = -1, work_fd: int = -1) -> Any:
     """The `criu_opts` message for a dump (pure: opens nothing)."""
-    rpc = _pycriu().rpc
-    opts = rpc.criu_opts()
-    opts.images_dir_fd = images_fd
-    if work_fd >= 0:
-        opts.work_dir_fd = work_fd
+    opts = _base_request(o, images_fd, work_fd)
     opts.pid = o.pid
     opts.leave_running = o.leave_running
     opts.leave_stopped = o.leave_stopped
     opts.ghost_limit = o.ghost_limit
-    _common(opts, rpc, o)
     return opts
 
 
 def build_restore_request(o: RestoreOptions, images_fd: int = -1, work_fd: int = -1) -> Any:
     """The `criu_opts` message for a restore (pure: opens nothing)."""
-    rpc = _pycriu().rpc
-    opts = rpc.criu_opts()
-    opts.images_dir_fd = images_fd
-    if work_fd >= 0:
-        opts.work_dir_fd = work_fd
+    opts = _base_request(o, images_fd, work_fd)
     opts.rst_sibling = o.rst_sibling
     for key, fd in o.inherit_fds.items():
         opts.inherit_fd.add(key=key, fd=fd)
-    _common(opts, rpc, o)
     return opts
 
 
