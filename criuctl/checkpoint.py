@@ -139,7 +139,7 @@ def restore(bundle_dir: Path, name: str | None = None, progress: Progress = _qui
         for k, fd in (("stdout", stdio.out_w), ("stderr", stdio.err_w))
         if k in manifest.stdio_pipes
     }
-    work = Path(tempfile.mkdtemp(prefix=f"restore-{name}-", dir=_restore_logs()))
+    work = Path(tempfile.mkdtemp(prefix=f"restore-{name}-", dir=_logs_dir("restores")))
     progress("restoring")
     try:
         result = criu.restore(
@@ -173,10 +173,6 @@ def _logs_dir(kind: str) -> Path:
     d = workloads.state_dir() / kind
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
     return d
-
-
-def _restore_logs() -> Path:
-    return _logs_dir("restores")
 
 
 def _keep_log(log: Path, name: str) -> Path | None:

@@ -110,14 +110,14 @@ class Reference:
         assert self.steps and self.final, "reference run reported nothing"
 
 
-def assert_continues_exactly(ref: Reference, before: Job, after: Job) -> None:
-    """`before` was frozen mid-training and `after` restored from it: together they are `ref`."""
+def assert_continues_exactly(ref: Reference, before_steps: dict[int, str], after: Job) -> None:
+    """A job reported `before_steps`, was frozen, and `after` restored from it: together they are `ref`."""
     assert after.steps, "the restored job reported no step: the freeze came after training ended"
-    assert before.steps, "the job was frozen before its first step: the test did not freeze mid-training"
+    assert before_steps, "the job was frozen before its first step: the test did not freeze mid-training"
     assert min(after.steps) > 0, "the restored job started over instead of continuing"
-    combined = {**before.steps, **after.steps}
+    combined = {**before_steps, **after.steps}
     for step, loss in after.steps.items():
-        assert before.steps.get(step, loss) == loss, f"step {step} reported twice with different losses"
+        assert before_steps.get(step, loss) == loss, f"step {step} reported twice with different losses"
     assert combined == ref.steps, _diff(combined, ref.steps)
     assert after.final == ref.final, "final weights differ from the uninterrupted run"
 
