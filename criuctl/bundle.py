@@ -63,6 +63,7 @@ class Manifest:
     criu_version: str
     stdio_pipes: dict[str, str] = field(default_factory=dict)  # "stdout" -> "pipe:[inode]"
     freeze_seconds: float = 0.0
+    lazy_pages: bool = False  # post-copy: memory pages are not in the bundle, a page server has them
     format_version: int = FORMAT_VERSION
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: float = field(default_factory=time.time)
@@ -183,8 +184,12 @@ class Verification:
         return self.signature_ok and not self.bad_files
 
 
-def check(root: Path, key: bytes) -> Verification:
-    """Check signature and checksums; report every problem (for `inspect`)."""
+def check(root: Path, key: bytes, digests: dict[str, str] | None = None) -> Verification:
+    """Check signature and checksums; report every problem (for `inspect`).
+
+    `digests` are sha256s already computed while the files arrived (an agent hashes a bundle as it
+    streams in), so the files need not be read twice.
+    """
     manifest = read_manifest(root)
     try:
         sig = (root / SIGNATURE).read_text().strip()
@@ -196,7 +201,7 @@ def check(root: Path, key: bytes) -> Verification:
         path = root / rel
         if not path.is_file():
             bad.append(f"{rel}: missing")
-        elif sha256_file(path) != digest:
+        elif (digests.get(rel) if digests and rel in digests else sha256_file(path)) != digest:
             bad.append(f"{rel}: checksum mismatch")
     for path in _payload_files(root):
         rel = path.relative_to(root).as_posix()
@@ -205,12 +210,12 @@ def check(root: Path, key: bytes) -> Verification:
     return Verification(signature_ok, bad)
 
 
-def verify(root: Path, key: bytes) -> Manifest:
+def verify(root: Path, key: bytes, digests: dict[str, str] | None = None) -> Manifest:
     """The manifest of a bundle that verifies; BundleError naming the first bad file otherwise."""
     if not root.is_dir():
         raise BundleError(f"no bundle at {root}", "pass the directory written by `criuctl dump -o DIR`")
     manifest = read_manifest(root)
-    result = check(root, key)
+    result = check(root, key, digests)
     if not result.signature_ok:
         raise BundleError(
             f"{root / SIGNATURE}: signature does not verify",

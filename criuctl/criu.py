@@ -8,11 +8,15 @@ with the tail of CRIU's own log and a hint in words a user understands.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,6 +114,8 @@ class DumpOptions:
     network_lock: str = "nftables"  # no iptables on our nodes; CRIU's default is iptables
     external: list[str] = field(default_factory=list)
     ghost_limit: int = 1 << 30  # deleted-but-open files (DataLoader shared memory) up to 1 GiB
+    lazy_pages: bool = False  # post-copy: keep memory pages back and serve them on `page_server_port`
+    page_server_port: int = 0
     log_level: int = LOG_LEVEL
     log_file: str = "dump.log"
 
@@ -128,6 +134,8 @@ class RestoreOptions:
     network_lock: str = "nftables"
     inherit_fds: dict[str, int] = field(default_factory=dict)
     external: list[str] = field(default_factory=list)
+    leave_stopped: bool = False  # recreate the tree but keep it stopped until the caller commits
+    lazy_pages: bool = False  # post-copy: memory comes from a `lazy_pages_daemon` on the same work_dir
     log_level: int = LOG_LEVEL
     log_file: str = "restore.log"
 
@@ -197,6 +205,9 @@ def build_dump_request(o: DumpOptions, images_fd: int = -1, work_fd: int = -1) -
     opts.leave_running = o.leave_running
     opts.leave_stopped = o.leave_stopped
     opts.ghost_limit = o.ghost_limit
+    if o.lazy_pages:
+        opts.lazy_pages = True
+        opts.ps.port = o.page_server_port  # with lazy_pages CRIU *serves* on this port (any address)
     return opts
 
 
@@ -204,6 +215,8 @@ def build_restore_request(o: RestoreOptions, images_fd: int = -1, work_fd: int =
     """The `criu_opts` message for a restore (pure: opens nothing)."""
     opts = _base_request(o, images_fd, work_fd)
     opts.rst_sibling = o.rst_sibling
+    opts.leave_stopped = o.leave_stopped
+    opts.lazy_pages = o.lazy_pages
     for key, fd in o.inherit_fds.items():
         opts.inherit_fd.add(key=key, fd=fd)
     return opts
@@ -238,14 +251,62 @@ def log_tail(path: Path, lines: int = 25) -> str:
     return "\n".join(tail)
 
 
-def _run(action: str, opts: Any, log_path: Path) -> tuple[Any, float]:
+class Session:
+    """One CRIU run; `swrk_pid` is known once CRIU has started, so another thread can kill it."""
+
+    def __init__(self) -> None:
+        self.swrk_pid: int | None = None
+
+    def kill(self) -> None:
+        if self.swrk_pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.swrk_pid, signal.SIGKILL)
+
+
+Notify = Callable[[str], bool]  # CRIU's notification name ('post-dump', 'status-ready', ...) -> go on?
+
+
+def _converse(c: Any, req: Any, on_notify: Notify | None, session: Session | None) -> Any:
+    """Send one request to `criu swrk` and answer its notifications until the final response.
+
+    pycriu's own calls cannot answer notifications; this is how we learn, *during* a lazy dump,
+    that the images are written and the page server is listening ('status-ready').
+    """
+    pycriu = _pycriu()
+    rpc = pycriu.rpc
+    s = c._comm.connect(False)
+    if session is not None:
+        session.swrk_pid = c._comm.swrk
+    try:
+        s.send(req.SerializeToString())
+        while True:
+            buf = s.recv(len(s.recv(1, socket.MSG_TRUNC | socket.MSG_PEEK)))
+            resp = rpc.criu_resp()
+            resp.ParseFromString(buf)
+            if resp.type != rpc.NOTIFY:
+                break
+            ok = on_notify(resp.notify.script) if on_notify else True
+            s.send(rpc.criu_req(type=rpc.NOTIFY, notify_success=ok).SerializeToString())
+    except OSError as exc:
+        raise pycriu.CRIUExceptionInternal(req.type, str(exc)) from exc
+    finally:
+        c._comm.disconnect()
+    if not resp.success:
+        raise pycriu.CRIUExceptionExternal(req.type, resp.type, resp.cr_errno)
+    return resp
+
+
+def _run(
+    action: str, opts: Any, log_path: Path, on_notify: Notify | None = None, session: Session | None = None
+) -> tuple[Any, float]:
     pycriu = _pycriu()
     c = pycriu.criu()
     c.use_binary(binary())
-    c.opts = opts
+    opts.notify_scripts = on_notify is not None
+    req = pycriu.rpc.criu_req(type=getattr(pycriu.rpc, action.upper()), opts=opts)
     started = time.monotonic()
     try:
-        resp = getattr(c, action)()
+        resp = _converse(c, req, on_notify, session)
     except pycriu.CRIUExceptionExternal as exc:
         tail = log_tail(log_path)
         what, hint = hint_for(tail)
@@ -259,10 +320,16 @@ def _run(action: str, opts: Any, log_path: Path) -> tuple[Any, float]:
     return resp, time.monotonic() - started
 
 
-def dump(o: DumpOptions) -> DumpResult:
-    """Checkpoint the tree rooted at `o.pid` into `o.images_dir`."""
+def dump(o: DumpOptions, on_notify: Notify | None = None, session: Session | None = None) -> DumpResult:
+    """Checkpoint the tree rooted at `o.pid` into `o.images_dir`.
+
+    With `o.lazy_pages` this returns only when the last page has been pulled (or the puller gave
+    up); `on_notify('status-ready')` says when the images are complete and the page server listens.
+    """
     with _Dirs(o.images_dir, o.work_dir) as (images_fd, work_fd):
-        _, seconds = _run("dump", build_dump_request(o, images_fd, work_fd), o.work_dir / o.log_file)
+        _, seconds = _run(
+            "dump", build_dump_request(o, images_fd, work_fd), o.work_dir / o.log_file, on_notify, session
+        )
     return DumpResult(seconds=seconds, log_path=o.work_dir / o.log_file)
 
 
@@ -272,7 +339,35 @@ def restore(o: RestoreOptions) -> RestoreResult:
         os.set_inheritable(fd, True)
     with _Dirs(o.images_dir, o.work_dir) as (images_fd, work_fd):
         resp, seconds = _run("restore", build_restore_request(o, images_fd, work_fd), o.work_dir / o.log_file)
-    return RestoreResult(pid=resp.pid, seconds=seconds, log_path=o.work_dir / o.log_file)
+    return RestoreResult(pid=resp.restore.pid, seconds=seconds, log_path=o.work_dir / o.log_file)
+
+
+def lazy_pages_daemon(images_dir: Path, work_dir: Path, address: str, port: int) -> subprocess.Popen:
+    """Start `criu lazy-pages` pulling pages from a source's page server; returns once it listens.
+
+    CRIU's RPC has no request for this daemon, so it runs as a command; its readiness comes
+    through `--status-fd` (one byte), its failure through its exit status and log.
+    """
+    ready_r, ready_w = os.pipe()
+    log = work_dir / "lazy-pages.log"
+    argv = [
+        binary(), "lazy-pages", "--page-server", "--address", address, "--port", str(port),
+        "-D", str(images_dir), "-W", str(work_dir), "-o", log.name, f"-v{LOG_LEVEL}",
+        "--status-fd", str(ready_w),
+    ]  # fmt: skip
+    proc = subprocess.Popen(argv, pass_fds=(ready_w,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    os.close(ready_w)
+    with os.fdopen(ready_r, "rb") as ready:
+        got = ready.read(1)
+    if not got:
+        proc.wait()
+        tail = log_tail(log)
+        raise CriuError(
+            f"CRIU lazy-pages could not reach the page server at {address}:{port}",
+            "check that the source node is reachable from this one",
+            tail,
+        )
+    return proc
 
 
 def _request(req_type: str, **fields: Any) -> Any:

@@ -36,27 +36,31 @@ def short_command(argv: list[str], width: int = 90) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def workloads_table(all_states: bool = False) -> None:
-    from criuctl import procinfo
-
-    rows = []
-    for w in workloads.all_workloads():
-        live = w.state == workloads.RUNNING and w.alive()
-        state = "running" if live else (w.state if w.state != workloads.RUNNING else "lost")
+def workloads_table(
+    rows: list[dict] | None = None, all_states: bool = False, where: str = "this host"
+) -> None:
+    """Workloads as a table: this node's registry, or `rows` an agent sent (`ps --node`)."""
+    if rows is None:
+        rows = workloads.rows()
+    table = []
+    for r in rows:
+        live = r["state"] == workloads.RUNNING and r["alive"]
+        state = "running" if live else (r["state"] if r["state"] != workloads.RUNNING else "lost")
+        if r.get("moved_to") and r["state"] == workloads.MIGRATED:
+            state = f"moved to {r['moved_to']}"
         if not live and not all_states:
             continue
-        rss = human_bytes(procinfo.rss_bytes(w.root_pid)) if live else "-"
-        rows.append((w.name, str(w.root_pid), short_command(w.command), rss, state))
-    if not rows:
+        rss = human_bytes(r["rss_bytes"]) if live and r.get("rss_bytes") else "-"
+        table.append((r["name"], str(r["root_pid"]), short_command(r["command"]), rss, state))
+    if not table:
         out.print(
-            f"No workloads on this host (state dir {workloads.state_dir()}). "
-            "Start one with: criuctl run -- CMD"
+            f"No workloads on {where} (state dir {workloads.state_dir()}). Start one with: criuctl run -- CMD"
         )
         return
     t = Table(box=None, header_style="bold")
     for col in ("NAME", "PID", "COMMAND", "RSS", "STATE"):
         t.add_column(col, no_wrap=True)
-    for r in rows:
+    for r in table:
         t.add_row(*r)
     out.print(t)
 
@@ -71,6 +75,66 @@ def phase_progress() -> Iterator[callable]:
         yield lambda phase: status.update(f"{phase} ({time.monotonic() - t0:.1f} s)")
     finally:
         status.stop()
+
+
+@contextlib.contextmanager
+def migration_progress() -> Iterator[callable]:
+    """One line per phase on stderr: a spinner, then the transfer as a bar with bytes/s."""
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TransferSpeedColumn,
+    )  # fmt: skip
+
+    bars = Progress(
+        SpinnerColumn(), TextColumn("{task.description:<9}"), BarColumn(), DownloadColumn(),
+        TransferSpeedColumn(), TimeElapsedColumn(), console=err, transient=False,
+    )  # fmt: skip
+    tasks: dict[str, int] = {}
+
+    def update(phase: str, done: int | None = None, total: int | None = None) -> None:
+        for name, tid in tasks.items():
+            if name != phase and not bars.tasks[tid].finished:
+                bars.update(tid, completed=bars.tasks[tid].total or 1, total=bars.tasks[tid].total or 1)
+                bars.stop_task(tid)
+        if phase not in tasks:
+            tasks[phase] = bars.add_task(phase, total=total)
+        if done is not None:
+            bars.update(tasks[phase], completed=done, total=total)
+
+    with bars:
+        yield update
+        update("")  # finish the last phase
+        bars.remove_task(tasks.pop(""))
+
+
+def migration_summary(r) -> None:
+    pages = (
+        f", all pages pulled {r.pages_seconds:.2f} s after the commit" if r.pages_seconds is not None else ""
+    )
+    err.print(
+        f"migrated {r.workload!r} {r.source} → {r.target} ({r.mode}): downtime {r.downtime_seconds:.2f} s, "
+        f"{human_bytes(r.bytes_moved)} moved, total {r.total_seconds:.2f} s "
+        f"(freeze {r.freeze_seconds:.2f} s, transfer {r.transfer_seconds:.2f} s, "
+        f"restore {r.restore_seconds:.2f} s{pages})"
+    )
+    err.print(f"follow it with: criuctl logs {r.workload} --node {r.target}")
+
+
+def nodes_table(nodes, health: dict[str, str]) -> None:
+    if not nodes:
+        out.print("No nodes yet. Add one: criuctl node add NAME URL --token-file F")
+        return
+    t = Table(box=None, header_style="bold")
+    for col in ("NAME", "URL", "TOKEN FILE", "AGENT"):
+        t.add_column(col, no_wrap=True)
+    for n in nodes:
+        t.add_row(n.name, n.url, n.token_file, health.get(n.name, "?"))
+    out.print(t)
 
 
 def dump_summary(o, leave_running: bool) -> None:

@@ -12,6 +12,7 @@ workload was checkpointed and stopped, it says so on stderr and exits 0.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import selectors
@@ -20,6 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import criuctl_hook
 from criuctl import procinfo, workloads
@@ -135,10 +137,15 @@ def start(
     return w, stdio
 
 
-def supervise(w: workloads.Workload, stdio: Stdio) -> int:
-    """Copy the workload's output until it ends; return the exit status for this command."""
+def supervise(w: workloads.Workload, stdio: Stdio, echo: bool = True) -> int:
+    """Copy the workload's output until it ends; return the exit status for this command.
+
+    Output always goes to the node's log for the workload (`criuctl logs`); with `echo` also to our
+    own stdout/stderr (a foreground `criuctl run`; an agent-started supervisor has no terminal).
+    """
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda n, _f: procinfo.send_signal(w.root_pid, n))
+    log = workloads.log_path(w.name).open("ab")
     sinks = {stdio.out_r: sys.stdout.buffer, stdio.err_r: sys.stderr.buffer}
     sel = selectors.DefaultSelector()
     for fd in sinks:
@@ -149,8 +156,10 @@ def supervise(w: workloads.Workload, stdio: Stdio) -> int:
         for key, _ in sel.select(timeout=0.2):
             data = os.read(key.fd, 1 << 16)
             if data:
-                sinks[key.fd].write(data)
-                sinks[key.fd].flush()
+                log.write(data)
+                log.flush()
+                if echo:
+                    _write(sinks[key.fd], data)
             else:
                 sel.unregister(key.fd)
                 os.close(key.fd)
@@ -163,19 +172,39 @@ def supervise(w: workloads.Workload, stdio: Stdio) -> int:
             break  # a writer outside the namespace kept a pipe open; do not hang on it
     if status is None:
         _, status = os.waitpid(w.root_pid, 0)
+    log.close()
     return _finish(w, status)
+
+
+def _write(sink: BinaryIO, data: bytes) -> None:
+    try:
+        sink.write(data)
+        sink.flush()
+    except (BrokenPipeError, ValueError):
+        pass  # whoever watched us went away; the log keeps everything
 
 
 def _finish(w: workloads.Workload, status: int) -> int:
     now = workloads.load(w.name)
-    if now is not None and now.state == workloads.CHECKPOINTED and now.root_pid == w.root_pid:
-        print(
-            f"criuctl: workload {w.name!r} was checkpointed to {now.bundle} and stopped; "
-            f"resume it with: criuctl restore {now.bundle}",
-            file=sys.stderr,
-        )
-        return 0
+    if now is not None and now.root_pid == w.root_pid:
+        if now.state == workloads.CHECKPOINTED:
+            _say(
+                f"criuctl: workload {w.name!r} was checkpointed to {now.bundle} and stopped; "
+                f"resume it with: criuctl restore {now.bundle}"
+            )
+            return 0
+        if now.state == workloads.MIGRATED:
+            _say(
+                f"criuctl: workload {w.name!r} moved to node {now.moved_to}; "
+                f"follow it with: criuctl logs {w.name} --node {now.moved_to}"
+            )
+            return 0
     code = exit_code(status)
     w.state, w.exit_code = workloads.EXITED, code
     workloads.save(w)
     return code
+
+
+def _say(line: str) -> None:
+    with contextlib.suppress(BrokenPipeError, ValueError):
+        print(line, file=sys.stderr, flush=True)

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import psutil
 
+from criuctl import procinfo
 from criuctl.errors import CriuctlError
 
 ENV_STATE_DIR = "CRIUCTL_STATE_DIR"
 DEFAULT_STATE_DIR = Path("/var/lib/criuctl")
 
-RUNNING, CHECKPOINTED, EXITED = "running", "checkpointed", "exited"
+RUNNING, CHECKPOINTED, MIGRATED, EXITED = "running", "checkpointed", "migrated", "exited"
 
 
 def state_dir() -> Path:
@@ -30,6 +31,18 @@ def state_dir() -> Path:
 
 def key_path() -> Path:
     return state_dir() / "bundle.key"
+
+
+def logs_dir(kind: str = "logs") -> Path:
+    """A root-only folder under the state dir: 'logs' (workload output, CRIU logs), 'restores'..."""
+    d = state_dir() / kind
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return d
+
+
+def log_path(name: str) -> Path:
+    """Where a workload's stdout and stderr are kept on this node (`criuctl logs NAME`)."""
+    return logs_dir() / f"{name}.log"
 
 
 @dataclass
@@ -44,6 +57,8 @@ class Workload:
     bundle: str | None = None  # set when checkpointed and stopped
     restored_from: str | None = None
     exit_code: int | None = None
+    moved_to: str | None = None  # node it was migrated to
+    node: str | None = None  # node whose agent restored it here (None: started here)
 
     def alive(self) -> bool:
         try:
@@ -85,6 +100,16 @@ def all_workloads() -> list[Workload]:
             out.append(Workload(**json.loads(p.read_text())))
         except (ValueError, TypeError):
             continue
+    return out
+
+
+def rows() -> list[dict]:
+    """Every record with whether it is alive and its tree's RSS: what `ps` and the agent show."""
+    out = []
+    for w in all_workloads():
+        alive = w.alive()
+        rss = procinfo.rss_bytes(w.root_pid) if alive and w.state == RUNNING else None
+        out.append({**asdict(w), "alive": alive, "rss_bytes": rss})
     return out
 
 

@@ -1,0 +1,151 @@
+"""Talking to agents: the node list (`criuctl node add/ls`) and an HTTP client for one agent.
+
+Nodes are agent addresses with a token file each, kept in STATE_DIR/nodes.json (root-only, like the
+rest of the state dir). Every failure to reach or convince an agent becomes one `CriuctlError` line
+that names the node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import requests
+
+from criuctl import workloads
+from criuctl.errors import CriuctlError
+
+
+class UnknownNode(CriuctlError):
+    exit_code = 3
+
+
+class NodeUnreachable(CriuctlError):
+    """No answer at all: connection refused, timed out, or broken before a response."""
+
+
+@dataclass
+class Node:
+    name: str
+    url: str
+    token_file: str
+    ca_file: str | None = None  # PEM of the CA that signed the agent's TLS certificate
+
+    @property
+    def host(self) -> str:
+        return urlparse(self.url).hostname or ""
+
+    def token(self) -> str:
+        try:
+            return Path(self.token_file).read_text().strip()
+        except OSError as exc:
+            raise CriuctlError(
+                f"cannot read the token file of node {self.name} ({self.token_file}): {exc.strerror}",
+                f"criuctl node add {self.name} URL --token-file F",
+            ) from exc
+
+    def ca_pem(self) -> str | None:
+        return Path(self.ca_file).read_text() if self.ca_file else None
+
+
+def _config() -> Path:
+    return workloads.state_dir() / "nodes.json"
+
+
+def all_nodes() -> dict[str, Node]:
+    try:
+        raw = json.loads(_config().read_text())
+    except FileNotFoundError:
+        return {}
+    return {name: Node(**n) for name, n in raw.items()}
+
+
+def add_node(node: Node) -> None:
+    if urlparse(node.url).scheme not in ("http", "https"):
+        raise CriuctlError(f"{node.url} is not an http(s) URL", "e.g. https://10.0.0.2:7070")
+    node.token()  # readable now, or say so now
+    nodes = all_nodes()
+    nodes[node.name] = node
+    workloads.logs_dir("")  # creates the state dir, root-only
+    tmp = _config().with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({k: asdict(v) for k, v in nodes.items()}, f, indent=2)
+    os.replace(tmp, _config())
+
+
+def remove_node(name: str) -> None:
+    nodes = all_nodes()
+    get_node(name)
+    del nodes[name]
+    _config().write_text(json.dumps({k: asdict(v) for k, v in nodes.items()}, indent=2))
+
+
+def get_node(name: str) -> Node:
+    nodes = all_nodes()
+    if name not in nodes:
+        known = ", ".join(sorted(nodes)) or "none yet"
+        raise UnknownNode(
+            f"no node named {name!r} (known: {known})", "add it: criuctl node add NAME URL --token-file F"
+        )
+    return nodes[name]
+
+
+class AgentClient:
+    """Synchronous calls to one agent; errors name the node and say what to do."""
+
+    def __init__(self, node: Node, timeout: float = 30.0) -> None:
+        self.node, self.timeout = node, timeout
+        self.s = requests.Session()
+        self.s.headers["Authorization"] = f"Bearer {node.token()}"
+        self.s.verify = node.ca_file or True
+
+    def _call(self, method: str, path: str, body: Any = None, timeout: float | None = None, **kw: Any) -> Any:
+        url = self.node.url.rstrip("/") + path
+        try:
+            resp = self.s.request(method, url, json=body, timeout=(5, timeout or self.timeout), **kw)
+        except requests.RequestException as exc:
+            raise NodeUnreachable(
+                f"node {self.node.name} ({self.node.url}) did not answer ({exc.__class__.__name__})",
+                "check that its agent runs and the network between here and there",
+            ) from exc
+        if not resp.ok:
+            try:
+                err = resp.json()
+            except ValueError:
+                err = {"what": f"node {self.node.name} answered HTTP {resp.status_code}: {resp.text[:200]}"}
+            e = CriuctlError(err.get("what", f"HTTP {resp.status_code}"), err.get("hint", ""))
+            e.status = resp.status_code  # type: ignore[attr-defined]
+            e.body = err  # type: ignore[attr-defined]
+            raise e
+        return resp
+
+    def get(self, path: str, **kw: Any) -> Any:
+        return self._call("GET", path, **kw).json()
+
+    def post(self, path: str, body: Any = None, **kw: Any) -> Any:
+        return self._call("POST", path, body, **kw).json()
+
+    def delete(self, path: str) -> Any:
+        return self._call("DELETE", path).json()
+
+    def text(self, path: str) -> str:
+        return self._call("GET", path).text
+
+    def events(self, path: str, body: Any, timeout: float = 3600) -> Iterator[dict]:
+        """POST, then yield the JSON events the agent streams back, one per line."""
+        resp = self._call("POST", path, body, timeout=timeout, stream=True)
+        try:
+            for line in resp.iter_lines():
+                if line:
+                    yield json.loads(line)
+        except requests.RequestException as exc:
+            raise NodeUnreachable(
+                f"lost node {self.node.name}'s agent mid-migration ({exc.__class__.__name__})",
+                "check that its agent runs",
+            ) from exc

@@ -1,0 +1,227 @@
+"""`criuctl migrate NAME --to NODE`: drive the source and target agents through one migration.
+
+    phase      source agent                 target agent                on failure
+    -------    -------------------------    -------------------------   -----------------------------
+    prepare                                 POST /incoming (ticket)     nothing frozen yet
+    freeze     POST /outgoing: freeze …                                 source thaws, job runs on there
+    transfer   … stream to target (ticket)  verify every byte           source thaws
+    restore                                 restore, *stopped*          target kills its copy; source thaws
+    commit                                  let it run                  ask the target; see below
+               end the tree (post-copy:
+               once all pages are pulled)
+
+The only moment the outcome is unknown is a commit whose answer is lost. Then we ask the target
+again for a while; if it stays silent the source stays frozen — not lost, not doubled — and its
+agent keeps asking the target until it can tell which side should run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from criuctl.agent.client import AgentClient, Node, NodeUnreachable, all_nodes
+from criuctl.agent.server import MODES, POST_COPY, PRE_COPY, STOP_AND_COPY
+from criuctl.errors import CriuctlError
+
+Progress = Callable[..., None]  # progress(phase, **facts)
+
+
+class MigrationFailed(CriuctlError):
+    exit_code = 4
+
+
+class MigrationInDoubt(CriuctlError):
+    exit_code = 5
+
+
+@dataclass
+class MigrationResult:
+    workload: str
+    source: str
+    target: str
+    mode: str
+    downtime_seconds: float  # source frozen → running on the target (measured by the source agent)
+    total_seconds: float  # command start → source tree gone (post-copy: last page pulled)
+    bytes_moved: int
+    freeze_seconds: float
+    transfer_seconds: float
+    restore_seconds: float
+    pages_seconds: float | None = None  # post-copy: commit → last page pulled
+
+
+def _quiet(_phase: str, **_facts: object) -> None:
+    pass
+
+
+def choose_mode(wanted: str | None, source: dict, target: dict) -> str:
+    """The mode to use: `wanted`, checked against both kernels, or the fastest both allow."""
+    if wanted == PRE_COPY:
+        if not source.get("pre_copy"):
+            raise MigrationFailed(
+                f"pre-copy needs soft-dirty memory tracking, which node {source['node']}'s kernel lacks",
+                "use --mode post-copy or --mode stop-and-copy",
+            )
+        raise MigrationFailed(
+            "pre-copy is not implemented yet", "use --mode post-copy or --mode stop-and-copy"
+        )
+    if wanted == POST_COPY or wanted is None:
+        ok = source.get("lazy_pages") and target.get("lazy_pages")
+        if ok:
+            return POST_COPY
+        if wanted == POST_COPY:
+            lacking = source["node"] if not source.get("lazy_pages") else target["node"]
+            raise MigrationFailed(
+                f"post-copy needs userfaultfd, which node {lacking}'s kernel lacks",
+                "use --mode stop-and-copy",
+            )
+    if wanted not in (None, *MODES):
+        raise MigrationFailed(f"unknown mode {wanted!r}", f"choose one of {', '.join(MODES)}")
+    return STOP_AND_COPY
+
+
+def find_workload(name: str, exclude: str | None = None) -> Node:
+    """The node whose agent runs workload `name`."""
+    for node in all_nodes().values():
+        if node.name == exclude:
+            continue
+        try:
+            rows = AgentClient(node, timeout=10).get("/v1/workloads")
+        except CriuctlError:
+            continue
+        if any(r["name"] == name and r["state"] == "running" and r["alive"] for r in rows):
+            return node
+    raise MigrationFailed(
+        f"no node runs a workload named {name!r}", "see `criuctl ps --node NODE`, or pass --from NODE"
+    )
+
+
+def _check_target(dst: AgentClient) -> dict:
+    info = dst.get("/v1/info", timeout=10)
+    if "criu_error" in info:
+        raise MigrationFailed(
+            f"node {dst.node.name} cannot restore: {info['criu_error']}",
+            "install CRIU there (scripts/install-criu.sh); nothing was frozen",
+        )
+    return info
+
+
+def migrate(
+    name: str, source: Node, target: Node, mode: str | None = None, progress: Progress = _quiet
+) -> MigrationResult:
+    started = time.monotonic()
+    if source.name == target.name:
+        raise MigrationFailed(f"{name!r} already runs on node {target.name}", "pick another --to node")
+    src, dst = AgentClient(source), AgentClient(target)
+    progress("prepare")
+    try:
+        dst_info = _check_target(dst)
+        src_info = src.get("/v1/info", timeout=10)
+        mode = choose_mode(mode, src_info, dst_info)
+        inc = dst.post("/v1/incoming", {"workload": name, "mode": mode})
+    except CriuctlError as exc:
+        raise MigrationFailed(
+            exc.what, f"{exc.hint}; nothing was frozen, {name!r} runs on {source.name}"
+        ) from exc
+    ticket = {"url": target.url, "incoming": inc["id"], "ticket": inc["ticket"]}
+    ticket.update(ca=target.ca_pem(), node=target.name)
+    og_id, port, facts = None, None, {"bytes": 0, "freeze": 0.0, "transfer": 0.0, "restore": 0.0}
+    try:
+        phase_started = time.monotonic()
+        progress("freeze")
+        for ev in src.events("/v1/outgoing", {"workload": name, "mode": mode, "target": ticket}):
+            kind = ev["event"]
+            if kind == "started":
+                og_id = ev["id"]
+            elif kind == "frozen":
+                facts["freeze"], port = time.monotonic() - phase_started, ev["page_server_port"]
+                phase_started = time.monotonic()
+                progress("transfer", done=0, total=ev["bytes"])
+            elif kind == "transfer":
+                progress("transfer", done=ev["done"], total=ev["total"])
+            elif kind == "sent":
+                facts["bytes"], facts["transfer"] = ev["bytes"], time.monotonic() - phase_started
+                break
+            elif kind == "error":
+                raise MigrationFailed(ev["what"], ev.get("hint", ""))
+        else:
+            raise NodeUnreachable(
+                f"node {source.name}'s agent stopped answering mid-migration",
+                "its handoff process thaws the job when the agent is gone",
+            )
+        phase_started = time.monotonic()
+        progress("restore")
+        body = {"page_server": f"{source.host}:{port}"} if mode == POST_COPY else {}
+        dst.post(f"/v1/incoming/{inc['id']}/restore", body, timeout=1800)
+        facts["restore"] = time.monotonic() - phase_started
+    except CriuctlError as exc:
+        _abort(src, dst, og_id, inc["id"])
+        raise MigrationFailed(exc.what, _keeps_running(exc.hint, name, source.name)) from exc
+    progress("commit")
+    _commit_target(src, dst, og_id, inc["id"], name, source.name)
+    try:
+        downtime = src.post(f"/v1/outgoing/{og_id}/commit", timeout=120)["downtime_seconds"]
+    except CriuctlError:
+        downtime = time.monotonic() - started  # the source agent will learn from the target by itself
+    pages = None
+    if mode == POST_COPY:
+        progress("pages")
+        pages = _wait_pages(src, og_id)
+    return MigrationResult(
+        name, source.name, target.name, mode, downtime, time.monotonic() - started, facts["bytes"],
+        facts["freeze"], facts["transfer"], facts["restore"], pages,
+    )  # fmt: skip
+
+
+def _keeps_running(hint: str, name: str, node: str) -> str:
+    return "; ".join(filter(None, [hint, f"{name!r} keeps running on {node}"]))
+
+
+def _abort(src: AgentClient, dst: AgentClient, og_id: str | None, inc_id: str) -> None:
+    """Undo both sides, target first (so its copy is dead before the source runs again)."""
+    for client, path in ((dst, f"/v1/incoming/{inc_id}"), (src, f"/v1/outgoing/{og_id}" if og_id else None)):
+        if path:
+            with contextlib.suppress(CriuctlError):  # a dead agent's handoff undoes its side itself
+                client.delete(path)
+
+
+def _commit_target(
+    src: AgentClient, dst: AgentClient, og_id: str, inc_id: str, name: str, source: str
+) -> None:
+    try:
+        dst.post(f"/v1/incoming/{inc_id}/commit", timeout=60)
+        return
+    except CriuctlError as exc:
+        first = exc
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            state = dst.get(f"/v1/incoming/{inc_id}", timeout=5)["state"]
+        except NodeUnreachable:
+            time.sleep(1)
+            continue
+        except CriuctlError as exc:
+            state = getattr(exc, "body", {}).get("state", "unknown")
+        if state == "running":
+            return
+        _abort(src, dst, og_id, inc_id)
+        raise MigrationFailed(first.what, _keeps_running(first.hint, name, source))
+    raise MigrationInDoubt(
+        f"node {dst.node.name} did not confirm that {name!r} runs there ({first.what})",
+        f"{name!r} stays frozen on {source}; its agent asks {dst.node.name} until it knows where it runs",
+    )
+
+
+def _wait_pages(src: AgentClient, og_id: str, timeout: float = 3600) -> float | None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            st = src.get(f"/v1/outgoing/{og_id}", timeout=10)
+        except CriuctlError:
+            return None
+        if st["state"] == "done":
+            return st.get("pages_seconds")
+        time.sleep(0.1)
+    return None

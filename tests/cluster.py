@@ -1,0 +1,311 @@
+"""Nodes for tests: network namespaces joined by a bridge, each with its own agent and state dir.
+
+Each node is a separate host as far as the network goes (its own address, its own agent on port
+7070); the client — `criuctl migrate` in the test — talks to them from the root namespace over
+the bridge. CRIU runs inside a node's namespace because its agent does (`nsenter --net`, not `ip
+netns exec`, which would add a mount namespace CRIU then has to dump).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import requests
+
+from tests.jobs import CRIUCTL, Job, workload_cmd
+
+_STEP = re.compile(r"^step (\d+) loss (\S+)$")
+_FINAL = re.compile(r"^final ([0-9a-f]{64})$")
+PORT = 7070
+
+
+def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, check=check)
+
+
+@dataclass
+class Node:
+    name: str
+    ns: str
+    addr: str
+    state: Path
+    token_file: Path
+    veth: str
+    agent: subprocess.Popen | None = None
+    scheme: str = "http"
+    tls: tuple[Path, Path] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://{self.addr}:{PORT}"
+
+    def inside(self) -> list[str]:
+        return ["nsenter", f"--net=/run/netns/{self.ns}"]
+
+    def start_agent(self, env: dict[str, str] | None = None, lease: float = 120.0) -> None:
+        argv = [
+            *self.inside(),
+            *CRIUCTL,
+            "agent",
+            "--listen",
+            f"0.0.0.0:{PORT}",
+            "--token-file",
+            str(self.token_file),
+            "--name",
+            self.name,
+            "--state-dir",
+            str(self.state),
+            "--lease",
+            str(lease),
+        ]
+        if self.tls:
+            argv += ["--tls-cert", str(self.tls[0]), "--tls-key", str(self.tls[1])]
+        log = (self.state.parent / "agent.log").open("ab")
+        self.agent = subprocess.Popen(argv, stdout=log, stderr=log, env={**os.environ, **(env or {})})
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(f"{self.url}/healthz", timeout=1, verify=False).ok:
+                    return
+            if self.agent.poll() is not None:
+                raise AssertionError(f"agent on {self.name} exited: {self.agent_log()[-2000:]}")
+            time.sleep(0.2)
+        raise AssertionError(f"agent on {self.name} did not come up: {self.agent_log()[-2000:]}")
+
+    def stop_agent(self, sig: int = signal.SIGTERM) -> None:
+        if self.agent and self.agent.poll() is None:
+            self.agent.send_signal(sig)
+            try:
+                self.agent.wait(15)
+            except subprocess.TimeoutExpired:
+                self.agent.kill()
+                self.agent.wait()
+
+    def agent_log(self) -> str:
+        return (self.state.parent / "agent.log").read_text(errors="replace")
+
+    def records(self) -> list[dict]:
+        out = []
+        for p in (self.state / "workloads").glob("*.json"):
+            with contextlib.suppress(ValueError, OSError):
+                out.append(json.loads(p.read_text()))
+        return out
+
+    def log(self, name: str) -> str:
+        p = self.state / "logs" / f"{name}.log"
+        return p.read_text(errors="replace") if p.exists() else ""
+
+
+class Cluster:
+    """`names` nodes on a private bridge; the client's state (node list) lives in `root/client`."""
+
+    def __init__(self, root: Path, names: tuple[str, ...] = ("a", "b"), tls: bool = False) -> None:
+        self.root, self.tag = root, secrets.token_hex(2)
+        self.bridge = f"crbr{self.tag}"
+        self.client_state = root / "client"
+        self.nodes: dict[str, Node] = {}
+        self.net = f"10.{77 + int(self.tag, 16) % 100}.0"
+        self._names, self._tls = names, tls
+
+    def __enter__(self) -> Cluster:
+        try:
+            self._up()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _up(self) -> None:
+        sh("ip", "link", "add", self.bridge, "type", "bridge")
+        sh("ip", "addr", "add", f"{self.net}.1/24", "dev", self.bridge)
+        sh("ip", "link", "set", self.bridge, "up")
+        key = self.root / "cluster.key"
+        key.write_text(secrets.token_bytes(32).hex() + "\n")
+        for i, name in enumerate(self._names, 2):
+            ns, veth = f"cr{self.tag}{name}", f"cr{self.tag}{name}h"
+            sh("ip", "netns", "add", ns)
+            sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            sh("ip", "link", "set", veth, "master", self.bridge, "up")
+            sh("ip", "-n", ns, "addr", "add", f"{self.net}.{i}/24", "dev", "eth0")
+            sh("ip", "-n", ns, "link", "set", "eth0", "up")
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+            d = self.root / name
+            (d / "state").mkdir(parents=True, mode=0o700)
+            shutil.copy(key, d / "state" / "bundle.key")  # every node signs with the cluster key
+            os.chmod(d / "state" / "bundle.key", 0o600)
+            token = d / "token"
+            token.write_text(secrets.token_urlsafe(24) + "\n")
+            os.chmod(token, 0o600)
+            node = Node(name, ns, f"{self.net}.{i}", d / "state", token, veth)
+            if self._tls:
+                node.tls, node.scheme = self._cert(node), "https"
+            self.nodes[name] = node
+        for node in self.nodes.values():
+            node.start_agent()
+            args = ["node", "add", node.name, node.url, "--token-file", str(node.token_file)]
+            if self._tls:
+                args += ["--ca", str(self.root / "ca.pem")]
+            r = self.client(*args)
+            assert r.returncode == 0, r.stderr
+
+    def _cert(self, node: Node) -> tuple[Path, Path]:
+        ca_key, ca = self.root / "ca.key", self.root / "ca.pem"
+        if not ca.exists():
+            sh(
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-keyout",
+                str(ca_key),
+                "-out",
+                str(ca),
+                "-days",
+                "2",
+                "-subj",
+                "/CN=criuctl test CA",
+            )
+        d = node.state.parent
+        sh(
+            "openssl",
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(d / "tls.key"),
+            "-out",
+            str(d / "tls.csr"),
+            "-subj",
+            f"/CN={node.name}",
+        )
+        (d / "ext.cnf").write_text(f"subjectAltName=IP:{node.addr}\n")
+        sh(
+            "openssl",
+            "x509",
+            "-req",
+            "-in",
+            str(d / "tls.csr"),
+            "-CA",
+            str(ca),
+            "-CAkey",
+            str(ca_key),
+            "-CAcreateserial",
+            "-out",
+            str(d / "tls.pem"),
+            "-days",
+            "2",
+            "-extfile",
+            str(d / "ext.cnf"),
+        )
+        os.chmod(d / "tls.key", 0o600)
+        return d / "tls.pem", d / "tls.key"
+
+    def __exit__(self, *exc: object) -> None:
+        for node in self.nodes.values():
+            node.stop_agent(signal.SIGKILL)
+            for rec in node.records():
+                for pid in (rec["root_pid"], rec["supervisor_pid"]):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+        for proc in psutil.process_iter(["cmdline"]):
+            cmd = " ".join(proc.info["cmdline"] or [])
+            if "criuctl.agent.handoff" in cmd and str(self.root) in cmd:
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
+        for node in self.nodes.values():
+            sh("ip", "netns", "del", node.ns, check=False)
+        sh("ip", "link", "del", self.bridge, check=False)
+
+    # ---------------------------------------------------------------------------------- driving
+
+    def client(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        """A criuctl command from the client's seat (root namespace, its own node list)."""
+        env = {**os.environ, "CRIUCTL_STATE_DIR": str(self.client_state)}
+        return subprocess.run([*CRIUCTL, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+    def migrate(self, name: str, to: str, *flags: str) -> subprocess.CompletedProcess:
+        return self.client("migrate", name, "--to", to, "--json", *flags)
+
+    def run(self, node: str, name: str, script: str, *args: str) -> Job:
+        n = self.nodes[node]
+        return Job(
+            [
+                *n.inside(),
+                *CRIUCTL,
+                "run",
+                "--state-dir",
+                str(n.state),
+                "--name",
+                name,
+                "--",
+                *workload_cmd(script, *args),
+            ]
+        )
+
+    def link(self, node: str, up: bool) -> None:
+        sh("ip", "link", "set", self.nodes[node].veth, "up" if up else "down")
+
+    # ---------------------------------------------------------------------------------- reading
+
+    def steps(self, name: str) -> dict[int, str]:
+        """Every step any node logged for `name`; a step logged twice must agree with itself."""
+        seen: dict[int, str] = {}
+        for node in self.nodes.values():
+            for line in node.log(name).splitlines():
+                if m := _STEP.match(line):
+                    step, loss = int(m[1]), m[2]
+                    assert seen.setdefault(step, loss) == loss, f"step {step} logged with two losses"
+        return seen
+
+    def final(self, name: str) -> list[str]:
+        return [
+            m[1]
+            for n in self.nodes.values()
+            for line in n.log(name).splitlines()
+            if (m := _FINAL.match(line))
+        ]
+
+    def running(self, name: str) -> list[str]:
+        """Nodes where a copy of `name` is alive and not stopped (one: else it was lost or doubled)."""
+        where = []
+        for node in self.nodes.values():
+            for rec in node.records():
+                if rec["name"] != name or rec["state"] != "running":
+                    continue
+                with contextlib.suppress(psutil.Error):
+                    if psutil.Process(rec["root_pid"]).status() not in (
+                        psutil.STATUS_STOPPED,
+                        psutil.STATUS_ZOMBIE,
+                    ):
+                        where.append(node.name)
+        return where
+
+    def wait_finished(self, name: str, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.final(name) and not self.running(name):
+                return
+            time.sleep(0.3)
+        raise AssertionError(f"{name} did not finish within {timeout}s; running on {self.running(name)}")
+
+    def wait_step(self, name: str, step: int, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if max(self.steps(name), default=-1) >= step:
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"{name} did not reach step {step}")
