@@ -45,6 +45,7 @@ class Node:
     agent: subprocess.Popen | None = None
     scheme: str = "http"
     tls: tuple[Path, Path] | None = None
+    hide: Path | None = None  # a folder this node's filesystem lacks (an empty tmpfs over it)
 
     @property
     def url(self) -> str:
@@ -76,7 +77,11 @@ class Node:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             with contextlib.suppress(requests.RequestException):
-                if requests.get(f"{self.url}/healthz", timeout=1, verify=False).ok:
+                if requests.get(
+                    f"{self.url}/healthz",
+                    timeout=1,
+                    verify=self.tls is None or str(self.tls[0].parent.parent / "ca.pem"),
+                ).ok:
                     return
             if self.agent.poll() is not None:
                 raise AssertionError(f"agent on {self.name} exited: {self.agent_log()[-2000:]}")
@@ -110,13 +115,20 @@ class Node:
 class Cluster:
     """`names` nodes on a private bridge; the client's state (node list) lives in `root/client`."""
 
-    def __init__(self, root: Path, names: tuple[str, ...] = ("a", "b"), tls: bool = False) -> None:
+    def __init__(
+        self,
+        root: Path,
+        names: tuple[str, ...] = ("a", "b"),
+        tls: bool = False,
+        tmpfs: dict[str, str] | None = None,
+        hide: dict[str, Path] | None = None,
+    ) -> None:
         self.root, self.tag = root, secrets.token_hex(2)
         self.bridge = f"crbr{self.tag}"
         self.client_state = root / "client"
         self.nodes: dict[str, Node] = {}
         self.net = f"10.{77 + int(self.tag, 16) % 100}.0"
-        self._names, self._tls = names, tls
+        self._names, self._tls, self._tmpfs, self._hide = names, tls, tmpfs or {}, hide or {}
 
     def __enter__(self) -> Cluster:
         try:
@@ -130,6 +142,7 @@ class Cluster:
         sh("ip", "link", "add", self.bridge, "type", "bridge")
         sh("ip", "addr", "add", f"{self.net}.1/24", "dev", self.bridge)
         sh("ip", "link", "set", self.bridge, "up")
+        self.root.mkdir(parents=True, exist_ok=True)
         key = self.root / "cluster.key"
         key.write_text(secrets.token_bytes(32).hex() + "\n")
         for i, name in enumerate(self._names, 2):
@@ -142,12 +155,22 @@ class Cluster:
             sh("ip", "-n", ns, "link", "set", "lo", "up")
             d = self.root / name
             (d / "state").mkdir(parents=True, mode=0o700)
+            if name in self._tmpfs:  # a small disk for this node's state (bundles land there)
+                sh(
+                    "mount",
+                    "-t",
+                    "tmpfs",
+                    "-o",
+                    f"size={self._tmpfs[name]},mode=0700",
+                    "none",
+                    str(d / "state"),
+                )
             shutil.copy(key, d / "state" / "bundle.key")  # every node signs with the cluster key
             os.chmod(d / "state" / "bundle.key", 0o600)
             token = d / "token"
             token.write_text(secrets.token_urlsafe(24) + "\n")
             os.chmod(token, 0o600)
-            node = Node(name, ns, f"{self.net}.{i}", d / "state", token, veth)
+            node = Node(name, ns, f"{self.net}.{i}", d / "state", token, veth, hide=self._hide.get(name))
             if self._tls:
                 node.tls, node.scheme = self._cert(node), "https"
             self.nodes[name] = node
@@ -228,6 +251,8 @@ class Cluster:
                     proc.kill()
         for node in self.nodes.values():
             sh("ip", "netns", "del", node.ns, check=False)
+            if node.name in self._tmpfs:
+                sh("umount", "-l", str(node.state), check=False)
         sh("ip", "link", "del", self.bridge, check=False)
 
     # ---------------------------------------------------------------------------------- driving

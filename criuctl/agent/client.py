@@ -103,12 +103,15 @@ class AgentClient:
         self.node, self.timeout = node, timeout
         self.s = requests.Session()
         self.s.headers["Authorization"] = f"Bearer {node.token()}"
-        self.s.verify = node.ca_file or True
+        # per request, not on the session: requests lets REQUESTS_CA_BUNDLE override Session.verify
+        self.verify: str | bool = node.ca_file or True
 
     def _call(self, method: str, path: str, body: Any = None, timeout: float | None = None, **kw: Any) -> Any:
         url = self.node.url.rstrip("/") + path
         try:
-            resp = self.s.request(method, url, json=body, timeout=(5, timeout or self.timeout), **kw)
+            resp = self.s.request(
+                method, url, json=body, timeout=(5, timeout or self.timeout), verify=self.verify, **kw
+            )
         except requests.RequestException as exc:
             raise NodeUnreachable(
                 f"node {self.node.name} ({self.node.url}) did not answer ({exc.__class__.__name__})",
