@@ -3,7 +3,7 @@
 #   make test   install everything, then run the whole test suite
 VENV := .venv
 
-.PHONY: install demo test bench lint clean
+.PHONY: install demo test bench bench-migrate lint clean
 install:
 	@bash scripts/bootstrap.sh
 
@@ -16,6 +16,10 @@ test: install
 
 bench: install
 	$(VENV)/bin/python bench/dump_restore.py
+	$(VENV)/bin/python bench/migrate.py
+
+bench-migrate: install
+	$(VENV)/bin/python bench/migrate.py
 
 lint: install
 	$(VENV)/bin/ruff check criuctl hooks tests bench

@@ -13,7 +13,23 @@ import torch
 p = argparse.ArgumentParser()
 p.add_argument("--gib", type=float, required=True)
 p.add_argument("--save", help="time torch.save of the state to this file, then torch.load of it")
+p.add_argument("--resume", help="the app-level restart: load this file into a fresh model, take one step")
 a = p.parse_args()
+
+if a.resume:  # a new process (started by the bench): import torch, build, load, one step
+    t0 = time.perf_counter()
+    state = torch.load(a.resume)
+    model = torch.nn.Sequential(
+        *[torch.nn.Linear(4096, 4096, bias=False) for _ in range(len(state["model"]))]
+    )
+    model.load_state_dict(state["model"])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    opt.load_state_dict(state["optim"])
+    for prm in model.parameters():
+        prm.grad = torch.zeros_like(prm)
+    opt.step()
+    print(f"resumed load+step {time.perf_counter() - t0:.3f}", flush=True)
+    raise SystemExit(0)
 
 torch.manual_seed(0)
 n_params = int(a.gib * (1 << 30) / 16)

@@ -16,6 +16,7 @@ directory, so the job is still running exactly once.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -24,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -152,7 +153,8 @@ def freeze(target: str, parent: Path, lazy_port: int | None = None, progress: Pr
     frozen = Frozen(w, staging, None, 0.0, lazy=lazy_port is not None)  # type: ignore[arg-type]
     progress("freezing")
     try:
-        _run_dump(frozen, options)
+        with _one_dump_at_a_time():
+            _run_dump(frozen, options)
         progress("sealing")
         manifest = bundle.Manifest(
             workload=w.name,
@@ -179,6 +181,26 @@ def freeze(target: str, parent: Path, lazy_port: int | None = None, progress: Pr
             ) from exc
         raise
     return frozen
+
+
+FREEZE_LOCK = Path("/run/criuctl-dump.lock")
+
+
+@contextlib.contextmanager
+def _one_dump_at_a_time() -> Iterator[None]:
+    """Serialise CRIU dumps on this host.
+
+    For a task in its own PID namespace, CRIU's parasite mounts a /proc at `proc.crtools` in the
+    task's *working directory*; two dumps of jobs started from one folder at once collide there
+    (`Can't create a directory (-17)`), and one fails. Freezing is the short part of a migration;
+    transfers and restores still run side by side.
+    """
+    fd = os.open(FREEZE_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _run_dump(frozen: Frozen, options: criu.DumpOptions) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 from criuctl.errors import CriuctlError
 
 MIN_VERSION = (4, 0)
+POSTCOPY_PIPE_SIZE = 8 << 20  # fs.pipe-max-size CRIU's page server needs (it sizes a pipe to ~3.3 MB)
 ENV_CRIU_BINARY = "CRIUCTL_CRIU"  # path or name of the criu binary; default "criu" on PATH
 LOG_LEVEL_DEBUG = 4
 # Warnings and errors, as the criu CLI logs by default; debug logging costs ~20% of dump time at
@@ -433,3 +434,23 @@ def features() -> Features:
     resp = _request("FEATURE_CHECK", features=asked)
     f = resp.features
     return Features(mem_track=f.mem_track, lazy_pages=f.lazy_pages)
+
+
+def ensure_lazy_pages() -> None:
+    """Post-copy needs userfaultfd, and pipes above the default maximum: check, raise the sysctl.
+
+    CRIU's page server sizes its pipes with F_SETPIPE_SZ above fs.pipe-max-size (1 MiB by default);
+    without CAP_SYS_RESOURCE that fails and CRIU ignores the failure, then the transfer breaks.
+    """
+    if not features().lazy_pages:
+        raise CriuError("this kernel has no userfaultfd for CRIU's lazy pages", "use --mode stop-and-copy")
+    path = Path("/proc/sys/fs/pipe-max-size")
+    if int(path.read_text()) >= POSTCOPY_PIPE_SIZE:
+        return
+    try:
+        path.write_text(str(POSTCOPY_PIPE_SIZE))
+    except OSError as exc:
+        raise CriuError(
+            f"fs.pipe-max-size is {path.read_text().strip()}, CRIU's page server needs {POSTCOPY_PIPE_SIZE}",
+            f"sysctl -w fs.pipe-max-size={POSTCOPY_PIPE_SIZE}, or use --mode stop-and-copy",
+        ) from exc

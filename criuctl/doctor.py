@@ -16,7 +16,6 @@ from criuctl import criu, cuda
 from criuctl.errors import CriuctlError
 
 CAP_CHECKPOINT_RESTORE = 40
-POSTCOPY_PIPE_SIZE = 8 << 20  # CRIU's page server sizes its pipe to ~3.3 MB; see docs/architecture.md
 
 
 @dataclass(frozen=True)
@@ -111,12 +110,12 @@ def _sysctl(name: str) -> str | None:
 
 def _pipe_max_size() -> Check:
     v = int(_sysctl("fs.pipe-max-size") or 0)
-    ok = v >= POSTCOPY_PIPE_SIZE
+    ok = v >= criu.POSTCOPY_PIPE_SIZE
     return Check(
         "fs.pipe-max-size",
         ok,
         f"{v} bytes",
-        f"post-copy needs sysctl fs.pipe-max-size={POSTCOPY_PIPE_SIZE} "
+        f"post-copy needs sysctl fs.pipe-max-size={criu.POSTCOPY_PIPE_SIZE} "
         "(CRIU's page server fails without CAP_SYS_RESOURCE)",
         required=False,
     )

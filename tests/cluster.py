@@ -55,21 +55,20 @@ class Node:
         return ["nsenter", f"--net=/run/netns/{self.ns}"]
 
     def start_agent(self, env: dict[str, str] | None = None, lease: float = 120.0) -> None:
+        prefix = self.inside()
+        if self.hide:  # its own mount namespace, where `hide` is an empty tmpfs
+            mount = f'mount -t tmpfs none {self.hide} && exec "$@"'
+            prefix += ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, "sh"]
         argv = [
-            *self.inside(),
+            *prefix,
             *CRIUCTL,
             "agent",
             "--listen",
             f"0.0.0.0:{PORT}",
             "--token-file",
             str(self.token_file),
-            "--name",
-            self.name,
-            "--state-dir",
-            str(self.state),
-            "--lease",
-            str(lease),
         ]
+        argv += ["--name", self.name, "--state-dir", str(self.state), "--lease", str(lease)]
         if self.tls:
             argv += ["--tls-cert", str(self.tls[0]), "--tls-key", str(self.tls[1])]
         log = (self.state.parent / "agent.log").open("ab")
@@ -265,21 +264,10 @@ class Cluster:
     def migrate(self, name: str, to: str, *flags: str) -> subprocess.CompletedProcess:
         return self.client("migrate", name, "--to", to, "--json", *flags)
 
-    def run(self, node: str, name: str, script: str, *args: str) -> Job:
+    def run(self, node: str, name: str, script: str, *args: str, env: dict[str, str] | None = None) -> Job:
         n = self.nodes[node]
-        return Job(
-            [
-                *n.inside(),
-                *CRIUCTL,
-                "run",
-                "--state-dir",
-                str(n.state),
-                "--name",
-                name,
-                "--",
-                *workload_cmd(script, *args),
-            ]
-        )
+        argv = [*n.inside(), *CRIUCTL, "run", "--state-dir", str(n.state), "--name", name, "--"]
+        return Job([*argv, *workload_cmd(script, *args)], env={**os.environ, **(env or {})})
 
     def link(self, node: str, up: bool) -> None:
         sh("ip", "link", "set", self.nodes[node].veth, "up" if up else "down")

@@ -36,6 +36,7 @@ import hmac
 import json
 import logging
 import os
+import queue
 import secrets
 import shutil
 import signal
@@ -62,7 +63,6 @@ STOP_AND_COPY, POST_COPY, PRE_COPY = "stop-and-copy", "post-copy", "pre-copy"
 MODES = (STOP_AND_COPY, POST_COPY, PRE_COPY)
 IDLE_TIMEOUT = 30.0  # seconds without a byte of an incoming bundle before the upload is dropped
 FREEZE_TIMEOUT = 1800.0
-PIPE_MAX_SIZE = 8 << 20  # CRIU's page server sizes its pipes above the 1 MiB default (design §2)
 
 
 @dataclass
@@ -163,21 +163,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
-
-
-def ensure_lazy_pages() -> None:
-    """Post-copy needs userfaultfd and pipes bigger than the default maximum: check, and raise the sysctl."""
-    if not criu.features().lazy_pages:
-        raise CriuctlError("this kernel has no userfaultfd for CRIU's lazy pages", "use --mode stop-and-copy")
-    path = Path("/proc/sys/fs/pipe-max-size")
-    if int(path.read_text()) < PIPE_MAX_SIZE:
-        try:
-            path.write_text(str(PIPE_MAX_SIZE))
-        except OSError as exc:
-            raise CriuctlError(
-                f"fs.pipe-max-size is {path.read_text().strip()}, CRIU's page server needs {PIPE_MAX_SIZE}",
-                f"sysctl -w fs.pipe-max-size={PIPE_MAX_SIZE}, or use --mode stop-and-copy",
-            ) from exc
 
 
 class Agent:
@@ -375,6 +360,7 @@ class Agent:
         reader = transfer.QueueReader()
         counter = transfer.Counter(started=time.monotonic())
         job = asyncio.ensure_future(asyncio.to_thread(transfer.receive, reader, dest, counter))
+        pending = bytearray()
         try:
             while True:
                 try:
@@ -384,12 +370,18 @@ class Agent:
                         f"no data from the sender for {IDLE_TIMEOUT:.0f} s",
                         "check the network between the nodes",
                     ) from None
-                if not await asyncio.to_thread(_put, reader, chunk or None, job):
+                pending += chunk
+                if chunk and len(pending) < transfer.CHUNK:
+                    continue  # hand the reader whole chunks: one queue item per MiB, not per packet
+                if pending and not await _hand_over(reader, bytes(pending), job):
                     break
+                pending.clear()
                 if not chunk:
+                    await _hand_over(reader, None, job)
                     break
         except BaseException as exc:
-            reader.q.put_nowait(exc) if not reader.q.full() else None
+            with contextlib.suppress(Exception):
+                reader.q.put_nowait(exc)
             with contextlib.suppress(BaseException):
                 await job
             raise
@@ -420,7 +412,7 @@ class Agent:
         try:
             await asyncio.to_thread(criu.require_version)
             if mode == POST_COPY:
-                await asyncio.to_thread(ensure_lazy_pages)
+                await asyncio.to_thread(criu.ensure_lazy_pages)
             bundle.load_key(workloads.key_path(), create=False)
         except CriuctlError as exc:
             return _fail(503, f"node {self.opts.name} cannot restore: {exc.what}", exc.hint)
@@ -529,7 +521,7 @@ class Agent:
         try:
             w = workloads.resolve(body["workload"])
             if mode == POST_COPY:
-                await asyncio.to_thread(ensure_lazy_pages)
+                await asyncio.to_thread(criu.ensure_lazy_pages)
         except CriuctlError as exc:
             return _error_response(exc, self.opts.name)
         og = Outgoing(uuid.uuid4().hex, w.name, mode, workloads.logs_dir("outgoing"), target)
@@ -671,14 +663,14 @@ class Agent:
         return web.json_response({"state": og.state})
 
 
-def _put(reader: transfer.QueueReader, item: bytes | None, job: asyncio.Future) -> bool:
+async def _hand_over(reader: transfer.QueueReader, item: bytes | None, job: asyncio.Future) -> bool:
     """Hand a chunk to the receiving thread; False once that thread has stopped taking them."""
     while not job.done():
         try:
-            reader.q.put(item, timeout=0.5)
+            reader.q.put_nowait(item)
             return True
-        except Exception:  # queue.Full
-            continue
+        except queue.Full:
+            await asyncio.sleep(0.002)  # the disk is slower than the network: let TCP push back
     return False
 
 

@@ -94,7 +94,7 @@ def receive(
     dest.mkdir(mode=0o700, parents=True, exist_ok=True)
     digests: dict[str, str] = {}
     try:
-        with tarfile.open(fileobj=reader, mode="r|") as tar:
+        with tarfile.open(fileobj=reader, mode="r|", bufsize=CHUNK) as tar:
             for member in tar:
                 rel = _safe_name(member.name)
                 if member.isdir():
@@ -128,7 +128,7 @@ class QueueReader(io.RawIOBase):
 
     def __init__(self, maxsize: int = 64) -> None:
         self.q: queue.Queue[bytes | BaseException | None] = queue.Queue(maxsize)
-        self._buf = b""
+        self._buf = memoryview(b"")
         self._eof = False
 
     def readable(self) -> bool:
@@ -142,7 +142,7 @@ class QueueReader(io.RawIOBase):
             elif isinstance(item, BaseException):
                 raise item
             else:
-                self._buf = item
+                self._buf = memoryview(item)
         n = min(len(b), len(self._buf))
         b[:n] = self._buf[:n]
         self._buf = self._buf[n:]
