@@ -172,6 +172,11 @@ def freeze(target: str, parent: Path, lazy_port: int | None = None, progress: Pr
     except BaseException as exc:
         log = _keep_log(staging / bundle.DUMP_LOG, w.name)
         frozen.thaw()
+        if isinstance(exc, criu.CriuError) and not w.alive():
+            raise CriuctlError(
+                f"workload {w.name!r} ended while it was being frozen",
+                f"nothing was checkpointed; see `criuctl logs {w.name}` for how it ended",
+            ) from exc
         if isinstance(exc, CriuctlError) and log:
             exc.hint += f" (CRIU log: {log})"
         if isinstance(exc, OSError) and exc.errno == 28:

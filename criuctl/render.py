@@ -79,32 +79,26 @@ def phase_progress() -> Iterator[callable]:
 
 @contextlib.contextmanager
 def migration_progress() -> Iterator[callable]:
-    """One line per phase on stderr: a spinner, then the transfer as a bar with bytes/s."""
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        SpinnerColumn,
-        TextColumn,
-        TimeElapsedColumn,
-        TransferSpeedColumn,
-    )  # fmt: skip
+    """One line per phase on stderr: a spinner and its time; the transfer with bytes and bytes/s."""
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     bars = Progress(
-        SpinnerColumn(), TextColumn("{task.description:<9}"), BarColumn(), DownloadColumn(),
-        TransferSpeedColumn(), TimeElapsedColumn(), console=err, transient=False,
+        SpinnerColumn(), TextColumn("{task.description:<9}"), BarColumn(), TimeElapsedColumn(),
+        TextColumn("{task.fields[info]}"), console=err,
     )  # fmt: skip
     tasks: dict[str, int] = {}
 
     def update(phase: str, done: int | None = None, total: int | None = None) -> None:
         for name, tid in tasks.items():
             if name != phase and not bars.tasks[tid].finished:
-                bars.update(tid, completed=bars.tasks[tid].total or 1, total=bars.tasks[tid].total or 1)
+                bars.update(tid, completed=1, total=1)
                 bars.stop_task(tid)
         if phase not in tasks:
-            tasks[phase] = bars.add_task(phase, total=total)
-        if done is not None:
-            bars.update(tasks[phase], completed=done, total=total)
+            tasks[phase] = bars.add_task(phase, total=None, info="", t0=time.monotonic())
+        if done is not None and total:
+            rate = done / max(time.monotonic() - bars.tasks[tasks[phase]].fields["t0"], 1e-6)
+            info = f"{human_bytes(done)} / {human_bytes(total)}, {human_bytes(rate)}/s"
+            bars.update(tasks[phase], completed=done, total=total, info=info)
 
     with bars:
         yield update

@@ -80,6 +80,12 @@ def assert_ran_once(c: Cluster, name: str, ref: Ref, where: str) -> None:
     assert c.final(name) == [ref.final], "final weights differ from an uninterrupted run"
 
 
+def _mlp_on_a(c: Cluster, step: int) -> None:
+    """The small training job, started on node a, once it has logged `step`."""
+    c.run("a", "mlp", *MLP)
+    c.wait_step("mlp", step)
+
+
 def _migrate_ok(c: Cluster, name: str, to: str, *flags: str) -> dict:
     r = c.migrate(name, to, *flags)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -141,8 +147,7 @@ def test_pre_copy_is_refused_with_the_reason_where_the_kernel_lacks_soft_dirty(c
     if reason is None:
         pytest.skip("this kernel has soft-dirty; pre-copy is not implemented yet")
     c = cluster
-    c.run("a", "mlp", *MLP)
-    c.wait_step("mlp", 5)
+    _mlp_on_a(c, 5)
     line = _failed(c.migrate("mlp", "b", "--mode", "pre-copy"))
     assert "soft-dirty" in line and "runs on a" in line, line
     assert_ran_once(c, "mlp", mlp_ref, "a")
@@ -181,8 +186,7 @@ def _finish(p: subprocess.Popen, timeout: float = 180) -> subprocess.CompletedPr
 
 def test_source_agent_killed_mid_dump(cluster, mlp_ref):
     c = cluster
-    c.run("a", "mlp", *MLP)
-    c.wait_step("mlp", 10)
+    _mlp_on_a(c, 10)
     p = _background_migrate(c, "mlp", "b", "--mode", "stop-and-copy")
     _wait_for_process("criuctl.agent.handoff source")
     _wait_for_process("criu swrk")  # CRIU is freezing and dumping the tree now
@@ -194,8 +198,7 @@ def test_source_agent_killed_mid_dump(cluster, mlp_ref):
 
 def test_target_agent_killed_mid_restore(cluster, mlp_ref):
     c = cluster
-    c.run("a", "mlp", *MLP)
-    c.wait_step("mlp", 10)
+    _mlp_on_a(c, 10)
     p = _background_migrate(c, "mlp", "b", "--mode", "stop-and-copy")
     _wait_for_process("criuctl.agent.handoff target")
     c.nodes["b"].agent.kill()
@@ -206,8 +209,7 @@ def test_target_agent_killed_mid_restore(cluster, mlp_ref):
 
 def test_link_cut_mid_transfer(cluster, mlp_ref):
     c = cluster
-    c.run("a", "mlp", *MLP)
-    c.wait_step("mlp", 10)
+    _mlp_on_a(c, 10)
     p = _background_migrate(c, "mlp", "b", "--mode", "stop-and-copy")
     incoming = c.nodes["b"].state / "incoming"
     deadline = time.monotonic() + 60
@@ -225,8 +227,7 @@ def test_link_cut_mid_transfer(cluster, mlp_ref):
 
 def test_target_disk_full(tmp_path, mlp_ref):
     with Cluster(tmp_path / "c", tmpfs={"b": "48m"}) as c:
-        c.run("a", "mlp", *MLP)
-        c.wait_step("mlp", 10)
+        _mlp_on_a(c, 10)
         line = _failed(c.migrate("mlp", "b", "--mode", "stop-and-copy"))
         assert "disk full on node b" in line and "keeps running on a" in line, line
         assert not list((c.nodes["b"].state / "incoming").iterdir()), "the partial bundle was left behind"
@@ -239,8 +240,7 @@ def test_one_corrupted_byte_in_transit(cluster, mlp_ref):
     b = c.nodes["b"]
     r = c.client("node", "add", "b-proxied", f"http://{c.net}.1:7171", "--token-file", str(b.token_file))
     assert r.returncode == 0, r.stderr
-    c.run("a", "mlp", *MLP)
-    c.wait_step("mlp", 10)
+    _mlp_on_a(c, 10)
     try:
         line = _failed(c.migrate("mlp", "b-proxied", "--mode", "stop-and-copy"))
     finally:
@@ -252,8 +252,7 @@ def test_one_corrupted_byte_in_transit(cluster, mlp_ref):
 
 def test_target_node_unreachable(cluster, mlp_ref):
     c = cluster
-    c.run("a", "mlp", *MLP)
-    c.wait_step("mlp", 5)
+    _mlp_on_a(c, 5)
     c.link("b", up=False)
     try:
         line = _failed(c.migrate("mlp", "b"))
@@ -267,8 +266,7 @@ def test_criu_missing_on_target(cluster, mlp_ref):
     c = cluster
     c.nodes["b"].stop_agent()
     c.nodes["b"].start_agent(env={"CRIUCTL_CRIU": "/nonexistent/criu"})
-    c.run("a", "mlp", *MLP)
-    c.wait_step("mlp", 5)
+    _mlp_on_a(c, 5)
     line = _failed(c.migrate("mlp", "b"))
     assert "node b cannot restore" in line and "CRIU not found" in line, line
     assert_ran_once(c, "mlp", mlp_ref, "a")
@@ -349,16 +347,15 @@ def test_migration_over_tls(tmp_path, mlp_ref):
         assert c.nodes["a"].url.startswith("https://")
         with pytest.raises(requests.exceptions.SSLError):
             requests.get(f"{c.nodes['a'].url}/healthz", timeout=5, verify=True)  # not a CA we trust
-        c.run("a", "mlp", *MLP)
-        c.wait_step("mlp", 10)
+        _mlp_on_a(c, 10)
         _migrate_ok(c, "mlp", "b", "--mode", "stop-and-copy")
         assert_ran_once(c, "mlp", mlp_ref, "b")
 
 
 def test_eight_concurrent_migrations_between_one_pair(cluster, tmp_path):
     c = cluster
-    args = ("--steps", "150", "--step-time", "0.1")
-    ref = Ref(tmp_path / "ref8", "train_mlp.py", "--steps", "150", "--step-time", "0")
+    args = ("--steps", "400", "--step-time", "0.1")  # long enough to still run after 8 freezes in a row
+    ref = Ref(tmp_path / "ref8", "train_mlp.py", "--steps", "400", "--step-time", "0")
     names = [f"job{i}" for i in range(8)]
     for n in names:
         c.run("a", n, "train_mlp.py", *args)

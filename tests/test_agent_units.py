@@ -1,0 +1,128 @@
+"""The agent's pure parts, without CRIU: the bundle stream, mode choice, token rules, the node list."""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+
+import pytest
+
+from criuctl import bundle
+from criuctl.agent import client, migrate, transfer
+from criuctl.agent.server import read_token
+from criuctl.errors import CriuctlError
+
+
+def _bundle(tmp_path, key: bytes):
+    root = tmp_path / "b"
+    (root / "images").mkdir(parents=True)
+    (root / "images" / "pages-1.img").write_bytes(os.urandom(3 << 20) + b"tail")
+    (root / "images" / "core-1.img").write_bytes(b"core")
+    m = bundle.Manifest(
+        workload="w", command=["x"], processes=[], open_files=[], uses_gpu=False, criu_version="4.1"
+    )
+    bundle.seal(root, m, key)
+    return root
+
+
+def test_bundle_stream_round_trip_hashes_what_arrives(tmp_path):
+    key = os.urandom(32)
+    root = _bundle(tmp_path, key)
+    stream = b"".join(transfer.tar_chunks(root))
+    assert len(stream) == transfer.stream_size(root)
+    digests = transfer.receive(io.BytesIO(stream), tmp_path / "in")
+    assert bundle.verify(tmp_path / "in", key, digests).workload == "w"
+    listed = bundle.read_manifest(root).files
+    assert {k: digests[k] for k in listed} == listed
+    assert (tmp_path / "in" / bundle.MANIFEST).stat().st_mode & 0o777 == 0o600
+
+
+def test_a_flipped_byte_in_the_stream_is_refused(tmp_path):
+    key = os.urandom(32)
+    root = _bundle(tmp_path, key)
+    stream = bytearray(b"".join(transfer.tar_chunks(root)))
+    stream[len(stream) // 2] ^= 1  # inside pages-1.img
+    digests = transfer.receive(io.BytesIO(bytes(stream)), tmp_path / "in")
+    with pytest.raises(bundle.BundleError, match=r"pages-1\.img"):
+        bundle.verify(tmp_path / "in", key, digests)
+
+
+def test_a_truncated_stream_is_refused(tmp_path):
+    root = _bundle(tmp_path, os.urandom(32))
+    stream = b"".join(transfer.tar_chunks(root))
+    with pytest.raises(transfer.TransferError, match="broke off"):
+        transfer.receive(io.BytesIO(stream[: len(stream) // 2]), tmp_path / "in")
+
+
+@pytest.mark.parametrize("name", ["../evil", "/etc/evil", "images/../../evil"])
+def test_a_stream_that_writes_outside_its_folder_is_refused(tmp_path, name):
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo(name)
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"x"))
+    with pytest.raises(transfer.TransferError, match="refused"):
+        transfer.receive(io.BytesIO(buf.getvalue()), tmp_path / "in")
+    assert not (tmp_path / "evil").exists()
+
+
+def test_a_stream_with_a_symlink_is_refused(tmp_path):
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo("images/link")
+        info.type, info.linkname = tarfile.SYMTYPE, "/etc/shadow"
+        tar.addfile(info)
+    with pytest.raises(transfer.TransferError, match="not a regular file"):
+        transfer.receive(io.BytesIO(buf.getvalue()), tmp_path / "in")
+
+
+def test_mode_choice_follows_both_kernels():
+    both = {"node": "a", "lazy_pages": True, "pre_copy": False}
+    no_uffd = {"node": "b", "lazy_pages": False, "pre_copy": False}
+    assert migrate.choose_mode(None, both, {**both, "node": "b"}) == "post-copy"
+    assert migrate.choose_mode(None, both, no_uffd) == "stop-and-copy"
+    assert migrate.choose_mode("stop-and-copy", both, both) == "stop-and-copy"
+    with pytest.raises(migrate.MigrationFailed, match="node b's kernel lacks"):
+        migrate.choose_mode("post-copy", both, no_uffd)
+    with pytest.raises(migrate.MigrationFailed, match="soft-dirty"):
+        migrate.choose_mode("pre-copy", both, both)
+
+
+def test_token_file_must_be_private_and_long(tmp_path):
+    t = tmp_path / "token"
+    t.write_text("s" * 32 + "\n")
+    os.chmod(t, 0o600)
+    assert read_token(t) == "s" * 32
+    os.chmod(t, 0o640)
+    with pytest.raises(CriuctlError, match="readable by others"):
+        read_token(t)
+    t.write_text("short")
+    os.chmod(t, 0o600)
+    with pytest.raises(CriuctlError, match="too short"):
+        read_token(t)
+    with pytest.raises(CriuctlError, match="cannot read token file"):
+        read_token(tmp_path / "missing")
+
+
+def test_node_list(tmp_path):
+    token = tmp_path / "t"
+    token.write_text("x" * 20)
+    client.add_node(client.Node("a", "http://10.0.0.2:7070", str(token)))
+    assert client.get_node("a").host == "10.0.0.2"
+    with pytest.raises(client.UnknownNode, match="no node named 'z' \\(known: a\\)"):
+        client.get_node("z")
+    with pytest.raises(CriuctlError, match="not an http"):
+        client.add_node(client.Node("b", "10.0.0.3:7070", str(token)))
+    with pytest.raises(CriuctlError, match="cannot read the token file"):
+        client.add_node(client.Node("c", "http://10.0.0.4:7070", str(tmp_path / "none")))
+    client.remove_node("a")
+    assert client.all_nodes() == {}
+
+
+def test_an_unreachable_node_is_one_clear_error(tmp_path):
+    token = tmp_path / "t"
+    token.write_text("x" * 20)
+    node = client.Node("gone", "http://127.0.0.1:9", str(token))  # discard port: nothing listens
+    with pytest.raises(client.NodeUnreachable, match=r"node gone .* did not answer"):
+        client.AgentClient(node).get("/v1/info")
