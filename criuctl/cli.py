@@ -68,6 +68,12 @@ def _cmd_agent(a: argparse.Namespace) -> int:
     )
     if a.name:
         opts.name = a.name
+    if a.spool_dir:
+        import os
+
+        from criuctl.workloads import ENV_SPOOL_DIR
+
+        os.environ[ENV_SPOOL_DIR] = str(Path(a.spool_dir).absolute())  # handoff processes inherit it
     server.serve(opts)
     return 0
 
@@ -201,6 +207,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--tls-cert", metavar="FILE")
     s.add_argument("--tls-key", metavar="FILE")
     s.add_argument("--name", help="this node's name (default: the host name)")
+    s.add_argument(
+        "--spool-dir", metavar="DIR",
+        help="where bundles in flight go (default: the state dir); a tmpfs keeps the disk out of a "
+        "migration's path, at the cost of RAM for one bundle per migration (env CRIUCTL_SPOOL_DIR)",
+    )  # fmt: skip
     s.add_argument(
         "--lease", type=float, default=120.0, metavar="SECONDS",
         help="how long a frozen source waits for the client's commit before asking the target",

@@ -40,6 +40,21 @@ def logs_dir(kind: str = "logs") -> Path:
     return d
 
 
+ENV_SPOOL_DIR = "CRIUCTL_SPOOL_DIR"
+
+
+def spool_dir(kind: str) -> Path:
+    """Where bundles in flight are written (`kind`: 'outgoing', 'incoming'), root-only.
+
+    The state dir by default. A tmpfs here takes the disk out of a migration's path (dump and
+    receive run at memory speed) at the cost of holding a bundle — about the job's RSS — in RAM
+    until the move is over.
+    """
+    d = Path(os.environ.get(ENV_SPOOL_DIR) or state_dir()) / kind
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return d
+
+
 def log_path(name: str) -> Path:
     """Where a workload's stdout and stderr are kept on this node (`criuctl logs NAME`)."""
     return logs_dir() / f"{name}.log"

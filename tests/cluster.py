@@ -54,7 +54,9 @@ class Node:
     def inside(self) -> list[str]:
         return ["nsenter", f"--net=/run/netns/{self.ns}"]
 
-    def start_agent(self, env: dict[str, str] | None = None, lease: float = 120.0) -> None:
+    def start_agent(
+        self, env: dict[str, str] | None = None, lease: float = 120.0, spool: Path | None = None
+    ) -> None:
         prefix = self.inside()
         if self.hide:  # its own mount namespace, where `hide` is an empty tmpfs
             mount = f'mount -t tmpfs none {self.hide} && exec "$@"'
@@ -69,6 +71,8 @@ class Node:
             str(self.token_file),
         ]
         argv += ["--name", self.name, "--state-dir", str(self.state), "--lease", str(lease)]
+        if spool:
+            argv += ["--spool-dir", str(spool)]
         if self.tls:
             argv += ["--tls-cert", str(self.tls[0]), "--tls-key", str(self.tls[1])]
         log = (self.state.parent / "agent.log").open("ab")
@@ -121,6 +125,7 @@ class Cluster:
         tls: bool = False,
         tmpfs: dict[str, str] | None = None,
         hide: dict[str, Path] | None = None,
+        lease: float = 120.0,
     ) -> None:
         self.root, self.tag = root, secrets.token_hex(2)
         self.bridge = f"crbr{self.tag}"
@@ -128,6 +133,7 @@ class Cluster:
         self.nodes: dict[str, Node] = {}
         self.net = f"10.{77 + int(self.tag, 16) % 100}.0"
         self._names, self._tls, self._tmpfs, self._hide = names, tls, tmpfs or {}, hide or {}
+        self.lease = lease
 
     def __enter__(self) -> Cluster:
         try:
@@ -174,7 +180,7 @@ class Cluster:
                 node.tls, node.scheme = self._cert(node), "https"
             self.nodes[name] = node
         for node in self.nodes.values():
-            node.start_agent()
+            node.start_agent(lease=self.lease)
             args = ["node", "add", node.name, node.url, "--token-file", str(node.token_file)]
             if self._tls:
                 args += ["--ca", str(self.root / "ca.pem")]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import os
 import tarfile
@@ -26,12 +27,29 @@ def _bundle(tmp_path, key: bytes):
     return root
 
 
+def _stream(root) -> bytes:
+    async def collect() -> bytes:
+        return b"".join([piece async for piece in transfer.tar_pieces(root)])
+
+    return asyncio.run(collect())
+
+
+def _receive(data: bytes, dest, piece: int = 65536):
+    """Feed `data` to the receiver in network-sized pieces, as aiohttp's StreamReader.read would."""
+    stream = io.BytesIO(data)
+
+    async def read(n: int) -> bytes:
+        return stream.read(min(n, piece))
+
+    return asyncio.run(transfer.receive(read, dest))
+
+
 def test_bundle_stream_round_trip_hashes_what_arrives(tmp_path):
     key = os.urandom(32)
     root = _bundle(tmp_path, key)
-    stream = b"".join(transfer.tar_chunks(root))
+    stream = _stream(root)
     assert len(stream) == transfer.stream_size(root)
-    digests = transfer.receive(io.BytesIO(stream), tmp_path / "in")
+    digests = _receive(stream, tmp_path / "in")
     assert bundle.verify(tmp_path / "in", key, digests).workload == "w"
     listed = bundle.read_manifest(root).files
     assert {k: digests[k] for k in listed} == listed
@@ -41,40 +59,40 @@ def test_bundle_stream_round_trip_hashes_what_arrives(tmp_path):
 def test_a_flipped_byte_in_the_stream_is_refused(tmp_path):
     key = os.urandom(32)
     root = _bundle(tmp_path, key)
-    stream = bytearray(b"".join(transfer.tar_chunks(root)))
+    stream = bytearray(_stream(root))
     stream[len(stream) // 2] ^= 1  # inside pages-1.img
-    digests = transfer.receive(io.BytesIO(bytes(stream)), tmp_path / "in")
+    digests = _receive(bytes(stream), tmp_path / "in")
     with pytest.raises(bundle.BundleError, match=r"pages-1\.img"):
         bundle.verify(tmp_path / "in", key, digests)
 
 
 def test_a_truncated_stream_is_refused(tmp_path):
     root = _bundle(tmp_path, os.urandom(32))
-    stream = b"".join(transfer.tar_chunks(root))
+    stream = _stream(root)
     with pytest.raises(transfer.TransferError, match="broke off"):
-        transfer.receive(io.BytesIO(stream[: len(stream) // 2]), tmp_path / "in")
+        _receive(stream[: len(stream) // 2], tmp_path / "in")
 
 
 @pytest.mark.parametrize("name", ["../evil", "/etc/evil", "images/../../evil"])
 def test_a_stream_that_writes_outside_its_folder_is_refused(tmp_path, name):
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
         info = tarfile.TarInfo(name)
         info.size = 1
         tar.addfile(info, io.BytesIO(b"x"))
     with pytest.raises(transfer.TransferError, match="refused"):
-        transfer.receive(io.BytesIO(buf.getvalue()), tmp_path / "in")
+        _receive(buf.getvalue(), tmp_path / "in")
     assert not (tmp_path / "evil").exists()
 
 
 def test_a_stream_with_a_symlink_is_refused(tmp_path):
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
         info = tarfile.TarInfo("images/link")
         info.type, info.linkname = tarfile.SYMTYPE, "/etc/shadow"
         tar.addfile(info)
     with pytest.raises(transfer.TransferError, match="not a regular file"):
-        transfer.receive(io.BytesIO(buf.getvalue()), tmp_path / "in")
+        _receive(buf.getvalue(), tmp_path / "in")
 
 
 def test_mode_choice_follows_both_kernels():

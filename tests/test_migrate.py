@@ -207,6 +207,26 @@ def test_target_agent_killed_mid_restore(cluster, mlp_ref):
     assert_ran_once(c, "mlp", mlp_ref, "a")
 
 
+def test_client_killed_before_the_commit_source_settles_with_target(tmp_path, mlp_ref):
+    """The client vanishes with the source frozen and the target restored, both waiting for it.
+
+    The source agent's lease runs out; it asks the target to abort its copy, and only once the
+    target confirms does it thaw the job, which runs on where it was.
+    """
+    with Cluster(tmp_path / "c", lease=5) as c:
+        _mlp_on_a(c, 10)
+        p = _background_migrate(c, "mlp", "b", "--mode", "stop-and-copy")
+        _wait_for_process("criuctl.agent.handoff target")  # the bundle was sent; restore began
+        p.kill()
+        p.wait()
+        deadline = time.monotonic() + 60
+        while c.running("mlp") != ["a"]:
+            assert time.monotonic() < deadline, "the source never settled its frozen job"
+            time.sleep(0.2)
+        assert "lease expired" in c.nodes["a"].agent_log()
+        assert_ran_once(c, "mlp", mlp_ref, "a")
+
+
 def test_link_cut_mid_transfer(cluster, mlp_ref):
     c = cluster
     _mlp_on_a(c, 10)

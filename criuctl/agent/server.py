@@ -36,7 +36,6 @@ import hmac
 import json
 import logging
 import os
-import queue
 import secrets
 import shutil
 import signal
@@ -61,7 +60,6 @@ log = logging.getLogger("criuctl.agent")
 
 STOP_AND_COPY, POST_COPY, PRE_COPY = "stop-and-copy", "post-copy", "pre-copy"
 MODES = (STOP_AND_COPY, POST_COPY, PRE_COPY)
-IDLE_TIMEOUT = 30.0  # seconds without a byte of an incoming bundle before the upload is dropped
 FREEZE_TIMEOUT = 1800.0
 
 
@@ -120,6 +118,7 @@ class Incoming:
     state: str = "new"  # new → receiving → received → restored → running | failed | aborted
     handoff: Handoff | None = None
     created: float = field(default_factory=time.monotonic)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # restore, commit and abort never overlap
 
     @property
     def bundle_dir(self) -> Path:
@@ -138,6 +137,7 @@ class Outgoing:
     freeze_started: float = 0.0  # monotonic
     lease: asyncio.Task | None = None
     finisher: asyncio.Task | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # commit and abort never overlap
     pages_seconds: float | None = None
 
 
@@ -200,7 +200,11 @@ class Agent:
         r.add_get("/v1/outgoing/{id}", self.outgoing_status)
         r.add_delete("/v1/outgoing/{id}", self.outgoing_abort)
         app.on_startup.append(self._recover)
+        app.on_startup.append(self._start_janitor)
         return app
+
+    async def _start_janitor(self, app: web.Application) -> None:
+        app["janitor"] = asyncio.ensure_future(self._janitor())
 
     @web.middleware
     async def _log_requests(self, request: web.Request, handler):
@@ -223,7 +227,7 @@ class Agent:
             return await handler(request)
         inc = self.incoming.get(request.match_info.get("id", ""))
         ticketed = request.path.startswith("/v1/incoming/") and (
-            request.method == "GET" or request.path.endswith("/bundle")
+            request.method in ("GET", "DELETE") or request.path.endswith("/bundle")
         )
         if (
             token
@@ -243,7 +247,7 @@ class Agent:
 
     async def _recover(self, _app: web.Application) -> None:
         """After a restart: a freeze whose handoff process died is thawed, or finished if committed."""
-        for hold in (workloads.state_dir() / "outgoing").glob(f"*/{HOLD_FILE}"):
+        for hold in workloads.spool_dir("outgoing").glob(f"*/{HOLD_FILE}"):
             rec = json.loads(hold.read_text())
             if rec.get("hold_pid") and procinfo_alive(rec["hold_pid"]):
                 continue
@@ -316,9 +320,8 @@ class Agent:
         resp = web.StreamResponse(headers={"Content-Type": "application/x-tar"})
         resp.content_length = transfer.stream_size(path)
         await resp.prepare(r)
-        chunks = transfer.tar_chunks(path)
-        while chunk := await asyncio.to_thread(next, chunks, b""):
-            await resp.write(chunk)
+        async for piece in transfer.tar_pieces(path):
+            await resp.write(piece)
         await resp.write_eof()
         self.metrics.bytes.labels("sent").inc(resp.content_length)
         return resp
@@ -357,41 +360,22 @@ class Agent:
 
     async def _receive(self, r: web.Request, dest: Path) -> dict[str, str]:
         """Stream the request body into `dest`, hashing as it comes; verify; return the digests."""
-        reader = transfer.QueueReader()
         counter = transfer.Counter(started=time.monotonic())
-        job = asyncio.ensure_future(asyncio.to_thread(transfer.receive, reader, dest, counter))
-        pending = bytearray()
+        job = asyncio.ensure_future(transfer.receive(r.content.read, dest, counter))
+        dog = asyncio.ensure_future(transfer.watchdog(counter, job, "receiving the bundle"))
         try:
-            while True:
-                try:
-                    chunk = await asyncio.wait_for(r.content.readany(), IDLE_TIMEOUT)
-                except TimeoutError:
-                    raise transfer.TransferError(
-                        f"no data from the sender for {IDLE_TIMEOUT:.0f} s",
-                        "check the network between the nodes",
-                    ) from None
-                pending += chunk
-                if chunk and len(pending) < transfer.CHUNK:
-                    continue  # hand the reader whole chunks: one queue item per MiB, not per packet
-                if pending and not await _hand_over(reader, bytes(pending), job):
-                    break
-                pending.clear()
-                if not chunk:
-                    await _hand_over(reader, None, job)
-                    break
-        except BaseException as exc:
-            with contextlib.suppress(Exception):
-                reader.q.put_nowait(exc)
-            with contextlib.suppress(BaseException):
-                await job
+            digests = await job
+        except asyncio.CancelledError:
+            if dog.done() and dog.exception() is not None:
+                raise dog.exception() from None
             raise
-        digests = await job
-        expected = r.headers.get("X-Bundle-Size")
+        finally:
+            dog.cancel()
+            with contextlib.suppress(asyncio.CancelledError, transfer.TransferError):
+                await dog
         self.metrics.bytes.labels("received").inc(counter.done)
         key = bundle.load_key(workloads.key_path(), create=False)
         await asyncio.to_thread(bundle.verify, dest, key, digests)
-        if expected and counter.done > int(expected):
-            raise transfer.TransferError("the bundle stream is longer than announced", "retry the migration")
         return digests
 
     # ------------------------------------------------------------------------------- target side
@@ -422,7 +406,7 @@ class Agent:
                 409, f"a workload named {name!r} already runs on node {self.opts.name}", "rename one"
             )
         inc = Incoming(
-            uuid.uuid4().hex, secrets.token_urlsafe(32), name, mode, workloads.logs_dir("incoming")
+            uuid.uuid4().hex, secrets.token_urlsafe(32), name, mode, workloads.spool_dir("incoming")
         )
         inc.dir = inc.dir / inc.id
         inc.dir.mkdir(mode=0o700)
@@ -459,28 +443,32 @@ class Agent:
                 "--digests", str(inc.dir / "digests.json")]  # fmt: skip
         if body.get("page_server"):
             args += ["--page-server", body["page_server"]]
-        try:
-            inc.handoff = await Handoff.spawn(args, inc.dir / "handoff.log")
-            ev = await inc.handoff.event(timeout=FREEZE_TIMEOUT)
-        except (TimeoutError, HandoffFailed) as exc:
-            inc.state = "failed"
-            self.metrics.migrations.labels("target", inc.mode, "failed").inc()
-            return _error_response(exc, self.opts.name)
-        inc.state = "restored"
+        async with inc.lock:
+            if inc.state != "received":
+                return _fail(409, f"migration {inc.id} is {inc.state}, not received")
+            try:
+                inc.handoff = await Handoff.spawn(args, inc.dir / "handoff.log")
+                ev = await inc.handoff.event(timeout=FREEZE_TIMEOUT)
+            except (TimeoutError, HandoffFailed) as exc:
+                inc.state = "failed"
+                self.metrics.migrations.labels("target", inc.mode, "failed").inc()
+                return _error_response(exc, self.opts.name)
+            inc.state = "restored"
         return web.json_response({"pid": ev["pid"], "criu_seconds": ev["criu_seconds"]})
 
     async def incoming_commit(self, r: web.Request) -> web.Response:
         inc = self._incoming(r)
-        if inc.state == "running":
-            return web.json_response({"state": "running"})
-        if inc.state != "restored" or inc.handoff is None:
-            return _fail(409, f"migration {inc.id} is {inc.state}, not restored")
-        try:
-            ev = await inc.handoff.settle("commit", "running", timeout=60)
-        except (TimeoutError, HandoffFailed) as exc:
-            inc.state = "failed"
-            return _error_response(exc, self.opts.name)
-        inc.state = "running"
+        async with inc.lock:
+            if inc.state == "running":
+                return web.json_response({"state": "running"})
+            if inc.state != "restored" or inc.handoff is None:
+                return _fail(409, f"migration {inc.id} is {inc.state}, not restored")
+            try:
+                ev = await inc.handoff.settle("commit", "running", timeout=60)
+            except (TimeoutError, HandoffFailed) as exc:
+                inc.state = "failed"
+                return _error_response(exc, self.opts.name)
+            inc.state = "running"
         self.metrics.migrations.labels("target", inc.mode, "succeeded").inc()
         if inc.mode != POST_COPY:  # post-copy: the lazy-pages daemon still reads the images
             shutil.rmtree(inc.bundle_dir, ignore_errors=True)
@@ -492,18 +480,36 @@ class Agent:
 
     async def incoming_abort(self, r: web.Request) -> web.Response:
         inc = self._incoming(r)
-        if inc.state == "running":
+        if not await self._abort_incoming(inc):
             return _fail(
                 409, f"migration {inc.id} already runs on node {self.opts.name}; it cannot be aborted"
             )
-        if inc.handoff is not None and inc.handoff.proc.returncode is None:
-            with contextlib.suppress(HandoffFailed, asyncio.TimeoutError):
-                await inc.handoff.settle("abort", "aborted", timeout=30)
-        if inc.state not in ("failed", "aborted"):
-            self.metrics.migrations.labels("target", inc.mode, "aborted").inc()
-        inc.state = "aborted"
-        shutil.rmtree(inc.dir, ignore_errors=True)
         return web.json_response({"state": "aborted"})
+
+    async def _abort_incoming(self, inc: Incoming) -> bool:
+        """Kill what was restored and drop the bundle; False if the job already runs here."""
+        async with inc.lock:
+            if inc.state == "running":
+                return False
+            if inc.handoff is not None and inc.handoff.proc.returncode is None:
+                with contextlib.suppress(HandoffFailed, asyncio.TimeoutError):
+                    await inc.handoff.settle("abort", "aborted", timeout=30)
+            if inc.state not in ("failed", "aborted"):
+                self.metrics.migrations.labels("target", inc.mode, "aborted").inc()
+            inc.state = "aborted"
+            shutil.rmtree(inc.dir, ignore_errors=True)
+            return True
+
+    async def _janitor(self) -> None:
+        """Incoming migrations nobody finished (client and source both gone) are dropped in time."""
+        while True:
+            await asyncio.sleep(min(30.0, self.opts.lease_seconds))
+            stale = time.monotonic() - 2 * self.opts.lease_seconds
+            for inc in list(self.incoming.values()):
+                idle = inc.state in ("new", "received", "restored", "failed")  # not mid-upload, not running
+                if idle and inc.created < stale and not inc.lock.locked():
+                    log.warning("stale incoming dropped", extra={"id": inc.id, "state": inc.state})
+                    await self._abort_incoming(inc)
 
     # ------------------------------------------------------------------------------- source side
 
@@ -524,7 +530,7 @@ class Agent:
                 await asyncio.to_thread(criu.ensure_lazy_pages)
         except CriuctlError as exc:
             return _error_response(exc, self.opts.name)
-        og = Outgoing(uuid.uuid4().hex, w.name, mode, workloads.logs_dir("outgoing"), target)
+        og = Outgoing(uuid.uuid4().hex, w.name, mode, workloads.spool_dir("outgoing"), target)
         og.dir = og.dir / og.id
         og.dir.mkdir(mode=0o700)
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
@@ -551,7 +557,11 @@ class Agent:
             await say("frozen", freeze_seconds=frozen["freeze_seconds"], bytes=total, page_server_port=port)
             og.state = "sending"
             counter = transfer.Counter(total=total, started=time.monotonic())
-            job = asyncio.ensure_future(asyncio.to_thread(self._send, og, bdir, counter))
+            t = og.target
+            url = f"{t['url'].rstrip('/')}/v1/incoming/{t['incoming']}/bundle"
+            job = asyncio.ensure_future(
+                transfer.send(bdir, url, t["ticket"], t.get("ca"), counter, t.get("node", "?"))
+            )
             while not job.done():
                 await asyncio.wait([job], timeout=0.25)
                 await say("transfer", done=counter.done, total=total)
@@ -573,15 +583,6 @@ class Agent:
             await resp.write_eof()
         return resp
 
-    def _send(self, og: Outgoing, bdir: Path, counter: transfer.Counter) -> dict:
-        t = og.target
-        ca = None
-        if t.get("ca"):
-            ca = og.dir / "ca.pem"
-            ca.write_text(t["ca"])
-        url = f"{t['url'].rstrip('/')}/v1/incoming/{t['incoming']}/bundle"
-        return transfer.send(bdir, url, t["ticket"], ca, counter, t.get("node", "?"))
-
     async def _abort_outgoing(self, og: Outgoing, result: str) -> None:
         if og.handoff is not None and og.handoff.proc.returncode is None:
             with contextlib.suppress(HandoffFailed, asyncio.TimeoutError):
@@ -591,37 +592,49 @@ class Agent:
         shutil.rmtree(og.dir, ignore_errors=True)
 
     async def _lease(self, og: Outgoing) -> None:
-        """No commit or abort came from the client in time: ask the target what happened."""
+        """No commit or abort came from the client in time: settle it with the target.
+
+        The target is asked to abort first; only once it confirms (or has never heard of the
+        migration) does the source thaw. A target that answers "already running" gets the commit.
+        A silent target keeps the source frozen — not lost — and is asked again.
+        """
         await asyncio.sleep(self.opts.lease_seconds)
         while og.state == "sent":
-            verdict = await asyncio.to_thread(self._ask_target, og)
+            verdict = await asyncio.to_thread(self._abort_target, og)
             log.warning("lease expired", extra={"id": og.id, "target_says": verdict})
-            if verdict == "running":
-                await self._commit_outgoing(og)
-            elif verdict is not None:
-                await self._abort_outgoing(og, "aborted")
-            else:
-                await asyncio.sleep(10)  # target unreachable: stay frozen, the job is not lost
+            async with og.lock:
+                if og.state != "sent":
+                    return
+                if verdict == "running":
+                    await self._commit_outgoing(og)
+                elif verdict == "aborted":
+                    await self._abort_outgoing(og, "aborted")
+            if verdict is None:
+                await asyncio.sleep(10)
 
-    def _ask_target(self, og: Outgoing) -> str | None:
+    def _abort_target(self, og: Outgoing) -> str | None:
+        """DELETE the target's side with the upload ticket: 'aborted', 'running' or None (no answer)."""
         t = og.target
+        ca = og.dir / "ca.pem"
+        if t.get("ca") and not ca.exists():
+            ca.write_text(t["ca"])
         try:
-            resp = requests.get(
+            resp = requests.delete(
                 f"{t['url'].rstrip('/')}/v1/incoming/{t['incoming']}",
                 headers={"Authorization": f"Bearer {t['ticket']}"},
-                verify=str(og.dir / "ca.pem") if t.get("ca") else True,
-                timeout=10,
+                verify=str(ca) if t.get("ca") else True,
+                timeout=60,
             )
         except requests.RequestException:
             return None
-        if resp.status_code == 404:
-            return "unknown"
-        return resp.json().get("state") if resp.ok else None
+        if resp.ok or resp.status_code == 404:
+            return "aborted"
+        return "running" if resp.status_code == 409 else None
 
     async def _commit_outgoing(self, og: Outgoing) -> float:
         if og.lease is not None and og.lease is not asyncio.current_task():
             og.lease.cancel()
-        await og.handoff.settle("commit", "committed", timeout=60)
+        await og.handoff.settle("commit", "committed", timeout=60)  # callers hold og.lock
         downtime = time.monotonic() - og.freeze_started
         og.state = "committed"
         self.metrics.downtime.labels(og.mode).observe(downtime)
@@ -639,14 +652,15 @@ class Agent:
 
     async def outgoing_commit(self, r: web.Request) -> web.Response:
         og = self._outgoing(r)
-        if og.state in ("committed", "done"):
-            return web.json_response({"state": og.state})
-        if og.state != "sent":
-            return _fail(409, f"outgoing migration {og.id} is {og.state}, not sent")
-        try:
-            downtime = await self._commit_outgoing(og)
-        except (TimeoutError, HandoffFailed) as exc:
-            return _error_response(exc, self.opts.name)
+        async with og.lock:
+            if og.state in ("committed", "done"):
+                return web.json_response({"state": og.state})
+            if og.state != "sent":
+                return _fail(409, f"outgoing migration {og.id} is {og.state}, not sent")
+            try:
+                downtime = await self._commit_outgoing(og)
+            except (TimeoutError, HandoffFailed) as exc:
+                return _error_response(exc, self.opts.name)
         return web.json_response({"state": og.state, "downtime_seconds": downtime})
 
     async def outgoing_status(self, r: web.Request) -> web.Response:
@@ -655,23 +669,14 @@ class Agent:
 
     async def outgoing_abort(self, r: web.Request) -> web.Response:
         og = self._outgoing(r)
-        if og.state in ("committed", "done"):
-            return _fail(409, f"outgoing migration {og.id} is committed; the job runs on the target")
-        if og.lease is not None:
-            og.lease.cancel()
-        await self._abort_outgoing(og, "aborted")
+        async with og.lock:
+            if og.state in ("committed", "done"):
+                return _fail(409, f"outgoing migration {og.id} is committed; the job runs on the target")
+            if og.lease is not None:
+                og.lease.cancel()
+            if og.state == "sent":
+                await self._abort_outgoing(og, "aborted")
         return web.json_response({"state": og.state})
-
-
-async def _hand_over(reader: transfer.QueueReader, item: bytes | None, job: asyncio.Future) -> bool:
-    """Hand a chunk to the receiving thread; False once that thread has stopped taking them."""
-    while not job.done():
-        try:
-            reader.q.put_nowait(item)
-            return True
-        except queue.Full:
-            await asyncio.sleep(0.002)  # the disk is slower than the network: let TCP push back
-    return False
 
 
 def procinfo_alive(pid: int) -> bool:

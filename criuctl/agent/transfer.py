@@ -1,44 +1,50 @@
-"""Bundles on the wire: a tar stream, written and read one chunk at a time, hashed as it arrives.
+"""Bundles on the wire: a tar stream, moved in 4 MiB pieces, hashed as it arrives.
 
-The sender puts manifest.json and its signature first, so the receiver knows what to expect; the
-receiver accepts regular files and folders with relative names only (a crafted tar must not write
-outside its directory), hashes each file while writing it, and hands the digests to
-`bundle.verify`, so a bundle is read from the network once and never again before the restore.
+The sender puts manifest.json and its signature first, then every other file, as plain ustar
+records with an exact Content-Length (no chunked encoding to parse). The receiver takes regular
+files with relative names only (a crafted stream must not write outside its folder or plant a
+link), hashes each file while writing it, and hands the digests to `bundle.verify`: a bundle is
+read from the network once and never again before the restore.
+
+Both ends pipeline: the next piece is read from the file (or the socket) while the previous one is
+sent (or hashed and written) in a thread; hashlib and file I/O release the GIL on pieces this big.
+Neither side trusts the network to say it broke: no progress for `STALL_SECONDS` ends the transfer.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
-import io
 import os
-import queue
+import ssl
 import tarfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from criuctl import bundle
 from criuctl.errors import CriuctlError
 
-CHUNK = 1 << 20
+PIECE = 4 << 20
+STALL_SECONDS = 20.0
 _BLOCK = tarfile.BLOCKSIZE
+
+Read = Callable[[int], Awaitable[bytes]]  # up to n bytes; b"" at the end
 
 
 class TransferError(CriuctlError):
-    """The stream broke, or what arrived is not an acceptable bundle stream."""
+    """The stream broke, stalled, or is not an acceptable bundle stream."""
 
 
 @dataclass
 class Counter:
-    """Bytes moved so far, updated by the thread that moves them, read by whoever reports progress."""
+    """Bytes moved so far, for progress reports and the stall watchdog."""
 
     total: int = 0
     done: int = 0
     started: float = 0.0
-
-    def rate(self) -> float:
-        return self.done / max(time.monotonic() - self.started, 1e-9)
 
 
 def _order(root: Path) -> list[Path]:
@@ -47,34 +53,36 @@ def _order(root: Path) -> list[Path]:
     return [p for p in first if p.exists()] + rest
 
 
-def stream_size(root: Path) -> int:
-    """Exact length of `tar_chunks(root)`: lets the receiver see a truncated stream for what it is."""
-    size = 2 * _BLOCK
-    for p in _order(root):
-        size += len(_header(root, p)) + -(-p.stat().st_size // _BLOCK) * _BLOCK
-    return size
-
-
 def _header(root: Path, path: Path) -> bytes:
     info = tarfile.TarInfo(path.relative_to(root).as_posix())
-    info.size = path.stat().st_size
-    info.mode = 0o600
-    return info.tobuf(format=tarfile.PAX_FORMAT)
+    info.size, info.mode = path.stat().st_size, 0o600
+    return info.tobuf(format=tarfile.USTAR_FORMAT)
 
 
-def tar_chunks(root: Path, counter: Counter | None = None) -> Iterator[bytes]:
-    """The bundle at `root` as a tar stream, in chunks of about 1 MiB."""
+def _pad(size: int) -> int:
+    return -size % _BLOCK
+
+
+def stream_size(root: Path) -> int:
+    """Exact length of the stream for `root`: it goes out as Content-Length."""
+    return 2 * _BLOCK + sum(_BLOCK + p.stat().st_size + _pad(p.stat().st_size) for p in _order(root))
+
+
+async def tar_pieces(root: Path, counter: Counter | None = None) -> AsyncIterator[bytes]:
+    """The bundle at `root` as a tar stream; the next piece is read while this one is sent."""
     for path in _order(root):
         yield _header(root, path)
-        size = 0
-        with path.open("rb") as f:
-            while chunk := f.read(CHUNK):
-                size += len(chunk)
+        with path.open("rb", buffering=0) as f:
+            nxt = asyncio.ensure_future(asyncio.to_thread(f.read, PIECE))
+            size = 0
+            while piece := await nxt:
+                nxt = asyncio.ensure_future(asyncio.to_thread(f.read, PIECE))
+                size += len(piece)
                 if counter is not None:
-                    counter.done += len(chunk)
-                yield chunk
-        if size % _BLOCK:
-            yield bytes(_BLOCK - size % _BLOCK)
+                    counter.done += len(piece)
+                yield piece
+        if _pad(size):
+            yield bytes(_pad(size))
     yield bytes(2 * _BLOCK)
 
 
@@ -87,92 +95,117 @@ def _safe_name(name: str) -> PurePosixPath:
     return p
 
 
-def receive(
-    reader: io.RawIOBase | io.BufferedIOBase, dest: Path, counter: Counter | None = None
-) -> dict[str, str]:
-    """Write the tar stream from `reader` under `dest` (root-only); return each file's sha256."""
+async def _exactly(read: Read, n: int) -> bytes:
+    parts, got = [], 0
+    while got < n:
+        part = await read(n - got)
+        if not part:
+            raise TransferError("the bundle stream broke off before its end", "retry the migration")
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+async def receive(read: Read, dest: Path, counter: Counter | None = None) -> dict[str, str]:
+    """Write the tar stream `read` yields under `dest` (root-only); return each file's sha256."""
     dest.mkdir(mode=0o700, parents=True, exist_ok=True)
     digests: dict[str, str] = {}
-    try:
-        with tarfile.open(fileobj=reader, mode="r|", bufsize=CHUNK) as tar:
-            for member in tar:
-                rel = _safe_name(member.name)
-                if member.isdir():
-                    continue
-                if not member.isfile():
-                    raise TransferError(
-                        f"refused a bundle stream with {member.name!r}, which is not a regular file",
-                        "the sender is not a criuctl agent",
-                    )
-                target = dest / rel
-                target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-                h = hashlib.sha256()
-                src = tar.extractfile(member)
-                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                with os.fdopen(fd, "wb") as out:
-                    while chunk := src.read(CHUNK):
-                        h.update(chunk)
-                        out.write(chunk)
-                        if counter is not None:
-                            counter.done += len(chunk)
-                digests[rel.as_posix()] = h.hexdigest()
-    except (tarfile.TarError, EOFError) as exc:
-        raise TransferError(
-            f"the bundle stream broke off or is damaged ({exc})", "retry the migration"
-        ) from exc
-    return digests
+    while True:
+        header = await _exactly(read, _BLOCK)
+        if header == bytes(_BLOCK):
+            return digests
+        try:
+            info = tarfile.TarInfo.frombuf(header, "utf-8", "surrogateescape")
+        except tarfile.TarError as exc:
+            raise TransferError(f"the bundle stream is damaged ({exc})", "retry the migration") from exc
+        rel = _safe_name(info.name)
+        if info.type not in (tarfile.REGTYPE, tarfile.AREGTYPE):
+            raise TransferError(
+                f"refused a bundle stream with {info.name!r}, which is not a regular file",
+                "the sender is not a criuctl agent",
+            )
+        target = dest / rel
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        h = hashlib.sha256()
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            left, pending = info.size, None
+            while left:
+                parts, got = [], 0
+                while got < min(left, PIECE):  # gather a whole piece: one thread hop per 4 MiB
+                    part = await read(min(left, PIECE) - got)
+                    if not part:
+                        raise TransferError(
+                            "the bundle stream broke off before its end", "retry the migration"
+                        )
+                    parts.append(part)
+                    got += len(part)
+                if pending is not None:
+                    await pending
+                data = b"".join(parts)  # hashed and written at once, in two threads
+                pending = asyncio.gather(
+                    asyncio.to_thread(h.update, data), asyncio.to_thread(_write_all, fd, data)
+                )
+                left -= got
+                if counter is not None:
+                    counter.done += got
+            if pending is not None:
+                await pending
+        finally:
+            os.close(fd)
+        digests[rel.as_posix()] = h.hexdigest()
+        await _exactly(read, _pad(info.size)) if _pad(info.size) else None
 
 
-class QueueReader(io.RawIOBase):
-    """A file-like view of chunks another thread (the HTTP handler) puts into a queue; None ends it."""
-
-    def __init__(self, maxsize: int = 64) -> None:
-        self.q: queue.Queue[bytes | BaseException | None] = queue.Queue(maxsize)
-        self._buf = memoryview(b"")
-        self._eof = False
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b: bytearray | memoryview) -> int:
-        while not self._buf and not self._eof:
-            item = self.q.get()
-            if item is None:
-                self._eof = True
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                self._buf = memoryview(item)
-        n = min(len(b), len(self._buf))
-        b[:n] = self._buf[:n]
-        self._buf = self._buf[n:]
-        return n
+async def watchdog(counter: Counter, task: asyncio.Future, what: str) -> None:
+    """Cancel `task` when `counter` has not moved for STALL_SECONDS (a cut link sends no RST)."""
+    last, since = counter.done, time.monotonic()
+    while not task.done():
+        await asyncio.sleep(0.5)
+        if counter.done != last:
+            last, since = counter.done, time.monotonic()
+        elif time.monotonic() - since > STALL_SECONDS:
+            task.cancel()
+            raise TransferError(f"{what} stalled: no progress for {STALL_SECONDS:.0f} s", "check the network")
 
 
-def send(root: Path, url: str, token: str, ca: Path | None, counter: Counter, node: str) -> dict:
-    """PUT the bundle at `root` to another agent as one tar stream; its answer, or TransferError."""
-    import requests  # here: the receiving side of this module must not need it
+async def send(root: Path, url: str, token: str, ca_pem: str | None, counter: Counter, node: str) -> dict:
+    """PUT the bundle at `root` to another agent as one tar stream; its JSON answer, or TransferError."""
+    import aiohttp  # the receiving side and the unit tests do not need a client
 
-    headers = {"Authorization": f"Bearer {token}", "X-Bundle-Size": str(stream_size(root))}
-    try:
-        resp = requests.put(
-            url,
-            data=tar_chunks(root, counter),
-            headers=headers,
-            verify=str(ca) if ca else True,
-            timeout=(5, 20),
-        )
-    except requests.RequestException as exc:
-        raise TransferError(
-            f"lost the connection to node {node} while sending the bundle ({exc.__class__.__name__})",
-            "check the network between the nodes",
-        ) from exc
-    try:
-        answer = resp.json()
-    except ValueError:
-        answer = {"what": resp.text[:200]}
-    if not resp.ok:
-        raise TransferError(
-            answer.get("what", f"node {node} answered {resp.status_code}"), answer.get("hint", "")
-        )
+    ctx = ssl.create_default_context(cadata=ca_pem) if ca_pem else None
+    headers = {"Authorization": f"Bearer {token}", "Content-Length": str(stream_size(root))}
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def put() -> tuple[int, dict]:
+            async with session.put(url, data=tar_pieces(root, counter), headers=headers, ssl=ctx) as resp:
+                try:
+                    return resp.status, await resp.json(content_type=None)
+                except ValueError:
+                    return resp.status, {"what": (await resp.text())[:200]}
+
+        job = asyncio.ensure_future(put())
+        dog = asyncio.ensure_future(watchdog(counter, job, f"sending the bundle to node {node}"))
+        try:
+            status, answer = await job
+        except (aiohttp.ClientError, OSError, asyncio.CancelledError) as exc:
+            if dog.done() and dog.exception() is not None:
+                raise dog.exception() from exc
+            raise TransferError(
+                f"lost the connection to node {node} while sending the bundle ({exc.__class__.__name__})",
+                "check the network between the nodes",
+            ) from exc
+        finally:
+            dog.cancel()
+            with contextlib.suppress(asyncio.CancelledError, TransferError):
+                await dog
+    if status >= 400:
+        raise TransferError(answer.get("what", f"node {node} answered {status}"), answer.get("hint", ""))
     return answer
