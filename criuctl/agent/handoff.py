@@ -23,6 +23,8 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -101,9 +103,14 @@ def target(a: argparse.Namespace) -> int:
     restored.start(supervisor_pid=os.getpid(), node=a.node)
     _emit("running", pid=restored.workload.root_pid)
     _detach()
-    if restored.lazy_daemon is not None:
-        threading.Thread(target=restored.lazy_daemon.wait, daemon=True).start()
+    if restored.lazy_daemon is not None:  # the images are read until the last page is in
+        threading.Thread(target=_collect, args=(restored.lazy_daemon, Path(a.bundle)), daemon=True).start()
     return supervisor.supervise(restored.workload, restored.stdio, echo=False)
+
+
+def _collect(lazy: subprocess.Popen, bundle_dir: Path) -> None:
+    lazy.wait()
+    shutil.rmtree(bundle_dir, ignore_errors=True)
 
 
 def _detach() -> None:

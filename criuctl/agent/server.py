@@ -177,7 +177,13 @@ class Agent:
     # ------------------------------------------------------------------------------- plumbing
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._log_requests, self._auth], client_max_size=1 << 20)
+        app = web.Application(
+            middlewares=[self._log_requests, self._auth],
+            client_max_size=1 << 20,
+            # a bundle upload may run ahead of the receiver by this much before TCP is paused;
+            # aiohttp's 64 KiB default caps a migration stream at a fraction of the link
+            handler_args={"read_bufsize": 4 * transfer.PIECE},
+        )
         r = app.router
         r.add_get("/healthz", self.healthz)
         r.add_get("/metrics", self.metrics_page)
