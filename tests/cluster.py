@@ -30,6 +30,15 @@ _FINAL = re.compile(r"^final ([0-9a-f]{64})$")
 PORT = 7070
 
 
+def _free_subnet(seed: int) -> str:
+    """A 10.N.0 /24 no interface here routes yet (a cluster left over by a killed run may hold one)."""
+    for i in range(100):
+        net = f"10.{77 + (seed + i) % 100}.0"
+        if not sh("ip", "route", "show", f"{net}.0/24").stdout.strip():
+            return net
+    raise AssertionError("no free 10.N.0.0/24 subnet for test nodes")
+
+
 def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, check=check)
 
@@ -131,7 +140,7 @@ class Cluster:
         self.bridge = f"crbr{self.tag}"
         self.client_state = root / "client"
         self.nodes: dict[str, Node] = {}
-        self.net = f"10.{77 + int(self.tag, 16) % 100}.0"
+        self.net = _free_subnet(int(self.tag, 16))
         self._names, self._tls, self._tmpfs, self._hide = names, tls, tmpfs or {}, hide or {}
         self.lease = lease
 

@@ -227,15 +227,34 @@ def test_client_killed_before_the_commit_source_settles_with_target(tmp_path, ml
         assert_ran_once(c, "mlp", mlp_ref, "a")
 
 
+def test_client_killed_mid_transfer(cluster, mlp_ref):
+    """The client disconnects while the source agent streams to it: the source thaws, nothing runs twice."""
+    c = cluster
+    _mlp_on_a(c, 10)
+    p = _background_migrate(c, "mlp", "b", "--mode", "stop-and-copy")
+    _wait_for_bytes(c.nodes["b"].state / "incoming", 20 << 20, p)
+    p.kill()
+    p.wait()
+    deadline = time.monotonic() + 60
+    while c.running("mlp") != ["a"]:
+        assert time.monotonic() < deadline, "the source never thawed after its client went away"
+        time.sleep(0.2)
+    assert_ran_once(c, "mlp", mlp_ref, "a")
+
+
+def _wait_for_bytes(folder: Path, n: int, p: subprocess.Popen) -> None:
+    """Until `n` bytes of a bundle have arrived under `folder`: the transfer is under way."""
+    deadline = time.monotonic() + 60
+    while sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) < n:
+        assert time.monotonic() < deadline and p.poll() is None, "the transfer never started"
+        time.sleep(0.01)
+
+
 def test_link_cut_mid_transfer(cluster, mlp_ref):
     c = cluster
     _mlp_on_a(c, 10)
     p = _background_migrate(c, "mlp", "b", "--mode", "stop-and-copy")
-    incoming = c.nodes["b"].state / "incoming"
-    deadline = time.monotonic() + 60
-    while sum(f.stat().st_size for f in incoming.rglob("*") if f.is_file()) < 20 << 20:
-        assert time.monotonic() < deadline and p.poll() is None, "the transfer never started"
-        time.sleep(0.01)
+    _wait_for_bytes(c.nodes["b"].state / "incoming", 20 << 20, p)
     c.link("b", up=False)
     try:
         line = _failed(_finish(p))
