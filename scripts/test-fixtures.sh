@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
 # Real things some tests need besides CRIU 4.1.1 (installed by bootstrap.sh):
 #  - Debian 12's own criu 3.17.1, unpacked (not installed) to check that criuctl refuses a CRIU < 4.0.
+#  - the tools the migration tests build nodes with: ip (network namespaces, veth, bridge),
+#    nsenter/unshare (util-linux), openssl (TLS certificates for the agents).
 # Idempotent: does nothing when already there.
 set -euo pipefail
+missing=()
+command -v ip >/dev/null || missing+=(iproute2)
+command -v openssl >/dev/null || missing+=(openssl)
+{ command -v nsenter && command -v unshare; } >/dev/null || missing+=(util-linux)
+if [ ${#missing[@]} -gt 0 ]; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
 OLD=/usr/local/lib/criuctl/criu-3.17
 if [ ! -x "$OLD/usr/sbin/criu" ]; then
   tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
