@@ -111,13 +111,6 @@ class Frozen:
             self._criu.join()
         os.kill(w.root_pid, signal.SIGKILL)  # PID 1 of the namespace: takes the whole tree
 
-    def pages_served(self, timeout: float | None = None) -> bool:
-        """Post-copy: has the target pulled every page (CRIU's page server ended)?"""
-        if self._criu is None:
-            return True
-        self._criu.join(timeout)
-        return not self._criu.is_alive()
-
 
 def freeze(target: str, parent: Path, lazy_port: int | None = None, progress: Progress = _quiet) -> Frozen:
     """Freeze workload `target` (name or PID) and seal its bundle in a new directory under `parent`.

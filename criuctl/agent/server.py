@@ -46,6 +46,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import requests
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -255,7 +256,7 @@ class Agent:
         """After a restart: a freeze whose handoff process died is thawed, or finished if committed."""
         for hold in workloads.spool_dir("outgoing").glob(f"*/{HOLD_FILE}"):
             rec = json.loads(hold.read_text())
-            if rec.get("hold_pid") and procinfo_alive(rec["hold_pid"]):
+            if rec.get("hold_pid") and psutil.pid_exists(rec["hold_pid"]):
                 continue
             if rec["state"] == "committed":
                 with contextlib.suppress(ProcessLookupError):
@@ -683,14 +684,6 @@ class Agent:
             if og.state == "sent":
                 await self._abort_outgoing(og, "aborted")
         return web.json_response({"state": og.state})
-
-
-def procinfo_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 class JsonFormatter(logging.Formatter):
