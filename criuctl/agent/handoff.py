@@ -1,20 +1,23 @@
 """The processes that hold a workload across a migration, so that no crash loses or doubles it.
 
-An agent never freezes or restores a workload in its own process. It starts one of these, talks
-to it over two pipes — commands on its stdin, one JSON event per line on its stdout — and the
-stdin pipe is a lease: when the agent dies, the pipe closes, and a helper that has not been told
-to commit undoes what it did.
+An agent never freezes or restores a workload in its own process. It starts one of these with a
+spec file (`protocol.SourceSpec` / `TargetSpec`), talks to it over two pipes — commands on its
+stdin, one JSON event per line on its stdout — and the stdin pipe is a lease: when the agent dies,
+the pipe closes. What a handoff does then depends on how far it got, and is written down first:
 
-    source  freeze the tree, seal the bundle          → {"event": "frozen", ...}
-            "commit": the tree dies (post-copy: once the last page is pulled)
-                                                      → "committed", then "done"
-            "abort" or the lease breaks: the tree runs on where it was → "thawed"
-    target  verify the bundle, restore the tree *stopped* → {"event": "restored", ...}
-            "commit": the tree runs; this process stays as its supervisor → "running"
-            "abort" or the lease breaks: the restored tree is killed → "aborted"
+    source  hold record FREEZING (before CRIU touches the tree), freeze, seal → FROZEN
+            "sent" → SENT recorded; from here on only the target's verdict settles it:
+                "commit": ask the target; running → end the tree (COMMITTED, DONE)
+                "abort" or the lease breaks: ask the target to abort; aborted → thaw (THAWED),
+                    running → end the tree; no answer → stay frozen and ask again
+            before "sent": "abort" or the lease breaks → thaw (THAWED)
+    target  restore the tree *stopped* → RESTORED
+            "commit": RUNNING recorded, then the tree runs; this process stays as its supervisor
+            "abort" or the lease breaks: kill the tree (it never ran) → ABORTED
+    dump    `criuctl dump` on the agent's behalf (POST /v1/workloads/NAME/checkpoint)
 
 A source that dies *after* committing a post-copy migration, before the last page is pulled,
-takes the job with it: that window lasts as long as the page transfer (see docs/architecture.md).
+takes the job with it: that window lasts as long as the page transfer (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -31,18 +35,30 @@ import time
 from pathlib import Path
 
 from criuctl import checkpoint, supervisor, workloads
+from criuctl.agent import records, verdicts
+from criuctl.agent.protocol import (
+    TIMEOUTS,
+    Command,
+    Event,
+    SourceRecord,
+    SourceSpec,
+    SourceState,
+    TargetRecord,
+    TargetSpec,
+    TargetState,
+    Verdict,
+    check_transition,
+)
 from criuctl.errors import CriuctlError
 
-HOLD_FILE = "hold.json"  # next to an outgoing bundle: lets a restarted agent thaw an orphaned freeze
 
-
-def _emit(event: str, **fields: object) -> None:
-    with contextlib.suppress(BrokenPipeError, ValueError):  # the agent is gone: the lease decides
-        print(json.dumps({"event": event, **fields}), flush=True)
+def _emit(event: Event, **fields: object) -> None:
+    with contextlib.suppress(BrokenPipeError, ValueError, OSError):  # the agent is gone: the lease decides
+        print(json.dumps({"event": str(event), **fields}), flush=True)
 
 
 def _error(exc: CriuctlError) -> None:
-    _emit("error", what=exc.what, hint=exc.hint, detail=exc.detail)
+    _emit(Event.ERROR, what=exc.what, hint=exc.hint, detail=exc.detail)
 
 
 def _command() -> str:
@@ -53,58 +69,144 @@ def _command() -> str:
         return ""
 
 
-def source(a: argparse.Namespace) -> int:
-    parent = Path(a.parent)
-    started = time.monotonic()
-    try:
-        frozen = checkpoint.freeze(a.workload, parent, lazy_port=a.lazy_port)
-    except CriuctlError as exc:
-        _error(exc)
-        return 1
-    (parent / HOLD_FILE).write_text(
-        json.dumps({"root_pid": frozen.workload.root_pid, "hold_pid": os.getpid(), "state": "frozen"})
-    )
-    _emit(
-        "frozen",
-        bundle=str(frozen.bundle_dir),
-        freeze_seconds=frozen.freeze_seconds,
-        started_ago=time.monotonic() - started,
-        rss_bytes=frozen.manifest.rss_bytes,
-    )
-    if _command() != "commit":
-        frozen.thaw()
-        (parent / HOLD_FILE).unlink(missing_ok=True)
-        _emit("thawed")
+# ------------------------------------------------------------------------------------------ source
+
+
+class _Source:
+    """One source handoff: the tree, its record, and the only code that thaws or ends it."""
+
+    def __init__(self, spec: SourceSpec) -> None:
+        self.spec = spec
+        self.path = Path(spec.record)
+        self.frozen: checkpoint.Frozen | None = None
+        self.rec: SourceRecord | None = None
+
+    def _advance(self, state: SourceState, **fields: object) -> None:
+        assert self.rec is not None
+        self.rec.state = check_transition(self.rec.state, state)
+        for k, v in fields.items():
+            setattr(self.rec, k, v)
+        self.rec.updated = time.time()
+        records.write(self.path, self.rec.to_json())
+
+    def run(self) -> int:
+        spec = self.spec
+        started = time.monotonic()
+        try:
+            w = workloads.resolve(spec.workload)
+        except CriuctlError as exc:
+            _error(exc)
+            return 1
+        self.rec = SourceRecord(
+            spec.migration, w.name, spec.mode, SourceState.FREEZING, spec.ticket, os.getpid(),
+            records.boot_id(), root_pid=w.root_pid, updated=time.time(),
+        )  # fmt: skip
+        records.write(self.path, self.rec.to_json())  # before CRIU freezes anything
+        try:
+            self.frozen = checkpoint.freeze(w.name, Path(spec.parent), lazy_port=spec.lazy_port)
+        except CriuctlError as exc:
+            self._advance(SourceState.FAILED)
+            _error(exc)
+            return 1
+        self._advance(SourceState.FROZEN, bundle=str(self.frozen.bundle_dir))
+        _emit(
+            Event.FROZEN,
+            bundle=str(self.frozen.bundle_dir),
+            freeze_seconds=self.frozen.freeze_seconds,
+            started_ago=time.monotonic() - started,
+            rss_bytes=self.frozen.manifest.rss_bytes,
+        )
+        if _command() != Command.SENT:
+            self._thaw()
+            return 0
+        self._advance(SourceState.SENT)
+        _emit(Event.SENT)
+        self._settle(_command())
         return 0
-    (parent / HOLD_FILE).write_text(json.dumps({"root_pid": frozen.workload.root_pid, "state": "committed"}))
-    _emit("committed")
-    waited = time.monotonic()
-    frozen.commit(workloads.MIGRATED, moved_to=a.to)  # post-copy: returns when the last page is pulled
-    _emit("done", pages_seconds=time.monotonic() - waited)
-    return 0
+
+    def _settle(self, cmd: str) -> None:
+        """SENT: whatever we are told, the target's answer decides. Returns once settled."""
+        backoff = 1.0
+        while True:
+            if cmd == Command.COMMIT:
+                state = verdicts.ask_state(self.spec.ticket)
+                if state == TargetState.RUNNING:
+                    return self._commit()
+                _emit(Event.REFUSED, target_state=state)
+                cmd = _command()
+                continue
+            verdict = verdicts.ask_abort(self.spec.ticket)  # "abort", or the lease broke
+            if verdict == Verdict.RUNNING:
+                return self._commit()
+            if verdict == Verdict.ABORTED:
+                return self._thaw()
+            if cmd == Command.ABORT:  # the agent asked and is still there: tell it, wait for more
+                _emit(Event.IN_DOUBT)
+                cmd = _command()
+                continue
+            time.sleep(backoff)  # the lease broke and the target is silent: frozen, not lost
+            backoff = min(backoff * 2, TIMEOUTS.ask_backoff_max)
+
+    def _thaw(self) -> None:
+        assert self.frozen is not None
+        self.frozen.thaw()
+        self._advance(SourceState.THAWED)
+        _emit(Event.THAWED)
+
+    def _commit(self) -> None:
+        assert self.frozen is not None
+        self._advance(SourceState.COMMITTED)
+        _emit(Event.COMMITTED)
+        waited = time.monotonic()
+        self.frozen.commit(workloads.MIGRATED, moved_to=self.spec.to_node)  # post-copy: last page pulled
+        self._advance(SourceState.DONE)
+        _emit(Event.DONE, pages_seconds=time.monotonic() - waited)
 
 
-def target(a: argparse.Namespace) -> int:
+def source(spec_file: Path) -> int:
+    return _Source(SourceSpec.from_json(spec_file.read_text())).run()
+
+
+# ------------------------------------------------------------------------------------------ target
+
+
+def _advance_target(spec: TargetSpec, state: TargetState, **fields: object) -> None:
+    if spec.record is None:  # a plain bundle restore has no migration record
+        return
+    path = Path(spec.record)
+    rec = TargetRecord.from_json(json.loads(path.read_text()))
+    rec.state = check_transition(rec.state, state)
+    for k, v in fields.items():
+        setattr(rec, k, v)
+    rec.updated = time.time()
+    rec.history.append(f"{state}@{rec.updated:.3f}")
+    records.write(path, rec.to_json())
+
+
+def target(spec_file: Path) -> int:
+    spec = TargetSpec.from_json(spec_file.read_text())
     page_server = None
-    if a.page_server:
-        host, port = a.page_server.rsplit(":", 1)
+    if spec.page_server:
+        host, port = spec.page_server.rsplit(":", 1)
         page_server = (host, int(port))
-    digests = json.loads(Path(a.digests).read_text()) if a.digests else None
     try:
-        restored = checkpoint.restore_stopped(Path(a.bundle), a.name, page_server, digests)
+        restored = checkpoint.restore_stopped(Path(spec.bundle), spec.name, page_server, spec.digests)
     except CriuctlError as exc:
         _error(exc)
         return 1
-    _emit("restored", pid=restored.workload.root_pid, criu_seconds=restored.criu_seconds)
-    if _command() != "commit":
-        restored.abort()
-        _emit("aborted")
+    _advance_target(spec, TargetState.RESTORED, handoff_pid=os.getpid(), root_pid=restored.workload.root_pid)
+    _emit(Event.RESTORED, pid=restored.workload.root_pid, criu_seconds=restored.criu_seconds)
+    if _command() != Command.COMMIT:
+        restored.abort()  # it never ran: the source cannot have been told to end
+        _advance_target(spec, TargetState.ABORTED)
+        _emit(Event.ABORTED)
         return 0
-    restored.start(supervisor_pid=os.getpid(), node=a.node)
-    _emit("running", pid=restored.workload.root_pid)
+    _advance_target(spec, TargetState.RUNNING)  # written before the tree runs
+    restored.start(supervisor_pid=os.getpid(), node=spec.node)
+    _emit(Event.RUNNING, pid=restored.workload.root_pid)
     _detach()
     if restored.lazy_daemon is not None:  # the images are read until the last page is in
-        threading.Thread(target=_collect, args=(restored.lazy_daemon, Path(a.bundle)), daemon=True).start()
+        threading.Thread(target=_collect, args=(restored.lazy_daemon, Path(spec.bundle)), daemon=True).start()
     return supervisor.supervise(restored.workload, restored.stdio, echo=False)
 
 
@@ -115,34 +217,37 @@ def _collect(lazy: subprocess.Popen, bundle_dir: Path) -> None:
 
 def _detach() -> None:
     """From here on this process is the workload's supervisor: it must outlive the agent."""
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1):
         os.dup2(devnull, fd)
     os.close(devnull)
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m criuctl.agent.handoff")
-    sub = p.add_subparsers(dest="role", required=True)
-    s = sub.add_parser("source")
-    s.add_argument("--workload", required=True)
-    s.add_argument("--parent", required=True, help="folder the bundle is sealed in")
-    s.add_argument("--to", required=True, help="name of the target node, for the workload's record")
-    s.add_argument("--lazy-port", type=int, help="post-copy: serve memory pages on this port")
-    s.set_defaults(func=source)
-    t = sub.add_parser("target")
-    t.add_argument("--bundle", required=True)
-    t.add_argument("--name")
-    t.add_argument("--node", required=True, help="this node's name, for the workload's record")
-    t.add_argument("--page-server", help="post-copy: HOST:PORT of the source's page server")
-    t.add_argument("--digests", help="JSON file of the sha256s computed while the bundle arrived")
-    t.set_defaults(func=target)
-    return p
+# ------------------------------------------------------------------------------------------ dump
+
+
+def dump(spec_file: Path) -> int:
+    """A checkpoint the agent asked for: the same exactly-once dump as `criuctl dump`."""
+    spec = json.loads(spec_file.read_text())
+    try:
+        out = checkpoint.dump(spec["workload"], Path(spec["out"]), bool(spec.get("leave_running")))
+    except CriuctlError as exc:
+        _error(exc)
+        return 1
+    except OSError as exc:
+        _emit(Event.ERROR, what=f"checkpoint failed: {exc}", hint="see the agent log", detail="")
+        return 1
+    _emit(Event.DONE, bytes=out.size_bytes, freeze_seconds=out.freeze_seconds)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = parser().parse_args(argv)
-    return a.func(a)
+    p = argparse.ArgumentParser(prog="python -m criuctl.agent.handoff")
+    p.add_argument("role", choices=["source", "target", "dump"])
+    p.add_argument("spec", type=Path, help="JSON spec written by the agent")
+    a = p.parse_args(argv)
+    return {"source": source, "target": target, "dump": dump}[a.role](a.spec)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,12 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import sys
 from pathlib import Path
+from typing import Protocol
 
+from criuctl.agent.protocol import Command, Event
 from criuctl.errors import CriuctlError
 
 
@@ -16,27 +19,46 @@ class HandoffFailed(CriuctlError):
     """The handoff process reported an error, or died without a word."""
 
 
+class HandoffLike(Protocol):
+    """What the state machines need of a handoff; unit tests pass fakes that fail loudly."""
+
+    @property
+    def alive(self) -> bool: ...
+    async def event(self, timeout: float | None = None) -> dict: ...
+    async def until(self, wanted: set[Event], timeout: float | None = None) -> dict: ...
+    async def send(self, command: Command) -> None: ...
+    async def ask(self, command: Command, wanted: set[Event], timeout: float | None = None) -> dict: ...
+    async def close(self) -> None: ...
+    async def kill_group(self) -> None: ...
+
+
 class Handoff:
-    """One running `python -m criuctl.agent.handoff ROLE ...`; its stdin is the lease."""
+    """One running `python -m criuctl.agent.handoff ROLE SPEC`; its stdin is the lease."""
 
     def __init__(self, proc: asyncio.subprocess.Process, log: Path) -> None:
         self.proc, self.log = proc, log
 
     @classmethod
-    async def spawn(cls, args: list[str], log: Path) -> Handoff:
+    async def spawn(cls, role: str, spec_json: str, folder: Path, log: Path) -> Handoff:
+        """Write the spec (root-only: a source spec holds the upload ticket) and start the process."""
+        spec = folder / f"{role}-spec.json"
+        fd = os.open(spec, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(spec_json)
         with log.open("ab") as err:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "criuctl.agent.handoff",
-                *args,
+                sys.executable, "-m", "criuctl.agent.handoff", role, str(spec),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=err,
                 start_new_session=True,  # a signal to the agent's group must not reach the workload
                 env=dict(os.environ),
-            )
+            )  # fmt: skip
         return cls(proc, log)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.returncode is None
 
     async def event(self, timeout: float | None = None) -> dict:
         """The next event; HandoffFailed for an error event or a process that ended."""
@@ -49,20 +71,41 @@ class Handoff:
                 f"see {self.log}",
             )
         ev = json.loads(line)
-        if ev["event"] == "error":
+        if ev["event"] == Event.ERROR:
             raise HandoffFailed(ev["what"], ev.get("hint", ""), ev.get("detail", ""))
         return ev
 
-    async def send(self, command: str) -> None:
+    async def until(self, wanted: set[Event], timeout: float | None = None) -> dict:
+        """Events until one named in `wanted` (all within `timeout`)."""
+        async with asyncio.timeout(timeout):
+            while True:
+                ev = await self.event()
+                if ev["event"] in wanted:
+                    return ev
+
+    async def send(self, command: Command) -> None:
         assert self.proc.stdin is not None
-        with contextlib.suppress(ConnectionError):
-            self.proc.stdin.write(command.encode() + b"\n")
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            self.proc.stdin.write(f"{command}\n".encode())
             await self.proc.stdin.drain()
 
-    async def settle(self, command: str, expect: str, timeout: float | None = None) -> dict:
-        """Send `command` and wait for the event named `expect`."""
+    async def ask(self, command: Command, wanted: set[Event], timeout: float | None = None) -> dict:
+        """Send `command` and wait for one of the events in `wanted`."""
         await self.send(command)
-        while True:
-            ev = await self.event(timeout)
-            if ev["event"] == expect:
-                return ev
+        return await self.until(wanted, timeout)
+
+    async def close(self) -> None:
+        """Close the lease and our ends of the pipes (the process may go on, e.g. as a supervisor)."""
+        if self.proc.stdin is not None and not self.proc.stdin.is_closing():
+            self.proc.stdin.close()
+            with contextlib.suppress(ConnectionError, BrokenPipeError):
+                await self.proc.stdin.wait_closed()
+        if self.proc.stdout is not None:
+            self.proc.stdout.feed_eof()
+
+    async def kill_group(self) -> None:
+        """A handoff that overran its phase's timeout: end it and everything it started (CRIU)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        await self.proc.wait()
+        await self.close()

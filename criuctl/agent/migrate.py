@@ -5,13 +5,17 @@
     prepare                                 POST /incoming (ticket)     nothing frozen yet
     freeze     POST /outgoing: freeze …                                 source thaws, job runs on there
     transfer   … stream to target (ticket)  verify every byte           source thaws
-    restore                                 restore, *stopped*          target kills its copy; source thaws
+    restore                                 restore, *stopped*          target kills its copy; source
+                                                                        asks it, then thaws
     commit                                  let it run                  ask the target; see below
-               end the tree (post-copy:
-               once all pages are pulled)
+               end the tree (after asking
+               the target; post-copy: once
+               all pages are pulled)
 
-The only moment the outcome is unknown is a commit whose answer is lost. Then we ask the target
-again for a while; if it stays silent the source stays frozen — not lost, not doubled — and its
+The client never decides for the source once the bundle was sent: it tells the target, and the
+source asks the target before it thaws or ends (`criuctl.agent.protocol`). The only moment the
+outcome is unknown to the client is a commit whose answer is lost; then it asks the target for a
+while, and if it stays silent says so — the source stays frozen, not lost, not doubled, and its
 agent keeps asking the target until it can tell which side should run.
 """
 
@@ -22,8 +26,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from criuctl.agent import points
 from criuctl.agent.client import AgentClient, Node, NodeUnreachable, all_nodes
-from criuctl.agent.server import MODES, POST_COPY, PRE_COPY, STOP_AND_COPY
+from criuctl.agent.protocol import TIMEOUTS, Mode, Point, Ticket
 from criuctl.errors import CriuctlError
 
 Progress = Callable[..., None]  # progress(phase, **facts)
@@ -35,6 +40,10 @@ class MigrationFailed(CriuctlError):
 
 class MigrationInDoubt(CriuctlError):
     exit_code = 5
+
+
+STOP_AND_COPY, POST_COPY, PRE_COPY = Mode.STOP_AND_COPY, Mode.POST_COPY, Mode.PRE_COPY
+MODES = tuple(str(m) for m in Mode)
 
 
 @dataclass
@@ -50,6 +59,7 @@ class MigrationResult:
     transfer_seconds: float
     restore_seconds: float
     pages_seconds: float | None = None  # post-copy: commit → last page pulled
+    source_confirmed: bool = True  # False: the source agent did not confirm that its copy ended
 
 
 def _quiet(_phase: str, **_facts: object) -> None:
@@ -118,20 +128,20 @@ def migrate(
     progress("prepare")
     try:
         dst_info = _check_target(dst)
-        src_info = src.get("/v1/info", timeout=10)
+        src_info = src.get("/v1/info", timeout=TIMEOUTS.info)
         mode = choose_mode(mode, src_info, dst_info)
         inc = dst.post("/v1/incoming", {"workload": name, "mode": mode})
     except CriuctlError as exc:
         raise MigrationFailed(
             exc.what, f"{exc.hint}; nothing was frozen, {name!r} runs on {source.name}"
         ) from exc
-    ticket = {"url": target.url, "incoming": inc["id"], "ticket": inc["ticket"]}
-    ticket.update(ca=target.ca_pem(), node=target.name)
+    points.reach(Point.CLIENT_PREPARED)
+    ticket = Ticket(target.url, inc["id"], inc["ticket"], target.name, target.ca_pem())
     og_id, port, facts = None, None, {"bytes": 0, "freeze": 0.0, "transfer": 0.0, "restore": 0.0}
     try:
         phase_started = time.monotonic()
         progress("freeze")
-        for ev in src.events("/v1/outgoing", {"workload": name, "mode": mode, "target": ticket}):
+        for ev in src.events("/v1/outgoing", {"workload": name, "mode": mode, "target": ticket.to_json()}):
             kind = ev["event"]
             if kind == "started":
                 og_id = ev["id"]
@@ -145,57 +155,98 @@ def migrate(
                 facts["bytes"], facts["transfer"] = ev["bytes"], time.monotonic() - phase_started
                 break
             elif kind == "error":
-                raise MigrationFailed(ev["what"], ev.get("hint", ""))
+                thawed = ev.get("thawed", True) is True
+                raise (
+                    MigrationFailed(ev["what"], ev.get("hint", ""))
+                    if thawed
+                    else MigrationInDoubt(
+                        ev["what"], _frozen_hint(name, source.name, target.name, "thawed: unconfirmed")
+                    )
+                )
         else:
             raise NodeUnreachable(
                 f"node {source.name}'s agent stopped answering mid-migration",
-                "its handoff process thaws the job when the agent is gone",
+                "its handoff process settles the job with the target by itself",
             )
+        points.reach(Point.CLIENT_SENT)
         phase_started = time.monotonic()
         progress("restore")
         body = {"page_server": f"{source.host}:{port}"} if mode == POST_COPY else {}
-        dst.post(f"/v1/incoming/{inc['id']}/restore", body, timeout=1800)
+        dst.post(f"/v1/incoming/{inc['id']}/restore", body, timeout=TIMEOUTS.restore)
         facts["restore"] = time.monotonic() - phase_started
+        points.reach(Point.CLIENT_RESTORED)
+    except MigrationInDoubt:
+        raise
     except CriuctlError as exc:
-        _abort(src, dst, og_id, inc["id"])
-        raise MigrationFailed(exc.what, _keeps_running(exc.hint, name, source.name)) from exc
+        raise _aborted(src, dst, og_id, inc["id"], exc, name, source.name) from exc
     progress("commit")
     _commit_target(src, dst, og_id, inc["id"], name, source.name)
+    points.reach(Point.CLIENT_TARGET_COMMITTED)
+    confirmed = True
     try:
-        downtime = src.post(f"/v1/outgoing/{og_id}/commit", timeout=120)["downtime_seconds"]
-    except CriuctlError:
-        downtime = time.monotonic() - started  # the source agent will learn from the target by itself
+        downtime = src.post(f"/v1/outgoing/{og_id}/commit", timeout=TIMEOUTS.source_commit)[
+            "downtime_seconds"
+        ]
+    except (
+        CriuctlError
+    ):  # the job runs on the target; the source's handoff ends its copy on the target's word
+        downtime, confirmed = time.monotonic() - started, False
+    points.reach(Point.CLIENT_SOURCE_COMMITTED)
     pages = None
-    if mode == POST_COPY:
+    if mode == POST_COPY and confirmed:
         progress("pages")
         pages = _wait_pages(src, og_id)
     return MigrationResult(
         name, source.name, target.name, mode, downtime, time.monotonic() - started, facts["bytes"],
-        facts["freeze"], facts["transfer"], facts["restore"], pages,
+        facts["freeze"], facts["transfer"], facts["restore"], pages, confirmed,
     )  # fmt: skip
+
+
+def _frozen_hint(name: str, source: str, target: str, why: str) -> str:
+    return (
+        f"{name!r} stays frozen on {source} ({why}) until its agent hears from {target}; "
+        f"see `criuctl ps --node {source}` and `criuctl ps --node {target}`"
+    )
 
 
 def _keeps_running(hint: str, name: str, node: str) -> str:
     return "; ".join(filter(None, [hint, f"{name!r} keeps running on {node}"]))
 
 
-def _abort(src: AgentClient, dst: AgentClient, og_id: str | None, inc_id: str) -> None:
-    """Undo both sides, target first (so its copy is dead before the source runs again)."""
-    for client, path in ((dst, f"/v1/incoming/{inc_id}"), (src, f"/v1/outgoing/{og_id}" if og_id else None)):
-        if path:
-            with contextlib.suppress(CriuctlError):  # a dead agent's handoff undoes its side itself
-                client.delete(path)
+def _aborted(
+    src: AgentClient,
+    dst: AgentClient,
+    og_id: str | None,
+    inc_id: str,
+    exc: CriuctlError,
+    name: str,
+    source: str,
+) -> CriuctlError:
+    """Undo both sides, target first: the source thaws only once the target's copy is dead."""
+    with contextlib.suppress(CriuctlError):  # a dead target agent's handoff kills its copy itself
+        dst.delete(f"/v1/incoming/{inc_id}")
+    if og_id is None:
+        return MigrationFailed(exc.what, _keeps_running(exc.hint, name, source))
+    try:
+        answer = src.delete(f"/v1/outgoing/{og_id}")
+    except CriuctlError as err:
+        if getattr(err, "status", None) == 404:  # the stream failed before "sent": the source thawed
+            return MigrationFailed(exc.what, _keeps_running(exc.hint, name, source))
+        answer = {"state": "unknown"}
+    if answer.get("state") == "thawed" or answer.get("thawed") is True:
+        return MigrationFailed(exc.what, _keeps_running(exc.hint, name, source))
+    return MigrationInDoubt(exc.what, _frozen_hint(name, source, dst.node.name, "thawed: unconfirmed"))
 
 
 def _commit_target(
     src: AgentClient, dst: AgentClient, og_id: str, inc_id: str, name: str, source: str
 ) -> None:
     try:
-        dst.post(f"/v1/incoming/{inc_id}/commit", timeout=60)
+        dst.post(f"/v1/incoming/{inc_id}/commit", timeout=TIMEOUTS.target_commit)
         return
     except CriuctlError as exc:
         first = exc
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + TIMEOUTS.in_doubt
     while time.monotonic() < deadline:
         try:
             state = dst.get(f"/v1/incoming/{inc_id}", timeout=5)["state"]
@@ -206,15 +257,14 @@ def _commit_target(
             state = getattr(exc, "body", {}).get("state", "unknown")
         if state == "running":
             return
-        _abort(src, dst, og_id, inc_id)
-        raise MigrationFailed(first.what, _keeps_running(first.hint, name, source))
+        raise _aborted(src, dst, og_id, inc_id, first, name, source)
     raise MigrationInDoubt(
         f"node {dst.node.name} did not confirm that {name!r} runs there ({first.what})",
-        f"{name!r} stays frozen on {source}; its agent asks {dst.node.name} until it knows where it runs",
+        _frozen_hint(name, source, dst.node.name, "the target's answer was lost"),
     )
 
 
-def _wait_pages(src: AgentClient, og_id: str, timeout: float = 3600) -> float | None:
+def _wait_pages(src: AgentClient, og_id: str, timeout: float = TIMEOUTS.pages) -> float | None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:

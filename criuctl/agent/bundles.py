@@ -1,0 +1,136 @@
+"""HTTP routes for bundles kept on this node, outside any migration.
+
+    POST   /v1/workloads/{name}/checkpoint   dump into a bundle kept here (through a `dump` handoff)
+    GET    /v1/bundles/{id}                  stream a bundle out (tar)
+    PUT    /v1/bundles/{id}                  receive a bundle (verified before it is kept)
+    POST   /v1/bundles/{id}/restore          restore a kept bundle, supervised by a handoff
+    DELETE /v1/bundles/{id}                  delete a kept bundle
+
+A checkpoint freezes in a handoff process, like a migration, never in the agent: CRIU's ptrace
+and a multi-second freeze have no place on the event loop, and an agent killed mid-dump must not
+take the frozen tree's only keeper with it (the dump's own exactly-once commit still holds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from criuctl import bundle, checkpoint, workloads
+from criuctl.agent import transfer
+from criuctl.agent.handoffs import Handoff, HandoffFailed
+from criuctl.agent.protocol import TIMEOUTS, Command, Event, TargetSpec
+from criuctl.agent.web import body_json, error, fail, valid_id
+from criuctl.errors import CriuctlError
+
+if TYPE_CHECKING:
+    from criuctl.agent.server import Agent
+
+
+class Bundles:
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+
+    @property
+    def root(self) -> Path:
+        return workloads.logs_dir("bundles")
+
+    def routes(self, r: web.UrlDispatcher) -> None:
+        r.add_post("/v1/workloads/{name}/checkpoint", self.checkpoint)
+        r.add_get("/v1/bundles/{id}", self.send)
+        r.add_put("/v1/bundles/{id}", self.receive)
+        r.add_post("/v1/bundles/{id}/restore", self.restore)
+        r.add_delete("/v1/bundles/{id}", self.delete)
+
+    def _path(self, r: web.Request) -> Path:
+        bid = r.match_info["id"]
+        if not valid_id(bid):
+            raise error(400, f"{bid!r} is not a bundle id", "bundle ids are 32 hex digits")
+        return self.root / bid
+
+    async def checkpoint(self, r: web.Request) -> web.Response:
+        body = await body_json(r)
+        try:
+            w = await asyncio.to_thread(workloads.resolve, workloads.validate_name(r.match_info["name"]))
+        except CriuctlError as exc:
+            return fail(404 if isinstance(exc, workloads.UnknownWorkload) else 400, exc.what, exc.hint)
+        bid = uuid.uuid4().hex
+        work = workloads.logs_dir("handoffs") / bid
+        work.mkdir(mode=0o700)
+        spec = {
+            "workload": w.name,
+            "out": str(self.root / bid),
+            "leave_running": bool(body.get("leave_running")),
+        }
+        h = await Handoff.spawn("dump", json.dumps(spec), work, work / "handoff.log")
+        try:
+            ev = await h.until({Event.DONE}, TIMEOUTS.freeze)
+        except HandoffFailed as exc:
+            return self.agent.error_response(exc)
+        except TimeoutError:
+            await h.kill_group()
+            await asyncio.to_thread(checkpoint.thaw_tree, w.root_pid)
+            return fail(504, f"checkpoint of {w.name!r} took too long", "it was thawed; see the agent log")
+        finally:
+            await h.close()
+            await asyncio.to_thread(shutil.rmtree, work, True)
+        return web.json_response({"id": bid, "bytes": ev["bytes"], "freeze_seconds": ev["freeze_seconds"]})
+
+    async def send(self, r: web.Request) -> web.StreamResponse:
+        path = self._path(r)
+        if not (path / bundle.MANIFEST).exists():
+            return fail(404, f"no bundle {path.name} on node {self.agent.name}")
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-tar"})
+        resp.content_length = await asyncio.to_thread(transfer.stream_size, path)
+        await resp.prepare(r)
+        async for piece in transfer.tar_pieces(path):
+            await resp.write(piece)
+        await resp.write_eof()
+        self.agent.metrics.bytes.labels("sent").inc(resp.content_length)
+        return resp
+
+    async def receive(self, r: web.Request) -> web.Response:
+        path = self._path(r)
+        if path.exists():
+            return fail(409, f"bundle {path.name} already exists on node {self.agent.name}")
+        try:
+            await self.agent.receive(r, path)
+        except (CriuctlError, OSError) as exc:
+            await asyncio.to_thread(shutil.rmtree, path, True)
+            return self.agent.error_response(exc)
+        return web.json_response({"id": path.name, "bytes": await asyncio.to_thread(bundle.size_bytes, path)})
+
+    async def restore(self, r: web.Request) -> web.Response:
+        path = self._path(r)
+        body = await body_json(r)
+        try:
+            name = workloads.validate_name(body["name"]) if body.get("name") else None
+        except CriuctlError as exc:
+            return fail(400, exc.what, exc.hint)
+        if not (path / bundle.MANIFEST).exists():
+            return fail(404, f"no bundle {path.name} on node {self.agent.name}")
+        work = workloads.logs_dir("handoffs")
+        spec = TargetSpec(None, str(path), self.agent.name, name=name)
+        h = await Handoff.spawn("target", spec.to_json(), work, work / f"restore-{path.name}.log")
+        try:
+            ev = await h.until({Event.RESTORED}, TIMEOUTS.restore)
+            running = await h.ask(Command.COMMIT, {Event.RUNNING}, TIMEOUTS.target_commit)
+        except (HandoffFailed, TimeoutError) as exc:
+            await h.kill_group()
+            return self.agent.error_response(exc)
+        finally:
+            await h.close()
+        return web.json_response({"pid": running["pid"], "criu_seconds": ev["criu_seconds"]})
+
+    async def delete(self, r: web.Request) -> web.Response:
+        path = self._path(r)
+        if not path.exists():
+            return fail(404, f"no bundle {path.name} on node {self.agent.name}")
+        await asyncio.to_thread(shutil.rmtree, path)
+        return web.json_response({"deleted": path.name})

@@ -1,0 +1,226 @@
+"""HTTP routes of the target side: `/v1/incoming…`. They parse, authorise and render; `TargetMachine` decides.
+
+POST   /v1/incoming                make room, mint an upload ticket (token)
+PUT    /v1/incoming/{id}/bundle    the source agent streams the bundle (ticket)
+POST   /v1/incoming/{id}/restore   restore it stopped (token)
+POST   /v1/incoming/{id}/commit    let it run (token)
+GET    /v1/incoming/{id}           its state (ticket or token)
+DELETE /v1/incoming/{id}           the verdict: abort unless it runs here (ticket or token);
+                                   200 {"state": "aborted"} or 409 {"state": "running"}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import secrets
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from criuctl import bundle, criu, workloads
+from criuctl.agent import records
+from criuctl.agent.handoffs import Handoff
+from criuctl.agent.protocol import (
+    TIMEOUTS,
+    Mode,
+    TargetRecord,
+    TargetSpec,
+    TargetState,
+    Verdict,
+    secret_digest,
+)
+from criuctl.agent.target import TargetMachine
+from criuctl.agent.web import body_json, error, fail, outcome_response, valid_id
+from criuctl.errors import CriuctlError
+
+if TYPE_CHECKING:
+    from criuctl.agent.server import Agent
+
+log = logging.getLogger("criuctl.agent")
+
+
+async def spawn_target(spec: TargetSpec, folder: Path) -> Handoff:
+    return await Handoff.spawn("target", spec.to_json(), folder, folder.parent / f"{folder.name}.log")
+
+
+class Incoming:
+    """The target side's routes and its table of migrations (live ones in memory, the rest on disk)."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.machines: dict[str, TargetMachine] = {}
+
+    def routes(self, r: web.UrlDispatcher) -> None:
+        r.add_post("/v1/incoming", self.new)
+        r.add_put("/v1/incoming/{id}/bundle", self.upload)
+        r.add_post("/v1/incoming/{id}/restore", self.restore)
+        r.add_post("/v1/incoming/{id}/commit", self.commit)
+        r.add_get("/v1/incoming/{id}", self.status)
+        r.add_delete("/v1/incoming/{id}", self.abort)
+
+    @property
+    def spool(self) -> Path:
+        return workloads.spool_dir("incoming")
+
+    def lookup(self, mid: str) -> TargetMachine | None:
+        """A migration by id: the live one, else its record (a restarted agent, a pruned entry)."""
+        if not valid_id(mid):
+            return None
+        m = self.machines.get(mid)
+        if m is not None:
+            return m
+        rec = records.read(self.spool / f"{mid}.json", TargetRecord.from_json)
+        if not isinstance(rec, TargetRecord):
+            return None
+        m = TargetMachine(rec, self.spool / mid, spawn_target)
+        self.machines[mid] = m
+        return m
+
+    def ticket_opens(self, request: web.Request, secret: str) -> bool:
+        """An upload ticket opens only its own migration's upload, status and verdict."""
+        path = request.path
+        if not path.startswith("/v1/incoming/"):
+            return False
+        if not (
+            request.method in ("GET", "DELETE") or (request.method == "PUT" and path.endswith("/bundle"))
+        ):
+            return False
+        m = self.lookup(request.match_info.get("id", ""))
+        return m is not None and hmac.compare_digest(secret_digest(secret), m.rec.secret_sha256)
+
+    def _get(self, r: web.Request) -> TargetMachine:
+        m = self.lookup(r.match_info["id"])
+        if m is None:
+            raise error(404, f"no migration {r.match_info['id']} on node {self.agent.name}", state="unknown")
+        return m
+
+    # ----------------------------------------------------------------------------------- routes
+
+    async def new(self, r: web.Request) -> web.Response:
+        body = await body_json(r)
+        try:
+            name = workloads.validate_name(str(body.get("workload", "")))
+            mode = Mode(body.get("mode", Mode.STOP_AND_COPY))
+        except ValueError:
+            return fail(400, f"unknown mode {body.get('mode')!r}", f"one of {', '.join(Mode)}")
+        except CriuctlError as exc:
+            return fail(400, exc.what, exc.hint)
+        try:
+            await asyncio.to_thread(criu.require_version)
+            if mode == Mode.POST_COPY:
+                await asyncio.to_thread(criu.ensure_lazy_pages)
+            bundle.load_key(workloads.key_path(), create=False)
+        except CriuctlError as exc:
+            return fail(503, f"node {self.agent.name} cannot restore: {exc.what}", exc.hint)
+        w = await asyncio.to_thread(workloads.load, name)
+        if w is not None and w.state == workloads.RUNNING and w.alive():
+            return fail(
+                409, f"a workload named {name!r} already runs on node {self.agent.name}", "rename one"
+            )
+        secret = secrets.token_urlsafe(32)
+        m = await asyncio.to_thread(
+            TargetMachine.create,
+            uuid.uuid4().hex,
+            name,
+            mode,
+            secret_digest(secret),
+            self.spool,
+            spawn_target,
+        )
+        self.machines[m.id] = m
+        log.info("incoming", extra={"id": m.id, "workload": name, "mode": str(mode)})
+        return web.json_response({"id": m.id, "ticket": secret})
+
+    async def upload(self, r: web.Request) -> web.Response:
+        m = self._get(r)
+        started = time.monotonic()
+        try:
+            out = await m.receive(lambda dest: self.agent.receive(r, dest))
+        except (CriuctlError, OSError) as exc:
+            self.agent.metrics.migrations.labels("target", m.rec.mode, "failed").inc()
+            log.warning("receive failed", extra={"id": m.id, "error": str(exc)})
+            return self.agent.error_response(exc)
+        if not out.ok:
+            return fail(409, out.what, out.hint, state=out.state)
+        size = await asyncio.to_thread(bundle.size_bytes, m.bundle_dir)
+        return web.json_response({"bytes": size, "seconds": time.monotonic() - started})
+
+    async def restore(self, r: web.Request) -> web.Response:
+        m = self._get(r)
+        body = await body_json(r)
+        page_server = body.get("page_server")
+        if page_server is not None and not isinstance(page_server, str):
+            return fail(400, "page_server must be HOST:PORT")
+        out = await m.restore(page_server, self.agent.name)
+        if not out.ok and m.state == TargetState.FAILED:
+            self.agent.metrics.migrations.labels("target", m.rec.mode, "failed").inc()
+            return fail(500, out.what, out.hint, state=out.state)
+        return outcome_response(out)
+
+    async def commit(self, r: web.Request) -> web.Response:
+        m = self._get(r)
+        out = await m.commit()
+        if out.ok:
+            self.agent.metrics.migrations.labels("target", m.rec.mode, "succeeded").inc()
+        return outcome_response(out, {"state": str(m.state)})
+
+    async def status(self, r: web.Request) -> web.Response:
+        m = self._get(r)
+        return web.json_response({"state": str(m.state), "workload": m.rec.workload})
+
+    async def abort(self, r: web.Request) -> web.Response:
+        m = self._get(r)
+        verdict = await m.verdict()
+        if verdict == Verdict.RUNNING:
+            return fail(409, f"migration {m.id} already runs on node {self.agent.name}; it cannot be aborted",
+                        state="running")  # fmt: skip
+        if verdict == Verdict.UNKNOWN:
+            return fail(503, f"node {self.agent.name} could not end its copy of migration {m.id} yet",
+                        "ask again", state=str(m.state))  # fmt: skip
+        self.agent.metrics.migrations.labels("target", m.rec.mode, "aborted").inc()
+        self.machines.pop(m.id, None)
+        return web.json_response({"state": "aborted"})
+
+    # ----------------------------------------------------------------------------------- upkeep
+
+    def recover(self) -> None:
+        """At start-up (in a thread): settle every record whose handoff is gone."""
+        for path, rec in records.scan(self.spool, "*.json", TargetRecord.from_json):
+            if isinstance(rec, records.Unreadable):
+                log.error("unreadable incoming record", extra={"path": str(path), "why": rec.why})
+                continue
+            m = TargetMachine(rec, self.spool / rec.migration, spawn_target)
+            try:
+                m.recover()
+            except OSError as exc:
+                log.error("incoming record not settled", extra={"id": m.id, "error": str(exc)})
+            log.warning("recovered incoming", extra={"id": m.id, "state": str(m.state)})
+
+    async def tidy(self, stale_after: float) -> None:
+        """Drop final entries from memory, abort stale unfinished ones, forget old tombstones."""
+        now = time.monotonic()
+        for m in list(self.machines.values()):
+            if m.lock.locked():
+                continue
+            if m.state in (TargetState.RUNNING, TargetState.ABORTED):
+                if m.handoff is None or not m.handoff.alive or m.state == TargetState.RUNNING:
+                    self.machines.pop(m.id, None)
+            elif m.state != TargetState.RECEIVING and now - m.created > stale_after:
+                log.warning("stale incoming dropped", extra={"id": m.id, "state": str(m.state)})
+                with contextlib.suppress(OSError):
+                    await m.verdict()
+                self.machines.pop(m.id, None)
+        await asyncio.to_thread(_forget_tombstones, self.spool, set(self.machines))
+
+
+def _forget_tombstones(spool: Path, live: set[str]) -> None:
+    horizon = time.time() - TIMEOUTS.tombstone
+    for path, rec in records.scan(spool, "*.json", TargetRecord.from_json):
+        if isinstance(rec, TargetRecord) and rec.migration not in live and rec.updated < horizon:
+            path.unlink(missing_ok=True)

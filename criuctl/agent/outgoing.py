@@ -1,0 +1,227 @@
+"""HTTP routes of the source side: `/v1/outgoing…`. They parse, authorise and render; `SourceMachine` decides.
+
+POST   /v1/outgoing              freeze, stream to the target; one JSON event per line as it goes
+POST   /v1/outgoing/{id}/commit  the client says the target runs it: the handoff checks, then ends
+GET    /v1/outgoing/{id}         its state
+DELETE /v1/outgoing/{id}         abort: before "sent" the tree thaws; after, only on the target's word
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import psutil
+from aiohttp import web
+
+from criuctl import checkpoint, criu, workloads
+from criuctl.agent import records, transfer, verdicts
+from criuctl.agent.handoffs import Handoff
+from criuctl.agent.protocol import Mode, SourceRecord, SourceSpec, SourceState, Ticket, Verdict
+from criuctl.agent.source import SourceMachine
+from criuctl.agent.web import body_json, error, fail, outcome_response, valid_id
+from criuctl.errors import CriuctlError
+
+if TYPE_CHECKING:
+    from criuctl.agent.server import Agent
+
+log = logging.getLogger("criuctl.agent")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+async def spawn_source(spec: SourceSpec, folder: Path) -> Handoff:
+    return await Handoff.spawn("source", spec.to_json(), folder, folder.parent / f"{folder.name}.log")
+
+
+class Outgoing:
+    """The source side's routes and its live migrations."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.machines: dict[str, SourceMachine] = {}
+        self.settling: set[asyncio.Task] = set()
+
+    def routes(self, r: web.UrlDispatcher) -> None:
+        r.add_post("/v1/outgoing", self.start)
+        r.add_post("/v1/outgoing/{id}/commit", self.commit)
+        r.add_get("/v1/outgoing/{id}", self.status)
+        r.add_delete("/v1/outgoing/{id}", self.abort)
+
+    @property
+    def spool(self) -> Path:
+        return workloads.spool_dir("outgoing")
+
+    def _get(self, r: web.Request) -> SourceMachine:
+        m = self.machines.get(r.match_info["id"]) if valid_id(r.match_info["id"]) else None
+        if m is None:
+            raise error(404, f"no outgoing migration {r.match_info['id']} on node {self.agent.name}")
+        return m
+
+    async def start(self, r: web.Request) -> web.StreamResponse:
+        body = await body_json(r)
+        try:
+            name = workloads.validate_name(str(body.get("workload", "")))
+            mode = Mode(body.get("mode", Mode.STOP_AND_COPY))
+            ticket = Ticket.from_json(body.get("target"))
+        except CriuctlError as exc:
+            return fail(400, exc.what, exc.hint)
+        except (ValueError, TypeError) as exc:
+            return fail(400, f"bad migration request: {exc}", "use `criuctl migrate`")
+        try:
+            w = await asyncio.to_thread(workloads.resolve, name)
+            if mode == Mode.POST_COPY:
+                await asyncio.to_thread(criu.ensure_lazy_pages)
+        except CriuctlError as exc:
+            return self.agent.error_response(exc)
+        mid = uuid.uuid4().hex
+        folder = self.spool / mid
+        folder.mkdir(mode=0o700)
+        spec = SourceSpec(mid, w.name, str(mode), str(self.spool / f"{mid}.json"), str(folder), ticket.node,
+                          ticket, _free_port() if mode == Mode.POST_COPY else None)  # fmt: skip
+
+        def send(bdir: Path, counter: transfer.Counter):
+            url = f"{ticket.base()}/bundle"
+            return transfer.send(bdir, url, ticket.secret, ticket.ca, counter, ticket.node)
+
+        m = SourceMachine(spec, spawn_source, send, checkpoint.thaw_tree)
+        self.machines[mid] = m
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(r)
+
+        async def say(event: str, **fields: object) -> None:
+            try:
+                await resp.write(json.dumps({"event": event, **fields}).encode() + b"\n")
+            except (ConnectionError, RuntimeError):
+                m.client_gone = True
+
+        await say("started", id=mid)
+        out = await m.run(say)
+        if out.ok:
+            self.agent.metrics.bytes.labels("sent").inc(out.facts["bytes"])
+            m.lease = asyncio.ensure_future(m.lease_loop(self.agent.opts.lease_seconds))
+            facts = {k: out.facts[k] for k in ("bytes", "seconds", "target")}
+            await say("sent", **facts)
+        else:
+            self.agent.metrics.migrations.labels("source", str(mode), "failed").inc()
+            log.warning("outgoing failed", extra={"id": mid, "error": out.what})
+            await say("error", what=out.what, hint=out.hint, thawed=out.facts.get("thawed", "unconfirmed"))
+            await self._forget(m)
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await resp.write_eof()
+        return resp
+
+    async def commit(self, r: web.Request) -> web.Response:
+        m = self._get(r)
+        out = await m.commit()
+        if out.ok and "downtime_seconds" in out.facts:
+            self.agent.metrics.downtime.labels(m.spec.mode).observe(out.facts["downtime_seconds"])
+            self.agent.metrics.migrations.labels("source", m.spec.mode, "succeeded").inc()
+            fin = asyncio.ensure_future(self._forget_when_done(m))
+            self.settling.add(fin)
+            fin.add_done_callback(self.settling.discard)
+        return outcome_response(out)
+
+    async def status(self, r: web.Request) -> web.Response:
+        m = self._get(r)
+        return web.json_response({"state": str(m.state), "pages_seconds": m.pages_seconds})
+
+    async def abort(self, r: web.Request) -> web.Response:
+        m = self._get(r)
+        out = await m.abort()
+        if m.state == SourceState.THAWED:
+            self.agent.metrics.migrations.labels("source", m.spec.mode, "aborted").inc()
+            await self._forget(m)
+        return outcome_response(out)
+
+    async def _forget_when_done(self, m: SourceMachine) -> None:
+        if m.finisher is not None:
+            await m.finisher
+        await asyncio.sleep(60)  # the client may still ask how long the pages took
+        await self._forget(m)
+
+    async def _forget(self, m: SourceMachine) -> None:
+        """A final migration: drop its entry, its folder and its record (the target keeps the tombstone)."""
+        if m.handoff is not None:
+            await m.handoff.close()
+        if m.lease is not None and m.lease is not asyncio.current_task():
+            m.lease.cancel()
+        self.machines.pop(m.id, None)
+        await asyncio.to_thread(_remove, self.spool, m.id)
+
+    # ----------------------------------------------------------------------------------- restart
+
+    def recover(self) -> list[tuple[SourceRecord, str]]:
+        """At start-up (in a thread): act on every record whose handoff died. Returns those in SENT.
+
+        A live handoff settles itself (its lease broke: it asks the target). A dead one left a
+        tree that only this agent can settle now: before SENT it thaws; COMMITTED ends; SENT asks
+        the target, in `settle_orphan`.
+        """
+        orphans = []
+        for path, rec in records.scan(self.spool, "*.json", SourceRecord.from_json):
+            if isinstance(rec, records.Unreadable):
+                log.error("unreadable outgoing record", extra={"path": str(path), "why": rec.why})
+                continue
+            same_boot = rec.boot_id == records.boot_id()
+            if same_boot and psutil.pid_exists(rec.hold_pid) and rec.state not in _FINAL:
+                log.warning("outgoing settles itself", extra={"id": rec.migration, "state": str(rec.state)})
+                continue
+            tree = rec.root_pid if same_boot and rec.root_pid and psutil.pid_exists(rec.root_pid) else None
+            if tree and rec.state in (SourceState.FREEZING, SourceState.FROZEN, SourceState.SENDING):
+                checkpoint.thaw_tree(tree)
+            elif tree and rec.state == SourceState.COMMITTED:
+                _end(tree, rec)
+            elif tree and rec.state == SourceState.SENT:
+                orphans.append((rec, str(path)))
+                continue
+            log.warning("recovered outgoing", extra={"id": rec.migration, "state": str(rec.state)})
+            _remove(self.spool, rec.migration)
+        return orphans
+
+    async def settle_orphan(self, rec: SourceRecord) -> None:
+        """A frozen tree in SENT whose handoff died: ask the target until it says, then act."""
+        backoff = 1.0
+        while (verdict := await asyncio.to_thread(verdicts.ask_abort, rec.ticket)) == Verdict.UNKNOWN:
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 30.0)
+        assert rec.root_pid is not None
+        if verdict == Verdict.RUNNING:
+            await asyncio.to_thread(_end, rec.root_pid, rec)
+        else:
+            await asyncio.to_thread(checkpoint.thaw_tree, rec.root_pid)
+        log.warning("recovered outgoing", extra={"id": rec.migration, "verdict": str(verdict)})
+        await asyncio.to_thread(_remove, self.spool, rec.migration)
+
+
+_FINAL = (SourceState.DONE, SourceState.THAWED, SourceState.FAILED)
+
+
+def _end(root_pid: int, rec: SourceRecord) -> None:
+    """The job runs on the target: end the frozen source tree (PID 1 of its namespace takes the rest)."""
+    w = workloads.load(rec.workload)
+    if w is not None and w.root_pid == root_pid:
+        w.state, w.moved_to = workloads.MIGRATED, rec.ticket.node
+        workloads.save(w)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(root_pid, signal.SIGKILL)
+    checkpoint.unlock_network(root_pid)
+
+
+def _remove(spool: Path, mid: str) -> None:
+    shutil.rmtree(spool / mid, ignore_errors=True)
+    (spool / f"{mid}.json").unlink(missing_ok=True)
+    (spool / f"{mid}.log").unlink(missing_ok=True)

@@ -1,0 +1,313 @@
+"""The migration protocol as data: modes, each side's states and transitions, events, timeouts, records.
+
+No I/O and no HTTP here: the server, the handoff processes, the client and the unit tests all read
+the protocol from this one module, so that what is allowed can be checked without running it.
+
+    source (node a)                                     target (node b)
+    FREEZING ─▶ FROZEN ─▶ SENDING ─▶ SENT ──┐            NEW ─▶ RECEIVING ─▶ RECEIVED ─▶ RESTORING
+       │           │         │               │                                             │
+       ▼           ▼         ▼               │ the target's verdict only                   ▼
+    FAILED      THAWED ◀─────┘       ┌───────┴──────┐                 ABORTED ◀──────── RESTORED
+                                     ▼              ▼                                      │ commit
+                                  THAWED      COMMITTED ─▶ DONE                            ▼
+                                (target: dead  (target:                                 RUNNING
+                                 or never ran)  running)
+
+The rule that cannot be broken: once the bundle has been sent (SENT), only the target decides
+whether the source thaws. Every path out of SENT — the client's commit or abort, the agent's lease,
+a handoff whose agent died, a restarted agent — first asks the target, with the upload ticket, and
+acts on its answer (`Verdict`). The target answers "aborted" only once its copy is dead or never
+ran, and kills its copy only while it has not run, so a source that was told to end never has a
+target that aborted.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, TypeVar
+
+
+class Mode(enum.StrEnum):
+    STOP_AND_COPY = "stop-and-copy"
+    POST_COPY = "post-copy"  # the target runs at once; pages are pulled from the source afterwards
+    PRE_COPY = "pre-copy"  # needs soft-dirty tracking
+
+
+class SourceState(enum.StrEnum):
+    FREEZING = "freezing"  # handoff started; CRIU freezing and dumping (hold record written first)
+    FROZEN = "frozen"  # tree stopped, bundle sealed and fsynced
+    SENDING = "sending"  # bundle streaming to the target
+    SENT = "sent"  # the target has the whole bundle: from here on the target decides
+    COMMITTED = "committed"  # the target runs the job; the source tree is being ended
+    DONE = "done"  # source tree gone (post-copy: after the last page was pulled)
+    THAWED = "thawed"  # the tree runs on here (failure or abort); network lock lifted
+    FAILED = "failed"  # nothing was frozen, or the freeze failed and CRIU let the tree go
+
+
+class TargetState(enum.StrEnum):
+    NEW = "new"  # room made, upload ticket minted
+    RECEIVING = "receiving"
+    RECEIVED = "received"  # verified bundle on disk
+    RESTORING = "restoring"  # handoff running CRIU restore
+    RESTORED = "restored"  # tree recreated, stopped: it has never run
+    RUNNING = "running"  # committed: the job runs here (written before the tree is let go)
+    ABORTED = "aborted"  # its copy is dead or never existed
+    FAILED = "failed"  # receive or restore failed; no copy exists
+
+
+SOURCE_TRANSITIONS: dict[SourceState, frozenset[SourceState]] = {
+    SourceState.FREEZING: frozenset({SourceState.FROZEN, SourceState.FAILED, SourceState.THAWED}),
+    # the handoff's record goes FROZEN → SENT directly; SENDING lives only in the agent
+    SourceState.FROZEN: frozenset({SourceState.SENDING, SourceState.SENT, SourceState.THAWED}),
+    SourceState.SENDING: frozenset({SourceState.SENT, SourceState.THAWED}),
+    SourceState.SENT: frozenset({SourceState.COMMITTED, SourceState.THAWED}),  # only on the target's word
+    SourceState.COMMITTED: frozenset({SourceState.DONE}),
+    SourceState.DONE: frozenset(),
+    SourceState.THAWED: frozenset(),
+    SourceState.FAILED: frozenset(),
+}
+
+TARGET_TRANSITIONS: dict[TargetState, frozenset[TargetState]] = {
+    TargetState.NEW: frozenset({TargetState.RECEIVING, TargetState.ABORTED}),
+    TargetState.RECEIVING: frozenset({TargetState.RECEIVED, TargetState.FAILED, TargetState.ABORTED}),
+    TargetState.RECEIVED: frozenset({TargetState.RESTORING, TargetState.ABORTED}),
+    TargetState.RESTORING: frozenset({TargetState.RESTORED, TargetState.FAILED, TargetState.ABORTED}),
+    TargetState.RESTORED: frozenset({TargetState.RUNNING, TargetState.ABORTED}),
+    TargetState.RUNNING: frozenset(),  # never aborted: the source may have been told to end
+    TargetState.ABORTED: frozenset(),
+    TargetState.FAILED: frozenset({TargetState.ABORTED}),
+}
+
+SOURCE_FINAL = frozenset(s for s, nxt in SOURCE_TRANSITIONS.items() if not nxt)
+TARGET_FINAL = frozenset({TargetState.RUNNING, TargetState.ABORTED})
+# source states in which the job's tree is stopped here and must not be thawed without the target
+SOURCE_TARGET_DECIDES = frozenset({SourceState.SENT})
+
+S = TypeVar("S", SourceState, TargetState)
+
+
+class BadTransition(Exception):
+    """A bug: a step the protocol table does not allow. Never caught to carry on."""
+
+
+def check_transition(current: S, new: S) -> S:
+    table: dict = SOURCE_TRANSITIONS if isinstance(current, SourceState) else TARGET_TRANSITIONS
+    if new != current and new not in table[current]:
+        raise BadTransition(f"{type(current).__name__}: {current} → {new} is not allowed")
+    return new
+
+
+class Verdict(enum.StrEnum):
+    """The target's answer to a source asking what to do with its frozen tree."""
+
+    RUNNING = "running"  # the job runs (or ran) on the target: end the source tree
+    ABORTED = "aborted"  # the target's copy is dead or never ran: thaw the source
+    UNKNOWN = "unknown"  # no answer: stay frozen and ask again
+
+
+@dataclass
+class Outcome:
+    """What a step of either side ended in: the HTTP layer renders it; no exception crosses over."""
+
+    state: str
+    ok: bool
+    what: str = ""
+    hint: str = ""
+    facts: dict[str, Any] = field(default_factory=dict)
+
+
+class Event(enum.StrEnum):
+    """One JSON line on a handoff's stdout (the agent reads them)."""
+
+    FROZEN = "frozen"
+    SENT = "sent"  # source: SENT is recorded; from now on it settles only with the target
+    COMMITTED = "committed"
+    DONE = "done"
+    THAWED = "thawed"
+    RESTORED = "restored"
+    RUNNING = "running"
+    ABORTED = "aborted"
+    IN_DOUBT = "in-doubt"  # source: told to settle, but the target did not answer
+    REFUSED = "refused"  # source: told to commit, but the target says the job does not run there
+    ERROR = "error"
+
+
+class Command(enum.StrEnum):
+    """One line on a handoff's stdin (the agent writes them); EOF is the lease breaking."""
+
+    SENT = "sent"
+    COMMIT = "commit"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Every wait of the protocol, named, in seconds. One place to read and tune them."""
+
+    freeze: float = 1800.0  # CRIU dump of a large tree
+    restore: float = 1800.0  # CRIU restore of a large tree
+    handoff_settle: float = 120.0  # a handoff answering commit or abort
+    target_commit: float = 60.0  # client → target commit
+    source_commit: float = 120.0  # client → source commit (it asks the target first)
+    in_doubt: float = 30.0  # client asking the target after a lost commit answer
+    ask_target: float = 20.0  # one verdict request
+    ask_backoff_max: float = 30.0  # between verdict requests while the target is silent
+    stall: float = 20.0  # no byte moved on a transfer
+    info: float = 10.0  # GET /v1/info and similar small calls
+    pages: float = 3600.0  # post-copy: commit until the last page is pulled
+    tombstone: float = 7 * 24 * 3600.0  # final records kept to answer late verdict requests
+
+
+TIMEOUTS = Timeouts()
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """What the source needs to reach the target's side of one migration (minted by the target)."""
+
+    url: str  # the target agent's base URL
+    incoming: str  # the target's migration id
+    secret: str  # opens only this migration's upload, status and abort
+    node: str  # the target's name, for messages
+    ca: str | None = None  # PEM of the CA of the target's TLS certificate
+
+    @classmethod
+    def from_json(cls, raw: Any) -> Ticket:
+        if not isinstance(raw, dict):
+            raise ValueError("ticket must be an object")
+        names = {f.name for f in fields(cls)}
+        missing = {"url", "incoming", "secret", "node"} - set(raw)
+        if missing or set(raw) - names:
+            raise ValueError(f"bad ticket fields (missing {sorted(missing)})")
+        return cls(**{k: raw[k] for k in names if k in raw})
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def base(self) -> str:
+        return f"{self.url.rstrip('/')}/v1/incoming/{self.incoming}"
+
+
+def secret_digest(secret: str) -> str:
+    """What the target keeps on disk of a ticket: enough to check one, useless to forge one."""
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+@dataclass
+class SourceSpec:
+    """Everything a source handoff needs, written as one JSON file instead of an argument list."""
+
+    migration: str
+    workload: str
+    mode: str
+    record: str  # path of the hold record (written before CRIU freezes anything)
+    parent: str  # folder the bundle is sealed in
+    to_node: str
+    ticket: Ticket
+    lazy_port: int | None = None  # post-copy: serve pages here
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["ticket"] = self.ticket.to_json()
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, raw: str) -> SourceSpec:
+        d = json.loads(raw)
+        d["ticket"] = Ticket.from_json(d["ticket"])
+        return cls(**d)
+
+
+@dataclass
+class TargetSpec:
+    """Everything a target handoff needs."""
+
+    migration: str | None
+    bundle: str
+    node: str
+    record: str | None = None  # the target's migration record, which the handoff advances
+    name: str | None = None
+    page_server: str | None = None  # post-copy: HOST:PORT of the source's page server
+    digests: dict[str, str] | None = None  # sha256s computed as the bundle arrived
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: str) -> TargetSpec:
+        return cls(**json.loads(raw))
+
+
+@dataclass
+class SourceRecord:
+    """The source's durable state of one migration: what a restarted agent needs to settle it."""
+
+    migration: str
+    workload: str
+    mode: str
+    state: SourceState
+    ticket: Ticket
+    hold_pid: int  # the handoff process
+    boot_id: str  # a different boot means every process named here is gone
+    root_pid: int | None = None  # the tree's PID-namespace init
+    bundle: str | None = None
+    updated: float = 0.0
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["ticket"], d["state"] = self.ticket.to_json(), str(self.state)
+        return d
+
+    @classmethod
+    def from_json(cls, d: Any) -> SourceRecord:
+        if not isinstance(d, dict):
+            raise ValueError("not an object")
+        d = dict(d)
+        d["ticket"], d["state"] = Ticket.from_json(d["ticket"]), SourceState(d["state"])
+        return cls(**d)
+
+
+@dataclass
+class TargetRecord:
+    """The target's durable state of one migration; kept as a tombstone once final."""
+
+    migration: str
+    workload: str
+    mode: str
+    state: TargetState
+    secret_sha256: str  # the ticket's digest: a restarted agent still recognises the source
+    boot_id: str
+    handoff_pid: int | None = None
+    root_pid: int | None = None
+    updated: float = 0.0
+    history: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["state"] = str(self.state)
+        return d
+
+    @classmethod
+    def from_json(cls, d: Any) -> TargetRecord:
+        if not isinstance(d, dict):
+            raise ValueError("not an object")
+        d = dict(d)
+        d["state"] = TargetState(d["state"])
+        return cls(**d)
+
+
+class Point(enum.StrEnum):
+    """Named instants of the protocol where a test may stop it (`criuctl.agent.points`)."""
+
+    CLIENT_PREPARED = "client.prepared"  # target NEW; nothing frozen
+    CLIENT_SENT = "client.sent"  # source SENT, target RECEIVED
+    CLIENT_RESTORED = "client.restored"  # target RESTORED (stopped), source SENT
+    CLIENT_TARGET_COMMITTED = "client.target-committed"  # target RUNNING, source SENT
+    CLIENT_SOURCE_COMMITTED = "client.source-committed"  # target RUNNING, source COMMITTED
+    SOURCE_FROZEN = "source.frozen"  # source agent: FROZEN, before streaming
+    SOURCE_SENT_RECORDED = "source.sent-recorded"  # source agent: SENT recorded, client not told
+    TARGET_RECEIVED = "target.received"  # target agent: RECEIVED recorded, source not answered
+    TARGET_RUNNING = "target.running"  # target agent: RUNNING, client not answered

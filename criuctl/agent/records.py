@@ -1,0 +1,85 @@
+"""Durable records: write-temp, fsync, rename, fsync the folder — so a crash leaves the old or the new.
+
+A migration's state is written *before* the step it announces is taken (a write-ahead record): a
+process that dies at any instant leaves a record that says at most one step too early, never one
+too late, and every step is safe to repeat. A record that cannot be read (torn by a disk error,
+edited by hand) is reported as `Unreadable`, never raised: an agent that crash-loops on one bad file
+would strand every other migration on its node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write(path: Path, data: dict) -> None:
+    """Replace `path` with `data` as JSON, atomically and durably (root-only)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A record that exists but cannot be used; `why` says what is wrong with it."""
+
+    path: Path
+    why: str
+
+
+def read(path: Path, parse: Callable[[Any], T]) -> T | Unreadable | None:
+    """The record at `path` parsed by `parse`; None when there is none; Unreadable when it is bad."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return Unreadable(path, exc.strerror or str(exc))
+    try:
+        return parse(json.loads(raw))
+    except (ValueError, TypeError, KeyError) as exc:
+        return Unreadable(path, f"{exc.__class__.__name__}: {exc}")
+
+
+def scan(folder: Path, pattern: str, parse: Callable[[Any], T]) -> Iterator[tuple[Path, T | Unreadable]]:
+    """Every record matching `pattern` under `folder` (temp files of a torn write are skipped)."""
+    for path in sorted(folder.glob(pattern)):
+        if path.name.startswith("."):
+            continue
+        rec = read(path, parse)
+        if rec is not None:
+            yield path, rec
+
+
+def boot_id() -> str:
+    """This boot's id: a record from another boot names processes that no longer exist."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return "unknown"

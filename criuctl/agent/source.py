@@ -1,0 +1,211 @@
+"""The source side of one migration as a state machine, without HTTP: the server drives it, tests too.
+
+It owns a source handoff (`criuctl.agent.handoff source`), which holds the frozen tree, and moves
+through `protocol.SourceState`. The seams (`spawn`, `send`, `thaw`) are parameters so that unit
+tests drive it with fakes that fail loudly on any call they do not expect.
+
+Before SENT, a failure anywhere thaws the tree (the target never had a whole bundle). From SENT on,
+this class never decides: `commit`, `abort` and the lease are all requests to the handoff, which
+asks the target and acts on its verdict (see `criuctl.agent.handoff`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from criuctl.agent import points, records, transfer
+from criuctl.agent.handoffs import HandoffFailed, HandoffLike
+from criuctl.agent.protocol import (
+    TIMEOUTS,
+    Command,
+    Event,
+    Outcome,
+    Point,
+    SourceRecord,
+    SourceSpec,
+    SourceState,
+    Timeouts,
+    check_transition,
+)
+from criuctl.errors import CriuctlError
+
+log = logging.getLogger("criuctl.agent")
+
+
+Spawn = Callable[[SourceSpec, Path], Awaitable[HandoffLike]]
+Send = Callable[[Path, transfer.Counter], Awaitable[dict]]
+Say = Callable[..., Awaitable[None]]  # say(event, **fields): to the client's event stream
+
+
+class SourceMachine:
+    """One outgoing migration on this node."""
+
+    def __init__(
+        self, spec: SourceSpec, spawn: Spawn, send: Send, thaw: Callable[[int], None],
+        timeouts: Timeouts = TIMEOUTS,
+    ) -> None:  # fmt: skip
+        self.spec, self._spawn, self._send, self._thaw, self.t = spec, spawn, send, thaw, timeouts
+        self.state = SourceState.FREEZING
+        self.handoff: HandoffLike | None = None
+        self.freeze_started = 0.0  # monotonic
+        self.pages_seconds: float | None = None
+        self.lock = asyncio.Lock()  # commit, abort and the lease never overlap
+        self.lease: asyncio.Task | None = None
+        self.finisher: asyncio.Task | None = None
+        self.changed = asyncio.Event()
+        self.client_gone = False  # set by the server when the client's event stream broke
+
+    @property
+    def id(self) -> str:
+        return self.spec.migration
+
+    @property
+    def final(self) -> bool:
+        return self.state in (SourceState.DONE, SourceState.THAWED, SourceState.FAILED)
+
+    def _to(self, state: SourceState) -> None:
+        self.state = check_transition(self.state, state)
+        self.changed.set()
+        log.info("source state", extra={"id": self.id, "state": str(state)})
+
+    # ----------------------------------------------------------------------------------- run
+
+    async def run(self, say: Say) -> Outcome:
+        """Freeze, stream the bundle to the target, and hand the tree to the target's verdict."""
+        started = time.monotonic()
+        try:
+            self.handoff = await self._spawn(self.spec, Path(self.spec.parent))
+            frozen = await self.handoff.until({Event.FROZEN}, self.t.freeze)
+        except HandoffFailed as exc:
+            self._to(SourceState.FAILED)
+            return Outcome(self.state, False, exc.what, exc.hint, {"thawed": True})
+        except TimeoutError:
+            return await self._failed_before_sent(
+                CriuctlError("freezing took too long", f"more than {self.t.freeze:.0f} s"), kill=True
+            )
+        self.freeze_started = time.monotonic() - frozen["started_ago"]
+        self._to(SourceState.FROZEN)
+        bdir = Path(frozen["bundle"])
+        total = transfer.stream_size(bdir)
+        await say("frozen", freeze_seconds=frozen["freeze_seconds"], bytes=total,
+                  page_server_port=self.spec.lazy_port)  # fmt: skip
+        await points.areach(Point.SOURCE_FROZEN)
+        self._to(SourceState.SENDING)
+        counter = transfer.Counter(total=total, started=time.monotonic())
+        job = asyncio.ensure_future(self._send(bdir, counter))
+        try:
+            while not job.done():
+                await asyncio.wait([job], timeout=0.25)
+                await say("transfer", done=counter.done, total=total)
+            answer = job.result()
+            if self.client_gone:  # nobody will restore or commit the target: keep the job here
+                raise CriuctlError("the client went away during the transfer", "nothing was committed")
+            await self.handoff.ask(Command.SENT, {Event.SENT}, self.t.handoff_settle)
+        except (CriuctlError, OSError, TimeoutError) as exc:
+            err = exc if isinstance(exc, CriuctlError) else CriuctlError(str(exc) or exc.__class__.__name__)
+            return await self._failed_before_sent(err, kill=isinstance(exc, TimeoutError))
+        self._to(SourceState.SENT)
+        await points.areach(Point.SOURCE_SENT_RECORDED)
+        return Outcome(self.state, True, facts={
+            "bytes": counter.done, "seconds": time.monotonic() - counter.started, "target": answer,
+            "started": started,
+        })  # fmt: skip
+
+    async def _failed_before_sent(self, exc: CriuctlError, kill: bool) -> Outcome:
+        """The target never had a whole bundle: the tree runs on here."""
+        thawed = await self._thaw_before_sent(kill)
+        self.state = SourceState.THAWED if thawed else self.state
+        self.changed.set()
+        hint = exc.hint
+        return Outcome(self.state, False, exc.what, hint, {"thawed": thawed})
+
+    async def _thaw_before_sent(self, kill: bool) -> bool:
+        h = self.handoff
+        if h is not None and h.alive and not kill:
+            with contextlib.suppress(HandoffFailed, TimeoutError):
+                await h.ask(Command.ABORT, {Event.THAWED}, self.t.handoff_settle)
+                await h.close()
+                return True
+        if h is not None:
+            await h.kill_group()  # it overran or would not answer: end it, then thaw from its record
+        rec = records.read(Path(self.spec.record), SourceRecord.from_json)
+        if isinstance(rec, SourceRecord) and rec.root_pid and rec.state != SourceState.SENT:
+            await asyncio.to_thread(self._thaw, rec.root_pid)
+            return True
+        return False
+
+    # ----------------------------------------------------------------------------------- settle
+
+    async def commit(self) -> Outcome:
+        """The client says the target runs the job: the handoff checks with the target, then ends the tree."""
+        async with self.lock:
+            if self.state in (SourceState.COMMITTED, SourceState.DONE):
+                return Outcome(self.state, True)
+            if self.state != SourceState.SENT or self.handoff is None:
+                return Outcome(self.state, False, f"outgoing migration {self.id} is {self.state}, not sent")
+            try:
+                ev = await self.handoff.ask(
+                    Command.COMMIT, {Event.COMMITTED, Event.REFUSED}, self.t.source_commit
+                )
+            except (HandoffFailed, TimeoutError) as exc:
+                return Outcome(self.state, False, f"the source handoff did not answer ({exc})")
+            if ev["event"] == Event.REFUSED:
+                return Outcome(self.state, False,
+                               f"the target says the job does not run there ({ev.get('target_state')})",
+                               "the source stays frozen until the target settles it")  # fmt: skip
+            self._committed()
+            return Outcome(
+                self.state, True, facts={"downtime_seconds": time.monotonic() - self.freeze_started}
+            )
+
+    def _committed(self) -> None:
+        self._to(SourceState.COMMITTED)
+        if self.lease is not None and self.lease is not asyncio.current_task():
+            self.lease.cancel()
+        self.finisher = asyncio.ensure_future(self._finish())
+
+    async def _finish(self) -> None:
+        assert self.handoff is not None
+        with contextlib.suppress(HandoffFailed, TimeoutError):
+            ev = await self.handoff.until({Event.DONE}, self.t.pages)
+            self.pages_seconds = ev.get("pages_seconds")
+        await self.handoff.close()
+        self._to(SourceState.DONE)
+
+    async def abort(self) -> Outcome:
+        """Abort: before SENT the tree thaws; from SENT on only if the target confirms its copy is dead."""
+        async with self.lock:
+            if self.final or self.state == SourceState.COMMITTED:
+                return Outcome(self.state, self.state != SourceState.COMMITTED)
+            if self.state != SourceState.SENT or self.handoff is None:
+                return Outcome(self.state, False, f"outgoing migration {self.id} is {self.state}")
+            try:
+                ev = await self.handoff.ask(
+                    Command.ABORT, {Event.THAWED, Event.COMMITTED, Event.IN_DOUBT}, self.t.handoff_settle
+                )
+            except (HandoffFailed, TimeoutError) as exc:
+                return Outcome(self.state, False, f"the source handoff did not answer ({exc})",
+                               facts={"thawed": "unconfirmed"})  # fmt: skip
+            if ev["event"] == Event.THAWED:
+                self._to(SourceState.THAWED)
+                await self.handoff.close()
+                return Outcome(self.state, True, facts={"thawed": True})
+            if ev["event"] == Event.COMMITTED:
+                self._committed()
+                return Outcome(self.state, False, "the job already runs on the target")
+            return Outcome(self.state, False, "the target did not answer",
+                           "the source stays frozen and asks again", {"thawed": "unconfirmed"})  # fmt: skip
+
+    async def lease_loop(self, seconds: float) -> None:
+        """No word from the client in time: settle with the target, asking again while it is silent."""
+        await asyncio.sleep(seconds)
+        while self.state == SourceState.SENT:
+            out = await self.abort()
+            log.warning("lease expired", extra={"id": self.id, "state": str(out.state), "what": out.what})
+            if self.state == SourceState.SENT:
+                await asyncio.sleep(10)

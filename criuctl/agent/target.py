@@ -1,0 +1,219 @@
+"""The target side of one migration as a state machine, without HTTP: the server drives it, tests too.
+
+Every transition is written to the migration's record (`protocol.TargetRecord`) before it is acted
+on; the record outlives the migration as a tombstone, so a source that asks late — after this
+agent restarted, or after the entry was pruned — still gets the true verdict. The target handoff
+writes the transitions it makes itself (RESTORED, RUNNING, ABORTED).
+
+`verdict` is the one question a source may ask: abort unless the job runs here. A copy that has
+never run is killed; a copy that runs (or ran) is never touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import psutil
+
+from criuctl.agent import points, records
+from criuctl.agent.handoffs import HandoffFailed, HandoffLike
+from criuctl.agent.protocol import (
+    TIMEOUTS,
+    Command,
+    Event,
+    Mode,
+    Outcome,
+    Point,
+    TargetRecord,
+    TargetSpec,
+    TargetState,
+    Timeouts,
+    Verdict,
+    check_transition,
+)
+from criuctl.errors import CriuctlError
+
+log = logging.getLogger("criuctl.agent")
+
+Spawn = Callable[[TargetSpec, Path], Awaitable[HandoffLike]]
+Receive = Callable[[Path], Awaitable[dict[str, str]]]  # stream into a folder, verify, return digests
+
+
+class TargetMachine:
+    """One incoming migration on this node: `dir` holds the bundle, `dir`.json the record."""
+
+    def __init__(self, rec: TargetRecord, folder: Path, spawn: Spawn, timeouts: Timeouts = TIMEOUTS) -> None:
+        self.rec, self.dir, self._spawn, self.t = rec, folder, spawn, timeouts
+        self.handoff: HandoffLike | None = None
+        self.lock = asyncio.Lock()  # receive-done, restore, commit and abort never overlap
+        self.created = time.monotonic()
+
+    @property
+    def id(self) -> str:
+        return self.rec.migration
+
+    @property
+    def state(self) -> TargetState:
+        return self.rec.state
+
+    @property
+    def record_path(self) -> Path:
+        return self.dir.with_suffix(".json")
+
+    @property
+    def bundle_dir(self) -> Path:
+        return self.dir / "bundle"
+
+    def _write(self, state: TargetState) -> None:
+        self.rec.state = check_transition(self.rec.state, state)
+        self.rec.updated = time.time()
+        self.rec.history.append(f"{state}@{self.rec.updated:.3f}")
+        records.write(self.record_path, self.rec.to_json())
+        log.info("target state", extra={"id": self.id, "state": str(state)})
+
+    def _reload(self) -> None:
+        """The handoff advanced the record itself: read what it wrote."""
+        rec = records.read(self.record_path, TargetRecord.from_json)
+        if isinstance(rec, TargetRecord):
+            self.rec = rec
+
+    @classmethod
+    def create(cls, migration: str, workload: str, mode: Mode, secret_sha256: str, spool: Path,
+               spawn: Spawn, timeouts: Timeouts = TIMEOUTS) -> TargetMachine:  # fmt: skip
+        rec = TargetRecord(migration, workload, str(mode), TargetState.NEW, secret_sha256, records.boot_id(),
+                           updated=time.time(), history=[f"new@{time.time():.3f}"])  # fmt: skip
+        m = cls(rec, spool / migration, spawn, timeouts)
+        m.dir.mkdir(mode=0o700)
+        records.write(m.record_path, rec.to_json())
+        return m
+
+    # ----------------------------------------------------------------------------------- steps
+
+    async def receive(self, receive: Receive) -> Outcome:
+        async with self.lock:
+            if self.state != TargetState.NEW:
+                return Outcome(self.state, False, f"migration {self.id} already has a bundle ({self.state})")
+            self._write(TargetState.RECEIVING)
+        try:
+            digests = await receive(self.bundle_dir)
+        except (CriuctlError, OSError) as exc:
+            async with self.lock:
+                if self.state == TargetState.RECEIVING:
+                    self._write(TargetState.FAILED)
+            await asyncio.to_thread(shutil.rmtree, self.bundle_dir, True)
+            raise exc
+        async with self.lock:
+            if self.state != TargetState.RECEIVING:  # aborted while the bytes came in
+                return Outcome(self.state, False, f"migration {self.id} was {self.state} meanwhile")
+            (self.dir / "digests.json").write_text(json.dumps(digests))
+            self._write(TargetState.RECEIVED)
+        await points.areach(Point.TARGET_RECEIVED)
+        return Outcome(self.state, True)
+
+    async def restore(self, page_server: str | None, node: str) -> Outcome:
+        async with self.lock:
+            if self.state != TargetState.RECEIVED:
+                return Outcome(self.state, False, f"migration {self.id} is {self.state}, not received")
+            self._write(TargetState.RESTORING)
+            digests = json.loads((self.dir / "digests.json").read_text())
+            spec = TargetSpec(self.id, str(self.bundle_dir), node, str(self.record_path), self.rec.workload,
+                              page_server, digests)  # fmt: skip
+            try:
+                self.handoff = await self._spawn(spec, self.dir)
+                ev = await self.handoff.until({Event.RESTORED}, self.t.restore)
+            except (HandoffFailed, TimeoutError) as exc:
+                if self.handoff is not None:
+                    await self.handoff.kill_group()
+                self._reload()
+                if self.state in (TargetState.RESTORING, TargetState.RESTORED):
+                    self._write(TargetState.FAILED)
+                what = exc.what if isinstance(exc, HandoffFailed) else "the restore took too long"
+                return Outcome(self.state, False, what, getattr(exc, "hint", ""))
+            self._reload()
+        return Outcome(self.state, True, facts={"pid": ev["pid"], "criu_seconds": ev["criu_seconds"]})
+
+    async def commit(self) -> Outcome:
+        async with self.lock:
+            self._reload()
+            if self.state == TargetState.RUNNING:
+                return Outcome(self.state, True)
+            if self.state != TargetState.RESTORED or self.handoff is None:
+                return Outcome(self.state, False, f"migration {self.id} is {self.state}, not restored")
+            try:
+                ev = await self.handoff.ask(Command.COMMIT, {Event.RUNNING}, self.t.target_commit)
+            except (HandoffFailed, TimeoutError) as exc:
+                self._reload()  # RUNNING is written before the tree runs: the record says what happened
+                return Outcome(self.state, self.state == TargetState.RUNNING, f"commit failed: {exc}")
+            self._reload()
+            await self.handoff.close()
+            if self.rec.mode != Mode.POST_COPY:  # post-copy: the lazy-pages daemon still reads the images
+                await asyncio.to_thread(shutil.rmtree, self.bundle_dir, True)
+        await points.areach(Point.TARGET_RUNNING)
+        return Outcome(self.state, True, facts={"pid": ev["pid"]})
+
+    async def verdict(self) -> Verdict:
+        """Abort unless the job runs here; the answer a source acts on."""
+        async with self.lock:
+            self._reload()
+            if self.state == TargetState.RUNNING:
+                return Verdict.RUNNING
+            h = self.handoff
+            if h is not None and h.alive:
+                try:
+                    await h.ask(Command.ABORT, {Event.ABORTED}, self.t.handoff_settle)
+                except (HandoffFailed, TimeoutError):
+                    await h.kill_group()
+                await h.close()
+                self._reload()
+            if self.state == TargetState.RUNNING:
+                return Verdict.RUNNING
+            if not self._copy_dead():
+                return Verdict.UNKNOWN
+            if self.state != TargetState.ABORTED:
+                self._write(TargetState.ABORTED)
+        await asyncio.to_thread(shutil.rmtree, self.dir, True)
+        return Verdict.ABORTED
+
+    def _copy_dead(self) -> bool:
+        """Kill a restored copy that never ran (its handoff is gone); True once none is left."""
+        pid, same_boot = self.rec.root_pid, self.rec.boot_id == records.boot_id()
+        if self.state in (TargetState.RESTORED, TargetState.RESTORING) and pid and same_boot:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.05)
+        return True
+
+    # ----------------------------------------------------------------------------------- restart
+
+    def recover(self) -> None:
+        """After an agent restart: settle a record whose handoff is gone (level-triggered, idempotent).
+
+        RUNNING stays RUNNING (the job runs, or ran and died with its node: either way the source
+        must end). Anything short of RUNNING whose handoff is gone has never run: its copy is killed
+        and the record says ABORTED, which is what the source will hear.
+        """
+        if self.state in (TargetState.RUNNING, TargetState.ABORTED):
+            return
+        alive = (
+            self.rec.handoff_pid
+            and self.rec.boot_id == records.boot_id()
+            and psutil.pid_exists(self.rec.handoff_pid)
+        )
+        if alive:
+            return  # its lease broke: it is killing its copy and will write ABORTED itself
+        if self._copy_dead():
+            self._write(TargetState.ABORTED)
+            shutil.rmtree(self.dir, ignore_errors=True)

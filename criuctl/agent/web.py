@@ -1,0 +1,57 @@
+"""Small HTTP helpers shared by the agent's route modules: JSON errors, bodies, ids, outcomes."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from aiohttp import web
+
+from criuctl.agent.protocol import Outcome
+
+_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+def fail(status: int, what: str, hint: str = "", **extra: Any) -> web.Response:
+    """One JSON error; `what` and `hint` become the client's one line."""
+    return web.json_response({"what": what, "hint": hint, **extra}, status=status)
+
+
+_ERRORS: dict[int, type[web.HTTPException]] = {
+    400: web.HTTPBadRequest,
+    404: web.HTTPNotFound,
+    409: web.HTTPConflict,
+    413: web.HTTPRequestEntityTooLarge,
+}
+
+
+def error(status: int, what: str, hint: str = "", **extra: Any) -> web.HTTPException:
+    """The same JSON error as `fail`, as an exception a handler can raise from deep inside."""
+    return _ERRORS[status](
+        text=json.dumps({"what": what, "hint": hint, **extra}), content_type="application/json"
+    )
+
+
+def valid_id(value: str) -> bool:
+    """Migration and bundle ids are ours (uuid4 hex): anything else never reaches a path."""
+    return bool(_ID.match(value))
+
+
+async def body_json(r: web.Request) -> dict:
+    """The request's JSON object (empty when there is no body); a 400 for anything else."""
+    if not r.can_read_body:
+        return {}
+    try:
+        body = await r.json()
+    except (ValueError, UnicodeDecodeError):
+        raise error(400, "the request body is not JSON", "send a JSON object") from None
+    if not isinstance(body, dict):
+        raise error(400, "the request body is not a JSON object", "send {...}")
+    return body
+
+
+def outcome_response(out: Outcome, extra: dict | None = None) -> web.Response:
+    if out.ok:
+        return web.json_response({"state": out.state, **out.facts, **(extra or {})})
+    return fail(409, out.what, out.hint, state=out.state, **out.facts)
