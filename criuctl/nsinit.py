@@ -28,6 +28,10 @@ FORWARDED = (
     signal.SIGWINCH,
 )
 ENV_ALLOW_IO_URING = "CRIUCTL_ALLOW_IO_URING"
+# The fd of a pipe on which the supervisor learns whether the command could be executed: it reads
+# EOF when exec succeeded (the fd is close-on-exec) and an errno when it did not. Without it a
+# command that cannot start would look like a workload that started and exited.
+ENV_REPORT_FD = "CRIUCTL_INIT_REPORT_FD"
 
 # seccomp/BPF constants (linux/seccomp.h, linux/filter.h, linux/audit.h)
 _PR_SET_NO_NEW_PRIVS, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 38, 22, 2
@@ -67,12 +71,26 @@ def exit_code(status: int) -> int:
     return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
 
 
+def _report_fd() -> int | None:
+    """The supervisor's exec-report pipe, close-on-exec here; None when run by hand."""
+    raw = os.environ.pop(ENV_REPORT_FD, "")  # the command must not inherit it
+    if not raw.isdigit():
+        return None
+    fd = int(raw)
+    try:
+        os.set_inheritable(fd, False)
+    except OSError:
+        return None
+    return fd
+
+
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "--":
         argv = argv[1:]
     if not argv:
         print("criuctl-init: no command", file=sys.stderr)
         return 2
+    report = _report_fd()
     if os.getpid() == 1:
         os.setsid()  # the session must start inside the namespace, or CRIU cannot dump it
     if os.environ.get(ENV_ALLOW_IO_URING) != "1" and not block_io_uring():
@@ -82,8 +100,13 @@ def main(argv: list[str]) -> int:
         try:
             os.execvp(argv[0], argv)
         except OSError as exc:
-            print(f"criuctl: cannot start {argv[0]!r}: {exc.strerror}", file=sys.stderr)
+            if report is not None:
+                os.write(report, str(exc.errno or 0).encode())  # the supervisor says it, in one line
+            else:
+                print(f"criuctl: cannot start {argv[0]!r}: {exc.strerror}", file=sys.stderr)
         os._exit(127)
+    if report is not None:
+        os.close(report)  # nothing of the supervisor's stays in the dumped tree
     for sig in FORWARDED:
         signal.signal(sig, lambda n, _f: os.kill(child, n))
     while True:

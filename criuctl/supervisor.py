@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
+import fcntl
 import os
+import select
 import selectors
 import signal
 import sys
@@ -26,7 +29,7 @@ from typing import BinaryIO
 import criuctl_hook
 from criuctl import procinfo, workloads
 from criuctl.errors import CriuctlError
-from criuctl.nsinit import ENV_ALLOW_IO_URING, exit_code
+from criuctl.nsinit import ENV_ALLOW_IO_URING, ENV_REPORT_FD, exit_code
 from criuctl_hook.contract import ENV_HOOKS_DIR, ENV_WORKLOAD
 
 _CLONE_NEWPID = 0x20000000
@@ -75,64 +78,142 @@ def workload_env(name: str, allow_io_uring: bool) -> dict[str, str]:
     return env
 
 
-def _spawn_in_new_pidns(argv: list[str], env: dict[str, str], stdio: Stdio) -> int:
-    """Fork a child that is PID 1 of a new PID namespace; return its host PID.
+_REPORT_FD = 3  # where the init finds the exec-report pipe (nsinit.ENV_REPORT_FD)
+_EXEC_WAIT = 30.0  # seconds to learn whether the command started; a python start-up takes ~0.1
+
+
+class CannotStart(CriuctlError):
+    """The command could not be executed: nothing runs, nothing is registered.
+
+    The exit status follows the shell's: 127 when the program is not found, 126 otherwise.
+    """
+
+    def __init__(self, command: list[str], err: int) -> None:
+        program = command[0]
+        if err == errno.E2BIG:
+            strings = [*command, *(f"{k}={v}" for k, v in os.environ.items())]
+            size = sum(len(os.fsencode(a)) + 1 for a in strings)
+            longest = max(len(os.fsencode(a)) for a in strings)
+            super().__init__(
+                f"cannot start {program!r}: its arguments and environment are too long for the "
+                f"kernel ({size} bytes, the longest string {longest}; the limits here are "
+                f"{os.sysconf('SC_ARG_MAX')} in all and {_MAX_ARG_STRLEN} per string)",
+                "pass long data in a file instead of on the command line",
+            )
+        elif err == errno.ENOENT:
+            super().__init__(
+                f"cannot start {program!r}: {os.strerror(err)}",
+                "check the program's name and PATH: criuctl run [--name NAME] -- CMD [ARG...]",
+            )
+        else:
+            super().__init__(
+                f"cannot start {program!r}: {os.strerror(err)}",
+                "make it an executable file (chmod +x, a #! line) or run it through its interpreter",
+            )
+        self.exit_code = 127 if err == errno.ENOENT else 126
+
+
+_MAX_ARG_STRLEN = 32 * 4096  # linux/binfmts.h: the longest single argument or environment string
+
+
+def _spawn_in_new_pidns(argv: list[str], env: dict[str, str], stdio: Stdio) -> tuple[int, int]:
+    """Fork a child that is PID 1 of a new PID namespace; return its host PID and exec-report fd.
 
     unshare(CLONE_NEWPID) only affects the caller's *next* child, so an intermediate process does
-    it, forks the init and exits; the init is reparented to us (we are a child subreaper).
+    it, forks the init and exits; the init is reparented to us (we are a child subreaper). The
+    report fd (read end) says whether both execs — the init's and the command's — worked:
+    `_await_exec`.
     """
     _libc().prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     report_r, report_w = os.pipe()
+    exec_r, exec_w = os.pipe()  # close-on-exec: EOF once the command runs
     middle = os.fork()
     if middle == 0:
         try:
+            os.close(exec_r)
             if _libc().unshare(_CLONE_NEWPID) != 0:
                 os.write(report_w, f"E{ctypes.get_errno()}".encode())
                 os._exit(1)
             init = os.fork()
             if init == 0:
-                devnull = os.open(os.devnull, os.O_RDONLY)
-                os.dup2(devnull, 0)
-                os.dup2(stdio.out_w, 1)
-                os.dup2(stdio.err_w, 2)
-                os.closerange(3, 65536)
-                os.execve(sys.executable, argv, env)
+                try:
+                    high = fcntl.fcntl(exec_w, fcntl.F_DUPFD_CLOEXEC, 100)  # clear of 0-3
+                    devnull = os.open(os.devnull, os.O_RDONLY)
+                    os.dup2(devnull, 0)
+                    os.dup2(stdio.out_w, 1)
+                    os.dup2(stdio.err_w, 2)
+                    os.dup2(high, _REPORT_FD)  # inheritable: nsinit makes it close-on-exec
+                    os.closerange(_REPORT_FD + 1, 65536)
+                    os.execve(sys.executable, argv, {**env, ENV_REPORT_FD: str(_REPORT_FD)})
+                except OSError as exc:  # the init itself cannot start (an argument list too long)
+                    os.write(_REPORT_FD, str(exc.errno or 0).encode())
+                finally:
+                    os._exit(127)
             os.write(report_w, str(init).encode())
         finally:
             os._exit(0)
     os.close(report_w)
+    os.close(exec_w)
     answer = os.read(report_r, 64).decode()
     os.close(report_r)
     os.waitpid(middle, 0)
     if not answer or answer.startswith("E"):
+        os.close(exec_r)
         err = int(answer[1:] or 0)
         raise CriuctlError(
             f"cannot create a PID namespace: {os.strerror(err)}",
             "criuctl run needs root (CAP_SYS_ADMIN) on a kernel with PID namespaces",
         )
-    return int(answer)
+    return int(answer), exec_r
+
+
+def _await_exec(init: int, exec_r: int, command: list[str]) -> None:
+    """Return once the command runs; CannotStart (the init reaped) when it could not be executed."""
+    try:
+        ready, _, _ = select.select([exec_r], [], [], _EXEC_WAIT)
+        answer = os.read(exec_r, 64) if ready else b""  # no answer in time: it is running, slowly
+    finally:
+        os.close(exec_r)
+    if answer:
+        os.waitpid(init, 0)  # it exits 127 at once; nothing is left of it
+        raise CannotStart(command, int(answer) if answer.isdigit() else 0)
 
 
 def start(
     command: list[str], name: str | None, allow_io_uring: bool = False
 ) -> tuple[workloads.Workload, Stdio]:
-    """Start `command` as a checkpointable workload and register it."""
+    """Start `command` as a checkpointable workload and register it.
+
+    Everything that can be refused is refused before anything runs (the name, the state dir), and
+    a command that cannot be executed is reported, not registered: a workload either runs
+    supervised and recorded, or not at all.
+    """
     if not command:
         raise CriuctlError("no command given", "usage: criuctl run [--name NAME] -- CMD [ARG...]")
     if name is None:
-        name = workloads.unique_name(Path(command[0]).name)
+        name = workloads.unique_name(workloads.name_for(command[0]))
     elif (old := workloads.load(name)) is not None and old.state == workloads.RUNNING and old.alive():
         raise CriuctlError(
             f"a workload named {name!r} is already running (PID {old.root_pid})",
             "pick another --name, or stop it first",
         )
+    workloads.log_path(name)  # the logs folder exists (or the state dir said why not) before the job
     stdio = Stdio.create()
     argv = [sys.executable, "-I", "-m", "criuctl.nsinit", "--", *command]
-    root = _spawn_in_new_pidns(argv, workload_env(name, allow_io_uring), stdio)
-    w = workloads.Workload(
-        name=name, command=command, root_pid=root, supervisor_pid=os.getpid(), stdio_pipes=stdio.keys()
-    )
-    workloads.save(w)
+    root, exec_r = _spawn_in_new_pidns(argv, workload_env(name, allow_io_uring), stdio)
+    try:
+        _await_exec(root, exec_r, command)
+        w = workloads.Workload(
+            name=name, command=command, root_pid=root, supervisor_pid=os.getpid(), stdio_pipes=stdio.keys()
+        )
+        workloads.save(w)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(root, signal.SIGKILL)  # never leave a job running that nobody supervises
+            os.waitpid(root, 0)
+        for fd in (stdio.out_r, stdio.out_w, stdio.err_r, stdio.err_w):
+            os.close(fd)
+        raise
     stdio.close_write_ends()
     return w, stdio
 

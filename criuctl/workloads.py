@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -18,15 +19,60 @@ import psutil
 
 from criuctl import procinfo
 from criuctl.errors import CriuctlError
-
-ENV_STATE_DIR = "CRIUCTL_STATE_DIR"
-DEFAULT_STATE_DIR = Path("/var/lib/criuctl")
+from criuctl.statedir import DEFAULT_STATE_DIR as DEFAULT_STATE_DIR
+from criuctl.statedir import ENV_STATE_DIR as ENV_STATE_DIR
+from criuctl.statedir import StateDirError as StateDirError
+from criuctl.statedir import check_state_dir as check_state_dir
+from criuctl.statedir import ensure as _ensure
+from criuctl.statedir import state_dir
 
 RUNNING, CHECKPOINTED, MIGRATED, EXITED = "running", "checkpointed", "migrated", "exited"
 
+NAME_MAX = 63  # a DNS label's length: a name may become a pod or a metric label
+NAME_RULE = (
+    f"a workload name is 1-{NAME_MAX} characters of letters, digits, '_', '.' and '-', "
+    "starting with a letter or digit, without '..'"
+)
+_NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.-]{{0,{NAME_MAX - 1}}}")
+_NOT_NAME_CHAR = re.compile(r"[^A-Za-z0-9_.-]")
 
-def state_dir() -> Path:
-    return Path(os.environ.get(ENV_STATE_DIR) or DEFAULT_STATE_DIR)
+
+class BadName(CriuctlError):
+    """A workload name that could leave the state dir, or break a URL path or a table.
+
+    Names become file names (`workloads/NAME.json`, `logs/NAME.log`) and URL path segments, so
+    every boundary that takes one (CLI, HTTP path and body, registry) checks it with
+    `validate_name` before building anything from it.
+    """
+
+    exit_code = 2
+
+
+def validate_name(name: str) -> str:
+    """`name` if it is a safe workload name; BadName saying what is wrong and what is allowed."""
+    if not isinstance(name, str):
+        raise BadName(f"a workload name must be a string, not {type(name).__name__}", NAME_RULE)
+    if _NAME.fullmatch(name) and ".." not in name:
+        return name
+    shown = repr(name if len(name) <= 40 else name[:40] + "…")
+    if not name:
+        what = "a workload name cannot be empty"
+    elif len(name) > NAME_MAX:
+        what = f"workload name {shown} is {len(name)} characters long"
+    elif ".." in name:
+        what = f"workload name {shown} contains '..'"
+    elif bad := _NOT_NAME_CHAR.search(name):
+        what = f"workload name {shown} contains {bad.group()!r}"
+    else:
+        what = f"workload name {shown} starts with {name[0]!r}"
+    raise BadName(what, NAME_RULE)
+
+
+def name_for(program: str) -> str:
+    """A valid default name for a workload started as `program` (its file name, made safe)."""
+    base = _NOT_NAME_CHAR.sub("-", Path(program).name)
+    base = re.sub(r"\.{2,}", ".", base).lstrip("_.-")[:NAME_MAX]
+    return base or "job"
 
 
 def key_path() -> Path:
@@ -35,9 +81,7 @@ def key_path() -> Path:
 
 def logs_dir(kind: str = "logs") -> Path:
     """A root-only folder under the state dir: 'logs' (workload output, CRIU logs), 'restores'..."""
-    d = state_dir() / kind
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    return d
+    return _ensure(state_dir() / kind)
 
 
 ENV_SPOOL_DIR = "CRIUCTL_SPOOL_DIR"
@@ -50,14 +94,12 @@ def spool_dir(kind: str) -> Path:
     receive run at memory speed) at the cost of holding a bundle — about the job's RSS — in RAM
     until the move is over.
     """
-    d = Path(os.environ.get(ENV_SPOOL_DIR) or state_dir()) / kind
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    return d
+    return _ensure(Path(os.environ.get(ENV_SPOOL_DIR) or state_dir()) / kind)
 
 
 def log_path(name: str) -> Path:
     """Where a workload's stdout and stderr are kept on this node (`criuctl logs NAME`)."""
-    return logs_dir() / f"{name}.log"
+    return logs_dir() / f"{validate_name(name)}.log"
 
 
 @dataclass
@@ -87,13 +129,13 @@ class UnknownWorkload(CriuctlError):
 
 
 def _dir() -> Path:
-    d = state_dir() / "workloads"
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    d = _ensure(state_dir() / "workloads")
     os.chmod(state_dir(), 0o700)
     return d
 
 
 def save(w: Workload) -> None:
+    validate_name(w.name)
     d = _dir()
     fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{w.name}.")
     with os.fdopen(fd, "w") as f:
@@ -102,6 +144,7 @@ def save(w: Workload) -> None:
 
 
 def load(name: str) -> Workload | None:
+    validate_name(name)
     try:
         return Workload(**json.loads((_dir() / f"{name}.json").read_text()))
     except FileNotFoundError:
@@ -130,16 +173,19 @@ def rows() -> list[dict]:
 
 def unique_name(wanted: str) -> str:
     """`wanted`, or `wanted-2`, `-3`… when a live workload already has that name."""
-    name, n = wanted, 1
+    name, n = validate_name(wanted), 1
     while (w := load(name)) is not None and w.state == RUNNING and w.alive():
         n += 1
-        name = f"{wanted}-{n}"
+        suffix = f"-{n}"
+        name = wanted[: NAME_MAX - len(suffix)] + suffix
     return name
 
 
 def resolve(target: str) -> Workload:
     """A running workload by name, or by any PID of its tree or its supervisor."""
-    w = load(target)
+    if not target.isdigit():
+        validate_name(target)
+    w = load(target) if len(target) <= NAME_MAX else None  # a PID is digits: always a valid name
     if w is not None and w.state == RUNNING and w.alive():
         return w
     if target.isdigit():
