@@ -14,6 +14,7 @@ This module knows nothing of CRIU or Kubernetes; it only writes, reads and check
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -21,9 +22,11 @@ import os
 import secrets
 import socket
 import time
+import types
+import typing
 import uuid
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from criuctl.errors import CriuctlError
 
@@ -80,14 +83,105 @@ class Manifest:
 
     @classmethod
     def from_json(cls, raw: bytes) -> Manifest:
-        data = json.loads(raw)
-        if data.get("format_version") != FORMAT_VERSION:
+        """Parse and type-check `raw`; MalformedManifest saying the first thing that is wrong.
+
+        Every field is checked against its annotation, because what a manifest holds is used as
+        paths, numbers and argv later: a wrong type must stop here, not as a traceback there.
+        """
+        try:
+            data = json.loads(raw)
+        except RecursionError as exc:
+            raise MalformedManifest("nested too deeply") from exc
+        except ValueError as exc:  # UnicodeDecodeError included
+            raise MalformedManifest(f"not JSON ({exc})") from exc
+        if not isinstance(data, dict):
+            raise MalformedManifest(f"{_json_type(data)}, not a JSON object")
+        if "format_version" not in data:
+            raise MalformedManifest("it has no format_version")
+        version = data["format_version"]
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise MalformedManifest(f"format_version is {_json_type(version)}, not an integer")
+        if version != FORMAT_VERSION:
             raise BundleError(
-                f"bundle format {data.get('format_version')} is not supported",
+                f"bundle format {version} is not supported",
                 f"this criuctl reads format {FORMAT_VERSION}; use a matching criuctl",
             )
-        data["processes"] = [ProcessInfo(**p) for p in data["processes"]]
-        return cls(**data)
+        manifest = _conform(data, cls, "manifest")
+        for rel in manifest.files:
+            if not _inside(rel):
+                raise MalformedManifest(f"files lists {rel[:80]!r}, which is not a file inside the bundle")
+        return manifest
+
+
+class MalformedManifest(ValueError):
+    """What is wrong with a manifest's bytes; the reader turns it into a BundleError naming the file."""
+
+
+def _json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    return {dict: "an object", list: "a list", str: "a string", int: "an integer", float: "a number"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _conform(value: object, tp: object, where: str) -> object:
+    """`value` (parsed JSON) as type `tp` — str, int, float, bool, list[X], dict[str, X], X | None,
+    or a dataclass of these — or MalformedManifest naming `where` it went wrong."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (types.UnionType, typing.Union):
+        if value is None and type(None) in args:
+            return None
+        (tp,) = [a for a in args if a is not type(None)]
+        return _conform(value, tp, where)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise MalformedManifest(f"{where} is {_json_type(value)}, not an object")
+        fields = {f.name: f for f in dataclasses.fields(tp)}
+        for key in value:
+            if key not in fields:
+                raise MalformedManifest(f"{where} has an unknown field {key[:40]!r}")
+        hints = typing.get_type_hints(tp)
+        kw = {}
+        for name, f in fields.items():
+            if name in value:
+                kw[name] = _conform(value[name], hints[name], f"{where}.{name}")
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise MalformedManifest(f"{where} has no field {name!r}")
+        return tp(**kw)
+    if origin is list:
+        if not isinstance(value, list):
+            raise MalformedManifest(f"{where} is {_json_type(value)}, not a list")
+        return [_conform(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise MalformedManifest(f"{where} is {_json_type(value)}, not an object")
+        return {k: _conform(v, args[1], f"{where}[{k[:40]!r}]") for k, v in value.items()}
+    ok = {
+        str: lambda v: isinstance(v, str),
+        bool: lambda v: isinstance(v, bool),
+        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        float: lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    }[tp]
+    if not ok(value):
+        want = {str: "a string", bool: "a boolean", int: "an integer", float: "a number"}[tp]
+        raise MalformedManifest(f"{where} is {_json_type(value)}, not {want}")
+    return value
+
+
+def _inside(rel: str) -> bool:
+    """A manifest's file name is a plain relative path in the bundle, never `..`, `/x` or itself."""
+    p = PurePosixPath(rel)
+    return (
+        bool(rel)
+        and not p.is_absolute()
+        and ".." not in p.parts
+        and p.as_posix() == rel
+        and rel not in _UNSIGNED
+        and "\0" not in rel
+    )
 
 
 # ---------------------------------------------------------------------------------------------- keys
@@ -156,22 +250,80 @@ def size_bytes(root: Path) -> int:
 # ------------------------------------------------------------------------------------------- reading
 
 
-def read_manifest(root: Path) -> Manifest:
-    """The manifest, unverified (for `inspect`); use `verify` before acting on the images."""
+MANIFEST_MAX = 64 << 20  # far above any real manifest (a few KiB per thousand files)
+
+
+def _read_raw(root: Path) -> bytes:
+    """manifest.json's bytes, read once; every reader checks and parses these same bytes."""
+    hint = "pass the directory written by `criuctl dump -o DIR`"
+    if not root.exists():
+        raise BundleError(f"no bundle at {root}", hint)
+    if not root.is_dir():
+        raise BundleError(f"{root} is a file, not a bundle directory", hint)
+    path = root / MANIFEST
     try:
-        raw = (root / MANIFEST).read_bytes()
+        with path.open("rb") as f:
+            raw = f.read(MANIFEST_MAX + 1)
     except FileNotFoundError:
+        raise BundleError(f"{root} is not a criuctl bundle (no {MANIFEST})", hint) from None
+    except OSError as exc:
         raise BundleError(
-            f"{root} is not a criuctl bundle (no {MANIFEST})",
-            "pass the directory written by `criuctl dump -o DIR`",
-        ) from None
+            f"cannot read {path}: {exc.strerror}", "the bundle cannot be trusted; take a new checkpoint"
+        ) from exc
+    if len(raw) > MANIFEST_MAX:
+        raise BundleError(
+            f"{path} is larger than {MANIFEST_MAX >> 20} MiB",
+            "the bundle cannot be trusted; take a new checkpoint",
+        )
+    return raw
+
+
+def _parse(root: Path, raw: bytes) -> Manifest:
     try:
         return Manifest.from_json(raw)
-    except (ValueError, TypeError, KeyError) as exc:
+    except MalformedManifest as exc:
         raise BundleError(
-            f"{root / MANIFEST} is corrupted ({exc.__class__.__name__})",
-            "the bundle cannot be trusted; take a new checkpoint",
+            f"{root / MANIFEST} is corrupted: {exc}", "the bundle cannot be trusted; take a new checkpoint"
         ) from exc
+
+
+def read_manifest(root: Path) -> Manifest:
+    """The manifest, unverified (for `inspect`); use `verify` before acting on the images."""
+    return _parse(root, _read_raw(root))
+
+
+def _signature_ok(root: Path, key: bytes, raw: bytes) -> bool:
+    """Whether manifest.sig holds the HMAC of exactly `raw`."""
+    try:
+        with (root / SIGNATURE).open("rb") as f:
+            sig = f.read(1024).strip()
+    except OSError:
+        return False
+    return bool(sig) and hmac.compare_digest(sig, _sign(key, raw).encode())
+
+
+def _bad_files(root: Path, manifest: Manifest, digests: dict[str, str] | None) -> list[str]:
+    bad: list[str] = []
+    for rel, digest in sorted(manifest.files.items()):
+        path = root / rel
+        if not (path.exists() or path.is_symlink()):
+            bad.append(f"{rel}: missing")
+            continue
+        if path.is_symlink() or not path.is_file():
+            bad.append(f"{rel}: not a regular file")
+            continue
+        try:
+            got = digests[rel] if digests and rel in digests else sha256_file(path)
+        except OSError as exc:
+            bad.append(f"{rel}: unreadable ({exc.strerror})")
+            continue
+        if got != digest:
+            bad.append(f"{rel}: checksum mismatch")
+    for path in _payload_files(root):
+        rel = path.relative_to(root).as_posix()
+        if rel not in manifest.files:
+            bad.append(f"{rel}: not listed in the manifest")
+    return bad
 
 
 @dataclass(frozen=True)
@@ -190,39 +342,25 @@ def check(root: Path, key: bytes, digests: dict[str, str] | None = None) -> Veri
     `digests` are sha256s already computed while the files arrived (an agent hashes a bundle as it
     streams in), so the files need not be read twice.
     """
-    manifest = read_manifest(root)
-    try:
-        sig = (root / SIGNATURE).read_text().strip()
-    except FileNotFoundError:
-        sig = ""
-    signature_ok = bool(sig) and hmac.compare_digest(sig, _sign(key, (root / MANIFEST).read_bytes()))
-    bad: list[str] = []
-    for rel, digest in sorted(manifest.files.items()):
-        path = root / rel
-        if not path.is_file():
-            bad.append(f"{rel}: missing")
-        elif (digests.get(rel) if digests and rel in digests else sha256_file(path)) != digest:
-            bad.append(f"{rel}: checksum mismatch")
-    for path in _payload_files(root):
-        rel = path.relative_to(root).as_posix()
-        if rel not in manifest.files:
-            bad.append(f"{rel}: not listed in the manifest")
-    return Verification(signature_ok, bad)
+    raw = _read_raw(root)
+    manifest = _parse(root, raw)
+    return Verification(_signature_ok(root, key, raw), _bad_files(root, manifest, digests))
 
 
 def verify(root: Path, key: bytes, digests: dict[str, str] | None = None) -> Manifest:
-    """The manifest of a bundle that verifies; BundleError naming the first bad file otherwise."""
-    if not root.is_dir():
-        raise BundleError(f"no bundle at {root}", "pass the directory written by `criuctl dump -o DIR`")
-    manifest = read_manifest(root)
-    result = check(root, key, digests)
-    if not result.signature_ok:
+    """The manifest of a bundle that verifies; BundleError naming the first bad file otherwise.
+
+    manifest.json is read once: the signature is checked on those bytes, and only then are the same
+    bytes parsed — a file swapped between the check and a second read cannot slip through.
+    """
+    raw = _read_raw(root)
+    if not _signature_ok(root, key, raw):
         raise BundleError(
             f"{root / SIGNATURE}: signature does not verify",
             "the bundle was altered or signed with another node's key; refusing to restore it",
         )
-    if result.bad_files:
-        raise BundleError(
-            f"{root}/{result.bad_files[0]}", "the bundle was altered or damaged; refusing to restore it"
-        )
+    manifest = _parse(root, raw)
+    bad = _bad_files(root, manifest, digests)
+    if bad:
+        raise BundleError(f"{root}/{bad[0]}", "the bundle was altered or damaged; refusing to restore it")
     return manifest

@@ -11,6 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.tree import Tree
 
@@ -40,6 +41,7 @@ def workloads_table(
     rows: list[dict] | None = None, all_states: bool = False, where: str = "this host"
 ) -> None:
     """Workloads as a table: this node's registry, or `rows` an agent sent (`ps --node`)."""
+    remote = rows is not None
     if rows is None:
         rows = workloads.rows()
     table = []
@@ -51,11 +53,16 @@ def workloads_table(
         if not live and not all_states:
             continue
         rss = human_bytes(r["rss_bytes"]) if live and r.get("rss_bytes") else "-"
-        table.append((r["name"], str(r["root_pid"]), short_command(r["command"]), rss, state))
+        row = (r["name"], str(r["root_pid"]), short_command(r["command"]), rss, state)
+        table.append(tuple(escape(c) for c in row))  # an agent's rows are data, not rich markup
     if not table:
-        out.print(
-            f"No workloads on {where} (state dir {workloads.state_dir()}). Start one with: criuctl run -- CMD"
-        )
+        if remote:  # not this host's state dir: the agent's is its own
+            out.print(f"No workloads on {where}. Start one there with: criuctl run -- CMD")
+        else:
+            out.print(
+                f"No workloads on {where} (state dir {workloads.state_dir()}). "
+                "Start one with: criuctl run -- CMD"
+            )
         return
     t = Table(box=None, header_style="bold")
     for col in ("NAME", "PID", "COMMAND", "RSS", "STATE"):
@@ -148,7 +155,15 @@ def _checks(root: Path) -> tuple[bool | None, list[str]]:
     return v.signature_ok, v.bad_files
 
 
+def _when(t: float) -> str:
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+    except (OverflowError, ValueError, OSError):
+        return f"at {t!r} (not a time)"
+
+
 def inspect(root: Path, as_json: bool) -> int:
+    """Describe the bundle at `root`; its manifest is unverified data, shown escaped, never markup."""
     m = bundle.read_manifest(root)
     sig_ok, bad = _checks(root)
     if as_json:
@@ -157,12 +172,12 @@ def inspect(root: Path, as_json: bool) -> int:
         data["checks"] = {"signature": sig_ok, "bad_files": bad, "ok": bool(sig_ok) and not bad}
         out.print_json(json.dumps(data))
         return 0 if sig_ok and not bad else 1
-    created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created))
-    out.print(f"[bold]{root}[/]  bundle {m.id[:12]}, format {m.format_version}")
-    out.print(f"workload {m.workload!r}: {' '.join(m.command)}")
+    created = _when(m.created)
+    out.print(f"[bold]{escape(str(root))}[/]  bundle {escape(m.id[:12])}, format {m.format_version}")
+    out.print(escape(f"workload {m.workload!r}: {' '.join(m.command)}"))
     out.print(
-        f"taken {created} on {m.host} (kernel {m.kernel}, CRIU {m.criu_version}), "
-        f"frozen {m.freeze_seconds:.2f} s"
+        escape(f"taken {created} on {m.host} (kernel {m.kernel}, CRIU {m.criu_version}), ")
+        + f"frozen {m.freeze_seconds:.2f} s"
     )
     out.print(
         f"memory: {human_bytes(m.rss_bytes)} RSS in {len(m.processes)} processes; "
@@ -172,14 +187,16 @@ def inspect(root: Path, as_json: bool) -> int:
     nodes: dict[int, Tree] = {}
     tree = Tree("processes")
     for p in m.processes:
-        label = f"{p.ns_pid} {' '.join(p.cmdline)[:70]}  ({human_bytes(p.rss_bytes)}, {p.threads} threads)"
+        label = escape(
+            f"{p.ns_pid} {' '.join(p.cmdline)[:70]}  ({human_bytes(p.rss_bytes)}, {p.threads} threads)"
+        )
         parent = nodes.get(p.ppid) if p.ppid in by_pid else tree
         nodes[p.pid] = (parent or tree).add(label)
     out.print(tree)
     files = [f for f in m.open_files if f.startswith("/")]
     out.print(f"open files ({len(files)} paths, {len(m.open_files) - len(files)} pipes/sockets/anon):")
     for f in files[:20]:
-        out.print(f"  {f}")
+        out.print(f"  {escape(f)}")
     if len(files) > 20:
         out.print(f"  … {len(files) - 20} more (--output json lists all)")
     if sig_ok is None:

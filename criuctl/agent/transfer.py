@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import os
 import ssl
@@ -122,7 +123,7 @@ async def receive(read: Read, dest: Path, counter: Counter | None = None) -> dic
             return digests
         try:
             info = tarfile.TarInfo.frombuf(header, "utf-8", "surrogateescape")
-        except tarfile.TarError as exc:
+        except (tarfile.TarError, ValueError) as exc:
             raise TransferError(f"the bundle stream is damaged ({exc})", "retry the migration") from exc
         rel = _safe_name(info.name)
         if info.type not in (tarfile.REGTYPE, tarfile.AREGTYPE):
@@ -130,10 +131,23 @@ async def receive(read: Read, dest: Path, counter: Counter | None = None) -> dic
                 f"refused a bundle stream with {info.name!r}, which is not a regular file",
                 "the sender is not a criuctl agent",
             )
+        if info.size < 0:  # base-256 size fields can be negative
+            raise TransferError(
+                f"refused a bundle stream with {info.name!r} of size {info.size}",
+                "the sender is not a criuctl agent",
+            )
         target = dest / rel
-        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         h = hashlib.sha256()
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:  # a name twice, a file where a folder must go, a name too long: refused, not a crash
+            target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise  # this node's disk, not the stream: the agent says "disk full"
+            raise TransferError(
+                f"refused a bundle stream with {info.name!r}: cannot create it ({exc.strerror})",
+                "the sender is not a criuctl agent",
+            ) from exc
         try:
             left, pending = info.size, None
             while left:
