@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,7 +13,10 @@ from criuctl.errors import CriuctlError, require_root
 
 def _cmd_run(a: argparse.Namespace) -> int:
     require_root("run")
-    from criuctl import supervisor
+    from criuctl import supervisor, workloads
+
+    if a.name is not None:
+        workloads.validate_name(a.name)  # before anything runs: a name is a path in the state dir
 
     w, stdio = supervisor.start(a.command, a.name, allow_io_uring=a.allow_io_uring)
     print(f"criuctl: started {w.name!r} (PID {w.root_pid})", file=sys.stderr, flush=True)
@@ -26,6 +30,10 @@ def _cmd_ps(a: argparse.Namespace) -> int:
         from criuctl.agent.client import AgentClient, get_node
 
         rows = AgentClient(get_node(a.node)).get("/v1/workloads")
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise CriuctlError(
+                f"node {a.node} sent no workload list", "check that its agent is criuctl's, and its version"
+            )
         render.workloads_table(rows, all_states=a.all, where=f"node {a.node}")
     else:
         render.workloads_table(all_states=a.all)
@@ -35,6 +43,7 @@ def _cmd_ps(a: argparse.Namespace) -> int:
 def _cmd_logs(a: argparse.Namespace) -> int:
     from criuctl import workloads
 
+    workloads.validate_name(a.name)  # it becomes a file name here, a URL path segment there
     if a.node:
         from criuctl.agent.client import AgentClient, get_node
 
@@ -52,15 +61,24 @@ def _cmd_logs(a: argparse.Namespace) -> int:
 
 
 def _cmd_agent(a: argparse.Namespace) -> int:
+    """Check every option the agent could fail on at start-up (one line each), then serve."""
     require_root("agent")
+    from criuctl import preflight, tokens
+
+    host, port = preflight.parse_listen(a.listen)
+    if (a.tls_cert is None) != (a.tls_key is None):
+        raise preflight.BadOption(
+            "--tls-cert and --tls-key go together", "pass both, or neither for plain HTTP"
+        )
+    tokens.read_token(Path(a.token_file))
+    if a.tls_cert:
+        preflight.check_tls(Path(a.tls_cert), Path(a.tls_key))
+    preflight.check_bind(host, port)
     from criuctl.agent import server
 
-    host, _, port = a.listen.rpartition(":")
-    if (a.tls_cert is None) != (a.tls_key is None):
-        raise CriuctlError("--tls-cert and --tls-key go together", "pass both, or neither for plain HTTP")
     opts = server.AgentOptions(
-        host=host or "0.0.0.0",
-        port=int(port),
+        host=host,
+        port=port,
         token_file=Path(a.token_file),
         tls_cert=a.tls_cert and Path(a.tls_cert),
         tls_key=a.tls_key and Path(a.tls_key),
@@ -69,12 +87,15 @@ def _cmd_agent(a: argparse.Namespace) -> int:
     if a.name:
         opts.name = a.name
     if a.spool_dir:
-        import os
-
         from criuctl.workloads import ENV_SPOOL_DIR
 
         os.environ[ENV_SPOOL_DIR] = str(Path(a.spool_dir).absolute())  # handoff processes inherit it
-    server.serve(opts)
+    try:
+        server.serve(opts)
+    except OSError as exc:  # the port taken between our check and the server's bind, say
+        raise CriuctlError(
+            f"the agent could not serve on {a.listen}: {exc.strerror or exc}", "check --listen and retry"
+        ) from exc
     return 0
 
 
@@ -98,18 +119,66 @@ def _cmd_node(a: argparse.Namespace) -> int:
             try:
                 info = client.AgentClient(n, timeout=5).get("/v1/info", timeout=5)
                 health[n.name] = f"up ({info['node']}, CRIU {info.get('criu', 'missing')})"
-            except CriuctlError as exc:
+            except client.TokenRefused:
+                health[n.name] = f"refused: wrong token in {n.token_file} (the agent is up)"
+            except client.NodeUnreachable as exc:
                 health[n.name] = f"down: {exc.what}"
+            except (CriuctlError, KeyError, TypeError, ValueError) as exc:
+                what = exc.what if isinstance(exc, CriuctlError) else "an answer that is not criuctl's"
+                health[n.name] = f"error: {what}"
         render.nodes_table(nodes, health)
     return 0
 
 
-def _cmd_migrate(a: argparse.Namespace) -> int:
-    from criuctl import render
-    from criuctl.agent import client, migrate
+def _source_node(name: str, to: str, given: str | None):
+    """The node workload `name` runs on, checked with every agent, or one line that says where it
+    is instead: already on the target, not on --from, on several nodes, or nowhere that answers."""
+    from criuctl.agent import client
 
-    target = client.get_node(a.to)
-    source = client.get_node(a.source) if a.source else migrate.find_workload(a.name, exclude=a.to)
+    target = client.get_node(to)
+    if given is not None:
+        source = client.get_node(given)
+        if client.running_here(client.AgentClient(source, timeout=10).get("/v1/workloads"), name):
+            if source.name == target.name:
+                raise CriuctlError(
+                    f"workload {name!r} already runs on node {to}", "nothing to move: pick another --to"
+                )
+            return source, target
+        others = client.survey(name, [n for n in client.all_nodes().values() if n.name != given])
+        where = ", ".join(n.name for n in others.running_on)
+        raise CriuctlError(
+            f"workload {name!r} does not run on node {given}"
+            + (f"; it runs on node {where}" if where else ""),
+            f"pass --from {others.running_on[0].name}"
+            if where
+            else "see `criuctl ps --node NODE` for what runs where",
+        )
+    found = client.survey(name)
+    if [n.name for n in found.running_on] == [target.name]:
+        raise CriuctlError(
+            f"workload {name!r} already runs on node {to}", "nothing to move: pick another --to"
+        )
+    sources = [n for n in found.running_on if n.name != target.name]
+    if len(sources) > 1:
+        raise CriuctlError(
+            f"workload {name!r} runs on several nodes: {', '.join(n.name for n in sources)}",
+            "say which one to move with --from NODE",
+        )
+    if not sources:
+        silent = f" (no answer from node {', '.join(found.silent)})" if found.silent else ""
+        raise CriuctlError(
+            f"no node runs a workload named {name!r}{silent}",
+            "see `criuctl ps --node NODE`, or pass --from NODE",
+        )
+    return sources[0], target
+
+
+def _cmd_migrate(a: argparse.Namespace) -> int:
+    from criuctl import render, workloads
+    from criuctl.agent import migrate
+
+    workloads.validate_name(a.name)
+    source, target = _source_node(a.name, a.to, a.source)
     with render.migration_progress() as progress:
         result = migrate.migrate(a.name, source, target, a.mode, progress)
     render.migration_summary(result)
@@ -121,9 +190,32 @@ def _cmd_migrate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _check_writable(folder: Path) -> None:
+    """Refuse a bundle folder we cannot create, before anything is frozen.
+
+    A real probe (make and remove a folder) rather than os.access: root passes every mode check,
+    but not a read-only mount.
+    """
+    if not folder.is_dir():
+        return  # the dump itself says the parent is missing
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".criuctl-probe-", dir=folder))
+    except OSError as exc:
+        raise CriuctlError(
+            f"cannot write a bundle into {folder}: {exc.strerror}",
+            "pass -o a new folder on a writable file system; nothing was frozen",
+        ) from exc
+
+
 def _cmd_dump(a: argparse.Namespace) -> int:
     require_root("dump")
-    from criuctl import checkpoint, render
+    from criuctl import checkpoint, render, workloads
+
+    if not a.target.isdigit():  # a PID is digits; anything else must be a workload name
+        workloads.validate_name(a.target)
+    _check_writable(Path(a.output).absolute().parent)
 
     with render.phase_progress() as progress:
         outcome = checkpoint.dump(a.target, Path(a.output), leave_running=a.leave_running, progress=progress)
@@ -133,7 +225,10 @@ def _cmd_dump(a: argparse.Namespace) -> int:
 
 def _cmd_restore(a: argparse.Namespace) -> int:
     require_root("restore")
-    from criuctl import checkpoint
+    from criuctl import checkpoint, workloads
+
+    if a.name is not None:
+        workloads.validate_name(a.name)
 
     return checkpoint.restore(Path(a.bundle), a.name)
 
@@ -220,6 +315,16 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("node", help="the nodes `migrate` can use: agent addresses and their tokens")
     nsub = s.add_subparsers(dest="node_verb", required=True)
+    # `node ls --state-dir D` as well as `node --state-dir D ls`: SUPPRESS, or the sub-verb's
+    # default (None) would overwrite a --state-dir given before it
+    after = argparse.ArgumentParser(add_help=False)
+    after.add_argument("--state-dir", metavar="DIR", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    _nadd = nsub.add_parser
+
+    def node_parser(*args, **kw):
+        return _nadd(*args, parents=[after], **kw)
+
+    nsub.add_parser = node_parser
     n = nsub.add_parser("add", help="add or replace a node")
     n.add_argument("name", metavar="NAME")
     n.add_argument("url", metavar="URL", help="the agent's address, e.g. https://10.0.0.2:7070")
@@ -273,27 +378,39 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     a = parser().parse_args(argv)
     if a.state_dir:
-        import os
-
-        from criuctl.workloads import ENV_STATE_DIR
+        from criuctl.statedir import ENV_STATE_DIR
 
         os.environ[ENV_STATE_DIR] = str(Path(a.state_dir).absolute())
     if a.verb == "run" and a.command and a.command[0] == "--":
         a.command = a.command[1:]
     try:
+        from criuctl import statedir
+
+        statedir.check_state_dir()
         return a.func(a)
     except CriuctlError as exc:
         print(f"criuctl: error: {exc.line()}", file=sys.stderr)
         if exc.detail and _verbose():
             print(exc.detail, file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:
+        # A failure no check foresaw: still one line (the traceback with CRIUCTL_VERBOSE=1).
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(
+            f"criuctl: error: {exc.strerror or exc}{where}: "
+            "unexpected; run again with CRIUCTL_VERBOSE=1 for where it happened",
+            file=sys.stderr,
+        )
+        if _verbose():
+            import traceback
+
+            traceback.print_exc()
+        return 1
     except KeyboardInterrupt:
         return 130
 
 
 def _verbose() -> bool:
-    import os
-
     return os.environ.get("CRIUCTL_VERBOSE") == "1"
 
 

@@ -126,6 +126,10 @@ def test_token_file_must_be_private_and_long(tmp_path):
 def test_node_list(tmp_path):
     token = tmp_path / "t"
     token.write_text("x" * 20)
+    os.chmod(token, 0o644)
+    with pytest.raises(CriuctlError, match="readable by others"):  # the agent would refuse it too
+        client.add_node(client.Node("a", "http://10.0.0.2:7070", str(token)))
+    os.chmod(token, 0o600)
     client.add_node(client.Node("a", "http://10.0.0.2:7070", str(token)))
     assert client.get_node("a").host == "10.0.0.2"
     with pytest.raises(client.UnknownNode, match="no node named 'z' \\(known: a\\)"):

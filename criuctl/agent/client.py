@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from urllib.parse import urlparse
 
 import requests
 
-from criuctl import workloads
+from criuctl import tokens, workloads
 from criuctl.errors import CriuctlError
 
 
@@ -27,6 +28,10 @@ class UnknownNode(CriuctlError):
 
 class NodeUnreachable(CriuctlError):
     """No answer at all: connection refused, timed out, or broken before a response."""
+
+
+class TokenRefused(CriuctlError):
+    """The agent answered, and refused our token (HTTP 401/403): up, but not ours to use."""
 
 
 @dataclass
@@ -69,6 +74,7 @@ def add_node(node: Node) -> None:
     if urlparse(node.url).scheme not in ("http", "https"):
         raise CriuctlError(f"{node.url} is not an http(s) URL", "e.g. https://10.0.0.2:7070")
     node.token()  # readable now, or say so now
+    tokens.read_token(Path(node.token_file))  # and a file the agent would accept, or say so now
     nodes = all_nodes()
     nodes[node.name] = node
     workloads.logs_dir("")  # creates the state dir, root-only
@@ -96,6 +102,44 @@ def get_node(name: str) -> Node:
     return nodes[name]
 
 
+def running_here(rows: list[dict], name: str) -> bool:
+    """Whether an agent's workload list (`GET /v1/workloads`) has `name` alive and running."""
+    return any(r.get("name") == name and r.get("state") == "running" and r.get("alive") for r in rows)
+
+
+@dataclass(frozen=True)
+class Survey:
+    """Where a workload runs, as every node's agent answered; `silent`: nodes that could not be
+    asked (down, or a wrong token) — the workload may run there too."""
+
+    running_on: list[Node]
+    silent: list[str]
+
+
+def survey(name: str, nodes: list[Node] | None = None) -> Survey:
+    """Ask every node (all at once) whether its agent runs workload `name`."""
+    workloads.validate_name(name)
+    nodes = list(all_nodes().values()) if nodes is None else nodes
+
+    def ask(node: Node) -> bool | None:
+        try:
+            return running_here(AgentClient(node, timeout=10).get("/v1/workloads", timeout=10), name)
+        except CriuctlError:
+            return None
+
+    with ThreadPoolExecutor(max_workers=min(16, len(nodes) or 1)) as pool:
+        answers = list(pool.map(ask, nodes))
+    return Survey(
+        running_on=[n for n, a in zip(nodes, answers, strict=True) if a],
+        silent=[n.name for n, a in zip(nodes, answers, strict=True) if a is None],
+    )
+
+
+def locate(name: str) -> list[Node]:
+    """The nodes whose agents run workload `name`; nodes that do not answer are left out."""
+    return survey(name).running_on
+
+
 class AgentClient:
     """Synchronous calls to one agent; errors name the node and say what to do."""
 
@@ -117,6 +161,16 @@ class AgentClient:
                 f"node {self.node.name} ({self.node.url}) did not answer ({exc.__class__.__name__})",
                 "check that its agent runs and the network between here and there",
             ) from exc
+        if resp.status_code in (401, 403):
+            e = TokenRefused(
+                f"node {self.node.name} ({self.node.url}) refused the token in {self.node.token_file} "
+                f"(HTTP {resp.status_code}: wrong token)",
+                f"use the token its agent was started with: criuctl node add {self.node.name} "
+                f"{self.node.url} --token-file F",
+            )
+            e.status = resp.status_code  # type: ignore[attr-defined]
+            e.body = {"what": e.what, "hint": e.hint}  # type: ignore[attr-defined]
+            raise e
         if not resp.ok:
             try:
                 err = resp.json()
