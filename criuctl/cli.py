@@ -120,7 +120,7 @@ def _cmd_node(a: argparse.Namespace) -> int:
                 info = client.AgentClient(n, timeout=5).get("/v1/info", timeout=5)
                 health[n.name] = f"up ({info['node']}, CRIU {info.get('criu', 'missing')})"
             except client.TokenRefused:
-                health[n.name] = f"refused: wrong token in {n.token_file} (the agent is up)"
+                health[n.name] = "refused: wrong token (the agent is up; see TOKEN FILE)"
             except client.NodeUnreachable as exc:
                 health[n.name] = f"down: {exc.what}"
             except (CriuctlError, KeyError, TypeError, ValueError) as exc:
