@@ -187,7 +187,7 @@ def _cmd_migrate(a: argparse.Namespace) -> int:
         import json
 
         print(json.dumps(dataclasses.asdict(result)))
-    return 0
+    return 0 if result.source_confirmed else 6
 
 
 def _check_writable(folder: Path) -> None:

@@ -124,6 +124,12 @@ def migration_summary(r) -> None:
         f"restore {r.restore_seconds:.2f} s{pages})"
     )
     err.print(f"follow it with: criuctl logs {r.workload} --node {r.target}")
+    if not r.source_confirmed:
+        err.print(
+            f"criuctl: warning: node {r.source} did not confirm that its frozen copy ended; its handoff "
+            f"ends it once {r.target} confirms the job runs there (see `criuctl ps --node {r.source}`)",
+            markup=False,
+        )
 
 
 def nodes_table(nodes, health: dict[str, str]) -> None:

@@ -251,6 +251,15 @@ class Cluster:
         os.chmod(d / "tls.key", 0o600)
         return d / "tls.pem", d / "tls.key"
 
+    def handoffs(self) -> list[psutil.Process]:
+        """This cluster's handoff processes (their spec files live under its root)."""
+        out = []
+        for proc in psutil.process_iter(["cmdline"]):
+            cmd = " ".join(proc.info["cmdline"] or [])
+            if "criuctl.agent.handoff" in cmd and str(self.root) in cmd:
+                out.append(proc)
+        return out
+
     def __exit__(self, *exc: object) -> None:
         for node in self.nodes.values():
             node.stop_agent(signal.SIGKILL)
@@ -258,16 +267,21 @@ class Cluster:
                 for pid in (rec["root_pid"], rec["supervisor_pid"]):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
-        for proc in psutil.process_iter(["cmdline"]):
-            cmd = " ".join(proc.info["cmdline"] or [])
-            if "criuctl.agent.handoff" in cmd and str(self.root) in cmd:
-                with contextlib.suppress(psutil.Error):
-                    proc.kill()
+        # a target handoff supervising a job ends with it; anything still here after that leaked
+        deadline = time.monotonic() + 10
+        while (left := self.handoffs()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        leaked = [" ".join(p.cmdline()[3:5]) for p in left if p.is_running()]
+        for proc in left:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
         for node in self.nodes.values():
             sh("ip", "netns", "del", node.ns, check=False)
             if node.name in self._tmpfs:
                 sh("umount", "-l", str(node.state), check=False)
         sh("ip", "link", "del", self.bridge, check=False)
+        if leaked and not any(exc):
+            raise AssertionError(f"the test leaked handoff processes: {leaked}")
 
     # ---------------------------------------------------------------------------------- driving
 

@@ -23,6 +23,22 @@ _REASON = _missing_for_criu()
 needs_criu = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 
 
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """`reference(script, *args)`: an uninterrupted run's losses and weights, run once per session."""
+    from tests.jobs import Ref
+
+    cache: dict[tuple[str, ...], Ref] = {}
+
+    def get(script: str, *args: str) -> Ref:
+        key = (script, *args)
+        if key not in cache:
+            cache[key] = Ref(tmp_path_factory.mktemp("ref"), script, *args)
+        return cache[key]
+
+    return get
+
+
 @pytest.fixture(autouse=True)
 def state_dir(tmp_path, monkeypatch):
     """Each test gets its own criuctl state dir (registry, signing key), like its own node."""

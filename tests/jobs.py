@@ -110,6 +110,18 @@ class Reference:
         assert self.steps and self.final, "reference run reported nothing"
 
 
+class Ref:
+    """Losses and final weights of an uninterrupted run of the same job (its own state dir)."""
+
+    def __init__(self, root: Path, script: str, *args: str) -> None:
+        job = Job(
+            [*CRIUCTL, "run", "--state-dir", str(root), "--name", "ref", "--", *workload_cmd(script, *args)]
+        )
+        assert job.wait(600) == 0, job.err[-10:]
+        self.steps, self.final = job.steps, job.final
+        assert self.steps and self.final, "reference run reported nothing"
+
+
 def assert_continues_exactly(ref: Reference, before_steps: dict[int, str], after: Job) -> None:
     """A job reported `before_steps`, was frozen, and `after` restored from it: together they are `ref`."""
     assert after.steps, "the restored job reported no step: the freeze came after training ended"

@@ -21,7 +21,7 @@ import requests
 
 from tests.cluster import Cluster
 from tests.conftest import needs_criu
-from tests.jobs import CRIUCTL, Job, workload_cmd
+from tests.jobs import CRIUCTL, Ref
 
 pytestmark = [needs_criu, pytest.mark.slow]
 
@@ -46,20 +46,9 @@ def _has_soft_dirty() -> str | None:
         return f"cannot ask CRIU for its features: {exc}"
 
 
-class Ref:
-    """Losses and final weights of an uninterrupted run of the same job (its own state dir)."""
-
-    def __init__(self, root: Path, script: str, *args: str) -> None:
-        job = Job(
-            [*CRIUCTL, "run", "--state-dir", str(root), "--name", "ref", "--", *workload_cmd(script, *args)]
-        )
-        assert job.wait(600) == 0, job.err[-10:]
-        self.steps, self.final = job.steps, job.final
-
-
-@pytest.fixture(scope="module")
-def mlp_ref(tmp_path_factory):
-    return Ref(tmp_path_factory.mktemp("ref"), "train_mlp.py", "--steps", "100", "--step-time", "0")
+@pytest.fixture
+def mlp_ref(reference):
+    return reference("train_mlp.py", "--steps", "100", "--step-time", "0")
 
 
 @pytest.fixture
@@ -196,15 +185,27 @@ def test_source_agent_killed_mid_dump(cluster, mlp_ref):
     assert_ran_once(c, "mlp", mlp_ref, "a")
 
 
-def test_target_agent_killed_mid_restore(cluster, mlp_ref):
-    c = cluster
-    _mlp_on_a(c, 10)
-    p = _background_migrate(c, "mlp", "b", "--mode", "stop-and-copy")
-    _wait_for_process("criuctl.agent.handoff target")
-    c.nodes["b"].agent.kill()
-    line = _failed(_finish(p))
-    assert "keeps running on a" in line, line
-    assert_ran_once(c, "mlp", mlp_ref, "a")
+def test_target_agent_killed_mid_restore(tmp_path, mlp_ref):
+    """The target's agent dies while its handoff restores: nobody can say yet whether b's copy is dead.
+
+    The source stays frozen rather than risk a second copy, and says so (`thawed: unconfirmed`);
+    once b's agent is back (a DaemonSet restarts it), its record says the copy never ran, and a's
+    lease thaws the job, which runs on where it was.
+    """
+    with Cluster(tmp_path / "c", lease=5) as c:
+        _mlp_on_a(c, 10)
+        p = _background_migrate(c, "mlp", "b", "--mode", "stop-and-copy")
+        _wait_for_process("criuctl.agent.handoff target")
+        c.nodes["b"].agent.kill()
+        line = _failed(_finish(p))
+        assert "stays frozen on a" in line and "thawed: unconfirmed" in line, line
+        assert c.running("mlp") == [], "the job runs somewhere although nobody confirmed b's copy is dead"
+        c.nodes["b"].start_agent(lease=c.lease)
+        deadline = time.monotonic() + 90
+        while c.running("mlp") != ["a"]:
+            assert time.monotonic() < deadline, "the source never settled once b's agent was back"
+            time.sleep(0.2)
+        assert_ran_once(c, "mlp", mlp_ref, "a")
 
 
 def test_client_killed_before_the_commit_source_settles_with_target(tmp_path, mlp_ref):
@@ -269,7 +270,9 @@ def test_target_disk_full(tmp_path, mlp_ref):
         _mlp_on_a(c, 10)
         line = _failed(c.migrate("mlp", "b", "--mode", "stop-and-copy"))
         assert "disk full on node b" in line and "keeps running on a" in line, line
-        assert not list((c.nodes["b"].state / "incoming").iterdir()), "the partial bundle was left behind"
+        left = list((c.nodes["b"].state / "incoming").iterdir())
+        assert [p.suffix for p in left] == [".json"], f"the partial bundle was left behind: {left}"
+        assert json.loads(left[0].read_text())["state"] in ("failed", "aborted")  # what a late source reads
         assert_ran_once(c, "mlp", mlp_ref, "a")
 
 

@@ -46,7 +46,9 @@ log = logging.getLogger("criuctl.agent")
 
 
 async def spawn_target(spec: TargetSpec, folder: Path) -> Handoff:
-    return await Handoff.spawn("target", spec.to_json(), folder, folder.parent / f"{folder.name}.log")
+    return await Handoff.spawn(
+        "target", spec.to_json(), folder, workloads.logs_dir("handoffs") / f"target-{folder.name}.log"
+    )
 
 
 class Incoming:

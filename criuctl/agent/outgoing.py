@@ -44,7 +44,9 @@ def _free_port() -> int:
 
 
 async def spawn_source(spec: SourceSpec, folder: Path) -> Handoff:
-    return await Handoff.spawn("source", spec.to_json(), folder, folder.parent / f"{folder.name}.log")
+    return await Handoff.spawn(
+        "source", spec.to_json(), folder, workloads.logs_dir("handoffs") / f"source-{folder.name}.log"
+    )
 
 
 class Outgoing:
@@ -218,10 +220,8 @@ def _end(root_pid: int, rec: SourceRecord) -> None:
         workloads.save(w)
     with contextlib.suppress(ProcessLookupError):
         os.kill(root_pid, signal.SIGKILL)
-    checkpoint.unlock_network(root_pid)
 
 
 def _remove(spool: Path, mid: str) -> None:
     shutil.rmtree(spool / mid, ignore_errors=True)
     (spool / f"{mid}.json").unlink(missing_ok=True)
-    (spool / f"{mid}.log").unlink(missing_ok=True)

@@ -195,6 +195,8 @@ class Agent:
     def error_response(self, exc: BaseException) -> web.Response:
         if isinstance(exc, workloads.UnknownWorkload):
             return fail(404, exc.what, exc.hint)
+        if isinstance(exc, transfer.TransferError):
+            return fail(400, exc.what, exc.hint)
         if isinstance(exc, bundle.BundleError):
             return fail(422, f"node {self.name} refused the bundle: {exc.what}", exc.hint)
         if isinstance(exc, OSError) and exc.errno == 28:

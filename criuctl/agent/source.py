@@ -91,7 +91,7 @@ class SourceMachine:
         self.freeze_started = time.monotonic() - frozen["started_ago"]
         self._to(SourceState.FROZEN)
         bdir = Path(frozen["bundle"])
-        total = transfer.stream_size(bdir)
+        total = await asyncio.to_thread(transfer.stream_size, bdir)
         await say("frozen", freeze_seconds=frozen["freeze_seconds"], bytes=total,
                   page_server_port=self.spec.lazy_port)  # fmt: skip
         await points.areach(Point.SOURCE_FROZEN)

@@ -176,7 +176,7 @@ class TargetMachine:
                 self._reload()
             if self.state == TargetState.RUNNING:
                 return Verdict.RUNNING
-            if not self._copy_dead():
+            if not await asyncio.to_thread(self._copy_dead):
                 return Verdict.UNKNOWN
             if self.state != TargetState.ABORTED:
                 self._write(TargetState.ABORTED)

@@ -1,0 +1,135 @@
+"""The agent's HTTP API under hostile input: a clear 4xx, never a 500, nothing outside its folder.
+
+The real `Agent` app runs in-process (aiohttp's test server) over a state dir of the test's own;
+Hypothesis throws paths, ids, query strings, bodies and tickets at every route. No CRIU is needed:
+everything here must be refused before anything is frozen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+from pathlib import Path
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from criuctl.agent.server import Agent, AgentOptions
+
+ROUTES = [
+    ("GET", "/v1/workloads/{x}/logs"),
+    ("POST", "/v1/workloads/{x}/checkpoint"),
+    ("GET", "/v1/bundles/{x}"),
+    ("PUT", "/v1/bundles/{x}"),
+    ("POST", "/v1/bundles/{x}/restore"),
+    ("DELETE", "/v1/bundles/{x}"),
+    ("PUT", "/v1/incoming/{x}/bundle"),
+    ("POST", "/v1/incoming/{x}/restore"),
+    ("POST", "/v1/incoming/{x}/commit"),
+    ("GET", "/v1/incoming/{x}"),
+    ("DELETE", "/v1/incoming/{x}"),
+    ("POST", "/v1/outgoing/{x}/commit"),
+    ("GET", "/v1/outgoing/{x}"),
+    ("DELETE", "/v1/outgoing/{x}"),
+    ("POST", "/v1/outgoing"),
+    ("POST", "/v1/incoming"),
+]
+
+HOSTILE = st.sampled_from([
+    "..", "../..", "..%2F..%2F..%2Fetc%2Fpasswd", "..%2F..%2F..%2Fvar%2Flog%2Fdpkg", "%2e%2e", "a%00b",
+    "/etc/passwd", "x" * 300, "mlp", "0" * 32, "f" * 31, "%252e%252e%252f", ".hidden", "a/b", "~root",
+])  # fmt: skip
+SEGMENT = st.one_of(HOSTILE, st.text(st.characters(codec="utf-8", exclude_characters="/?#"), max_size=40))
+JSONISH = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=12,
+)
+BODY = st.one_of(
+    st.none(),
+    st.binary(max_size=2048),
+    JSONISH.map(lambda v: json.dumps(v).encode()),
+    st.fixed_dictionaries({
+        "workload": SEGMENT, "mode": st.sampled_from(["stop-and-copy", "post-copy", "bogus", ""]),
+        "target": st.one_of(JSONISH, st.fixed_dictionaries({
+            "url": st.sampled_from(["http://127.0.0.1:9", "file:///etc/passwd", ""]),
+            "incoming": SEGMENT, "secret": st.text(max_size=10), "node": SEGMENT})),
+        "page_server": JSONISH, "name": SEGMENT, "leave_running": JSONISH,
+    }).map(lambda v: json.dumps(v).encode()),
+)  # fmt: skip
+
+
+@pytest.fixture
+def agent_app(tmp_path, state_dir):
+    token = tmp_path / "token"
+    token.write_text(secrets.token_urlsafe(24))
+    os.chmod(token, 0o600)
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    (state_dir / "bundle.key").write_text(secrets.token_bytes(32).hex())
+    os.chmod(state_dir / "bundle.key", 0o600)
+    return Agent(AgentOptions("127.0.0.1", 0, token, name="fuzz")), token.read_text()
+
+
+def _everything_under(root: Path) -> set[Path]:
+    return {p for p in root.rglob("*")}
+
+
+QUERIES = st.sampled_from(["", "?tail=-1", "?tail=x", "?tail=99999999999999999999", "?tail=3"])
+AUTH = st.sampled_from(["token", "none", "bogus"])
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(route=st.sampled_from(ROUTES), seg=SEGMENT, body=BODY, query=QUERIES, auth=AUTH)
+def test_malformed_requests_get_a_clear_4xx_and_touch_nothing_outside(agent_app, tmp_path, route, seg, body,
+                                                                       query, auth):  # fmt: skip
+    agent, token = agent_app
+    method, pattern = route
+    outside = tmp_path.parent / "fuzz-canary"
+    outside.mkdir(exist_ok=True)
+    before = _everything_under(outside)
+
+    async def go() -> tuple[int, dict | str]:
+        async with TestClient(TestServer(agent.app())) as client:
+            headers = {"token": {"Authorization": f"Bearer {token}"}, "none": {},
+                       "bogus": {"Authorization": "Bearer " + "z" * 40}}[auth]  # fmt: skip
+            path = pattern.replace("{x}", seg) + (query if "logs" in pattern else "")
+            resp = await client.request(
+                method, path, data=body, headers=headers, skip_auto_headers=["Content-Type"]
+            )
+            text = await resp.text()
+            try:
+                return resp.status, json.loads(text)
+            except ValueError:
+                return resp.status, text
+
+    status, answer = asyncio.run(go())
+    assert status < 500, (method, seg, body, status, answer)
+    if status >= 400 and isinstance(answer, dict):
+        assert answer.get("what"), answer  # one line a person can read
+    if auth != "token":
+        assert status == 401, (status, answer)
+    assert _everything_under(outside) == before
+    if isinstance(answer, str):
+        assert "root:" not in answer and "install " not in answer, "a file outside the state dir was served"
+
+
+def test_logs_path_traversal_is_refused(agent_app):
+    agent, token = agent_app
+
+    async def go() -> list[tuple[int, str]]:
+        out = []
+        async with TestClient(TestServer(agent.app())) as client:
+            for name in ("..%2F..%2F..%2Fvar%2Flog%2Fdpkg", "..%2F..%2Fbundle.key", "%2e%2e%2fnodes"):
+                resp = await client.get(
+                    f"/v1/workloads/{name}/logs", headers={"Authorization": f"Bearer {token}"}
+                )
+                out.append((resp.status, await resp.text()))
+        return out
+
+    for status, text in asyncio.run(go()):
+        assert status == 400, text
+        assert "workload name" in json.loads(text)["what"]

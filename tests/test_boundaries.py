@@ -1,0 +1,138 @@
+"""Every instant of the protocol: stop a migration at each named point, break something, check exactly once.
+
+A migration is stopped at a `protocol.Point` (the process that reaches it waits there: no timing
+windows to hope for), then one fault is applied — the source agent SIGKILLed (and restarted, as a
+DaemonSet would), the target agent likewise, the client SIGKILLed, or the target's link cut for a
+while — and the protocol is let go. Throughout, a sampler checks that the job never runs on two
+nodes at once; at the end the job must have finished exactly once, somewhere, with every step
+logged once and the losses and weights of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from criuctl.agent.points import ENV_PAUSE_AT, ENV_PAUSE_DIR
+from criuctl.agent.protocol import Point
+from tests.cluster import Cluster
+from tests.conftest import needs_criu
+from tests.jobs import CRIUCTL
+
+pytestmark = [needs_criu, pytest.mark.slow]
+
+JOB = ("train_mlp.py", "--steps", "60", "--step-time", "0.05")
+LEASE = 3.0
+FAULTS = ("source-agent", "target-agent", "client", "link")
+
+# (point, faults that make sense there); client points see every fault, agent points their own party's
+CASES = [(p, f) for p in (
+    Point.CLIENT_PREPARED, Point.CLIENT_SENT, Point.CLIENT_RESTORED, Point.CLIENT_TARGET_COMMITTED,
+    Point.CLIENT_SOURCE_COMMITTED) for f in FAULTS] + [
+    (Point.SOURCE_FROZEN, "source-agent"), (Point.SOURCE_FROZEN, "client"), (Point.SOURCE_FROZEN, "link"),
+    (Point.SOURCE_SENT_RECORDED, "source-agent"), (Point.SOURCE_SENT_RECORDED, "client"),
+    (Point.SOURCE_SENT_RECORDED, "target-agent"),
+    (Point.TARGET_RECEIVED, "target-agent"), (Point.TARGET_RECEIVED, "source-agent"),
+    (Point.TARGET_RUNNING, "target-agent"), (Point.TARGET_RUNNING, "client"),
+    (Point.TARGET_RUNNING, "source-agent"),
+]  # fmt: skip
+
+
+@pytest.fixture
+def ref(reference):
+    return reference(JOB[0], *JOB[1:3], "--step-time", "0")
+
+
+class Sampler(threading.Thread):
+    """Watches the job from the side: it must never run on two nodes at the same instant."""
+
+    def __init__(self, c: Cluster, name: str) -> None:
+        super().__init__(daemon=True)
+        self.c, self.name, self.doubled, self.stop = c, name, [], threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            now = self.c.running(self.name)
+            if len(now) > 1:
+                self.doubled.append(now)
+            time.sleep(0.05)
+
+
+def _wait_paused(pause: Path, point: Point, p: subprocess.Popen, timeout: float = 90) -> int:
+    deadline = time.monotonic() + timeout
+    while not (pause / str(point)).exists():
+        if p.poll() is not None:
+            raise AssertionError(f"migrate ended before {point}: {p.stderr.read()[-2000:]}")
+        assert time.monotonic() < deadline, f"the protocol never reached {point}"
+        time.sleep(0.05)
+    return int((pause / str(point)).read_text())
+
+
+def _restart_agent(c: Cluster, node: str) -> None:
+    n = c.nodes[node]
+    n.agent.kill()
+    n.agent.wait()
+    time.sleep(0.5)
+    n.start_agent(env={ENV_PAUSE_AT: ""}, lease=LEASE)  # a DaemonSet brings it back
+
+
+@pytest.mark.parametrize(("point", "fault"), CASES, ids=[f"{p}-{f}" for p, f in CASES])
+def test_fault_at_boundary_runs_the_job_exactly_once(tmp_path, monkeypatch, ref, point, fault):
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    monkeypatch.setenv(ENV_PAUSE_AT, str(point))
+    monkeypatch.setenv(ENV_PAUSE_DIR, str(pause))
+    with Cluster(tmp_path / "c", lease=LEASE) as c:
+        c.run("a", "mlp", *JOB)
+        c.wait_step("mlp", 5)
+        sampler = Sampler(c, "mlp")
+        sampler.start()
+        env = {**os.environ, "CRIUCTL_STATE_DIR": str(c.client_state)}
+        p = subprocess.Popen([*CRIUCTL, "migrate", "mlp", "--to", "b", "--mode", "stop-and-copy"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+        try:
+            paused = _wait_paused(pause, point, p)
+            if fault == "source-agent":
+                _restart_agent(c, "a")
+            elif fault == "target-agent":
+                _restart_agent(c, "b")
+            elif fault == "client":
+                p.kill()
+            else:
+                c.link("b", up=False)
+            if psutil.pid_exists(paused):
+                (pause / f"{point}.go").touch()
+            if fault == "link":
+                time.sleep(6)  # long enough for every party to notice, short of the client giving up
+                c.link("b", up=True)
+            try:
+                _out, err = p.communicate(timeout=240)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                raise
+            if p.returncode not in (0, -signal.SIGKILL):
+                errors = [x for x in err.splitlines() if x.startswith("criuctl: error:")]
+                assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
+            c.wait_finished("mlp", timeout=240)
+        finally:
+            c.link("b", up=True)
+            sampler.stop.set()
+            sampler.join()
+            if p.poll() is None:
+                p.kill()
+        assert not sampler.doubled, f"the job ran on two nodes at once: {sampler.doubled[:3]}"
+        ended = [(n.name, r["exit_code"]) for n in c.nodes.values() for r in n.records()
+                 if r["name"] == "mlp" and r["state"] == "exited"]  # fmt: skip
+        assert len(ended) == 1 and ended[0][1] == 0, f"the job ended {ended}: expected once, with 0"
+        logs = [n.log("mlp") for n in c.nodes.values()]
+        logged = [line for text in logs for line in text.splitlines() if line.startswith("step ")]
+        assert len(logged) == len(ref.steps), "a step ran twice, or never"
+        assert c.steps("mlp") == ref.steps
+        assert c.final("mlp") == [ref.final], "final weights differ from an uninterrupted run"
