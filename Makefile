@@ -12,7 +12,7 @@ demo: install
 
 test: install
 	@bash scripts/test-fixtures.sh
-	$(VENV)/bin/python -m pytest -ra tests
+	CRIUCTL_TESTS_REQUIRE_CRIU=1 $(VENV)/bin/python -m pytest -ra tests
 
 bench: install
 	$(VENV)/bin/python bench/dump_restore.py

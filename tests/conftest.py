@@ -6,21 +6,28 @@ import pytest
 
 from criuctl.workloads import ENV_STATE_DIR
 
+# `make test` sets this: there, a missing CRIU is a failure, never a skip (it installed CRIU itself)
+ENV_REQUIRE = "CRIUCTL_TESTS_REQUIRE_CRIU"
+
 
 def _missing_for_criu() -> str | None:
     if os.geteuid() != 0:
         return "needs root: CRIU freezes processes with ptrace (CI runs as root)"
+    missing = None
     if shutil.which(os.environ.get("CRIUCTL_CRIU", "criu")) is None:
-        return "needs CRIU >= 4.0 on PATH: run `make test`, which installs it"
-    try:
-        import pycriu  # noqa: F401
-    except ImportError:
-        return "needs pycriu in this Python: run `make test`, which installs it"
-    return None
+        missing = "needs CRIU >= 4.0 on PATH: run `make test`, which installs it"
+    else:
+        try:
+            import pycriu  # noqa: F401
+        except ImportError:
+            missing = "needs pycriu in this Python: run `make test`, which installs it"
+    if missing and os.environ.get(ENV_REQUIRE) == "1":
+        raise pytest.UsageError(f"make test installed CRIU, yet the tests cannot use it: {missing}")
+    return missing
 
 
-_REASON = _missing_for_criu()
-needs_criu = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
+REASON = _missing_for_criu()
+needs_criu = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
 
 @pytest.fixture(scope="session")

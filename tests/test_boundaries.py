@@ -117,9 +117,12 @@ def test_fault_at_boundary_runs_the_job_exactly_once(tmp_path, monkeypatch, ref,
             except subprocess.TimeoutExpired:
                 p.kill()
                 raise
-            if p.returncode not in (0, -signal.SIGKILL):
+            assert "Traceback" not in err, err[-3000:]
+            if p.returncode == 6:  # moved, but the source could not confirm yet: said in one line
+                assert sum(x.startswith("criuctl: warning:") for x in err.splitlines()) == 1, err[-3000:]
+            elif p.returncode not in (0, -signal.SIGKILL):
                 errors = [x for x in err.splitlines() if x.startswith("criuctl: error:")]
-                assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
+                assert len(errors) == 1, err[-3000:]
             c.wait_finished("mlp", timeout=240)
         finally:
             c.link("b", up=True)

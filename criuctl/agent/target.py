@@ -106,10 +106,10 @@ class TargetMachine:
         try:
             digests = await receive(self.bundle_dir)
         except (CriuctlError, OSError) as exc:
+            await asyncio.to_thread(shutil.rmtree, self.bundle_dir, True)  # first: the disk may be full
             async with self.lock:
                 if self.state == TargetState.RECEIVING:
                     self._write(TargetState.FAILED)
-            await asyncio.to_thread(shutil.rmtree, self.bundle_dir, True)
             raise exc
         async with self.lock:
             if self.state != TargetState.RECEIVING:  # aborted while the bytes came in
@@ -178,9 +178,9 @@ class TargetMachine:
                 return Verdict.RUNNING
             if not await asyncio.to_thread(self._copy_dead):
                 return Verdict.UNKNOWN
+            await asyncio.to_thread(shutil.rmtree, self.dir, True)  # first: the disk may be full
             if self.state != TargetState.ABORTED:
                 self._write(TargetState.ABORTED)
-        await asyncio.to_thread(shutil.rmtree, self.dir, True)
         return Verdict.ABORTED
 
     def _copy_dead(self) -> bool:
