@@ -133,3 +133,24 @@ def test_logs_path_traversal_is_refused(agent_app):
     for status, text in asyncio.run(go()):
         assert status == 400, text
         assert "workload name" in json.loads(text)["what"]
+
+
+def test_agent_starts_over_torn_and_hostile_records(agent_app, state_dir, caplog):
+    """A record torn by a crash, or not a record at all, is reported and skipped, never a crash loop."""
+    agent, token = agent_app
+    for kind in ("outgoing", "incoming"):
+        spool = state_dir / kind
+        spool.mkdir(parents=True, exist_ok=True, mode=0o700)
+        (spool / f"{'a' * 32}.json").write_text('{"migration": "aaaa", "state": "se')  # torn mid-write
+        (spool / f"{'b' * 32}.json").write_text("[1, 2, 3]")
+        (spool / f"{'c' * 32}.json").write_bytes(b"\xff\xfe\x00garbage")
+
+    async def go() -> int:
+        async with TestClient(TestServer(agent.app())) as client:
+            resp = await client.get("/v1/workloads", headers={"Authorization": f"Bearer {token}"})
+            return resp.status
+
+    with caplog.at_level("ERROR", logger="criuctl.agent"):
+        assert asyncio.run(go()) == 200
+    unreadable = [r for r in caplog.records if "unreadable" in r.getMessage()]
+    assert len(unreadable) == 6, [r.getMessage() for r in caplog.records]

@@ -124,6 +124,10 @@ def test_fault_at_boundary_runs_the_job_exactly_once(tmp_path, monkeypatch, ref,
                 errors = [x for x in err.splitlines() if x.startswith("criuctl: error:")]
                 assert len(errors) == 1, err[-3000:]
             c.wait_finished("mlp", timeout=240)
+            deadline = time.monotonic() + 120  # and every party has settled: no handoff left waiting
+            while c.handoffs():
+                assert time.monotonic() < deadline, f"still unsettled: {[h.cmdline() for h in c.handoffs()]}"
+                time.sleep(0.2)
         finally:
             c.link("b", up=True)
             sampler.stop.set()

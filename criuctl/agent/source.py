@@ -204,8 +204,10 @@ class SourceMachine:
     async def lease_loop(self, seconds: float) -> None:
         """No word from the client in time: settle with the target, asking again while it is silent."""
         await asyncio.sleep(seconds)
+        backoff = 1.0
         while self.state == SourceState.SENT:
             out = await self.abort()
             log.warning("lease expired", extra={"id": self.id, "state": str(out.state), "what": out.what})
             if self.state == SourceState.SENT:
-                await asyncio.sleep(10)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.t.ask_backoff_max)
