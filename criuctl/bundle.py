@@ -234,13 +234,44 @@ def lock_down(root: Path) -> None:
 
 
 def seal(root: Path, manifest: Manifest, key: bytes) -> Manifest:
-    """Checksum every file under `root`, write the manifest and its signature."""
-    manifest.files = {p.relative_to(root).as_posix(): sha256_file(p) for p in _payload_files(root)}
+    """Checksum every file under `root`, write the manifest and its signature, all on disk.
+
+    Durable before it returns: the caller kills the source tree next, so a power loss must not
+    leave a bundle that looked complete but lost pages still in the page cache. Each file is
+    fsynced as it is hashed (the read has just brought it into the cache), then the folders, so
+    their entries are on disk too; the caller fsyncs the folder it renames the bundle into.
+    """
+    manifest.files = {p.relative_to(root).as_posix(): _sha256_synced(p) for p in _payload_files(root)}
     raw = manifest.to_json()
-    (root / MANIFEST).write_bytes(raw)
-    (root / SIGNATURE).write_text(_sign(key, raw) + "\n")
+    _write_synced(root / MANIFEST, raw)
+    _write_synced(root / SIGNATURE, (_sign(key, raw) + "\n").encode())
     lock_down(root)
+    for d in sorted({p.parent for p in _payload_files(root)} | {root}, key=lambda d: -len(d.parts)):
+        fsync_dir(d)  # deepest first: images/ before the bundle folder that holds it
     return manifest
+
+
+def _sha256_synced(path: Path) -> str:
+    with path.open("rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+        os.fsync(f.fileno())
+    return digest
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with path.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """Put a folder's entries (files created, renamed, removed in it) on disk."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def size_bytes(root: Path) -> int:

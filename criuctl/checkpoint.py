@@ -8,32 +8,37 @@ directory, so the job is still running exactly once.
     phase        on failure
     ---------    --------------------------------------------------------------
     resolve      nothing touched
+    lock         another dump holds the workload: refused at once, nothing touched
     freeze+dump  CRIU thaws the tree itself; we SIGCONT anything left stopped
-    seal         tree thawed, staging removed
-    commit       bundle in place: kill the tree (or thaw it with --leave-running)
+    seal         tree thawed (`thaw_tree`), staging removed
+    commit       bundle in place and on disk: kill the tree (or `thaw_tree` with
+                 --leave-running); either way CRIU's network lock table goes
+
+A successful CRIU dump leaves its nftables lock table and the tree's TCP sockets in repair mode
+(see `netlock`, `tcprepair`): every thaw of a dumped tree goes through `thaw_tree`, which undoes
+both before the tree runs, so its connections keep working.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from criuctl import bundle, criu, procinfo, supervisor, workloads
-from criuctl.errors import CriuctlError
+import psutil
 
-# The options both sides agree on: a training tree holds TCP (DDP), unix sockets and file locks.
-_COMMON = dict(tcp_established=True, ext_unix_sk=True, file_locks=True, network_lock="nftables")
+from criuctl import bundle, criu, locks, netlock, procinfo, tcprepair, workloads
+from criuctl.errors import CriuctlError
+from criuctl.restoring import Restored, restore, restore_stopped  # noqa: F401 - callers use checkpoint.*
+
+_COMMON = criu.TREE_OPTIONS
 
 Progress = Callable[[str], None]
 
@@ -58,9 +63,41 @@ def _check_out_dir(out: Path) -> None:
         raise CriuctlError(f"{out.parent} does not exist", "create the parent directory first")
 
 
-def _thaw(root_pid: int) -> None:
-    for pid in procinfo.tree_pids(root_pid):
+def thaw_tree(root_pid: int, images_dir: Path | None = None) -> None:
+    """Let a frozen (dumped or not) tree run on where it is: the one thaw every path uses.
+
+    Before any process runs: CRIU's network lock for this tree is lifted (the table named in
+    `images_dir`'s inventory when given, and any lock table holding one of the tree's TCP
+    connections) and its TCP sockets are taken out of repair mode; then every process gets
+    SIGCONT. Without `images_dir` a tree with no TCP connection may leave an (empty, harmless)
+    table behind; with it, exactly that dump's table goes. Idempotent; acts in the caller's
+    network namespace (a workload shares the host's).
+    """
+    pids = procinfo.tree_pids(root_pid)
+    lift_network_lock(pids, images_dir)
+    tcprepair.release(pids, tcprepair.reuseaddr_from_images(images_dir) if images_dir else None)
+    for pid in pids:
         procinfo.send_signal(pid, signal.SIGCONT)
+
+
+def lift_network_lock(pids: list[int], images_dir: Path | None = None) -> list[str]:
+    """Delete the lock table of the dump in `images_dir` and those holding `pids`' connections."""
+    found = [t] if images_dir is not None and (t := netlock.table_for_images(images_dir)) else []
+    found += netlock.tables_holding(_tcp_connections(pids))
+    return [t for t in dict.fromkeys(found) if netlock.lift(t)]
+
+
+def _tcp_connections(pids: list[int]) -> set[netlock.Connection]:
+    conns: set[netlock.Connection] = set()
+    for pid in pids:
+        try:
+            found = psutil.Process(pid).net_connections(kind="tcp")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        for c in found:
+            if c.laddr and c.raddr:
+                conns.add((c.laddr.ip, c.laddr.port, c.raddr.ip, c.raddr.port))
+    return conns
 
 
 @dataclass
@@ -77,6 +114,8 @@ class Frozen:
     manifest: bundle.Manifest
     freeze_seconds: float  # freeze start to bundle sealed
     lazy: bool = False
+    lock: locks.WorkloadLock | None = None  # held from before the freeze until commit or thaw ends
+    netlock_table: str | None = None  # CRIU's lock table for this dump, once CRIU has dumped
     _criu: threading.Thread | None = None
     _session: criu.Session | None = None
     _error: list[BaseException] = field(default_factory=list)
@@ -85,13 +124,26 @@ class Frozen:
     def pids(self) -> list[int]:
         return procinfo.tree_pids(self.workload.root_pid)
 
-    def thaw(self) -> None:
-        """Let the tree run on where it was; remove the bundle."""
-        if self._criu is not None:
-            self._session.kill()  # stop serving pages; CRIU's death releases the tree
-            self._criu.join()
-        _thaw(self.workload.root_pid)
-        shutil.rmtree(self.bundle_dir, ignore_errors=True)
+    @property
+    def images_dir(self) -> Path:
+        return self.bundle_dir / bundle.IMAGES_DIR
+
+    def thaw(self, remove_bundle: bool = True) -> None:
+        """Let the tree run on where it was, connections working; remove the bundle (unless told not to)."""
+        try:
+            if self._criu is not None:
+                self._session.kill()  # stop serving pages; CRIU's death releases the tree
+                self._criu.join()
+            thaw_tree(self.workload.root_pid, self.images_dir)
+            if remove_bundle:
+                shutil.rmtree(self.bundle_dir, ignore_errors=True)
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Let another dump of this workload start. Commit and thaw do it; call it only if neither runs."""
+        if self.lock is not None:
+            self.lock.release()
 
     def commit(self, state: str = workloads.CHECKPOINTED, **record: str) -> None:
         """The job now lives in the bundle (or on the node that restored it): end the tree.
@@ -105,11 +157,16 @@ class Frozen:
         for k, v in record.items():
             setattr(w, k, v)
         workloads.save(w)
-        if self._criu is not None:
-            for pid in self.pids:
-                procinfo.send_signal(pid, signal.SIGSTOP)
-            self._criu.join()
-        os.kill(w.root_pid, signal.SIGKILL)  # PID 1 of the namespace: takes the whole tree
+        try:
+            if self._criu is not None:
+                for pid in self.pids:
+                    procinfo.send_signal(pid, signal.SIGSTOP)
+                self._criu.join()
+            procinfo.send_signal(w.root_pid, signal.SIGKILL)  # PID 1 of the namespace: takes the whole tree
+            if self.netlock_table:
+                netlock.lift(self.netlock_table)  # the tree is gone: its lock would only outlive it
+        finally:
+            self.release()
 
 
 def freeze(target: str, parent: Path, lazy_port: int | None = None, progress: Progress = _quiet) -> Frozen:
@@ -122,6 +179,40 @@ def freeze(target: str, parent: Path, lazy_port: int | None = None, progress: Pr
     criu.require_version()
     w = workloads.resolve(target)
     key = bundle.load_key(workloads.key_path())
+    lock = locks.lock_workload(w.name, _purpose())
+    try:
+        return _freeze_locked(w, key, lock, parent, lazy_port, progress, started)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _purpose() -> str:
+    """What this process is, for the message another dump of the same workload gets."""
+    with contextlib.suppress(psutil.Error):
+        argv = psutil.Process().cmdline()
+        if "criuctl.agent.handoff" in argv:
+            return "a migration's handoff"
+        if "dump" in argv:
+            return "criuctl " + " ".join(argv[argv.index("dump") :])
+    return "criuctl"
+
+
+def _freeze_locked(
+    w: workloads.Workload,
+    key: bytes,
+    lock: locks.WorkloadLock,
+    parent: Path,
+    lazy_port: int | None,
+    progress: Progress,
+    started: float,
+) -> Frozen:
+    now = workloads.load(w.name)
+    if now is None or now.root_pid != w.root_pid or now.state != workloads.RUNNING or not w.alive():
+        raise workloads.UnknownWorkload(  # a dump that held the lock before us committed it
+            f"workload {w.name!r} is no longer running here",
+            "see `criuctl ps --all`; nothing was frozen",
+        )
     processes = procinfo.describe(w.root_pid)
     pids = [p.pid for p in processes]
     for pid, fd, what, fix in procinfo.unsupported_resources(pids)[:1]:
@@ -143,11 +234,12 @@ def freeze(target: str, parent: Path, lazy_port: int | None = None, progress: Pr
         page_server_port=lazy_port or 0,
         **_COMMON,
     )
-    frozen = Frozen(w, staging, None, 0.0, lazy=lazy_port is not None)  # type: ignore[arg-type]
+    frozen = Frozen(w, staging, None, 0.0, lazy=lazy_port is not None, lock=lock)  # type: ignore[arg-type]
     progress("freezing")
     try:
-        with _one_dump_at_a_time():
+        with locks.host_dump_slot():
             _run_dump(frozen, options)
+        frozen.netlock_table = netlock.table_for_images(images)
         progress("sealing")
         manifest = bundle.Manifest(
             workload=w.name,
@@ -164,7 +256,7 @@ def freeze(target: str, parent: Path, lazy_port: int | None = None, progress: Pr
         frozen.freeze_seconds = manifest.freeze_seconds
     except BaseException as exc:
         log = _keep_log(staging / bundle.DUMP_LOG, w.name)
-        frozen.thaw()
+        frozen.thaw()  # lifts the network lock CRIU left, if it got that far; releases the lock
         if isinstance(exc, criu.CriuError) and not w.alive():
             raise CriuctlError(
                 f"workload {w.name!r} ended while it was being frozen",
@@ -179,26 +271,6 @@ def freeze(target: str, parent: Path, lazy_port: int | None = None, progress: Pr
             ) from exc
         raise
     return frozen
-
-
-FREEZE_LOCK = Path("/run/criuctl-dump.lock")
-
-
-@contextlib.contextmanager
-def _one_dump_at_a_time() -> Iterator[None]:
-    """Serialise CRIU dumps on this host.
-
-    For a task in its own PID namespace, CRIU's parasite mounts a /proc at `proc.crtools` in the
-    task's *working directory*; two dumps of jobs started from one folder at once collide there
-    (`Can't create a directory (-17)`), and one fails. Freezing is the short part of a migration;
-    transfers and restores still run side by side.
-    """
-    fd = os.open(FREEZE_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 def _run_dump(frozen: Frozen, options: criu.DumpOptions) -> None:
@@ -241,122 +313,24 @@ def dump(target: str, out: Path, leave_running: bool = False, progress: Progress
         if out.exists():
             out.rmdir()
         os.rename(frozen.bundle_dir, out)
+        bundle.fsync_dir(out.parent)  # the rename itself on disk before the tree dies
+    except OSError as exc:
+        frozen.thaw()
+        raise CriuctlError(
+            f"cannot move the bundle into {out}: {exc.strerror}",
+            "nothing was checkpointed, the workload keeps running; pass a new, empty -o directory",
+        ) from exc
     except BaseException:
         frozen.thaw()
         raise
     frozen.bundle_dir = out
-    # Commit: the bundle is complete and signed.
+    # Commit: the bundle is complete, signed and on disk.
     if leave_running:
-        _thaw(frozen.workload.root_pid)
+        frozen.thaw(remove_bundle=False)
     else:
         frozen.commit(bundle=str(out))
     size = bundle.size_bytes(out)
     return DumpOutcome(out, frozen.manifest, frozen.freeze_seconds, time.monotonic() - started, size)
-
-
-@dataclass
-class Restored:
-    """A tree CRIU recreated, still stopped: `start` lets it run (and registers it), `abort` kills it."""
-
-    workload: workloads.Workload
-    stdio: supervisor.Stdio
-    criu_seconds: float
-    lazy_daemon: subprocess.Popen | None = None
-
-    def start(self, **record: object) -> None:
-        w = self.workload
-        for k, v in record.items():
-            setattr(w, k, v)
-        workloads.save(w)
-        self.stdio.close_write_ends()
-        _thaw(w.root_pid)
-
-    def abort(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.workload.root_pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(self.workload.root_pid, 0)
-        if self.lazy_daemon is not None:
-            self.lazy_daemon.kill()
-            self.lazy_daemon.wait()
-        for fd in (self.stdio.out_r, self.stdio.out_w, self.stdio.err_r, self.stdio.err_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
-
-def restore_stopped(
-    bundle_dir: Path,
-    name: str | None = None,
-    page_server: tuple[str, int] | None = None,
-    digests: dict[str, str] | None = None,
-    progress: Progress = _quiet,
-) -> Restored:
-    """Verify a bundle and recreate its tree, stopped, as our child (see `Restored`).
-
-    A post-copy bundle needs `page_server` (the source's address and port): a `criu lazy-pages`
-    daemon pulls the missing pages from it, on demand and in the background.
-    """
-    bundle_dir = bundle_dir.absolute()
-    manifest = bundle.verify(bundle_dir, bundle.load_key(workloads.key_path(), create=False), digests)
-    criu.require_version()
-    if manifest.lazy_pages and page_server is None:
-        raise CriuctlError(
-            f"{bundle_dir} is a post-copy bundle: its memory is still on the source node",
-            "it can only be restored by `criuctl migrate --mode post-copy`",
-        )
-    name = workloads.unique_name(name or manifest.workload)
-    images = bundle_dir / bundle.IMAGES_DIR
-    work = Path(tempfile.mkdtemp(prefix=f"restore-{name}-", dir=workloads.logs_dir("restores")))
-    stdio = supervisor.Stdio.create()
-    inherit = {
-        manifest.stdio_pipes[k]: fd
-        for k, fd in (("stdout", stdio.out_w), ("stderr", stdio.err_w))
-        if k in manifest.stdio_pipes
-    }
-    lazy = None
-    progress("restoring")
-    try:
-        if page_server is not None:
-            lazy = criu.lazy_pages_daemon(images, work, *page_server)
-        result = criu.restore(
-            criu.RestoreOptions(
-                images_dir=images,
-                work_dir=work,
-                inherit_fds=inherit,
-                leave_stopped=True,
-                lazy_pages=lazy is not None,
-                **_COMMON,
-            )
-        )
-    except BaseException:
-        if lazy is not None:
-            lazy.kill()
-            lazy.wait()
-        for fd in (stdio.out_r, stdio.out_w, stdio.err_r, stdio.err_w):
-            os.close(fd)
-        raise
-    w = workloads.Workload(
-        name=name,
-        command=manifest.command,
-        root_pid=result.pid,
-        supervisor_pid=os.getpid(),
-        stdio_pipes=stdio.keys(),
-        restored_from=str(bundle_dir),
-    )
-    return Restored(w, stdio, result.seconds, lazy)
-
-
-def restore(bundle_dir: Path, name: str | None = None, progress: Progress = _quiet) -> int:
-    """Verify and restore a bundle, then supervise it in the foreground; returns its exit status."""
-    r = restore_stopped(bundle_dir, name, progress=progress)
-    r.start()
-    print(
-        f"criuctl: restored {r.workload.name!r} from {r.workload.restored_from} in {r.criu_seconds:.2f} s "
-        f"(PID {r.workload.root_pid})",
-        file=sys.stderr,
-        flush=True,
-    )
-    return supervisor.supervise(r.workload, r.stdio)
 
 
 def _keep_log(log: Path, name: str) -> Path | None:

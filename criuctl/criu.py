@@ -30,6 +30,8 @@ LOG_LEVEL_DEBUG = 4
 # Warnings and errors, as the criu CLI logs by default; debug logging costs ~20% of dump time at
 # GiB sizes (measured in bench/dump_restore.py). CRIUCTL_CRIU_LOG_LEVEL=4 for a full trace.
 LOG_LEVEL = int(os.environ.get("CRIUCTL_CRIU_LOG_LEVEL", "2"))
+# The options dump and restore agree on: a training tree holds TCP (DDP), unix sockets, file locks.
+TREE_OPTIONS: dict = dict(tcp_established=True, ext_unix_sk=True, file_locks=True, network_lock="nftables")
 
 
 class CriuError(CriuctlError):

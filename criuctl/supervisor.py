@@ -218,14 +218,19 @@ def start(
     return w, stdio
 
 
+def forward_signals(root_pid: int) -> None:
+    """From now on SIGTERM/SIGINT/SIGHUP to us go to the workload's init, which forwards them on."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda n, _f: procinfo.send_signal(root_pid, n))
+
+
 def supervise(w: workloads.Workload, stdio: Stdio, echo: bool = True) -> int:
     """Copy the workload's output until it ends; return the exit status for this command.
 
     Output always goes to the node's log for the workload (`criuctl logs`); with `echo` also to our
     own stdout/stderr (a foreground `criuctl run`; an agent-started supervisor has no terminal).
     """
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda n, _f: procinfo.send_signal(w.root_pid, n))
+    forward_signals(w.root_pid)
     log = workloads.log_path(w.name).open("ab")
     sinks = {stdio.out_r: sys.stdout.buffer, stdio.err_r: sys.stderr.buffer}
     sel = selectors.DefaultSelector()

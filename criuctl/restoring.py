@@ -1,0 +1,176 @@
+"""The local restore workflow: verify a bundle, recreate its tree as our child, then let it run.
+
+Re-exported by `checkpoint` (callers use `checkpoint.restore_stopped`, `checkpoint.restore`).
+
+Interrupt-safe: from the moment CRIU starts until the restored tree is supervised (or killed),
+SIGINT, SIGTERM and SIGHUP are deferred (`interrupts`). One that arrived while CRIU restored kills
+what CRIU restored, and the command exits with one line and 128 + the signal's number; one that
+arrives after the tree runs is forwarded to it, as `criuctl run` does. Never a stopped copy of the
+job left behind, reparented to PID 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from criuctl import bundle, criu, interrupts, procinfo, supervisor, workloads
+from criuctl.errors import CriuctlError
+
+
+def _quiet(_msg: str) -> None:
+    pass
+
+
+@dataclass
+class Restored:
+    """A tree CRIU recreated, still stopped: `start` lets it run (and registers it), `abort` kills it."""
+
+    workload: workloads.Workload
+    stdio: supervisor.Stdio
+    criu_seconds: float
+    lazy_daemon: subprocess.Popen | None = None
+
+    def start(self, **record: object) -> None:
+        w = self.workload
+        for k, v in record.items():
+            setattr(w, k, v)
+        workloads.save(w)
+        self.stdio.close_write_ends()
+        for pid in procinfo.tree_pids(w.root_pid):  # CRIU's restore lifted its lock and repair mode
+            procinfo.send_signal(pid, signal.SIGCONT)
+
+    def abort(self) -> None:
+        _kill_and_reap(self.workload.root_pid)
+        if self.lazy_daemon is not None:
+            self.lazy_daemon.kill()
+            self.lazy_daemon.wait()
+        for fd in (self.stdio.out_r, self.stdio.out_w, self.stdio.err_r, self.stdio.err_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _kill_and_reap(pid: int) -> None:
+    """SIGKILL a restored namespace init (the namespace goes with it) and reap it (it is our child)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
+
+
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children()}
+
+
+def restore_stopped(
+    bundle_dir: Path,
+    name: str | None = None,
+    page_server: tuple[str, int] | None = None,
+    digests: dict[str, str] | None = None,
+    progress=_quiet,
+) -> Restored:
+    """Verify a bundle and recreate its tree, stopped, as our child (see `Restored`).
+
+    A post-copy bundle needs `page_server` (the source's address and port): a `criu lazy-pages`
+    daemon pulls the missing pages from it, on demand and in the background. Raises
+    `interrupts.Interrupted` if SIGINT/SIGTERM/SIGHUP came while CRIU restored: by then what CRIU
+    restored is dead and reaped.
+    """
+    bundle_dir = bundle_dir.absolute()
+    manifest = bundle.verify(bundle_dir, bundle.load_key(workloads.key_path(), create=False), digests)
+    criu.require_version()
+    if manifest.lazy_pages and page_server is None:
+        raise CriuctlError(
+            f"{bundle_dir} is a post-copy bundle: its memory is still on the source node",
+            "it can only be restored by `criuctl migrate --mode post-copy`",
+        )
+    name = workloads.unique_name(name or manifest.workload)
+    images = bundle_dir / bundle.IMAGES_DIR
+    work = Path(tempfile.mkdtemp(prefix=f"restore-{name}-", dir=workloads.logs_dir("restores")))
+    stdio = supervisor.Stdio.create()
+    inherit = {
+        manifest.stdio_pipes[k]: fd
+        for k, fd in (("stdout", stdio.out_w), ("stderr", stdio.err_w))
+        if k in manifest.stdio_pipes
+    }
+    lazy = None
+    result: criu.RestoreResult | None = None
+    before = _children()
+    progress("restoring")
+    with interrupts.deferred() as caught:
+        try:
+            if page_server is not None:
+                lazy = criu.lazy_pages_daemon(images, work, *page_server)
+            result = criu.restore(
+                criu.RestoreOptions(
+                    images_dir=images,
+                    work_dir=work,
+                    inherit_fds=inherit,
+                    leave_stopped=True,
+                    lazy_pages=lazy is not None,
+                    **criu.TREE_OPTIONS,
+                )
+            )
+        except BaseException:
+            _undo(None, lazy, stdio, before)
+            raise
+    if caught.first is not None:
+        _undo(result, lazy, stdio, before)
+        raise interrupts.Interrupted(
+            caught.first,
+            f"restore of {bundle_dir} interrupted by {caught.first.name}: what CRIU had restored was killed",
+            f"the bundle is untouched; restore it again with: criuctl restore {bundle_dir}",
+        )
+    w = workloads.Workload(
+        name=name,
+        command=manifest.command,
+        root_pid=result.pid,
+        supervisor_pid=os.getpid(),
+        stdio_pipes=stdio.keys(),
+        restored_from=str(bundle_dir),
+    )
+    return Restored(w, stdio, result.seconds, lazy)
+
+
+def _undo(
+    result: criu.RestoreResult | None,
+    lazy: subprocess.Popen | None,
+    stdio: supervisor.Stdio,
+    before: set[int],
+) -> None:
+    """Kill and reap whatever this restore created: the restored init, any other new child, the daemon."""
+    if result is not None:
+        _kill_and_reap(result.pid)
+    for pid in _children() - before - {lazy.pid if lazy else -1}:
+        _kill_and_reap(pid)  # CRIU failed half-way: a restored init it did not name
+    if lazy is not None:
+        lazy.kill()
+        lazy.wait()
+    for fd in (stdio.out_r, stdio.out_w, stdio.err_r, stdio.err_w):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def restore(bundle_dir: Path, name: str | None = None, progress=_quiet) -> int:
+    """Verify and restore a bundle, then supervise it in the foreground; returns its exit status."""
+    with interrupts.deferred() as caught:
+        r = restore_stopped(bundle_dir, name, progress=progress)
+        r.start()
+        supervisor.forward_signals(r.workload.root_pid)  # before the signals are let through
+    for sig in caught.signals:  # came after CRIU was done: the running job gets it, as under `run`
+        procinfo.send_signal(r.workload.root_pid, sig)
+    print(
+        f"criuctl: restored {r.workload.name!r} from {r.workload.restored_from} in {r.criu_seconds:.2f} s "
+        f"(PID {r.workload.root_pid})",
+        file=sys.stderr,
+        flush=True,
+    )
+    return supervisor.supervise(r.workload, r.stdio)
