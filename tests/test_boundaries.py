@@ -32,16 +32,22 @@ JOB = ("train_mlp.py", "--steps", "60", "--step-time", "0.05")
 LEASE = 3.0
 FAULTS = ("source-agent", "target-agent", "client", "link")
 
-# (point, faults that make sense there); client points see every fault, agent points their own party's
-CASES = [(p, f) for p in (
+# (point, fault, mode): client points see every fault, agent points their own party's and the others'
+STOP = "stop-and-copy"
+CASES = [(p, f, STOP) for p in (
     Point.CLIENT_PREPARED, Point.CLIENT_SENT, Point.CLIENT_RESTORED, Point.CLIENT_TARGET_COMMITTED,
-    Point.CLIENT_SOURCE_COMMITTED) for f in FAULTS] + [
+    Point.CLIENT_SOURCE_COMMITTED) for f in FAULTS] + [(p, f, STOP) for p, f in (
     (Point.SOURCE_FROZEN, "source-agent"), (Point.SOURCE_FROZEN, "client"), (Point.SOURCE_FROZEN, "link"),
     (Point.SOURCE_SENT_RECORDED, "source-agent"), (Point.SOURCE_SENT_RECORDED, "client"),
     (Point.SOURCE_SENT_RECORDED, "target-agent"),
     (Point.TARGET_RECEIVED, "target-agent"), (Point.TARGET_RECEIVED, "source-agent"),
     (Point.TARGET_RUNNING, "target-agent"), (Point.TARGET_RUNNING, "client"),
     (Point.TARGET_RUNNING, "source-agent"),
+)] + [  # post-copy: the same rule, with the page server in the way (its window is the commit onwards)
+    (Point.CLIENT_RESTORED, "target-agent", "post-copy"),
+    (Point.CLIENT_RESTORED, "source-agent", "post-copy"),
+    (Point.CLIENT_TARGET_COMMITTED, "source-agent", "post-copy"),
+    (Point.CLIENT_TARGET_COMMITTED, "client", "post-copy"),
 ]  # fmt: skip
 
 
@@ -83,8 +89,8 @@ def _restart_agent(c: Cluster, node: str) -> None:
     n.start_agent(env={ENV_PAUSE_AT: ""}, lease=LEASE)  # a DaemonSet brings it back
 
 
-@pytest.mark.parametrize(("point", "fault"), CASES, ids=[f"{p}-{f}" for p, f in CASES])
-def test_fault_at_boundary_runs_the_job_exactly_once(tmp_path, monkeypatch, ref, point, fault):
+@pytest.mark.parametrize(("point", "fault", "mode"), CASES, ids=[f"{p}-{f}-{m}" for p, f, m in CASES])
+def test_fault_at_boundary_runs_the_job_exactly_once(tmp_path, monkeypatch, ref, point, fault, mode):
     pause = tmp_path / "pause"
     pause.mkdir()
     monkeypatch.setenv(ENV_PAUSE_AT, str(point))
@@ -95,7 +101,7 @@ def test_fault_at_boundary_runs_the_job_exactly_once(tmp_path, monkeypatch, ref,
         sampler = Sampler(c, "mlp")
         sampler.start()
         env = {**os.environ, "CRIUCTL_STATE_DIR": str(c.client_state)}
-        p = subprocess.Popen([*CRIUCTL, "migrate", "mlp", "--to", "b", "--mode", "stop-and-copy"],
+        p = subprocess.Popen([*CRIUCTL, "migrate", "mlp", "--to", "b", "--mode", mode],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
         try:
             paused = _wait_paused(pause, point, p)

@@ -469,3 +469,28 @@ class _CorruptingProxy:
 
     def close(self) -> None:
         self.srv.close()
+
+
+def test_checkpoint_api_then_bundle_carried_by_hand_and_restored(cluster, mlp_ref):
+    """The kept-bundle API: checkpoint on a (through a dump handoff), carry the tar to b, restore there."""
+    c = cluster
+    a, b = c.nodes["a"], c.nodes["b"]
+    auth = {k: {"Authorization": f"Bearer {n.token_file.read_text().strip()}"} for k, n in c.nodes.items()}
+    _mlp_on_a(c, 10)
+    r = requests.post(f"{a.url}/v1/workloads/mlp/checkpoint", json={}, headers=auth["a"], timeout=300)
+    assert r.ok, r.text
+    bid = r.json()["id"]
+    assert (
+        r.json()["bytes"] > 1 << 20 and c.running("mlp") == []
+    )  # dumped and stopped: it lives in the bundle
+    tar = requests.get(f"{a.url}/v1/bundles/{bid}", headers=auth["a"], timeout=300)
+    assert tar.ok and len(tar.content) > 1 << 20
+    up = requests.put(f"{b.url}/v1/bundles/{bid}", data=tar.content, headers=auth["b"], timeout=300)
+    assert up.ok, up.text
+    again = requests.put(f"{b.url}/v1/bundles/{bid}", data=tar.content, headers=auth["b"], timeout=300)
+    assert again.status_code == 409
+    r = requests.post(f"{b.url}/v1/bundles/{bid}/restore", json={}, headers=auth["b"], timeout=300)
+    assert r.ok, r.text
+    assert_ran_once(c, "mlp", mlp_ref, "b")
+    assert requests.delete(f"{a.url}/v1/bundles/{bid}", headers=auth["a"], timeout=30).ok
+    assert requests.get(f"{a.url}/v1/bundles/{bid}", headers=auth["a"], timeout=30).status_code == 404

@@ -206,14 +206,14 @@ class Incoming:
 
     async def tidy(self, stale_after: float) -> None:
         """Drop final entries from memory, abort stale unfinished ones, forget old tombstones."""
-        now = time.monotonic()
+        now = time.time()
         for m in list(self.machines.values()):
             if m.lock.locked():
                 continue
             if m.state in (TargetState.RUNNING, TargetState.ABORTED):
                 if m.handoff is None or not m.handoff.alive or m.state == TargetState.RUNNING:
                     self.machines.pop(m.id, None)
-            elif m.state != TargetState.RECEIVING and now - m.created > stale_after:
+            elif m.state != TargetState.RECEIVING and now - m.rec.updated > stale_after:  # idle since
                 log.warning("stale incoming dropped", extra={"id": m.id, "state": str(m.state)})
                 with contextlib.suppress(OSError):
                     await m.verdict()

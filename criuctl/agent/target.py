@@ -55,7 +55,6 @@ class TargetMachine:
         self.rec, self.dir, self._spawn, self.t = rec, folder, spawn, timeouts
         self.handoff: HandoffLike | None = None
         self.lock = asyncio.Lock()  # receive-done, restore, commit and abort never overlap
-        self.created = time.monotonic()
 
     @property
     def id(self) -> str:
