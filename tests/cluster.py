@@ -331,6 +331,7 @@ class Cluster:
                 with contextlib.suppress(psutil.Error):
                     if psutil.Process(rec["root_pid"]).status() not in (
                         psutil.STATUS_STOPPED,
+                        psutil.STATUS_TRACING_STOP,  # post-copy: held by CRIU's page server
                         psutil.STATUS_ZOMBIE,
                     ):
                         where.append(node.name)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from criuctl.agent import points
-from criuctl.agent.client import AgentClient, Node, NodeUnreachable, all_nodes
+from criuctl.agent.client import AgentClient, Node, NodeUnreachable
 from criuctl.agent.protocol import TIMEOUTS, Mode, Point, Ticket
 from criuctl.errors import CriuctlError
 
@@ -90,22 +90,6 @@ def choose_mode(wanted: str | None, source: dict, target: dict) -> str:
     if wanted not in (None, *MODES):
         raise MigrationFailed(f"unknown mode {wanted!r}", f"choose one of {', '.join(MODES)}")
     return STOP_AND_COPY
-
-
-def find_workload(name: str, exclude: str | None = None) -> Node:
-    """The node whose agent runs workload `name`."""
-    for node in all_nodes().values():
-        if node.name == exclude:
-            continue
-        try:
-            rows = AgentClient(node, timeout=10).get("/v1/workloads")
-        except CriuctlError:
-            continue
-        if any(r["name"] == name and r["state"] == "running" and r["alive"] for r in rows):
-            return node
-    raise MigrationFailed(
-        f"no node runs a workload named {name!r}", "see `criuctl ps --node NODE`, or pass --from NODE"
-    )
 
 
 def _check_target(dst: AgentClient) -> dict:
