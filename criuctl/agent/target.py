@@ -101,20 +101,20 @@ class TargetMachine:
         async with self.lock:
             if self.state != TargetState.NEW:
                 return Outcome(self.state, False, f"migration {self.id} already has a bundle ({self.state})")
-            self._write(TargetState.RECEIVING)
+            await asyncio.to_thread(self._write, TargetState.RECEIVING)
         try:
             digests = await receive(self.bundle_dir)
         except (CriuctlError, OSError) as exc:
             await asyncio.to_thread(shutil.rmtree, self.bundle_dir, True)  # first: the disk may be full
             async with self.lock:
                 if self.state == TargetState.RECEIVING:
-                    self._write(TargetState.FAILED)
+                    await asyncio.to_thread(self._write, TargetState.FAILED)
             raise exc
         async with self.lock:
             if self.state != TargetState.RECEIVING:  # aborted while the bytes came in
                 return Outcome(self.state, False, f"migration {self.id} was {self.state} meanwhile")
-            (self.dir / "digests.json").write_text(json.dumps(digests))
-            self._write(TargetState.RECEIVED)
+            await asyncio.to_thread((self.dir / "digests.json").write_text, json.dumps(digests))
+            await asyncio.to_thread(self._write, TargetState.RECEIVED)
         await points.areach(Point.TARGET_RECEIVED)
         return Outcome(self.state, True)
 
@@ -122,7 +122,7 @@ class TargetMachine:
         async with self.lock:
             if self.state != TargetState.RECEIVED:
                 return Outcome(self.state, False, f"migration {self.id} is {self.state}, not received")
-            self._write(TargetState.RESTORING)
+            await asyncio.to_thread(self._write, TargetState.RESTORING)
             digests = json.loads((self.dir / "digests.json").read_text())
             spec = TargetSpec(self.id, str(self.bundle_dir), node, str(self.record_path), self.rec.workload,
                               page_server, digests)  # fmt: skip
@@ -134,7 +134,7 @@ class TargetMachine:
                     await self.handoff.kill_group()
                 self._reload()
                 if self.state in (TargetState.RESTORING, TargetState.RESTORED):
-                    self._write(TargetState.FAILED)
+                    await asyncio.to_thread(self._write, TargetState.FAILED)
                 what = exc.what if isinstance(exc, HandoffFailed) else "the restore took too long"
                 return Outcome(self.state, False, what, getattr(exc, "hint", ""))
             self._reload()
@@ -179,7 +179,7 @@ class TargetMachine:
                 return Verdict.UNKNOWN
             await asyncio.to_thread(shutil.rmtree, self.dir, True)  # first: the disk may be full
             if self.state != TargetState.ABORTED:
-                self._write(TargetState.ABORTED)
+                await asyncio.to_thread(self._write, TargetState.ABORTED)
         return Verdict.ABORTED
 
     def _copy_dead(self) -> bool:
