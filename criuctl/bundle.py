@@ -15,12 +15,14 @@ This module knows nothing of CRIU or Kubernetes; it only writes, reads and check
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import hmac
 import json
 import os
 import secrets
 import socket
+import stat
 import time
 import types
 import typing
@@ -162,11 +164,13 @@ def _conform(value: object, tp: object, where: str) -> object:
     ok = {
         str: lambda v: isinstance(v, str),
         bool: lambda v: isinstance(v, bool),
-        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        int: lambda v: isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**63,
         float: lambda v: isinstance(v, int | float) and not isinstance(v, bool),
     }[tp]
     if not ok(value):
         want = {str: "a string", bool: "a boolean", int: "an integer", float: "a number"}[tp]
+        if tp is int and isinstance(value, int) and not isinstance(value, bool):
+            raise MalformedManifest(f"{where} is an integer out of range")
         raise MalformedManifest(f"{where} is {_json_type(value)}, not {want}")
     return value
 
@@ -337,10 +341,13 @@ def _bad_files(root: Path, manifest: Manifest, digests: dict[str, str] | None) -
     bad: list[str] = []
     for rel, digest in sorted(manifest.files.items()):
         path = root / rel
-        if not (path.exists() or path.is_symlink()):
-            bad.append(f"{rel}: missing")
+        try:
+            mode = os.lstat(path).st_mode  # lstat: a symlink is not a bundle file, wherever it points
+        except OSError as exc:
+            gone = exc.errno in (errno.ENOENT, errno.ENOTDIR)
+            bad.append(f"{rel}: missing" if gone else f"{rel}: unreadable ({exc.strerror})")
             continue
-        if path.is_symlink() or not path.is_file():
+        if not stat.S_ISREG(mode):
             bad.append(f"{rel}: not a regular file")
             continue
         try:
