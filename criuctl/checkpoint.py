@@ -63,26 +63,28 @@ def _check_out_dir(out: Path) -> None:
         raise CriuctlError(f"{out.parent} does not exist", "create the parent directory first")
 
 
-def thaw_tree(root_pid: int, images_dir: Path | None = None) -> None:
+def thaw_tree(root_pid: int, images_dir: Path | None = None, table: str | None = None) -> None:
     """Let a frozen (dumped or not) tree run on where it is: the one thaw every path uses.
 
     Before any process runs: CRIU's network lock for this tree is lifted (the table named in
     `images_dir`'s inventory when given, and any lock table holding one of the tree's TCP
     connections) and its TCP sockets are taken out of repair mode; then every process gets
-    SIGCONT. Without `images_dir` a tree with no TCP connection may leave an (empty, harmless)
-    table behind; with it, exactly that dump's table goes. Idempotent; acts in the caller's
-    network namespace (a workload shares the host's).
+    SIGCONT. `table` (`Frozen.netlock_table`, kept in a record) names the table when the images
+    are gone. With neither, a tree with no TCP connection may leave an (empty, harmless) table
+    behind. Idempotent; acts in the caller's network namespace (a workload shares the host's).
     """
     pids = procinfo.tree_pids(root_pid)
-    lift_network_lock(pids, images_dir)
+    lift_network_lock(pids, images_dir, table)
     tcprepair.release(pids, tcprepair.reuseaddr_from_images(images_dir) if images_dir else None)
     for pid in pids:
         procinfo.send_signal(pid, signal.SIGCONT)
 
 
-def lift_network_lock(pids: list[int], images_dir: Path | None = None) -> list[str]:
-    """Delete the lock table of the dump in `images_dir` and those holding `pids`' connections."""
-    found = [t] if images_dir is not None and (t := netlock.table_for_images(images_dir)) else []
+def lift_network_lock(pids: list[int], images_dir: Path | None = None, table: str | None = None) -> list[str]:
+    """Delete `table`, the lock table of the dump in `images_dir`, and those holding `pids`' connections."""
+    found = [table] if table else []
+    if images_dir is not None and (t := netlock.table_for_images(images_dir)):
+        found.append(t)
     found += netlock.tables_holding(_tcp_connections(pids))
     return [t for t in dict.fromkeys(found) if netlock.lift(t)]
 
