@@ -130,7 +130,10 @@ def _source(tmp_path: Path, h: ScriptedHandoff, send=None, thawed: list | None =
         counter.done = 7
         return {"bytes": 7}
 
-    return SourceMachine(spec, spawn, send or ok_send, (thawed if thawed is not None else []).append, FAST)
+    def thaw(rec: SourceRecord) -> None:
+        (thawed if thawed is not None else []).append(rec.root_pid)
+
+    return SourceMachine(spec, spawn, send or ok_send, thaw, FAST)
 
 
 FROZEN = {"event": "frozen", "bundle": "", "freeze_seconds": 0.1, "started_ago": 0.1}

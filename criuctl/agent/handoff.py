@@ -108,7 +108,9 @@ class _Source:
             self._advance(SourceState.FAILED)
             _error(exc)
             return 1
-        self._advance(SourceState.FROZEN, bundle=str(self.frozen.bundle_dir))
+        self._advance(
+            SourceState.FROZEN, bundle=str(self.frozen.bundle_dir), netlock_table=self.frozen.netlock_table
+        )
         _emit(
             Event.FROZEN,
             bundle=str(self.frozen.bundle_dir),

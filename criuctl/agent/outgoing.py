@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import psutil
 from aiohttp import web
 
-from criuctl import checkpoint, criu, workloads
+from criuctl import bundle, checkpoint, criu, netlock, workloads
 from criuctl.agent import records, transfer, verdicts
 from criuctl.agent.handoffs import Handoff
 from criuctl.agent.protocol import Mode, SourceRecord, SourceSpec, SourceState, Ticket, Verdict
@@ -99,7 +99,7 @@ class Outgoing:
             url = f"{ticket.base()}/bundle"
             return transfer.send(bdir, url, ticket.secret, ticket.ca, counter, ticket.node)
 
-        m = SourceMachine(spec, spawn_source, send, checkpoint.thaw_tree)
+        m = SourceMachine(spec, spawn_source, send, _thaw)
         self.machines[mid] = m
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(r)
@@ -184,7 +184,7 @@ class Outgoing:
                 continue
             tree = rec.root_pid if same_boot and rec.root_pid and psutil.pid_exists(rec.root_pid) else None
             if tree and rec.state in (SourceState.FREEZING, SourceState.FROZEN, SourceState.SENDING):
-                checkpoint.thaw_tree(tree)
+                checkpoint.thaw_tree(tree, _images(rec), rec.netlock_table)
             elif tree and rec.state == SourceState.COMMITTED:
                 _end(tree, rec)
             elif tree and rec.state == SourceState.SENT:
@@ -204,7 +204,7 @@ class Outgoing:
         if verdict == Verdict.RUNNING:
             await asyncio.to_thread(_end, rec.root_pid, rec)
         else:
-            await asyncio.to_thread(checkpoint.thaw_tree, rec.root_pid)
+            await asyncio.to_thread(checkpoint.thaw_tree, rec.root_pid, _images(rec), rec.netlock_table)
         log.warning("recovered outgoing", extra={"id": rec.migration, "verdict": str(verdict)})
         await asyncio.to_thread(_remove, self.spool, rec.migration)
 
@@ -220,6 +220,18 @@ def _end(root_pid: int, rec: SourceRecord) -> None:
         workloads.save(w)
     with contextlib.suppress(ProcessLookupError):
         os.kill(root_pid, signal.SIGKILL)
+    if rec.netlock_table:  # the tree is gone: its lock would only outlive it
+        netlock.lift(rec.netlock_table)
+
+
+def _thaw(rec: SourceRecord) -> None:
+    assert rec.root_pid is not None
+    checkpoint.thaw_tree(rec.root_pid, _images(rec), rec.netlock_table)
+
+
+def _images(rec: SourceRecord) -> Path | None:
+    """The CRIU images of the record's dump (their inventory names its network-lock table)."""
+    return Path(rec.bundle) / bundle.IMAGES_DIR if rec.bundle else None
 
 
 def _remove(spool: Path, mid: str) -> None:

@@ -254,6 +254,7 @@ class SourceRecord:
     boot_id: str  # a different boot means every process named here is gone
     root_pid: int | None = None  # the tree's PID-namespace init
     bundle: str | None = None
+    netlock_table: str | None = None  # CRIU's network-lock table of this dump: lifted on thaw or end
     updated: float = 0.0
 
     def to_json(self) -> dict:

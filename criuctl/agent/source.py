@@ -46,7 +46,7 @@ class SourceMachine:
     """One outgoing migration on this node."""
 
     def __init__(
-        self, spec: SourceSpec, spawn: Spawn, send: Send, thaw: Callable[[int], None],
+        self, spec: SourceSpec, spawn: Spawn, send: Send, thaw: Callable[[SourceRecord], None],
         timeouts: Timeouts = TIMEOUTS,
     ) -> None:  # fmt: skip
         self.spec, self._spawn, self._send, self._thaw, self.t = spec, spawn, send, thaw, timeouts
@@ -135,7 +135,7 @@ class SourceMachine:
             await h.kill_group()  # it overran or would not answer: end it, then thaw from its record
         rec = records.read(Path(self.spec.record), SourceRecord.from_json)
         if isinstance(rec, SourceRecord) and rec.root_pid and rec.state != SourceState.SENT:
-            await asyncio.to_thread(self._thaw, rec.root_pid)
+            await asyncio.to_thread(self._thaw, rec)  # a handoff that died or overran: from its record
             return True
         return False
 
