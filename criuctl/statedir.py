@@ -8,6 +8,7 @@ still be able to say "needs root" on a machine without criuctl's dependencies
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from criuctl.errors import CriuctlError
@@ -29,14 +30,19 @@ def check_state_dir() -> None:
     """Refuse a state dir that names a file (or lies under one) before any verb touches it."""
     d = state_dir()
     for p in (d, *d.parents):
-        if p.exists() or p.is_symlink():
-            if not p.is_dir():
-                where = "is a file" if p == d else f"lies under {p}, which is a file"
-                raise StateDirError(
-                    f"the state dir {d} {where}",
-                    "pass --state-dir a folder (it is created if missing), or set CRIUCTL_STATE_DIR",
-                )
-            return
+        try:
+            mode = os.stat(p).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # not there yet (it is created), or under a file (found further up)
+        except OSError:
+            return  # cannot look (not root): the verb itself says what it needs
+        if not stat.S_ISDIR(mode):
+            where = "is a file" if p == d else f"lies under {p}, which is a file"
+            raise StateDirError(
+                f"the state dir {d} {where}",
+                "pass --state-dir a folder (it is created if missing), or set CRIUCTL_STATE_DIR",
+            )
+        return
 
 
 def ensure(d: Path) -> Path:
