@@ -19,6 +19,7 @@ import psutil
 import pytest
 import requests
 
+from criuctl.agent.protocol import ENV_TIMEOUTS
 from tests.cluster import Cluster
 from tests.conftest import needs_criu
 from tests.jobs import CRIUCTL, Ref
@@ -260,18 +261,19 @@ def _wait_for_bytes(folder: Path, n: int, p: subprocess.Popen) -> None:
         time.sleep(0.01)
 
 
-def test_link_cut_mid_transfer(cluster, mlp_ref):
-    c = cluster
-    _mlp_on_a(c, 10)
-    p = _background_migrate(c, "mlp", "b", "--mode", "stop-and-copy")
-    _wait_for_bytes(c.nodes["b"].state / "incoming", 20 << 20, p)
-    c.link("b", up=False)
-    try:
-        line = _failed(_finish(p))
-    finally:
-        c.link("b", up=True)
-    assert "keeps running on a" in line, line
-    assert_ran_once(c, "mlp", mlp_ref, "a")
+def test_link_cut_mid_transfer(tmp_path, monkeypatch, mlp_ref):
+    monkeypatch.setenv(ENV_TIMEOUTS, json.dumps({"stall": 5}))  # both agents give up after 5 s, not 20
+    with Cluster(tmp_path / "c") as c:
+        _mlp_on_a(c, 10)
+        p = _background_migrate(c, "mlp", "b", "--mode", "stop-and-copy")
+        _wait_for_bytes(c.nodes["b"].state / "incoming", 20 << 20, p)
+        c.link("b", up=False)
+        try:
+            line = _failed(_finish(p))
+        finally:
+            c.link("b", up=True)
+        assert "keeps running on a" in line and "stalled" in line, line
+        assert_ran_once(c, "mlp", mlp_ref, "a")
 
 
 def test_target_disk_full(tmp_path, mlp_ref):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypeVar
 
@@ -161,7 +162,20 @@ class Timeouts:
     tombstone: float = 7 * 24 * 3600.0  # final records kept to answer late verdict requests
 
 
-TIMEOUTS = Timeouts()
+ENV_TIMEOUTS = "CRIUCTL_TIMEOUTS"  # JSON object of Timeouts fields, e.g. {"stall": 5}: tests and tuning
+
+
+def timeouts_from(raw: str | None) -> Timeouts:
+    """Timeouts with the named fields overridden; a bad value is ignored rather than fatal at import."""
+    try:
+        given = json.loads(raw) if raw else {}
+        known = {f.name for f in fields(Timeouts)}
+        return Timeouts(**{k: float(v) for k, v in given.items() if k in known})
+    except (ValueError, TypeError, AttributeError):
+        return Timeouts()
+
+
+TIMEOUTS = timeouts_from(os.environ.get(ENV_TIMEOUTS))
 
 
 @dataclass(frozen=True)

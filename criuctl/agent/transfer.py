@@ -8,7 +8,7 @@ read from the network once and never again before the restore.
 
 Both ends pipeline: the next piece is read from the file (or the socket) while the previous one is
 sent (or hashed and written) in a thread; hashlib and file I/O release the GIL on pieces this big.
-Neither side trusts the network to say it broke: no progress for `STALL_SECONDS` ends the transfer.
+Neither side trusts the network to say it broke: no progress for `TIMEOUTS.stall` seconds ends the transfer.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from criuctl import bundle
+from criuctl.agent.protocol import TIMEOUTS
 from criuctl.errors import CriuctlError
 
 PIECE = 4 << 20
-STALL_SECONDS = 20.0
 _BLOCK = tarfile.BLOCKSIZE
 
 Read = Callable[[int], Awaitable[bytes]]  # up to n bytes; b"" at the end
@@ -178,15 +178,16 @@ async def receive(read: Read, dest: Path, counter: Counter | None = None) -> dic
 
 
 async def watchdog(counter: Counter, task: asyncio.Future, what: str) -> None:
-    """Cancel `task` when `counter` has not moved for STALL_SECONDS (a cut link sends no RST)."""
+    """Cancel `task` when `counter` has not moved for `TIMEOUTS.stall` s (a cut link sends no RST)."""
     last, since = counter.done, time.monotonic()
     while not task.done():
         await asyncio.sleep(0.5)
         if counter.done != last:
             last, since = counter.done, time.monotonic()
-        elif time.monotonic() - since > STALL_SECONDS:
+        elif time.monotonic() - since > TIMEOUTS.stall:
             task.cancel()
-            raise TransferError(f"{what} stalled: no progress for {STALL_SECONDS:.0f} s", "check the network")
+            stalled = f"{what} stalled: no progress for {TIMEOUTS.stall:.0f} s"
+            raise TransferError(stalled, "check the network")
 
 
 async def send(root: Path, url: str, token: str, ca_pem: str | None, counter: Counter, node: str) -> dict:
