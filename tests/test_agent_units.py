@@ -11,8 +11,8 @@ import pytest
 
 from criuctl import bundle
 from criuctl.agent import client, migrate, transfer
-from criuctl.agent.server import read_token
 from criuctl.errors import CriuctlError
+from criuctl.tokens import read_token
 
 
 def _bundle(tmp_path, key: bytes):

@@ -40,6 +40,7 @@ from criuctl.agent.incoming import Incoming
 from criuctl.agent.outgoing import Outgoing
 from criuctl.agent.web import fail
 from criuctl.errors import CriuctlError
+from criuctl.tokens import read_token
 
 log = logging.getLogger("criuctl.agent")
 
@@ -53,24 +54,6 @@ class AgentOptions:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     lease_seconds: float = 120.0  # a frozen source waits this long for a commit before asking the target
-
-
-def read_token(path: Path) -> str:
-    """The bearer token, from a file nobody but its owner may read."""
-    try:
-        st = path.stat()
-        token = path.read_text().strip()
-    except OSError as exc:
-        raise CriuctlError(
-            f"cannot read token file {path}: {exc.strerror}", "create it with `chmod 600`"
-        ) from exc
-    if st.st_mode & 0o077:
-        raise CriuctlError(
-            f"token file {path} is readable by others (mode {st.st_mode & 0o777:o})", f"chmod 600 {path}"
-        )
-    if len(token) < 16:
-        raise CriuctlError(f"token in {path} is too short", "use at least 16 random characters")
-    return token
 
 
 class Metrics:
