@@ -85,7 +85,6 @@ def _restart_agent(c: Cluster, node: str) -> None:
     n = c.nodes[node]
     n.agent.kill()
     n.agent.wait()
-    time.sleep(0.5)
     n.start_agent(env={ENV_PAUSE_AT: ""}, lease=LEASE)  # a DaemonSet brings it back
 
 
