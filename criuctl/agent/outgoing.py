@@ -121,7 +121,7 @@ class Outgoing:
             self.agent.metrics.migrations.labels("source", str(mode), "failed").inc()
             log.warning("outgoing failed", extra={"id": mid, "error": out.what})
             await say("error", what=out.what, hint=out.hint, thawed=out.facts.get("thawed", "unconfirmed"))
-            await self._forget(m)
+            await self._after_failure(m)
         with contextlib.suppress(ConnectionError, RuntimeError):
             await resp.write_eof()
         return resp
@@ -148,6 +148,15 @@ class Outgoing:
             self.agent.metrics.migrations.labels("source", m.spec.mode, "aborted").inc()
             await self._forget(m)
         return outcome_response(out)
+
+    async def _after_failure(self, m: SourceMachine) -> None:
+        """Forget a failed migration, unless its handoff died holding a tree the target must settle."""
+        rec = await asyncio.to_thread(records.read, Path(m.spec.record), SourceRecord.from_json)
+        if m.state in _FINAL or not isinstance(rec, SourceRecord) or rec.state != SourceState.SENT:
+            await self._forget(m)
+            return
+        self.machines.pop(m.id, None)
+        self.agent.spawn(self.settle_orphan(rec))
 
     async def _forget_when_done(self, m: SourceMachine) -> None:
         if m.finisher is not None:

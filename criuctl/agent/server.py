@@ -120,7 +120,8 @@ class Agent:
         app.on_cleanup.append(self._stop)
         return app
 
-    def _spawn(self, coro) -> None:
+    def spawn(self, coro) -> None:
+        """A background task the agent keeps (and cancels at shutdown)."""
         task = asyncio.ensure_future(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -129,8 +130,8 @@ class Agent:
         """Level-triggered recovery: read every record, settle what a dead handoff left, then upkeep."""
         await asyncio.to_thread(self.incoming.recover)
         for rec, _path in await asyncio.to_thread(self.outgoing.recover):
-            self._spawn(self.outgoing.settle_orphan(rec))
-        self._spawn(self._janitor())
+            self.spawn(self.outgoing.settle_orphan(rec))
+        self.spawn(self._janitor())
 
     async def _stop(self, _app: web.Application) -> None:
         for task in list(self.tasks):

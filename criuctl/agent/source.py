@@ -57,7 +57,6 @@ class SourceMachine:
         self.lock = asyncio.Lock()  # commit, abort and the lease never overlap
         self.lease: asyncio.Task | None = None
         self.finisher: asyncio.Task | None = None
-        self.changed = asyncio.Event()
         self.client_gone = False  # set by the server when the client's event stream broke
 
     @property
@@ -70,7 +69,6 @@ class SourceMachine:
 
     def _to(self, state: SourceState) -> None:
         self.state = check_transition(self.state, state)
-        self.changed.set()
         log.info("source state", extra={"id": self.id, "state": str(state)})
 
     # ----------------------------------------------------------------------------------- run
@@ -119,10 +117,9 @@ class SourceMachine:
     async def _failed_before_sent(self, exc: CriuctlError, kill: bool) -> Outcome:
         """The target never had a whole bundle: the tree runs on here."""
         thawed = await self._thaw_before_sent(kill)
-        self.state = SourceState.THAWED if thawed else self.state
-        self.changed.set()
-        hint = exc.hint
-        return Outcome(self.state, False, exc.what, hint, {"thawed": thawed})
+        if thawed:
+            self._to(SourceState.THAWED)
+        return Outcome(self.state, False, exc.what, exc.hint, {"thawed": True if thawed else "unconfirmed"})
 
     async def _thaw_before_sent(self, kill: bool) -> bool:
         h = self.handoff
