@@ -38,6 +38,7 @@ from criuctl import checkpoint, supervisor, workloads
 from criuctl.agent import records, verdicts
 from criuctl.agent.protocol import (
     TIMEOUTS,
+    BadTransition,
     Command,
     Event,
     SourceRecord,
@@ -196,7 +197,14 @@ def target(spec_file: Path) -> int:
     except CriuctlError as exc:
         _error(exc)
         return 1
-    _advance_target(spec, TargetState.RESTORED, handoff_pid=os.getpid(), root_pid=restored.workload.root_pid)
+    try:
+        _advance_target(
+            spec, TargetState.RESTORED, handoff_pid=os.getpid(), root_pid=restored.workload.root_pid
+        )
+    except BadTransition:  # a restarted agent settled the record as ABORTED while CRIU restored
+        restored.abort()
+        _emit(Event.ABORTED)
+        return 0
     _emit(Event.RESTORED, pid=restored.workload.root_pid, criu_seconds=restored.criu_seconds)
     if _command() != Command.COMMIT:
         restored.abort()  # it never ran: the source cannot have been told to end

@@ -175,6 +175,12 @@ class TargetMachine:
                 self._reload()
             if self.state == TargetState.RUNNING:
                 return Verdict.RUNNING
+            if (
+                h is None
+                and self.state not in (TargetState.ABORTED, TargetState.FAILED)
+                and self._handoff_lives()
+            ):
+                return Verdict.UNKNOWN  # a handoff of a previous agent still settles it: ask again soon
             if not await asyncio.to_thread(self._copy_dead):
                 return Verdict.UNKNOWN
             await asyncio.to_thread(shutil.rmtree, self.dir, True)  # first: the disk may be full
@@ -189,11 +195,16 @@ class TargetMachine:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             deadline = time.monotonic() + 10
-            while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+            while _alive(pid):
                 if time.monotonic() > deadline:
                     return False
                 time.sleep(0.05)
         return True
+
+    def _handoff_lives(self) -> bool:
+        """The record's handoff process (of this agent or a previous one) is still there."""
+        pid = self.rec.handoff_pid
+        return bool(pid) and self.rec.boot_id == records.boot_id() and _alive(pid)
 
     # ----------------------------------------------------------------------------------- restart
 
@@ -206,13 +217,15 @@ class TargetMachine:
         """
         if self.state in (TargetState.RUNNING, TargetState.ABORTED):
             return
-        alive = (
-            self.rec.handoff_pid
-            and self.rec.boot_id == records.boot_id()
-            and psutil.pid_exists(self.rec.handoff_pid)
-        )
-        if alive:
-            return  # its lease broke: it is killing its copy and will write ABORTED itself
+        if self._handoff_lives():
+            return  # its lease broke: it kills its copy and writes ABORTED itself (or RUNNING, if told)
         if self._copy_dead():
             self._write(TargetState.ABORTED)
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
