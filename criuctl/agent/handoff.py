@@ -211,7 +211,12 @@ def target(spec_file: Path) -> int:
         _advance_target(spec, TargetState.ABORTED)
         _emit(Event.ABORTED)
         return 0
-    _advance_target(spec, TargetState.RUNNING)  # written before the tree runs
+    try:
+        _advance_target(spec, TargetState.RUNNING)  # written before the tree runs
+    except BadTransition:  # settled as ABORTED meanwhile: the source was told to thaw, never run this
+        restored.abort()
+        _emit(Event.ERROR, what="the migration was aborted before the commit arrived", hint="", detail="")
+        return 1
     restored.start(supervisor_pid=os.getpid(), node=spec.node)
     _emit(Event.RUNNING, pid=restored.workload.root_pid)
     _detach()
