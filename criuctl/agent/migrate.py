@@ -168,13 +168,10 @@ def migrate(
     points.reach(Point.CLIENT_TARGET_COMMITTED)
     confirmed = True
     try:
-        downtime = src.post(f"/v1/outgoing/{og_id}/commit", timeout=TIMEOUTS.source_commit)[
-            "downtime_seconds"
-        ]
-    except (
-        CriuctlError
-    ):  # the job runs on the target; the source's handoff ends its copy on the target's word
-        downtime, confirmed = time.monotonic() - started, False
+        answer = src.post(f"/v1/outgoing/{og_id}/commit", timeout=TIMEOUTS.source_commit)
+    except CriuctlError:  # the job runs on the target; the source's handoff ends its copy on its word
+        answer, confirmed = {}, False
+    downtime = answer.get("downtime_seconds") or time.monotonic() - started
     points.reach(Point.CLIENT_SOURCE_COMMITTED)
     pages = None
     if mode == POST_COPY and confirmed:

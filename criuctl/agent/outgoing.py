@@ -129,7 +129,7 @@ class Outgoing:
     async def commit(self, r: web.Request) -> web.Response:
         m = self._get(r)
         out = await m.commit()
-        if out.ok and "downtime_seconds" in out.facts:
+        if out.ok and out.facts.pop("now", False):  # this call committed it (not the lease, not a retry)
             self.agent.metrics.downtime.labels(m.spec.mode).observe(out.facts["downtime_seconds"])
             self.agent.metrics.migrations.labels("source", m.spec.mode, "succeeded").inc()
             fin = asyncio.ensure_future(self._forget_when_done(m))

@@ -54,6 +54,7 @@ class SourceMachine:
         self.handoff: HandoffLike | None = None
         self.freeze_started = 0.0  # monotonic
         self.pages_seconds: float | None = None
+        self.downtime: float | None = None
         self.lock = asyncio.Lock()  # commit, abort and the lease never overlap
         self.lease: asyncio.Task | None = None
         self.finisher: asyncio.Task | None = None
@@ -141,8 +142,8 @@ class SourceMachine:
     async def commit(self) -> Outcome:
         """The client says the target runs the job: the handoff checks with the target, then ends the tree."""
         async with self.lock:
-            if self.state in (SourceState.COMMITTED, SourceState.DONE):
-                return Outcome(self.state, True)
+            if self.state in (SourceState.COMMITTED, SourceState.DONE):  # the lease settled it first
+                return Outcome(self.state, True, facts={"downtime_seconds": self.downtime})
             if self.state != SourceState.SENT or self.handoff is None:
                 return Outcome(self.state, False, f"outgoing migration {self.id} is {self.state}, not sent")
             try:
@@ -156,11 +157,10 @@ class SourceMachine:
                                f"the target says the job does not run there ({ev.get('target_state')})",
                                "the source stays frozen until the target settles it")  # fmt: skip
             self._committed()
-            return Outcome(
-                self.state, True, facts={"downtime_seconds": time.monotonic() - self.freeze_started}
-            )
+            return Outcome(self.state, True, facts={"downtime_seconds": self.downtime, "now": True})
 
     def _committed(self) -> None:
+        self.downtime = time.monotonic() - self.freeze_started  # freeze → the target's word that it runs
         self._to(SourceState.COMMITTED)
         if self.lease is not None and self.lease is not asyncio.current_task():
             self.lease.cancel()
