@@ -10,6 +10,7 @@ logged once and the losses and weights of an uninterrupted run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -20,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from criuctl.agent.points import ENV_PAUSE_AT, ENV_PAUSE_DIR
+from criuctl.agent.points import ARMED, ENV_PAUSE_DIR
 from criuctl.agent.protocol import Point
 from tests.cluster import Cluster
 from tests.conftest import needs_criu
@@ -81,70 +82,105 @@ def _wait_paused(pause: Path, point: Point, p: subprocess.Popen, timeout: float 
     return int((pause / str(point)).read_text())
 
 
-def _restart_agent(c: Cluster, node: str) -> None:
+def _restart_agent(c: Cluster, node: str, pause: Path) -> None:
     n = c.nodes[node]
     n.agent.kill()
     n.agent.wait()
-    n.start_agent(env={ENV_PAUSE_AT: ""}, lease=LEASE)  # a DaemonSet brings it back
+    n.start_agent(env={ENV_PAUSE_DIR: str(pause)}, lease=LEASE)  # a DaemonSet brings it back
+
+
+class Shared:
+    """One cluster for every case (each case leaves it settled); rebuilt after a case that failed."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.n, self.cluster, self.pause = root, 0, None, root / "pause"
+        self.pause.mkdir(parents=True)
+
+    def get(self) -> Cluster:
+        if self.cluster is None:
+            self.n += 1
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv(ENV_PAUSE_DIR, str(self.pause))  # agents read the armed points from there
+                self.cluster = Cluster(self.root / f"c{self.n}", lease=LEASE).__enter__()
+        return self.cluster
+
+    def discard(self) -> None:
+        if self.cluster is not None:
+            cluster, self.cluster = self.cluster, None
+            with contextlib.suppress(AssertionError):
+                cluster.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    s = Shared(tmp_path_factory.mktemp("boundaries"))
+    yield s
+    s.discard()
 
 
 @pytest.mark.parametrize(("point", "fault", "mode"), CASES, ids=[f"{p}-{f}-{m}" for p, f, m in CASES])
-def test_fault_at_boundary_runs_the_job_exactly_once(tmp_path, monkeypatch, ref, point, fault, mode):
-    pause = tmp_path / "pause"
-    pause.mkdir()
-    monkeypatch.setenv(ENV_PAUSE_AT, str(point))
-    monkeypatch.setenv(ENV_PAUSE_DIR, str(pause))
-    with Cluster(tmp_path / "c", lease=LEASE) as c:
-        c.run("a", "mlp", *JOB)
-        c.wait_step("mlp", 5)
-        sampler = Sampler(c, "mlp")
-        sampler.start()
-        env = {**os.environ, "CRIUCTL_STATE_DIR": str(c.client_state)}
-        p = subprocess.Popen([*CRIUCTL, "migrate", "mlp", "--to", "b", "--mode", mode],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
-        try:
-            paused = _wait_paused(pause, point, p)
-            if fault == "source-agent":
-                _restart_agent(c, "a")
-            elif fault == "target-agent":
-                _restart_agent(c, "b")
-            elif fault == "client":
-                p.kill()
-            else:
-                c.link("b", up=False)
-            if psutil.pid_exists(paused):
-                (pause / f"{point}.go").touch()
-            if fault == "link":
-                time.sleep(6)  # long enough for every party to notice, short of the client giving up
-                c.link("b", up=True)
-            try:
-                _out, err = p.communicate(timeout=240)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                raise
-            assert "Traceback" not in err, err[-3000:]
-            if p.returncode == 6:  # moved, but the source could not confirm yet: said in one line
-                assert sum(x.startswith("criuctl: warning:") for x in err.splitlines()) == 1, err[-3000:]
-            elif p.returncode not in (0, -signal.SIGKILL):
-                errors = [x for x in err.splitlines() if x.startswith("criuctl: error:")]
-                assert len(errors) == 1, err[-3000:]
-            c.wait_finished("mlp", timeout=240)
-            deadline = time.monotonic() + 120  # and every party has settled: no handoff left waiting
-            while c.handoffs():
-                assert time.monotonic() < deadline, f"still unsettled: {[h.cmdline() for h in c.handoffs()]}"
-                time.sleep(0.2)
-        finally:
+def test_fault_at_boundary_runs_the_job_exactly_once(shared, ref, point, fault, mode):
+    c, pause, name = shared.get(), shared.pause, f"job{CASES.index((point, fault, mode))}"
+    for f in pause.iterdir():
+        f.unlink()
+    (pause / ARMED).write_text(f"{point}\n")
+    try:
+        _one_case(c, pause, name, point, fault, mode, ref)
+    except BaseException:
+        shared.discard()
+        raise
+
+
+def _one_case(c: Cluster, pause: Path, name: str, point: Point, fault: str, mode: str, ref) -> None:
+    c.run("a", name, *JOB)
+    c.wait_step(name, 5)
+    sampler = Sampler(c, name)
+    sampler.start()
+    env = {**os.environ, "CRIUCTL_STATE_DIR": str(c.client_state), ENV_PAUSE_DIR: str(pause)}
+    p = subprocess.Popen([*CRIUCTL, "migrate", name, "--to", "b", "--mode", mode],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        paused = _wait_paused(pause, point, p)
+        (pause / ARMED).unlink()  # once is enough: nothing else may stop there in this case
+        if fault in ("source-agent", "target-agent"):
+            _restart_agent(c, "a" if fault == "source-agent" else "b", pause)
+        elif fault == "client":
+            p.kill()
+        else:
+            c.link("b", up=False)
+        if psutil.pid_exists(paused):
+            (pause / f"{point}.go").touch()
+        if fault == "link":
+            time.sleep(6)  # the fault itself: long enough for every party to notice, short of giving up
             c.link("b", up=True)
-            sampler.stop.set()
-            sampler.join()
-            if p.poll() is None:
-                p.kill()
-        assert not sampler.doubled, f"the job ran on two nodes at once: {sampler.doubled[:3]}"
-        ended = [(n.name, r["exit_code"]) for n in c.nodes.values() for r in n.records()
-                 if r["name"] == "mlp" and r["state"] == "exited"]  # fmt: skip
-        assert len(ended) == 1 and ended[0][1] == 0, f"the job ended {ended}: expected once, with 0"
-        logs = [n.log("mlp") for n in c.nodes.values()]
-        logged = [line for text in logs for line in text.splitlines() if line.startswith("step ")]
-        assert len(logged) == len(ref.steps), "a step ran twice, or never"
-        assert c.steps("mlp") == ref.steps
-        assert c.final("mlp") == [ref.final], "final weights differ from an uninterrupted run"
+        try:
+            _out, err = p.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            raise
+        assert "Traceback" not in err, err[-3000:]
+        if p.returncode == 6:  # moved, but the source could not confirm yet: said in one line
+            assert sum(x.startswith("criuctl: warning:") for x in err.splitlines()) == 1, err[-3000:]
+        elif p.returncode not in (0, -signal.SIGKILL):
+            errors = [x for x in err.splitlines() if x.startswith("criuctl: error:")]
+            assert len(errors) == 1, err[-3000:]
+        c.wait_finished(name, timeout=240)
+        deadline = time.monotonic() + 120  # and every party has settled: no handoff left waiting
+        while c.handoffs():
+            assert time.monotonic() < deadline, f"still unsettled: {[h.cmdline() for h in c.handoffs()]}"
+            time.sleep(0.2)
+    finally:
+        c.link("b", up=True)
+        sampler.stop.set()
+        sampler.join()
+        if p.poll() is None:
+            p.kill()
+    assert not sampler.doubled, f"the job ran on two nodes at once: {sampler.doubled[:3]}"
+    ended = [(n.name, r["exit_code"]) for n in c.nodes.values() for r in n.records()
+             if r["name"] == name and r["state"] == "exited"]  # fmt: skip
+    assert len(ended) == 1 and ended[0][1] == 0, f"the job ended {ended}: expected once, with 0"
+    logs = [n.log(name) for n in c.nodes.values()]
+    logged = [line for text in logs for line in text.splitlines() if line.startswith("step ")]
+    assert len(logged) == len(ref.steps), "a step ran twice, or never"
+    assert c.steps(name) == ref.steps
+    assert c.final(name) == [ref.final], "final weights differ from an uninterrupted run"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -412,3 +413,27 @@ def test_handoff_abort_with_a_silent_target_stays_frozen_and_says_so(tmp_path, m
     src, events = _sent_source(tmp_path, monkeypatch, ["abort", ""], [Verdict.UNKNOWN, Verdict.ABORTED])
     src._settle(handoff_mod._command())
     assert events == ["in-doubt", "thawed"] and src.frozen.fate == ["thaw"]
+
+
+def test_points_cost_nothing_unless_armed_and_pause_where_armed(tmp_path, monkeypatch):
+    import threading
+
+    from criuctl.agent import points
+    from criuctl.agent.protocol import Point
+
+    monkeypatch.delenv(points.ENV_PAUSE_AT, raising=False)
+    monkeypatch.delenv(points.ENV_PAUSE_DIR, raising=False)
+    points.reach(Point.CLIENT_SENT)  # not armed: returns at once
+    monkeypatch.setenv(points.ENV_PAUSE_DIR, str(tmp_path))
+    (tmp_path / points.ARMED).write_text("client.restored\n")
+    points.reach(Point.CLIENT_SENT)  # another point is armed: returns at once
+    t = threading.Thread(target=points.reach, args=(Point.CLIENT_RESTORED,))
+    t.start()
+    deadline = time.monotonic() + 5
+    while not (tmp_path / "client.restored").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert t.is_alive() and int((tmp_path / "client.restored").read_text()) == os.getpid()
+    (tmp_path / "client.restored.go").touch()
+    t.join(5)
+    assert not t.is_alive()

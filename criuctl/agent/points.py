@@ -1,15 +1,17 @@
 """Named stopping points for tests: stop the protocol at an exact instant instead of sleeping for it.
 
-With `CRIUCTL_PAUSE_AT=client.sent` (any `protocol.Point`, comma-separated) and
-`CRIUCTL_PAUSE_DIR=DIR` in its environment, a process that reaches that point writes
-`DIR/<point>` (its PID) and waits until `DIR/<point>.go` exists — or until the test kills it. The
-test then kills whichever party it wants, cuts a link, or lets it go on. Without the variables,
-`reach` is one dictionary lookup.
+A process reaches a point armed by `CRIUCTL_PAUSE_AT=client.sent` (any `protocol.Point`,
+comma-separated) or listed, one per line, in the file `DIR/armed` where `CRIUCTL_PAUSE_DIR=DIR` (a
+test re-arms that file between cases without restarting anything). It writes `DIR/<point>` (its
+PID) and waits until `DIR/<point>.go` exists — or until the test kills it. The test then kills
+whichever party it wants, cuts a link, or lets it go on. With neither variable set, `reach` is two
+dictionary lookups.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -18,15 +20,22 @@ from criuctl.agent.protocol import Point
 
 ENV_PAUSE_AT = "CRIUCTL_PAUSE_AT"
 ENV_PAUSE_DIR = "CRIUCTL_PAUSE_DIR"
+ARMED = "armed"
 
 
 def _armed(point: Point) -> Path | None:
-    wanted = os.environ.get(ENV_PAUSE_AT)
-    if not wanted or str(point) not in wanted.split(","):
+    wanted, folder = os.environ.get(ENV_PAUSE_AT), os.environ.get(ENV_PAUSE_DIR)
+    if not wanted and not folder:
         return None
-    folder = Path(os.environ.get(ENV_PAUSE_DIR, "/tmp"))
-    (folder / str(point)).write_text(str(os.getpid()))
-    return folder / f"{point}.go"
+    armed = set((wanted or "").split(","))
+    if folder:
+        with contextlib.suppress(OSError):
+            armed |= set((Path(folder) / ARMED).read_text().split())
+    if str(point) not in armed:
+        return None
+    here = Path(folder or "/tmp")
+    (here / str(point)).write_text(str(os.getpid()))
+    return here / f"{point}.go"
 
 
 def reach(point: Point) -> None:
