@@ -27,6 +27,7 @@ from criuctl import bundle, criu, workloads
 from criuctl.agent import records
 from criuctl.agent.handoffs import Handoff
 from criuctl.agent.protocol import (
+    TARGET_FINAL,
     TIMEOUTS,
     Mode,
     TargetRecord,
@@ -210,7 +211,7 @@ class Incoming:
         for m in list(self.machines.values()):
             if m.lock.locked():
                 continue
-            if m.state in (TargetState.RUNNING, TargetState.ABORTED):
+            if m.state in TARGET_FINAL:
                 if m.handoff is None or not m.handoff.alive or m.state == TargetState.RUNNING:
                     self.machines.pop(m.id, None)
             elif m.state != TargetState.RECEIVING and now - m.rec.updated > stale_after:  # idle since

@@ -26,7 +26,7 @@ from aiohttp import web
 from criuctl import bundle, checkpoint, criu, netlock, workloads
 from criuctl.agent import records, transfer, verdicts
 from criuctl.agent.handoffs import Handoff
-from criuctl.agent.protocol import Mode, SourceRecord, SourceSpec, SourceState, Ticket, Verdict
+from criuctl.agent.protocol import SOURCE_FINAL, Mode, SourceRecord, SourceSpec, SourceState, Ticket, Verdict
 from criuctl.agent.source import SourceMachine
 from criuctl.agent.web import body_json, error, fail, outcome_response, valid_id
 from criuctl.errors import CriuctlError
@@ -152,7 +152,7 @@ class Outgoing:
     async def _after_failure(self, m: SourceMachine) -> None:
         """Forget a failed migration, unless its handoff died holding a tree the target must settle."""
         rec = await asyncio.to_thread(records.read, Path(m.spec.record), SourceRecord.from_json)
-        if m.state in _FINAL or not isinstance(rec, SourceRecord) or rec.state != SourceState.SENT:
+        if m.state in SOURCE_FINAL or not isinstance(rec, SourceRecord) or rec.state != SourceState.SENT:
             await self._forget(m)
             return
         self.machines.pop(m.id, None)
@@ -188,7 +188,7 @@ class Outgoing:
                 log.error("unreadable outgoing record", extra={"path": str(path), "why": rec.why})
                 continue
             same_boot = rec.boot_id == records.boot_id()
-            if same_boot and psutil.pid_exists(rec.hold_pid) and rec.state not in _FINAL:
+            if same_boot and psutil.pid_exists(rec.hold_pid) and rec.state not in SOURCE_FINAL:
                 log.warning("outgoing settles itself", extra={"id": rec.migration, "state": str(rec.state)})
                 continue
             tree = rec.root_pid if same_boot and rec.root_pid and psutil.pid_exists(rec.root_pid) else None
@@ -216,9 +216,6 @@ class Outgoing:
             await asyncio.to_thread(checkpoint.thaw_tree, rec.root_pid, _images(rec), rec.netlock_table)
         log.warning("recovered outgoing", extra={"id": rec.migration, "verdict": str(verdict)})
         await asyncio.to_thread(_remove, self.spool, rec.migration)
-
-
-_FINAL = (SourceState.DONE, SourceState.THAWED, SourceState.FAILED)
 
 
 def _end(root_pid: int, rec: SourceRecord) -> None:

@@ -84,8 +84,6 @@ TARGET_TRANSITIONS: dict[TargetState, frozenset[TargetState]] = {
 
 SOURCE_FINAL = frozenset(s for s, nxt in SOURCE_TRANSITIONS.items() if not nxt)
 TARGET_FINAL = frozenset({TargetState.RUNNING, TargetState.ABORTED})
-# source states in which the job's tree is stopped here and must not be thawed without the target
-SOURCE_TARGET_DECIDES = frozenset({SourceState.SENT})
 
 S = TypeVar("S", SourceState, TargetState)
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from criuctl.agent import points, records, transfer
 from criuctl.agent.handoffs import HandoffFailed, HandoffLike
 from criuctl.agent.protocol import (
+    SOURCE_FINAL,
     TIMEOUTS,
     Command,
     Event,
@@ -66,7 +67,7 @@ class SourceMachine:
 
     @property
     def final(self) -> bool:
-        return self.state in (SourceState.DONE, SourceState.THAWED, SourceState.FAILED)
+        return self.state in SOURCE_FINAL
 
     def _to(self, state: SourceState) -> None:
         self.state = check_transition(self.state, state)

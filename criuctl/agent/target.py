@@ -27,6 +27,7 @@ import psutil
 from criuctl.agent import points, records
 from criuctl.agent.handoffs import HandoffFailed, HandoffLike
 from criuctl.agent.protocol import (
+    TARGET_FINAL,
     TIMEOUTS,
     Command,
     Event,
@@ -215,7 +216,7 @@ class TargetMachine:
         must end). Anything short of RUNNING whose handoff is gone has never run: its copy is killed
         and the record says ABORTED, which is what the source will hear.
         """
-        if self.state in (TargetState.RUNNING, TargetState.ABORTED):
+        if self.state in TARGET_FINAL:
             return
         if self._handoff_lives():
             return  # its lease broke: it kills its copy and writes ABORTED itself (or RUNNING, if told)
