@@ -270,17 +270,11 @@ class SourceRecord:
     updated: float = 0.0
 
     def to_json(self) -> dict:
-        d = asdict(self)
-        d["ticket"], d["state"] = self.ticket.to_json(), str(self.state)
-        return d
+        return {**asdict(self), "ticket": self.ticket.to_json(), "state": str(self.state)}
 
     @classmethod
     def from_json(cls, d: Any) -> SourceRecord:
-        if not isinstance(d, dict):
-            raise ValueError("not an object")
-        d = dict(d)
-        d["ticket"], d["state"] = Ticket.from_json(d["ticket"]), SourceState(d["state"])
-        return cls(**d)
+        return cls(**_object(d, ticket=Ticket.from_json, state=SourceState))
 
 
 @dataclass
@@ -299,17 +293,18 @@ class TargetRecord:
     history: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        d = asdict(self)
-        d["state"] = str(self.state)
-        return d
+        return {**asdict(self), "state": str(self.state)}
 
     @classmethod
     def from_json(cls, d: Any) -> TargetRecord:
-        if not isinstance(d, dict):
-            raise ValueError("not an object")
-        d = dict(d)
-        d["state"] = TargetState(d["state"])
-        return cls(**d)
+        return cls(**_object(d, state=TargetState))
+
+
+def _object(d: Any, **convert: Any) -> dict:
+    """A record's JSON object with the named fields converted; ValueError for anything else."""
+    if not isinstance(d, dict):
+        raise ValueError("not an object")
+    return {**d, **{k: f(d[k]) for k, f in convert.items()}}
 
 
 class Point(enum.StrEnum):
