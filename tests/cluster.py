@@ -322,20 +322,29 @@ class Cluster:
         ]
 
     def running(self, name: str) -> list[str]:
-        """Nodes where a copy of `name` is alive and not stopped (one: else it was lost or doubled)."""
-        where = []
-        for node in self.nodes.values():
-            for rec in node.records():
-                if rec["name"] != name or rec["state"] != "running":
-                    continue
-                with contextlib.suppress(psutil.Error):
-                    if psutil.Process(rec["root_pid"]).status() not in (
-                        psutil.STATUS_STOPPED,
-                        psutil.STATUS_TRACING_STOP,  # post-copy: held by CRIU's page server
-                        psutil.STATUS_ZOMBIE,
-                    ):
-                        where.append(node.name)
-        return where
+        """Nodes where a copy of `name` is alive and not stopped (one: else it was lost or doubled).
+
+        A copy counts when its record says running, its process is not stopped, and its record
+        still says running after that look: a source ends its tree by first recording it as moved,
+        then killing it, and a tree being torn down by SIGKILL shows as running for a moment.
+        """
+        return [node.name for node in self.nodes.values() if self._runs_on(node, name)]
+
+    @staticmethod
+    def _runs_on(node: Node, name: str) -> bool:
+        def record() -> dict | None:
+            return next((r for r in node.records() if r["name"] == name and r["state"] == "running"), None)
+
+        rec = record()
+        if rec is None:
+            return False
+        try:
+            status = psutil.Process(rec["root_pid"]).status()
+        except psutil.Error:
+            return False
+        held = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+        again = record()  # post-copy's page server holds a tree in tracing stop
+        return status not in held and again is not None and again["root_pid"] == rec["root_pid"]
 
     def wait_finished(self, name: str, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
