@@ -142,6 +142,7 @@ class SourceMachine:
 
     async def commit(self) -> Outcome:
         """The client says the target runs the job: the handoff checks with the target, then ends the tree."""
+        told = time.monotonic()  # the job runs on the target from here at the latest: downtime ends
         async with self.lock:
             if self.state in (SourceState.COMMITTED, SourceState.DONE):  # the lease settled it first
                 return Outcome(self.state, True, facts={"downtime_seconds": self.downtime})
@@ -157,11 +158,12 @@ class SourceMachine:
                 return Outcome(self.state, False,
                                f"the target says the job does not run there ({ev.get('target_state')})",
                                "the source stays frozen until the target settles it")  # fmt: skip
-            self._committed()
+            self._committed(told)
             return Outcome(self.state, True, facts={"downtime_seconds": self.downtime, "now": True})
 
-    def _committed(self) -> None:
-        self.downtime = time.monotonic() - self.freeze_started  # freeze → the target's word that it runs
+    def _committed(self, told: float | None = None) -> None:
+        """The target runs the job (it said so): `told` is when we first heard, which ends the downtime."""
+        self.downtime = (told or time.monotonic()) - self.freeze_started
         self._to(SourceState.COMMITTED)
         if self.lease is not None and self.lease is not asyncio.current_task():
             self.lease.cancel()
