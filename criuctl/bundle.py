@@ -57,6 +57,24 @@ class ProcessInfo:
 
 
 @dataclass
+class ContainerFacts:
+    """What a restore into a placeholder container needs besides the images (`criuctl.containers`)."""
+
+    id: str  # the source container's ID
+    name: str = ""  # container name in its pod
+    pod_name: str = ""
+    pod_namespace: str = ""
+    image: str = ""
+    runtime: str = ""  # "containerd 1.6.20", or "cri-archive" for an imported kubelet/CRI checkpoint
+    external_mounts: list[str] = field(default_factory=list)  # CRIU's external mount keys (mount points)
+    netns_external: bool = False  # the job's network namespace was the pod's, not the node's
+    rootfs_diff: str | None = None  # tar of the writable layer's changes, in the bundle
+    deleted: list[str] = field(default_factory=list)  # paths the writable layer removed from the image
+    volumes: dict[str, str] = field(default_factory=dict)  # mount point -> tar of an emptyDir, in the bundle
+    cgroup: str = ""  # the source container's cgroup (for the record)
+
+
+@dataclass
 class Manifest:
     """Everything a reader (inspect, restore, an agent) needs to know before touching the images."""
 
@@ -69,6 +87,7 @@ class Manifest:
     stdio_pipes: dict[str, str] = field(default_factory=dict)  # "stdout" -> "pipe:[inode]"
     freeze_seconds: float = 0.0
     lazy_pages: bool = False  # post-copy: memory pages are not in the bundle, a page server has them
+    container: ContainerFacts | None = None  # a container's tree: restore only into a placeholder
     format_version: int = FORMAT_VERSION
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: float = field(default_factory=time.time)

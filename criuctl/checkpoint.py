@@ -34,7 +34,7 @@ from pathlib import Path
 
 import psutil
 
-from criuctl import bundle, criu, locks, netlock, procinfo, tcprepair, workloads
+from criuctl import bundle, containers, criu, locks, netlock, procinfo, rootfsdiff, tcprepair, workloads
 from criuctl.errors import CriuctlError
 from criuctl.restoring import Restored, restore, restore_stopped  # noqa: F401 - callers use checkpoint.*
 
@@ -223,6 +223,7 @@ def _freeze_locked(
             f"PID {pid} ({name}) holds {what} (fd {fd}), which CRIU cannot checkpoint",
             f"{fix}; nothing was frozen, the workload keeps running",
         )
+    plan = containers.plan(w, pids) if w.container else None  # refusals come before the freeze
     staging = Path(tempfile.mkdtemp(prefix=f".{w.name}.partial-", dir=parent))
     images = staging / bundle.IMAGES_DIR
     images.mkdir(mode=0o700)
@@ -234,6 +235,7 @@ def _freeze_locked(
         log_file=bundle.DUMP_LOG,
         lazy_pages=lazy_port is not None,
         page_server_port=lazy_port or 0,
+        external=plan.external if plan else [],
         **_COMMON,
     )
     frozen = Frozen(w, staging, None, 0.0, lazy=lazy_port is not None, lock=lock)  # type: ignore[arg-type]
@@ -243,6 +245,8 @@ def _freeze_locked(
             _run_dump(frozen, options)
         frozen.netlock_table = netlock.table_for_images(images)
         progress("sealing")
+        if plan is not None:
+            _carry_files(staging, plan)
         manifest = bundle.Manifest(
             workload=w.name,
             command=w.command,
@@ -252,6 +256,7 @@ def _freeze_locked(
             criu_version=".".join(map(str, criu.version())),
             stdio_pipes=w.stdio_pipes,
             lazy_pages=frozen.lazy,
+            container=plan.facts if plan else None,
         )
         manifest.freeze_seconds = time.monotonic() - started
         frozen.manifest = bundle.seal(staging, manifest, key)
@@ -273,6 +278,23 @@ def _freeze_locked(
             ) from exc
         raise
     return frozen
+
+
+def _carry_files(staging: Path, plan: containers.DumpPlan) -> None:
+    """A container's files the images do not hold, taken while the tree is frozen (sizes match)."""
+    if plan.upperdir:
+        plan.facts.rootfs_diff = ROOTFS_DIFF
+        plan.facts.deleted = rootfsdiff.write(Path(plan.upperdir), staging / ROOTFS_DIFF)
+    if plan.volume_sources:
+        (staging / VOLUMES_DIR).mkdir(mode=0o700)
+    for i, (point, src) in enumerate(sorted(plan.volume_sources.items())):
+        rel = f"{VOLUMES_DIR}/{i}.tar"
+        rootfsdiff.write(Path(src), staging / rel)
+        plan.facts.volumes[point] = rel
+
+
+ROOTFS_DIFF = "rootfs-diff.tar"
+VOLUMES_DIR = "volumes"
 
 
 def _run_dump(frozen: Frozen, options: criu.DumpOptions) -> None:

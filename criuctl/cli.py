@@ -83,6 +83,8 @@ def _cmd_agent(a: argparse.Namespace) -> int:
         tls_cert=a.tls_cert and Path(a.tls_cert),
         tls_key=a.tls_key and Path(a.tls_key),
         lease_seconds=a.lease,
+        runtime_endpoint=a.runtime_endpoint,
+        inject_dir=a.inject_dir and Path(a.inject_dir),
     )
     if a.name:
         opts.name = a.name
@@ -180,7 +182,7 @@ def _cmd_migrate(a: argparse.Namespace) -> int:
     workloads.validate_name(a.name)
     source, target = _source_node(a.name, a.to, a.source)
     with render.migration_progress() as progress:
-        result = migrate.migrate(a.name, source, target, a.mode, progress)
+        result = migrate.migrate(a.name, source, target, a.mode, progress, into=a.into)
     render.migration_summary(result)
     if a.json:
         import dataclasses
@@ -211,11 +213,12 @@ def _check_writable(folder: Path) -> None:
 
 def _cmd_dump(a: argparse.Namespace) -> int:
     require_root("dump")
-    from criuctl import checkpoint, render, workloads
+    from criuctl import checkpoint, containers, render, workloads
 
     if not a.target.isdigit():  # a PID is digits; anything else must be a workload name
         workloads.validate_name(a.target)
     _check_writable(Path(a.output).absolute().parent)
+    containers.resolve(a.target)  # a container is registered as a workload here
 
     with render.phase_progress() as progress:
         outcome = checkpoint.dump(a.target, Path(a.output), leave_running=a.leave_running, progress=progress)
@@ -229,8 +232,12 @@ def _cmd_restore(a: argparse.Namespace) -> int:
 
     if a.name is not None:
         workloads.validate_name(a.name)
+    into = None
+    if a.into:
+        from criuctl import placeholder, runtime
 
-    return checkpoint.restore(Path(a.bundle), a.name)
+        into = placeholder.find(runtime.connect(a.runtime_endpoint), a.into)
+    return checkpoint.restore(Path(a.bundle), a.name, into=into)
 
 
 def _cmd_inspect(a: argparse.Namespace) -> int:
@@ -311,6 +318,16 @@ def parser() -> argparse.ArgumentParser:
         "--lease", type=float, default=120.0, metavar="SECONDS",
         help="how long a frozen source waits for the client's commit before asking the target",
     )  # fmt: skip
+    s.add_argument(
+        "--runtime-endpoint", metavar="SOCKET",
+        help="the container runtime's CRI socket (env CRIUCTL_RUNTIME_ENDPOINT; default: containerd's, "
+        "then CRI-O's, whichever exists)",
+    )  # fmt: skip
+    s.add_argument(
+        "--inject-dir", metavar="DIR",
+        help="where the agent puts criuctl's init and hook for containers to mount read-only "
+        "(default /var/lib/criuctl-inject)",
+    )  # fmt: skip
     s.set_defaults(func=_cmd_agent)
 
     s = sub.add_parser("node", help="the nodes `migrate` can use: agent addresses and their tokens")
@@ -345,6 +362,11 @@ def parser() -> argparse.ArgumentParser:
         "--mode", choices=["stop-and-copy", "post-copy", "pre-copy"],
         help="default: post-copy where both kernels have userfaultfd, else stop-and-copy",
     )  # fmt: skip
+    s.add_argument(
+        "--into", metavar="CONTAINER",
+        help="a container's job: the placeholder container (ID) on the target to restore it into "
+        "(default: the target's one empty placeholder for the same pod and container)",
+    )  # fmt: skip
     s.add_argument("--json", action="store_true", help="also print the result as JSON on stdout")
     s.set_defaults(func=_cmd_migrate)
 
@@ -357,6 +379,14 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("restore", help="restore a bundle and supervise it in the foreground")
     s.add_argument("bundle", metavar="DIR")
     s.add_argument("--name", help="name of the restored workload (default: the checkpointed one's)")
+    s.add_argument(
+        "--into",
+        metavar="CONTAINER",
+        help="a container's bundle: the placeholder container (ID) to restore into",
+    )
+    s.add_argument(
+        "--runtime-endpoint", metavar="SOCKET", help="the CRI socket (env CRIUCTL_RUNTIME_ENDPOINT)"
+    )
     s.set_defaults(func=_cmd_restore)
 
     s = sub.add_parser("inspect", help="describe a bundle: processes, memory, files, checks")

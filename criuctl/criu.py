@@ -141,6 +141,13 @@ class RestoreOptions:
     lazy_pages: bool = False  # post-copy: memory comes from a `lazy_pages_daemon` on the same work_dir
     log_level: int = LOG_LEVEL
     log_file: str = "restore.log"
+    # Restoring into another container (a placeholder): its rootfs as the tree's root, namespaces
+    # to join ({"uts": "/proc/PID/ns/uts"}), external mounts mapped to host paths ({"/data": "/var/…"}),
+    # and the cgroup each controller's tasks go to ({"memory": "/k8s.io/ID"}, CRIU's soft mode).
+    root: str | None = None
+    join_ns: dict[str, str] = field(default_factory=dict)
+    ext_mount_map: dict[str, str] = field(default_factory=dict)
+    cgroup_roots: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -222,6 +229,17 @@ def build_restore_request(o: RestoreOptions, images_fd: int = -1, work_fd: int =
     opts.lazy_pages = o.lazy_pages
     for key, fd in o.inherit_fds.items():
         opts.inherit_fd.add(key=key, fd=fd)
+    if o.root:
+        opts.root = o.root
+    for ns, path in o.join_ns.items():
+        opts.join_ns.add(ns=ns, ns_file=path)
+    for key, path in o.ext_mount_map.items():
+        opts.ext_mnt.add(key=key, val=path)
+    if o.cgroup_roots:
+        opts.manage_cgroups = True
+        opts.manage_cgroups_mode = _pycriu().rpc.SOFT
+        for ctrl, path in o.cgroup_roots.items():
+            opts.cg_root.add(ctrl=ctrl, path=path)
     return opts
 
 

@@ -11,6 +11,7 @@ CRIU cannot dump an io_uring, and torch's gloo opens one when it can, falling ba
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import platform
@@ -32,6 +33,10 @@ ENV_ALLOW_IO_URING = "CRIUCTL_ALLOW_IO_URING"
 # EOF when exec succeeded (the fd is close-on-exec) and an errno when it did not. Without it a
 # command that cannot start would look like a workload that started and exited.
 ENV_REPORT_FD = "CRIUCTL_INIT_REPORT_FD"
+# In a placeholder container: where the init listens for the restorer ("ctl") and writes the
+# signals it gets ("signals"). The restorer reaches them through /proc/PID/root (criuctl.placeholder).
+CONTROL_DIR = "/run/criuctl"
+PLACEHOLDER = "--placeholder"
 
 # seccomp/BPF constants (linux/seccomp.h, linux/filter.h, linux/audit.h)
 _PR_SET_NO_NEW_PRIVS, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 38, 22, 2
@@ -84,15 +89,85 @@ def _report_fd() -> int | None:
     return fd
 
 
+def _say(line: str) -> None:
+    """A line in the container's log (what `kubectl logs` shows)."""
+    with contextlib.suppress(OSError):
+        sys.stderr.write(f"criuctl: {line}\n")
+        sys.stderr.flush()
+
+
+def placeholder(control: str = CONTROL_DIR) -> int:
+    """Wait, as a container's PID 1, for criuctl to restore a job into this container.
+
+    The job's tree is not our child (it has a PID namespace of its own): its restorer tells us
+    how it goes on `ctl`, one line at a time, and we exit with the job's status. Signals we get
+    go to the restorer on `signals`; with nobody there (no job yet) they end the placeholder.
+    """
+    os.makedirs(control, mode=0o700, exist_ok=True)
+    for name in ("ctl", "signals"):
+        path = os.path.join(control, name)
+        if not os.path.exists(path):
+            os.mkfifo(path, 0o600)
+    ctl = os.open(os.path.join(control, "ctl"), os.O_RDWR)  # read-write: no EOF between writers
+    state = {"job": False}
+
+    def forward(n: int, _frame: object) -> None:
+        try:
+            fd = os.open(os.path.join(control, "signals"), os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            fd = -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.write(fd, f"{n}\n".encode())
+            os.close(fd)
+        if fd < 0 or not state["job"]:
+            _say(f"placeholder stopped by signal {n} before a job was restored into it")
+            os._exit(128 + n)
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+    _say("placeholder ready; waiting for a job to be restored here")
+    pending = b""
+    while True:
+        chunk = os.read(ctl, 4096)
+        pending += chunk
+        while b"\n" in pending:
+            raw, pending = pending.split(b"\n", 1)
+            line = raw.decode(errors="replace").strip()
+            word, _, rest = line.partition(" ")
+            if word == "restoring":
+                _say(f"restoring a job here{': ' + rest if rest else ''}")
+            elif word == "running":
+                state["job"] = True
+                _say(f"the job was restored here and runs{': ' + rest if rest else ''}")
+            elif word == "aborted":
+                state["job"] = False
+                _say(f"the restore was aborted ({rest or 'no reason given'}); this placeholder is empty")
+            elif word == "exit" and rest.strip().isdigit():
+                return int(rest)
+
+
+def _hooks_env() -> None:
+    """Put the hook shipped beside this file on PYTHONPATH (a container gets both in one volume)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    hooks = os.path.join(here, "hooks")
+    if os.path.isdir(os.path.join(hooks, "criuctl_hook")) and "CRIUCTL_HOOKS_DIR" not in os.environ:
+        os.environ["CRIUCTL_HOOKS_DIR"] = hooks
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [hooks, os.environ.get("PYTHONPATH")]))
+
+
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == PLACEHOLDER:
+        return placeholder()
     if argv and argv[0] == "--":
         argv = argv[1:]
     if not argv:
         print("criuctl-init: no command", file=sys.stderr)
         return 2
     report = _report_fd()
-    if os.getpid() == 1:
+    if os.getpid() == 1 and os.getsid(0) != 1:
         os.setsid()  # the session must start inside the namespace, or CRIU cannot dump it
+    _hooks_env()
     if os.environ.get(ENV_ALLOW_IO_URING) != "1" and not block_io_uring():
         print("criuctl-init: warning: could not block io_uring; CRIU may fail to dump", file=sys.stderr)
     child = os.fork()

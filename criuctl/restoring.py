@@ -22,7 +22,7 @@ from pathlib import Path
 
 import psutil
 
-from criuctl import bundle, criu, interrupts, procinfo, supervisor, workloads
+from criuctl import bundle, criu, interrupts, placeholder, procinfo, supervisor, workloads
 from criuctl.errors import CriuctlError
 
 
@@ -35,27 +35,53 @@ class Restored:
     """A tree CRIU recreated, still stopped: `start` lets it run (and registers it), `abort` kills it."""
 
     workload: workloads.Workload
-    stdio: supervisor.Stdio
+    stdio: supervisor.Stdio | None  # None in a placeholder: the tree writes to the container's pipes
     criu_seconds: float
     lazy_daemon: subprocess.Popen | None = None
+    into: placeholder.Placeholder | None = None
 
     def start(self, **record: object) -> None:
         w = self.workload
         for k, v in record.items():
             setattr(w, k, v)
         workloads.save(w)
-        self.stdio.close_write_ends()
+        if self.stdio is not None:
+            self.stdio.close_write_ends()
+        if self.into is not None:
+            self.into.close_fds()
+            self.into.tell(f"running {w.name} (host PID {w.root_pid})")
         for pid in procinfo.tree_pids(w.root_pid):  # CRIU's restore lifted its lock and repair mode
             procinfo.send_signal(pid, signal.SIGCONT)
 
-    def abort(self) -> None:
+    def abort(self, why: str = "the migration did not commit") -> None:
         _kill_and_reap(self.workload.root_pid)
         if self.lazy_daemon is not None:
             self.lazy_daemon.kill()
             self.lazy_daemon.wait()
-        for fd in (self.stdio.out_r, self.stdio.out_w, self.stdio.err_r, self.stdio.err_w):
+        _close(self.stdio, self.into, why)
+
+    def supervise(self, echo: bool = True) -> int:
+        """Stand by the running tree until it ends; the exit status for this command."""
+        if self.into is None:
+            assert self.stdio is not None
+            return supervisor.supervise(self.workload, self.stdio, echo=echo)
+        code = placeholder.keep(self.into, self.workload.root_pid)
+        w = self.workload
+        now = workloads.load(w.name)
+        if now is None or now.state == workloads.RUNNING:
+            w.state, w.exit_code = workloads.EXITED, code
+            workloads.save(w)
+        return code
+
+
+def _close(stdio: supervisor.Stdio | None, into: placeholder.Placeholder | None, why: str) -> None:
+    if stdio is not None:
+        for fd in (stdio.out_r, stdio.out_w, stdio.err_r, stdio.err_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
+    if into is not None:
+        into.close_fds()
+        into.tell(f"aborted {why}")
 
 
 def _kill_and_reap(pid: int) -> None:
@@ -76,13 +102,15 @@ def restore_stopped(
     page_server: tuple[str, int] | None = None,
     digests: dict[str, str] | None = None,
     progress=_quiet,
+    into: placeholder.Placeholder | None = None,
 ) -> Restored:
     """Verify a bundle and recreate its tree, stopped, as our child (see `Restored`).
 
     A post-copy bundle needs `page_server` (the source's address and port): a `criu lazy-pages`
     daemon pulls the missing pages from it, on demand and in the background. Raises
     `interrupts.Interrupted` if SIGINT/SIGTERM/SIGHUP came while CRIU restored: by then what CRIU
-    restored is dead and reaped.
+    restored is dead and reaped. A container's bundle is restored only `into` a placeholder
+    container (`criuctl.placeholder`), which then holds the tree's files, namespaces and cgroups.
     """
     bundle_dir = bundle_dir.absolute()
     manifest = bundle.verify(bundle_dir, bundle.load_key(workloads.key_path(), create=False), digests)
@@ -95,12 +123,7 @@ def restore_stopped(
     name = workloads.unique_name(name or manifest.workload)
     images = bundle_dir / bundle.IMAGES_DIR
     work = Path(tempfile.mkdtemp(prefix=f"restore-{name}-", dir=workloads.logs_dir("restores")))
-    stdio = supervisor.Stdio.create()
-    inherit = {
-        manifest.stdio_pipes[k]: fd
-        for k, fd in (("stdout", stdio.out_w), ("stderr", stdio.err_w))
-        if k in manifest.stdio_pipes
-    }
+    stdio, inherit, into_options = _destination(bundle_dir, manifest, into)
     lazy = None
     result: criu.RestoreResult | None = None
     before = _children()
@@ -116,14 +139,15 @@ def restore_stopped(
                     inherit_fds=inherit,
                     leave_stopped=True,
                     lazy_pages=lazy is not None,
+                    **into_options,
                     **criu.TREE_OPTIONS,
                 )
             )
-        except BaseException:
-            _undo(None, lazy, stdio, before)
+        except BaseException as exc:
+            _undo(None, lazy, stdio, before, into, f"CRIU could not restore: {exc}")
             raise
     if caught.first is not None:
-        _undo(result, lazy, stdio, before)
+        _undo(result, lazy, stdio, before, into, f"interrupted by {caught.first.name}")
         raise interrupts.Interrupted(
             caught.first,
             f"restore of {bundle_dir} interrupted by {caught.first.name}: what CRIU had restored was killed",
@@ -134,17 +158,54 @@ def restore_stopped(
         command=manifest.command,
         root_pid=result.pid,
         supervisor_pid=os.getpid(),
-        stdio_pipes=stdio.keys(),
+        stdio_pipes=stdio.keys() if stdio else manifest.stdio_pipes,
         restored_from=str(bundle_dir),
+        container=into.container.id if into else None,
+        runtime=into.container.runtime if into else None,
     )
-    return Restored(w, stdio, result.seconds, lazy)
+    return Restored(w, stdio, result.seconds, lazy, into)
+
+
+def _destination(
+    bundle_dir: Path, manifest: bundle.Manifest, into: placeholder.Placeholder | None
+) -> tuple[supervisor.Stdio | None, dict[str, int], dict]:
+    """Where the tree goes: our own pipes (a process tree), or into a placeholder (a container's)."""
+    if manifest.container is None:
+        if into is not None:
+            raise CriuctlError(
+                f"{bundle_dir} holds a process tree, not a container: it restores without a placeholder",
+                "restore it with `criuctl restore BUNDLE` (no --into)",
+            )
+        stdio = supervisor.Stdio.create()
+        inherit = {
+            manifest.stdio_pipes[k]: fd
+            for k, fd in (("stdout", stdio.out_w), ("stderr", stdio.err_w))
+            if k in manifest.stdio_pipes
+        }
+        return stdio, inherit, {}
+    if into is None:
+        raise CriuctlError(
+            f"{bundle_dir} holds container {manifest.container.id[:12]}: it restores only into a "
+            "placeholder container",
+            "start a placeholder (docs/containers.md) and restore with --into CONTAINER, or use migrate",
+        )
+    into.tell(f"restoring {manifest.workload} from node {manifest.host}")
+    try:
+        placeholder.prepare(into, bundle_dir, manifest.container)
+        options = placeholder.restore_options(into, manifest.container, manifest.stdio_pipes)
+    except BaseException as exc:
+        _close(None, into, f"cannot prepare the placeholder: {exc}")
+        raise
+    return None, options.pop("inherit_fds"), options
 
 
 def _undo(
     result: criu.RestoreResult | None,
     lazy: subprocess.Popen | None,
-    stdio: supervisor.Stdio,
+    stdio: supervisor.Stdio | None,
     before: set[int],
+    into: placeholder.Placeholder | None = None,
+    why: str = "",
 ) -> None:
     """Kill and reap whatever this restore created: the restored init, any other new child, the daemon."""
     if result is not None:
@@ -154,15 +215,15 @@ def _undo(
     if lazy is not None:
         lazy.kill()
         lazy.wait()
-    for fd in (stdio.out_r, stdio.out_w, stdio.err_r, stdio.err_w):
-        with contextlib.suppress(OSError):
-            os.close(fd)
+    _close(stdio, into, why)
 
 
-def restore(bundle_dir: Path, name: str | None = None, progress=_quiet) -> int:
+def restore(
+    bundle_dir: Path, name: str | None = None, progress=_quiet, into: placeholder.Placeholder | None = None
+) -> int:
     """Verify and restore a bundle, then supervise it in the foreground; returns its exit status."""
     with interrupts.deferred() as caught:
-        r = restore_stopped(bundle_dir, name, progress=progress)
+        r = restore_stopped(bundle_dir, name, progress=progress, into=into)
         r.start()
         supervisor.forward_signals(r.workload.root_pid)  # before the signals are let through
     for sig in caught.signals:  # came after CRIU was done: the running job gets it, as under `run`
@@ -173,4 +234,4 @@ def restore(bundle_dir: Path, name: str | None = None, progress=_quiet) -> int:
         file=sys.stderr,
         flush=True,
     )
-    return supervisor.supervise(r.workload, r.stdio)
+    return r.supervise()

@@ -75,8 +75,13 @@ def name_for(program: str) -> str:
     return base or "job"
 
 
+ENV_BUNDLE_KEY = "CRIUCTL_BUNDLE_KEY"
+
+
 def key_path() -> Path:
-    return state_dir() / "bundle.key"
+    """The cluster signing key: the file $CRIUCTL_BUNDLE_KEY names (the DaemonSet points it at its
+    Secret), else `bundle.key` in the state dir."""
+    return Path(os.environ.get(ENV_BUNDLE_KEY) or state_dir() / "bundle.key")
 
 
 def logs_dir(kind: str = "logs") -> Path:
@@ -116,6 +121,9 @@ class Workload:
     exit_code: int | None = None
     moved_to: str | None = None  # node it was migrated to
     node: str | None = None  # node whose agent restored it here (None: started here)
+    container: str | None = None  # the runtime's container ID when the workload is a container
+    runtime: str | None = None  # the runtime endpoint that runs that container
+    pod: str | None = None  # "namespace/pod/container" when the runtime's labels name them
 
     def alive(self) -> bool:
         try:

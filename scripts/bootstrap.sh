@@ -19,3 +19,4 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; 
   echo "$want" >"$STAMP"
 fi
 bash scripts/install-criu.sh "$VENV"
+bash scripts/install-containerd.sh "$VENV"

@@ -57,9 +57,12 @@ class Bundles:
     async def checkpoint(self, r: web.Request) -> web.Response:
         body = await body_json(r)
         try:
-            w = await asyncio.to_thread(workloads.resolve, workloads.validate_name(r.match_info["name"]))
+            name = workloads.validate_name(r.match_info["name"])
+            w = await asyncio.to_thread(self.agent.runtimes.resolve, name)
+        except workloads.BadName as exc:
+            return fail(400, exc.what, exc.hint)
         except CriuctlError as exc:
-            return fail(404 if isinstance(exc, workloads.UnknownWorkload) else 400, exc.what, exc.hint)
+            return self.agent.error_response(exc)
         bid = uuid.uuid4().hex
         work = workloads.logs_dir("handoffs") / bid
         work.mkdir(mode=0o700)

@@ -34,7 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-from criuctl import checkpoint, supervisor, workloads
+from criuctl import bundle, checkpoint, placeholder, runtime, workloads
 from criuctl.agent import records, verdicts
 from criuctl.agent.protocol import (
     TIMEOUTS,
@@ -193,7 +193,10 @@ def target(spec_file: Path) -> int:
         host, port = spec.page_server.rsplit(":", 1)
         page_server = (host, int(port))
     try:
-        restored = checkpoint.restore_stopped(Path(spec.bundle), spec.name, page_server, spec.digests)
+        into = _placeholder(spec)
+        restored = checkpoint.restore_stopped(
+            Path(spec.bundle), spec.name, page_server, spec.digests, into=into
+        )
     except CriuctlError as exc:
         _error(exc)
         return 1
@@ -222,7 +225,19 @@ def target(spec_file: Path) -> int:
     _detach()
     if restored.lazy_daemon is not None:  # the images are read until the last page is in
         threading.Thread(target=_collect, args=(restored.lazy_daemon, Path(spec.bundle)), daemon=True).start()
-    return supervisor.supervise(restored.workload, restored.stdio, echo=False)
+    return restored.supervise(echo=False)
+
+
+def _placeholder(spec: TargetSpec) -> placeholder.Placeholder | None:
+    """Where a container's bundle goes: the placeholder the client named, or the one for its pod."""
+    facts = bundle.read_manifest(Path(spec.bundle)).container
+    if facts is None and spec.placeholder is None:
+        return None
+    rt = runtime.connect(spec.runtime)
+    if spec.placeholder:
+        return placeholder.find(rt, spec.placeholder)
+    assert facts is not None
+    return placeholder.match(rt, facts)
 
 
 def _collect(lazy: subprocess.Popen, bundle_dir: Path) -> None:

@@ -109,7 +109,10 @@ class Incoming:
         body = await body_json(r)
         try:
             name = workloads.validate_name(str(body.get("workload", "")))
+            into = _container_id(body.get("into"))
             mode = Mode(body.get("mode", Mode.STOP_AND_COPY))
+        except BadInto as exc:
+            return fail(400, str(exc), "name the placeholder by its container ID (hex digits)")
         except ValueError:
             return fail(400, f"unknown mode {body.get('mode')!r}", f"one of {', '.join(Mode)}")
         except CriuctlError as exc:
@@ -135,6 +138,8 @@ class Incoming:
             secret_digest(secret),
             self.spool,
             spawn_target,
+            placeholder=into,
+            runtime=self.agent.runtimes.endpoint,
         )
         self.machines[m.id] = m
         log.info("incoming", extra={"id": m.id, "workload": name, "mode": str(mode)})
@@ -220,6 +225,19 @@ class Incoming:
                     await m.verdict()
                 self.machines.pop(m.id, None)
         await asyncio.to_thread(_forget_tombstones, self.spool, set(self.machines))
+
+
+class BadInto(ValueError):
+    pass
+
+
+def _container_id(raw: object) -> str | None:
+    """The placeholder the client named: None, or 1-64 lowercase hex digits."""
+    if raw is None:
+        return None
+    if not isinstance(raw, str) or not 0 < len(raw) <= 64 or raw.strip("0123456789abcdef"):
+        raise BadInto(f"{str(raw)[:80]!r} is not a container ID")
+    return raw
 
 
 def _forget_tombstones(spool: Path, live: set[str]) -> None:

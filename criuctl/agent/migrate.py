@@ -103,8 +103,15 @@ def _check_target(dst: AgentClient) -> dict:
 
 
 def migrate(
-    name: str, source: Node, target: Node, mode: str | None = None, progress: Progress = _quiet
+    name: str,
+    source: Node,
+    target: Node,
+    mode: str | None = None,
+    progress: Progress = _quiet,
+    into: str | None = None,
 ) -> MigrationResult:
+    """Move workload `name`; a container goes `into` that placeholder container on the target
+    (default: the target's one empty placeholder for the same pod and container)."""
     started = time.monotonic()
     if source.name == target.name:
         raise MigrationFailed(f"{name!r} already runs on node {target.name}", "pick another --to node")
@@ -114,7 +121,7 @@ def migrate(
         dst_info = _check_target(dst)
         src_info = src.get("/v1/info", timeout=TIMEOUTS.info)
         mode = choose_mode(mode, src_info, dst_info)
-        inc = dst.post("/v1/incoming", {"workload": name, "mode": mode})
+        inc = dst.post("/v1/incoming", {"workload": name, "mode": mode, "into": into})
     except CriuctlError as exc:
         raise MigrationFailed(
             exc.what, f"{exc.hint}; nothing was frozen, {name!r} runs on {source.name}"

@@ -84,7 +84,7 @@ class Outgoing:
         except (ValueError, TypeError) as exc:
             return fail(400, f"bad migration request: {exc}", "use `criuctl migrate`")
         try:
-            w = await asyncio.to_thread(workloads.resolve, name)
+            w = await asyncio.to_thread(self.agent.runtimes.resolve, name)
             if mode == Mode.POST_COPY:
                 await asyncio.to_thread(criu.ensure_lazy_pages)
         except CriuctlError as exc:

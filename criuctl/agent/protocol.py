@@ -244,6 +244,8 @@ class TargetSpec:
     name: str | None = None
     page_server: str | None = None  # post-copy: HOST:PORT of the source's page server
     digests: dict[str, str] | None = None  # sha256s computed as the bundle arrived
+    placeholder: str | None = None  # a container's bundle: the placeholder container (ID) to restore into
+    runtime: str | None = None  # the runtime endpoint that runs the placeholder
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -291,6 +293,8 @@ class TargetRecord:
     root_pid: int | None = None
     updated: float = 0.0
     history: list[str] = field(default_factory=list)
+    placeholder: str | None = None  # container ID the client named (None: the target picks one)
+    runtime: str | None = None
 
     def to_json(self) -> dict:
         return {**asdict(self), "state": str(self.state)}

@@ -33,11 +33,12 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
-from criuctl import bundle, criu, workloads
+from criuctl import bundle, containers, criu, runtime, workloads
 from criuctl.agent import transfer
 from criuctl.agent.bundles import Bundles
 from criuctl.agent.incoming import Incoming
 from criuctl.agent.outgoing import Outgoing
+from criuctl.agent.runtimes import Runtimes
 from criuctl.agent.web import fail
 from criuctl.errors import CriuctlError
 from criuctl.tokens import read_token
@@ -54,6 +55,8 @@ class AgentOptions:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     lease_seconds: float = 120.0  # a frozen source waits this long for a commit before asking the target
+    runtime_endpoint: str | None = None  # the container runtime's CRI socket (default: runtime.endpoint())
+    inject_dir: Path | None = None  # where containers find criuctl's init (default containers.INJECT_DIR)
 
 
 class Metrics:
@@ -93,6 +96,7 @@ class Agent:
         self.incoming = Incoming(self)
         self.outgoing = Outgoing(self)
         self.bundles = Bundles(self)
+        self.runtimes = Runtimes(self)
         self.tasks: set[asyncio.Task] = set()
 
     @property
@@ -116,6 +120,7 @@ class Agent:
         self.bundles.routes(r)
         self.incoming.routes(r)
         self.outgoing.routes(r)
+        self.runtimes.routes(r)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -129,6 +134,7 @@ class Agent:
     async def _start(self, _app: web.Application) -> None:
         """Level-triggered recovery: read every record, settle what a dead handoff left, then upkeep."""
         await asyncio.to_thread(self.incoming.recover)
+        await asyncio.to_thread(self.runtimes.prepare_inject_dir)
         for rec, _path in await asyncio.to_thread(self.outgoing.recover):
             self.spawn(self.outgoing.settle_orphan(rec))
         self.spawn(self._janitor())
@@ -177,8 +183,12 @@ class Agent:
         )
 
     def error_response(self, exc: BaseException) -> web.Response:
-        if isinstance(exc, workloads.UnknownWorkload):
+        if isinstance(exc, workloads.UnknownWorkload | runtime.UnknownContainer):
             return fail(404, exc.what, exc.hint)
+        if isinstance(exc, containers.NotCheckpointable | runtime.Unsupported):
+            return fail(422, exc.what, exc.hint)
+        if isinstance(exc, runtime.RuntimeUnavailable):
+            return fail(503, f"node {self.name}: {exc.what}", exc.hint)
         if isinstance(exc, transfer.TransferError):
             return fail(400, exc.what, exc.hint)
         if isinstance(exc, bundle.BundleError):
@@ -234,6 +244,7 @@ class Agent:
         return web.json_response(out)
 
     async def list_workloads(self, _r: web.Request) -> web.Response:
+        await asyncio.to_thread(self.runtimes.register_all)  # containers become workloads here
         return web.json_response(await asyncio.to_thread(workloads.rows))
 
     async def workload_logs(self, r: web.Request) -> web.Response:

@@ -88,9 +88,11 @@ class TargetMachine:
 
     @classmethod
     def create(cls, migration: str, workload: str, mode: Mode, secret_sha256: str, spool: Path,
-               spawn: Spawn, timeouts: Timeouts = TIMEOUTS) -> TargetMachine:  # fmt: skip
+               spawn: Spawn, timeouts: Timeouts = TIMEOUTS, placeholder: str | None = None,
+               runtime: str | None = None) -> TargetMachine:  # fmt: skip
         rec = TargetRecord(migration, workload, str(mode), TargetState.NEW, secret_sha256, records.boot_id(),
-                           updated=time.time(), history=[f"new@{time.time():.3f}"])  # fmt: skip
+                           updated=time.time(), history=[f"new@{time.time():.3f}"], placeholder=placeholder,
+                           runtime=runtime)  # fmt: skip
         m = cls(rec, spool / migration, spawn, timeouts)
         m.dir.mkdir(mode=0o700)
         records.write(m.record_path, rec.to_json())
@@ -126,7 +128,7 @@ class TargetMachine:
             await asyncio.to_thread(self._write, TargetState.RESTORING)
             digests = json.loads((self.dir / "digests.json").read_text())
             spec = TargetSpec(self.id, str(self.bundle_dir), node, str(self.record_path), self.rec.workload,
-                              page_server, digests)  # fmt: skip
+                              page_server, digests, self.rec.placeholder, self.rec.runtime)  # fmt: skip
             try:
                 self.handoff = await self._spawn(spec, self.dir)
                 ev = await self.handoff.until({Event.RESTORED}, self.t.restore)

@@ -1,0 +1,212 @@
+"""A real containerd per test node, driven over the CRI exactly as a kubelet drives it.
+
+Each node gets its own containerd (Debian 12's 1.6.20 + runc, or 2.x where installed) with root,
+state and sockets under the test's folder, started inside the node's network namespace so that
+host-network pods have the node's address. No CNI: pods use the node's network, as
+/work/shared/design.md §2 says works here. Pods are created with the CRI calls the kubelet makes
+(RunPodSandbox, CreateContainer, StartContainer), with the labels a kubelet would set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import psutil
+from criuctl_cri import api_pb2 as pb
+from criuctl_cri import api_pb2_grpc as rpc
+
+IMAGES = Path("/usr/local/lib/criuctl/images")
+BUSYBOX = "criuctl.test/busybox:1"
+REPO = Path(__file__).resolve().parent.parent
+# What a training container needs from the host, read-only: the Python the venv was made from,
+# its libraries, and the project (venv, test workloads).
+PYTHON_MOUNTS = ("/usr", "/lib", "/lib64", "/root/.pyenv", str(REPO))
+CGROUP_PARENT = "k8s.io"  # containerd's default parent under every cgroup hierarchy
+
+
+def containerd_binary() -> str | None:
+    return shutil.which("containerd")
+
+
+_CONFIG = """version = 2
+root = "{root}/root"
+state = "{root}/state"
+[grpc]
+  address = "{sock}"
+[ttrpc]
+  address = "{sock}.ttrpc"
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "{pause}"
+  restrict_oom_score_adj = true
+  disable_apparmor = true
+  netns_mounts_under_state_dir = true
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "{root}/cni-bin"
+    conf_dir = "{root}/cni-conf"
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        SystemdCgroup = false
+        CriuPath = "{criu}"
+        Root = "{root}/runc"
+"""
+
+
+@dataclass
+class Pod:
+    sandbox: str
+    container: str
+    log: Path
+    config: object = field(repr=False)
+
+
+class Containerd:
+    def __init__(self, root: Path, netns: str | None = None) -> None:
+        self.root = root
+        self.sock = root / "containerd.sock"
+        self.netns = netns
+        self.proc: subprocess.Popen | None = None
+        self.pods: list[Pod] = []
+
+    @property
+    def endpoint(self) -> str:
+        return f"unix://{self.sock}"
+
+    def start(self) -> Containerd:
+        for d in ("cni-bin", "cni-conf", "logs"):
+            (self.root / d).mkdir(parents=True, exist_ok=True)
+        config = self.root / "config.toml"
+        config.write_text(
+            _CONFIG.format(root=self.root, sock=self.sock, pause=BUSYBOX, criu=shutil.which("criu") or "criu")
+        )
+        argv = ["containerd", "--config", str(config)]
+        if self.netns:
+            argv = ["nsenter", f"--net=/run/netns/{self.netns}", *argv]
+        log = (self.root / "containerd.log").open("ab")
+        self.proc = subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True)
+        deadline = time.monotonic() + 30
+        while not self.sock.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"containerd did not start: {self.log()[-2000:]}")
+            time.sleep(0.1)
+        self.channel = grpc.insecure_channel(self.endpoint)
+        self.rt = rpc.RuntimeServiceStub(self.channel)
+        self.rt.Version(pb.VersionRequest(), timeout=30)
+        r = subprocess.run(
+            ["ctr", "-a", str(self.sock), "-n", "k8s.io", "images", "import", str(IMAGES / "busybox.tar")],
+            capture_output=True,
+            text=True,
+        )
+        assert r.returncode == 0, r.stderr
+        return self
+
+    def log(self) -> str:
+        return (self.root / "containerd.log").read_text(errors="replace")
+
+    def run_pod(
+        self,
+        name: str,
+        command: list[str],
+        mounts: dict[str, str] | None = None,
+        rw_mounts: dict[str, str] | None = None,
+        container: str = "train",
+        namespace: str = "default",
+        memory_limit: int = 0,
+        env: dict[str, str] | None = None,
+    ) -> Pod:
+        """A pod with one container, as the kubelet would create it (host network, own PID ns)."""
+        uid = f"uid-{name}-{os.urandom(3).hex()}"
+        logdir = self.root / "logs" / f"{namespace}_{name}_{uid}"
+        logdir.mkdir(parents=True, exist_ok=True)
+        ns = pb.NamespaceOption(network=pb.NODE, pid=pb.CONTAINER, ipc=pb.POD)
+        labels = {
+            "io.kubernetes.pod.name": name,
+            "io.kubernetes.pod.namespace": namespace,
+            "io.kubernetes.pod.uid": uid,
+        }
+        cfg = pb.PodSandboxConfig(
+            metadata=pb.PodSandboxMetadata(name=name, namespace=namespace, uid=uid, attempt=0),
+            log_directory=str(logdir),
+            labels=labels,
+            linux=pb.LinuxPodSandboxConfig(
+                security_context=pb.LinuxSandboxSecurityContext(namespace_options=ns)
+            ),
+        )
+        sandbox = self.rt.RunPodSandbox(pb.RunPodSandboxRequest(config=cfg), timeout=60).pod_sandbox_id
+        m = [pb.Mount(container_path=p, host_path=h, readonly=True) for p, h in (mounts or {}).items()]
+        m += [pb.Mount(container_path=p, host_path=h) for p, h in (rw_mounts or {}).items()]
+        cc = pb.ContainerConfig(
+            metadata=pb.ContainerMetadata(name=container),
+            image=pb.ImageSpec(image=BUSYBOX),
+            command=command,
+            envs=[pb.KeyValue(key=k, value=v) for k, v in (env or {}).items()],
+            log_path=f"{container}.log",
+            mounts=m,
+            labels={**labels, "io.kubernetes.container.name": container},
+            linux=pb.LinuxContainerConfig(
+                resources=pb.LinuxContainerResources(memory_limit_in_bytes=memory_limit),
+                security_context=pb.LinuxContainerSecurityContext(namespace_options=ns),
+            ),
+        )
+        cid = self.rt.CreateContainer(
+            pb.CreateContainerRequest(pod_sandbox_id=sandbox, config=cc, sandbox_config=cfg), timeout=60
+        ).container_id
+        self.rt.StartContainer(pb.StartContainerRequest(container_id=cid), timeout=60)
+        pod = Pod(sandbox, cid, logdir / f"{container}.log", cfg)
+        self.pods.append(pod)
+        return pod
+
+    def status(self, cid: str) -> object:
+        return self.rt.ContainerStatus(pb.ContainerStatusRequest(container_id=cid), timeout=10).status
+
+    def stop_container(self, cid: str, grace: int = 10) -> None:
+        self.rt.StopContainer(pb.StopContainerRequest(container_id=cid, timeout=grace), timeout=grace + 30)
+
+    def wait_exited(self, cid: str, timeout: float = 120) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            st = self.status(cid)
+            if st.state == pb.CONTAINER_EXITED:
+                return st.exit_code
+            time.sleep(0.2)
+        raise AssertionError(f"container {cid[:12]} still {self.status(cid).state} after {timeout}s")
+
+    def stop(self) -> None:
+        """Everything this containerd started goes: pods, shims, mounts, cgroups."""
+        if self.proc is None:
+            return
+        for pod in self.pods:
+            with contextlib.suppress(grpc.RpcError):
+                self.rt.StopPodSandbox(pb.StopPodSandboxRequest(pod_sandbox_id=pod.sandbox), timeout=30)
+                self.rt.RemovePodSandbox(pb.RemovePodSandboxRequest(pod_sandbox_id=pod.sandbox), timeout=30)
+        with contextlib.suppress(Exception):
+            self.channel.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        for p in psutil.process_iter(["cmdline"]):  # shims outlive containerd by design
+            if str(self.sock) in " ".join(p.info["cmdline"] or []):
+                with contextlib.suppress(psutil.Error):
+                    for child in p.children(recursive=True):
+                        child.kill()
+                    p.kill()
+        for line in reversed(Path("/proc/self/mountinfo").read_text().splitlines()):
+            point = line.split()[4]
+            if point.startswith(str(self.root) + "/"):
+                subprocess.run(["umount", "-l", point], capture_output=True)
+        for pod in self.pods:
+            for cid in (pod.sandbox, pod.container):
+                for hier in Path("/sys/fs/cgroup").iterdir():
+                    with contextlib.suppress(OSError):
+                        (hier / CGROUP_PARENT / cid).rmdir()
+        self.proc = None
