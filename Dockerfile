@@ -1,0 +1,84 @@
+# The criuctl node agent image (what manifests/daemonset.yaml runs).
+#
+#   docker build -t criuctl-agent:0.1.0 .
+#
+# Debian 12, with CRIU 4.1.1 built by scripts/install-criu.sh, the script `make` runs: the same
+# checksum-verified source package and the same patch for sockets on kernels >= 6.16. The project is
+# installed into /opt/criuctl/venv the way scripts/bootstrap.sh installs it (editable: criuctl puts
+# its hooks/ folder, sitecustomize.py included, on a workload's PYTHONPATH, and only the source tree
+# has that folder).
+
+ARG DEBIAN_IMAGE=debian:bookworm-slim
+
+# ---------------------------------------------------------------------------------------- build
+FROM ${DEBIAN_IMAGE} AS build
+ENV DEBIAN_FRONTEND=noninteractive
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+ && rm -rf /var/lib/apt/lists/*
+
+ENV VENV=/opt/criuctl/venv
+
+# install-criu.sh ends with `criu check`, which needs privileges a build step does not have. A
+# `criu` first on PATH passes everything to the real one (/usr/local/sbin/criu, once built) and
+# reports `check` without failing the build, so the script runs unchanged; `criuctl doctor` runs
+# the real check in the agent's pod.
+RUN mkdir -p /opt/criu-shim \
+ && printf '%s\n' '#!/bin/sh' \
+      'if [ "$1" = check ]; then' \
+      '  /usr/local/sbin/criu check || echo "criu check fails in an image build (no privileges); run criuctl doctor in the pod" >&2' \
+      '  exit 0' \
+      'fi' \
+      'exec /usr/local/sbin/criu "$@"' >/opt/criu-shim/criu \
+ && chmod 0755 /opt/criu-shim/criu
+
+# CRIU first, in a layer of its own, so that a change to the Python code does not rebuild it. The
+# script also wires pycriu into the venv it is given, and checks that it imports: here a scratch venv
+# that sees Debian's python3-protobuf (one of the script's build dependencies).
+COPY scripts/install-criu.sh scripts/criu-sockopt-eopnotsupp.patch /opt/criuctl/src/scripts/
+RUN python3 -m venv --system-site-packages /tmp/criu-venv \
+ && PATH="/opt/criu-shim:$PATH" bash /opt/criuctl/src/scripts/install-criu.sh /tmp/criu-venv \
+ && rm -rf /tmp/criu-venv /usr/local/src/criuctl \
+ && /usr/local/sbin/criu --version
+
+# The project, into its venv as scripts/bootstrap.sh installs it (without the dev extras), then its
+# two install scripts as `make` runs them after the venv: install-criu.sh finds CRIU built and copies
+# pycriu into the venv (it must import with the venv's protobuf); install-containerd.sh generates the
+# CRI client stubs (criuctl_cri) into the venv. That script also installs containerd, runc and a
+# busybox test image: they stay in this stage (the agent talks to the node's runtime through its
+# socket), and CRIUCTL_CACHE keeps the test image out of the folder the runtime stage copies.
+# torch is a dependency of the package (the agent itself does not import it): take the CPU build, as
+# `make` does, not PyPI's default CUDA build of several GiB; override TORCH_INDEX to use a mirror.
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+COPY pyproject.toml README.md /opt/criuctl/src/
+COPY scripts/install-containerd.sh scripts/image-tar.py /opt/criuctl/src/scripts/
+COPY criuctl /opt/criuctl/src/criuctl
+COPY hooks /opt/criuctl/src/hooks
+RUN python3 -m venv "$VENV" \
+ && "$VENV/bin/python" -m pip install -q --upgrade pip \
+ && "$VENV/bin/python" -m pip install -q --no-cache-dir --extra-index-url "$TORCH_INDEX" -e /opt/criuctl/src \
+ && PATH="/opt/criu-shim:$PATH" bash /opt/criuctl/src/scripts/install-criu.sh "$VENV" \
+ && CRIUCTL_CACHE=/tmp/criuctl-cache bash /opt/criuctl/src/scripts/install-containerd.sh "$VENV" \
+ && rm -rf /tmp/criuctl-cache /usr/local/src/criuctl \
+ && "$VENV/bin/python" -c 'import pycriu.rpc_pb2, grpc, criuctl_cri.api_pb2_grpc' \
+ && "$VENV/bin/criuctl" --help >/dev/null
+
+# -------------------------------------------------------------------------------------- runtime
+FROM ${DEBIAN_IMAGE}
+ENV DEBIAN_FRONTEND=noninteractive
+# CRIU's shared libraries: the list install-criu.sh itself installs (RUNTIME_DEPS), read from the
+# script so that the two cannot drift apart; python3 for the venv; nftables for CRIU's network lock.
+COPY scripts/install-criu.sh /tmp/install-criu.sh
+RUN eval "$(grep '^RUNTIME_DEPS=' /tmp/install-criu.sh)" \
+ && apt-get update \
+ && apt-get install -y --no-install-recommends python3 nftables $RUNTIME_DEPS \
+ && rm -rf /var/lib/apt/lists/* /tmp/install-criu.sh
+COPY --from=build /usr/local/sbin/criu /usr/local/sbin/criu
+COPY --from=build /usr/local/lib/criuctl /usr/local/lib/criuctl
+COPY --from=build /opt/criuctl /opt/criuctl
+ENV PATH=/opt/criuctl/venv/bin:$PATH \
+    CRIUCTL_STATE_DIR=/var/lib/criuctl
+RUN criu --version && criuctl --help >/dev/null
+EXPOSE 7070
+ENTRYPOINT ["criuctl"]
+CMD ["agent", "--help"]

@@ -1,0 +1,517 @@
+"""The Kubernetes manifests (manifests/): schema-valid, in kubernetes-validate's strict mode, for
+Kubernetes 1.30 and for the newest schema the installed kubernetes-validate ships; and shaped the
+way the agent needs them (host PID namespace, privileged, probes on the route that needs no token,
+the port, files and env the agent reads, least-privilege RBAC). Also the one code change the
+DaemonSet needs: the signing key taken from the file $CRIUCTL_BUNDLE_KEY names.
+
+Offline: no cluster. With `kubectl` on PATH the kustomization is rendered and the rendered objects
+are what is checked; without it, the files one by one.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from importlib import resources
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import pytest
+
+from criuctl import bundle, cli, preflight, runtime, statedir, tokens, workloads
+
+try:
+    import kubernetes_validate
+    import yaml
+except ImportError as exc:  # `make test` installs the dev extras, so CI never takes this branch
+    kubernetes_validate = None
+    yaml = None
+    _MISSING = f"kubernetes-validate is not importable ({exc}): pip install -e '.[dev]'"
+else:
+    _MISSING = ""
+
+needs_validate = pytest.mark.skipif(kubernetes_validate is None, reason=_MISSING)
+
+MANIFESTS = Path(__file__).resolve().parent.parent / "manifests"
+OLDEST = "1.30.0"  # the oldest Kubernetes the manifests promise to fit (nodes/checkpoint is beta there)
+KUBECTL = shutil.which("kubectl")
+
+Obj = dict[str, Any]
+
+
+def newest_schema() -> str:
+    """The newest Kubernetes version whose strict schemas the installed kubernetes-validate ships,
+    from the names of its bundled schema folders (`v1.37.0-local-strict`)."""
+    folder = resources.files("kubernetes_validate") / "kubernetes-json-schema"
+    found = [
+        m.group(1)
+        for entry in folder.iterdir()
+        if (m := re.fullmatch(r"v(\d+\.\d+\.\d+)-local-strict", entry.name)) and entry.is_dir()
+    ]
+    assert found, f"no strict schemas in {folder}"
+    return max(found, key=lambda v: tuple(int(p) for p in v.split(".")))
+
+
+def versions() -> list[str]:
+    if kubernetes_validate is None:
+        return [OLDEST]
+    return sorted({OLDEST, newest_schema()}, key=lambda v: tuple(int(p) for p in v.split(".")))
+
+
+def manifest_files() -> list[Path]:
+    return sorted(p for p in MANIFESTS.glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def load_file(path: Path) -> list[Obj]:
+    return [o for o in yaml.safe_load_all(path.read_text()) if o]
+
+
+def render(root: Path) -> list[Obj]:
+    out = subprocess.run(
+        [KUBECTL, "kustomize", str(root)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, f"kubectl kustomize {root} failed:\n{out.stderr}"
+    return [o for o in yaml.safe_load_all(out.stdout) if o]
+
+
+def validate(obj: Obj, version: str) -> None:
+    """Strict validation, failing (not warning, as the CLI does) on a kind without a schema."""
+    where = f"{obj.get('kind')}/{obj.get('metadata', {}).get('name')} against {version}"
+    try:
+        kubernetes_validate.validate(obj, version, strict=True)
+    except kubernetes_validate.ValidationError as e:
+        path = ".".join(str(p) for p in e.path)
+        pytest.fail(f"{where}: {path}: {e.message}")
+    except kubernetes_validate.SchemaNotFoundError as e:
+        pytest.fail(f"{where}: {e.message}")
+
+
+@pytest.fixture(scope="module")
+def objects() -> list[Obj]:
+    """What `kubectl apply -k manifests/` would send; the files' objects without kubectl."""
+    if kubernetes_validate is None:
+        pytest.skip(_MISSING)
+    if KUBECTL:
+        return render(MANIFESTS)
+    return [o for p in manifest_files() for o in load_file(p)]
+
+
+def one(objs: list[Obj], kind: str, name: str | None = None) -> Obj:
+    found = [o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+def agent_container(objs: list[Obj]) -> Obj:
+    pod = one(objs, "DaemonSet")["spec"]["template"]["spec"]
+    return next(c for c in pod["containers"] if c["name"] == "agent")
+
+
+def expanded_args(c: Obj) -> list[str]:
+    """The container's args as the kubelet runs them: $(VAR) replaced from literal env values."""
+    env = {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}
+    env.update({e["name"]: f"<{e['name']}>" for e in c.get("env", []) if "valueFrom" in e})
+    return [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m[1], m[0]), a) for a in c["args"]]
+
+
+def agent_options(objs: list[Obj]) -> Any:
+    """The DaemonSet's command line, parsed by criuctl's own parser (an unknown flag fails here)."""
+    return cli.parser().parse_args(expanded_args(agent_container(objs)))
+
+
+def default_port() -> int:
+    """The agent's port when --listen is not given, from the CLI itself."""
+    return preflight.parse_listen(cli.parser().parse_args(["agent", "--token-file", "t"]).listen)[1]
+
+
+def secret_file(objs: list[Obj], path: str) -> tuple[Obj, str, Obj]:
+    """The Secret volume, and the key in it, that provides `path` inside the agent container."""
+    c = agent_container(objs)
+    vols = {v["name"]: v for v in one(objs, "DaemonSet")["spec"]["template"]["spec"]["volumes"]}
+    for m in c["volumeMounts"]:
+        rel = (
+            PurePosixPath(path).relative_to(m["mountPath"]) if path.startswith(m["mountPath"] + "/") else None
+        )
+        if rel is not None and "secret" in vols[m["name"]]:
+            sv = vols[m["name"]]["secret"]
+            return one(objs, "Secret", sv["secretName"]), str(rel), sv
+    pytest.fail(f"{path} is not in a Secret volume of the agent container")
+
+
+def secret_value(secret: Obj, key: str) -> str:
+    if key in secret.get("stringData", {}):
+        return secret["stringData"][key]
+    assert key in secret.get("data", {}), f"Secret {secret['metadata']['name']} has no {key!r}"
+    return base64.b64decode(secret["data"][key]).decode()
+
+
+def host_mounts(objs: list[Obj]) -> Iterator[tuple[str, Obj, Obj]]:
+    """(mountPath, volumeMount, hostPath volume) for each hostPath the agent mounts."""
+    vols = {v["name"]: v for v in one(objs, "DaemonSet")["spec"]["template"]["spec"]["volumes"]}
+    for m in agent_container(objs)["volumeMounts"]:
+        if "hostPath" in vols[m["name"]]:
+            yield m["mountPath"], m, vols[m["name"]]["hostPath"]
+
+
+# ------------------------------------------------------------------------------------- schemas
+
+
+@needs_validate
+def test_the_kustomization_lists_every_manifest() -> None:
+    """Without kubectl the files are validated one by one: none may be missing from what
+    `kubectl apply -k` applies, nor listed there and missing."""
+    listed = yaml.safe_load((MANIFESTS / "kustomization.yaml").read_text())["resources"]
+    assert sorted(listed) == [p.name for p in manifest_files()]
+
+
+@needs_validate
+def test_the_newest_schema_is_found_in_the_package() -> None:
+    assert newest_schema() == kubernetes_validate.latest_version()
+    assert (
+        resources.files("kubernetes_validate") / "kubernetes-json-schema" / f"v{OLDEST}-local-strict"
+    ).is_dir()
+
+
+@needs_validate
+@pytest.mark.parametrize("version", versions())
+def test_every_manifest_file_validates_strictly(version: str) -> None:
+    for path in manifest_files():
+        objs = load_file(path)
+        assert objs, f"{path.name} holds no object"
+        for obj in objs:
+            validate(obj, version)
+
+
+@needs_validate
+@pytest.mark.parametrize("version", versions())
+def test_what_kubectl_apply_k_sends_validates_strictly(objects: list[Obj], version: str) -> None:
+    kinds = sorted(o["kind"] for o in objects)
+    assert kinds == sorted(
+        ["Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Secret", "Secret", "DaemonSet"]
+    )
+    for obj in objects:
+        validate(obj, version)
+
+
+@needs_validate
+@pytest.mark.parametrize("version", versions())
+def test_the_command_line_validator_passes_without_warnings(version: str) -> None:
+    """`kubernetes-validate --strict -k VERSION` as manifests/README.md says, warnings included
+    (the CLI only warns about a kind it has no schema for)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kubernetes_validate", "--strict", "-k", version, *map(str, manifest_files())],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0 and "WARN" not in out.stdout + out.stderr, out.stdout + out.stderr
+
+
+@needs_validate
+@pytest.mark.parametrize("version", versions())
+def test_strict_validation_rejects_a_field_kubernetes_does_not_have(objects: list[Obj], version: str) -> None:
+    """The check above is not vacuous: a misplaced field (privileged on the container, not in its
+    securityContext) fails it."""
+    import copy
+
+    bad = copy.deepcopy(one(objects, "DaemonSet"))
+    bad["spec"]["template"]["spec"]["containers"][0]["privileged"] = True
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, version, strict=True)
+
+
+# --------------------------------------------------------------------------------- the DaemonSet
+
+
+def test_the_daemonset_runs_privileged_in_the_hosts_pid_namespace_and_network(objects: list[Obj]) -> None:
+    ds = one(objects, "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["hostPID"] is True
+    assert pod["hostNetwork"] is True
+    assert pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert agent_container(objects)["securityContext"]["privileged"] is True
+    assert pod["serviceAccountName"] == one(objects, "ServiceAccount")["metadata"]["name"]
+    assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == 1
+
+
+def test_the_agent_listens_on_its_default_port_and_the_pod_declares_it(objects: list[Obj]) -> None:
+    port = default_port()
+    assert port == 7070
+    a = agent_options(objects)
+    assert a.verb == "agent" and preflight.parse_listen(a.listen) == ("0.0.0.0", port)
+    (p,) = agent_container(objects)["ports"]
+    assert p["containerPort"] == p["hostPort"] == port
+
+
+def test_both_probes_ask_healthz_the_way_the_agent_serves_it(objects: list[Obj]) -> None:
+    """With --tls-cert the agent serves HTTPS only, so the probes use HTTPS (the kubelet does not
+    verify a probe's certificate)."""
+    c = agent_container(objects)
+    scheme = "HTTPS" if agent_options(objects).tls_cert else "HTTP"
+    for probe in ("readinessProbe", "livenessProbe"):
+        get = c[probe]["httpGet"]
+        assert (get["path"], get["port"], get["scheme"]) == ("/healthz", default_port(), scheme), probe
+
+
+def test_healthz_answers_without_a_token_and_nothing_else_does(tmp_path: Path, state_dir: Path) -> None:
+    """What lets a probe, which sends no token, use /healthz: the agent's one unauthenticated route."""
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from criuctl.agent.server import Agent, AgentOptions
+
+    token = tmp_path / "token"
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    agent = Agent(AgentOptions("127.0.0.1", 0, token, name="probe"))
+
+    async def go() -> tuple[int, int]:
+        async with TestClient(TestServer(agent.app())) as client:
+            health = await client.get("/healthz")
+            info = await client.get("/v1/info")
+            return health.status, info.status
+
+    assert asyncio.run(go()) == (200, 401)
+
+
+def test_requests_and_a_memory_limit_are_set(objects: list[Obj]) -> None:
+    res = agent_container(objects)["resources"]
+    assert {"cpu", "memory"} <= set(res["requests"])
+    assert "memory" in res["limits"]
+
+
+def test_the_token_and_tls_files_come_from_secrets_the_agent_accepts(objects: list[Obj]) -> None:
+    a = agent_options(objects)
+    for path, key, secret_name in (
+        (a.token_file, "token", "criuctl-agent"),
+        (a.tls_cert, "tls.crt", "criuctl-agent-tls"),
+        (a.tls_key, "tls.key", "criuctl-agent-tls"),
+    ):
+        secret, got_key, volume = secret_file(objects, path)
+        assert (secret["metadata"]["name"], got_key) == (secret_name, key), path
+        # the agent refuses a token file that group or others can read
+        assert volume["defaultMode"] & 0o077 == 0, f"{secret_name} files are readable by others"
+    assert one(objects, "Secret", "criuctl-agent-tls")["type"] == "kubernetes.io/tls"
+
+
+def test_the_signing_key_comes_from_the_secret_through_the_env_the_code_reads(objects: list[Obj]) -> None:
+    env = {e["name"]: e.get("value") for e in agent_container(objects)["env"]}
+    key_file = env[workloads.ENV_BUNDLE_KEY]
+    secret, key, _ = secret_file(objects, key_file)
+    assert (secret["metadata"]["name"], key) == ("criuctl-agent", "bundle.key")
+    # the same state dir as `criuctl run` on the host, mounted from the host at the same path
+    assert env[statedir.ENV_STATE_DIR] == str(statedir.DEFAULT_STATE_DIR)
+    mounts = {path: hp for path, _, hp in host_mounts(objects)}
+    assert mounts[str(statedir.DEFAULT_STATE_DIR)]["path"] == str(statedir.DEFAULT_STATE_DIR)
+
+
+def test_the_secret_templates_hold_placeholders_the_agent_refuses(objects: list[Obj], tmp_path: Path) -> None:
+    """Applying the templates unchanged must leave the agents refusing to work, never running
+    with a secret that is printed in this repository."""
+    auth = one(objects, "Secret", "criuctl-agent")
+    tls = one(objects, "Secret", "criuctl-agent-tls")
+    token = tmp_path / "token"
+    token.write_text(secret_value(auth, "token"))
+    token.chmod(0o600)
+    with pytest.raises(tokens.BadTokenFile):
+        tokens.read_token(token)
+    key = tmp_path / "bundle.key"
+    key.write_text(secret_value(auth, "bundle.key"))
+    with pytest.raises(bundle.BundleError):
+        bundle.load_key(key, create=True)
+    crt, pem = tmp_path / "tls.crt", tmp_path / "tls.key"
+    crt.write_text(secret_value(tls, "tls.crt"))
+    pem.write_text(secret_value(tls, "tls.key"))
+    with pytest.raises(preflight.BadOption):
+        preflight.check_tls(crt, pem)
+
+
+# the host paths the agent works in, each mounted at the same path inside (a path the runtime or the
+# kubelet reports means the same thing in the agent)
+SAME_PATH = [
+    "/var/lib/criuctl",
+    "/sys/fs/cgroup",
+    "/var/lib/kubelet/pods",
+    "/var/lib/kubelet/checkpoints",
+    "/run/containerd",
+]
+# the sockets the agent tries (criuctl.runtime): a missing one must stay missing, not become a folder
+RUNTIME_SOCKETS = [ep.removeprefix("unix://") for ep in runtime.DEFAULT_ENDPOINTS]
+
+
+def test_the_host_paths_the_agent_needs_are_mounted(objects: list[Obj]) -> None:
+    mounts = {path: (m, hp) for path, m, hp in host_mounts(objects)}
+    for path in SAME_PATH:
+        assert path in mounts, f"{path} is not mounted"
+        assert mounts[path][1]["path"] == path, f"{path} is mounted from {mounts[path][1]['path']}"
+    assert any(hp["path"] == "/proc" for _, hp in mounts.values()), "the host's /proc is not mounted"
+    # new container rootfs and volume mounts appear after the agent started: it must see them
+    for path in ("/run/containerd", "/var/lib/kubelet/pods"):
+        assert mounts[path][0].get("mountPropagation") == "HostToContainer", path
+    # a runtime socket is reached through its folder, mounted at the same path, and that folder may
+    # be missing on a node without that runtime (the pod must still start)
+    assert "/run/containerd/containerd.sock" in RUNTIME_SOCKETS
+    assert "/var/run/crio/crio.sock" in RUNTIME_SOCKETS
+    for sock in RUNTIME_SOCKETS:
+        assert sock not in mounts, f"{sock} is mounted as a file"
+        parent = str(PurePosixPath(sock).parent)
+        assert parent in mounts and mounts[parent][1]["path"] == parent, f"{sock}: {parent} not mounted"
+        assert mounts[parent][1]["type"] == "DirectoryOrCreate", parent
+
+
+def test_everything_namespaced_is_in_criuctl_system(objects: list[Obj]) -> None:
+    ns = one(objects, "Namespace")
+    assert ns["metadata"]["name"] == "criuctl-system"
+    assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+    for o in objects:
+        if o["kind"] not in ("Namespace", "ClusterRole", "ClusterRoleBinding"):
+            assert o["metadata"]["namespace"] == "criuctl-system", f"{o['kind']}/{o['metadata']['name']}"
+
+
+# ---------------------------------------------------------------------------------------- RBAC
+
+AGENT_RULES = {
+    ("", "pods"): {"get", "list", "watch"},
+    ("", "nodes"): {"get", "list", "watch"},
+    ("", "events"): {"create", "patch"},
+    ("", "nodes/checkpoint"): {"create"},
+}
+
+
+def rules(objs: list[Obj]) -> Iterator[tuple[Obj, Obj]]:
+    for o in objs:
+        if o["kind"] in ("ClusterRole", "Role"):
+            for r in o.get("rules", []):
+                yield o, r
+
+
+def test_no_role_grants_wildcards_or_escalation(objects: list[Obj]) -> None:
+    for role, r in rules(objects):
+        where = f"{role['kind']}/{role['metadata']['name']}: {r}"
+        for field in ("apiGroups", "resources", "verbs", "resourceNames", "nonResourceURLs"):
+            assert "*" not in r.get(field, []), where
+        assert not {"escalate", "bind", "impersonate"} & set(r["verbs"]), where
+        assert not any(res.endswith("/*") for res in r.get("resources", [])), where
+
+
+def test_no_cluster_role_reads_secrets(objects: list[Obj]) -> None:
+    for role, r in rules(objects):
+        if role["kind"] == "ClusterRole":
+            assert "secrets" not in r.get("resources", []), f"ClusterRole/{role['metadata']['name']}: {r}"
+
+
+def test_the_agent_role_is_exactly_the_minimal_one(objects: list[Obj]) -> None:
+    """pods and nodes read, Events recorded, the kubelet checkpoint API: nothing more (the migrate
+    controller's pod writes belong to its own role)."""
+    role = one(objects, "ClusterRole", "criuctl-agent")
+    granted: dict[tuple[str, str], set[str]] = {}
+    for r in role["rules"]:
+        for group in r["apiGroups"]:
+            for res in r["resources"]:
+                granted.setdefault((group, res), set()).update(r["verbs"])
+    assert granted == AGENT_RULES
+    binding = one(objects, "ClusterRoleBinding", "criuctl-agent")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": "criuctl-agent",
+    }
+    sa = one(objects, "ServiceAccount")["metadata"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": sa["name"], "namespace": sa["namespace"]}
+    ]
+
+
+def test_every_rule_says_why() -> None:
+    """Each rule of rbac.yaml is preceded by a comment line that names its resource."""
+    lines = (MANIFESTS / "rbac.yaml").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.strip().startswith("- apiGroups:"):
+            resources_line = lines[i + 1]
+            res = re.search(r'resources: \["([^"]+)"', resources_line)
+            assert res, resources_line
+            comment = []
+            j = i - 1
+            while j >= 0 and lines[j].strip().startswith("#"):
+                comment.insert(0, lines[j])
+                j -= 1
+            assert any(res[1] in c for c in comment), f"rule for {res[1]} has no comment saying why"
+
+
+# -------------------------------------------------------------------- the documented overlay
+
+
+@needs_validate
+@pytest.mark.skipif(
+    KUBECTL is None, reason="kubectl not on PATH: the overlay of docs/deploy.md is rendered by it"
+)
+def test_an_overlay_replaces_the_secret_templates_as_docs_deploy_says(tmp_path: Path) -> None:
+    """docs/deploy.md: an overlay outside the repository whose secretGenerator (behavior: replace)
+    takes the real values from files; the Secrets keep their names, so the DaemonSet still finds them."""
+    overlay = tmp_path / "mycluster"
+    overlay.mkdir()
+    values = {
+        "token": secrets.token_hex(32),
+        "bundle.key": secrets.token_hex(32),
+        "tls.crt": "-----BEGIN CERTIFICATE-----\nnot-checked-here\n-----END CERTIFICATE-----\n",
+        "tls.key": "-----BEGIN PRIVATE KEY-----\nnot-checked-here\n-----END PRIVATE KEY-----\n",
+    }
+    for name, text in values.items():
+        (overlay / name).write_text(text)
+    base = os.path.relpath(MANIFESTS, overlay)
+    (overlay / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\n"
+        "kind: Kustomization\n"
+        f"resources: [{base}]\n"
+        "secretGenerator:\n"
+        "  - name: criuctl-agent\n"
+        "    namespace: criuctl-system\n"
+        "    behavior: replace\n"
+        "    files: [token, bundle.key]\n"
+        "  - name: criuctl-agent-tls\n"
+        "    namespace: criuctl-system\n"
+        "    behavior: replace\n"
+        "    type: kubernetes.io/tls\n"
+        "    files: [tls.crt, tls.key]\n"
+    )
+    objs = render(overlay)
+    for version in versions():
+        for obj in objs:
+            validate(obj, version)
+    auth = one(objs, "Secret", "criuctl-agent")
+    tls = one(objs, "Secret", "criuctl-agent-tls")
+    assert "stringData" not in auth and "stringData" not in tls
+    for secret in (auth, tls):
+        for key in secret["data"]:
+            assert secret_value(secret, key) == values[key]
+    pod = one(objs, "DaemonSet")["spec"]["template"]["spec"]
+    assert {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v} == {
+        "criuctl-agent",
+        "criuctl-agent-tls",
+    }
+
+
+# ------------------------------------------------------------------- CRIUCTL_BUNDLE_KEY (code)
+
+
+def test_the_signing_key_is_taken_from_the_file_the_env_names(tmp_path: Path, monkeypatch) -> None:
+    key = secrets.token_bytes(32)
+    path = tmp_path / "secret" / "bundle.key"
+    path.parent.mkdir()
+    path.write_text(key.hex() + "\n")
+    monkeypatch.setenv(workloads.ENV_BUNDLE_KEY, str(path))
+    assert workloads.key_path() == path
+    assert bundle.load_key(workloads.key_path(), create=False) == key
+
+
+def test_without_the_env_the_signing_key_is_in_the_state_dir(state_dir: Path, monkeypatch) -> None:
+    monkeypatch.delenv(workloads.ENV_BUNDLE_KEY, raising=False)
+    assert workloads.key_path() == state_dir / "bundle.key"
+    monkeypatch.setenv(workloads.ENV_BUNDLE_KEY, "")
+    assert workloads.key_path() == state_dir / "bundle.key"
