@@ -60,7 +60,9 @@ def rss_bytes(root_pid: int) -> int:
 
 
 def send_signal(pid: int, sig: int) -> None:
-    """Signal a process that may already be gone."""
+    """Signal a process that may already be gone. Never a process group: 0 and -1 are refused."""
+    if pid <= 0:
+        raise ValueError(f"refusing to signal PID {pid} (a process group)")
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
 

@@ -17,7 +17,7 @@ import shutil
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -55,6 +55,7 @@ class Node:
     scheme: str = "http"
     tls: tuple[Path, Path] | None = None
     hide: Path | None = None  # a folder this node's filesystem lacks (an empty tmpfs over it)
+    extra: list[str] = field(default_factory=list)  # more `criuctl agent` options for this node
 
     @property
     def url(self) -> str:
@@ -84,6 +85,7 @@ class Node:
             argv += ["--spool-dir", str(spool)]
         if self.tls:
             argv += ["--tls-cert", str(self.tls[0]), "--tls-key", str(self.tls[1])]
+        argv += self.extra
         log = (self.state.parent / "agent.log").open("ab")
         self.agent = subprocess.Popen(argv, stdout=log, stderr=log, env={**os.environ, **(env or {})})
         deadline = time.monotonic() + 30
@@ -135,6 +137,7 @@ class Cluster:
         tmpfs: dict[str, str] | None = None,
         hide: dict[str, Path] | None = None,
         lease: float = 120.0,
+        agent_args: dict[str, list[str]] | None = None,
     ) -> None:
         self.root, self.tag = root, secrets.token_hex(2)
         self.bridge = f"crbr{self.tag}"
@@ -143,6 +146,7 @@ class Cluster:
         self.net = _free_subnet(int(self.tag, 16))
         self._names, self._tls, self._tmpfs, self._hide = names, tls, tmpfs or {}, hide or {}
         self.lease = lease
+        self._agent_args = agent_args or {}
 
     def __enter__(self) -> Cluster:
         try:
@@ -184,7 +188,8 @@ class Cluster:
             token = d / "token"
             token.write_text(secrets.token_urlsafe(24) + "\n")
             os.chmod(token, 0o600)
-            node = Node(name, ns, f"{self.net}.{i}", d / "state", token, veth, hide=self._hide.get(name))
+            node = Node(name, ns, f"{self.net}.{i}", d / "state", token, veth, hide=self._hide.get(name),
+                        extra=self._agent_args.get(name, []))  # fmt: skip
             if self._tls:
                 node.tls, node.scheme = self._cert(node), "https"
             self.nodes[name] = node
@@ -265,6 +270,8 @@ class Cluster:
             node.stop_agent(signal.SIGKILL)
             for rec in node.records():
                 for pid in (rec["root_pid"], rec["supervisor_pid"]):
+                    if pid <= 0:  # a container's workload has no supervisor of ours (0: never kill(0))
+                        continue
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
         # a target handoff supervising a job ends with it; anything still here after that leaked

@@ -15,6 +15,7 @@ p.add_argument("--steps", type=int, default=40)
 p.add_argument("--workers", type=int, default=2)
 p.add_argument("--log", required=True)
 p.add_argument("--read-latency", type=float, default=0.004, help="simulated seconds per sample read")
+p.add_argument("--scratch", help="a folder (an emptyDir in a pod) to keep a progress file open in")
 a = p.parse_args()
 
 
@@ -68,6 +69,7 @@ loader = DataLoader(
     persistent_workers=a.workers > 0,
 )
 log = open(a.log, "a")  # noqa: SIM115 - held open for the job's life, like a real training log
+progress = open(f"{a.scratch}/progress", "a") if a.scratch else None  # noqa: SIM115 - held open
 beat = Heartbeat(log)
 beat.start()
 step = 0
@@ -81,6 +83,9 @@ while step < a.steps:
         beat.step = step
         log.write(f"step {step} loss {loss.item():.6f} lr {sched.get_last_lr()[0]:.6f}\n")
         _report.step(step, loss.item())
+        if progress:
+            progress.write(f"{step}\n")
+            progress.flush()
         step += 1
         if step == a.steps:
             break

@@ -1,0 +1,203 @@
+"""Containers of a real runtime move between nodes: containerd 1.6 + runc on each node, pods made
+over the CRI as a kubelet makes them, one criuctl agent per node.
+
+The job is a training container (DataLoader workers, a heartbeat thread, a log file in its
+writable layer, a progress file held open in an emptyDir) whose PID 1 is criuctl's init, delivered
+by a read-only volume. On the target a placeholder container (same image, same volumes, criuctl's
+init waiting) receives it. What a user checks, checked here: the losses and final weights are an
+uninterrupted run's, the rest of the output is in the placeholder's CRI log, the job's files came
+along, its processes are in the placeholder's cgroups, the placeholder exits with the job's status,
+and at no moment did the job run on both nodes or on neither.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from criuctl import containers, mounts
+from tests.cluster import Cluster
+from tests.conftest import needs_criu
+from tests.jobs import CRIUCTL
+
+pytestmark = [needs_criu, pytest.mark.slow]
+
+if shutil.which("containerd") is None:  # `make test` installs it: only a bare `pytest` gets here
+    pytestmark.append(pytest.mark.skip(reason="containerd is not installed (run `make install`)"))
+else:
+    from criuctl_cri import api_pb2 as pb
+
+    from tests.containerd import PYTHON_MOUNTS, Containerd
+
+PY = str(Path(CRIUCTL[0]))
+JOB = Path(__file__).parent / "workloads" / "train_cnn_loader.py"
+STEPS = 160
+_STEP = re.compile(r" (?:stdout|stderr) [FP] step (\d+) loss (\S+)$")
+_FINAL = re.compile(r" stdout [FP] final ([0-9a-f]{64})$")
+
+
+@dataclass
+class Nodes:
+    cluster: Cluster
+    runtimes: dict[str, Containerd]
+    inject: Path
+    root: Path
+
+    def empty_dir(self, node: str, pod: str) -> Path:
+        d = self.root / node / "kubelet" / "pods" / pod / "volumes" / "kubernetes.io~empty-dir" / "scratch"
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def pod(self, node: str, name: str, command: list[str], scratch: Path):
+        mounts = {p: p for p in PYTHON_MOUNTS}
+        mounts["/.criuctl"] = str(self.inject)
+        return self.runtimes[node].run_pod(name, command, mounts=mounts, rw_mounts={"/scratch": str(scratch)})
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory) -> Iterator[Nodes]:
+    root = tmp_path_factory.mktemp("ctr")
+    inject = containers.write_inject_dir(root / "inject")
+    sockets = {n: root / n / "containerd" / "containerd.sock" for n in ("a", "b")}
+    args = {
+        n: ["--runtime-endpoint", f"unix://{s}", "--inject-dir", str(root / n / "inject")]
+        for n, s in sockets.items()
+    }
+    with Cluster(root, agent_args=args) as cluster:
+        runtimes = {}
+        try:
+            for n, node in cluster.nodes.items():
+                runtimes[n] = Containerd(sockets[n].parent, netns=node.ns).start()
+            yield Nodes(cluster, runtimes, inject, root)
+        finally:
+            for rt in runtimes.values():
+                rt.stop()
+
+
+def _job_argv(log: str, scratch: str = "/scratch") -> list[str]:
+    return [PY, str(JOB), "--steps", str(STEPS), "--workers", "2", "--log", log, "--scratch", scratch]
+
+
+def _steps(log: Path) -> dict[int, str]:
+    out: dict[int, str] = {}
+    if log.exists():
+        for line in log.read_text(errors="replace").splitlines():
+            if m := _STEP.search(line):
+                out[int(m[1])] = m[2]
+    return out
+
+
+def _final(log: Path) -> list[str]:
+    return [m[1] for line in log.read_text(errors="replace").splitlines() if (m := _FINAL.search(line))]
+
+
+def _wait(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class DoubleRunWatch:
+    """Samples, all through a migration, on how many nodes the job's processes run (not stopped)."""
+
+    def __init__(self, nodes: Nodes, source_cid: str) -> None:
+        self.nodes, self.source_cid = nodes, source_cid
+        self.bad: list[str] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _running(self) -> list[str]:
+        import psutil
+
+        out = []
+        for node in self.nodes.cluster.nodes.values():
+            for rec in node.records():
+                if rec.get("state") != "running" or not (rec.get("container") or "").strip():
+                    continue
+                try:
+                    st = psutil.Process(rec["root_pid"]).status()
+                except psutil.Error:
+                    continue
+                if st not in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_ZOMBIE):
+                    again = {r["name"]: r for r in node.records()}.get(rec["name"])
+                    if again and again.get("state") == "running":
+                        out.append(node.name)
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            where = self._running()
+            if len(where) > 1:
+                self.bad.append(f"running on {where} at {time.time():.3f}")
+
+    def stop(self) -> list[str]:
+        self._stop.set()
+        self._t.join()
+        return self.bad
+
+
+@pytest.mark.parametrize("mode", ["stop-and-copy", "post-copy"])
+def test_container_moves_into_a_placeholder(nodes: Nodes, reference, tmp_path, mode: str) -> None:
+    ref = reference(JOB.name, "--steps", str(STEPS), "--workers", "2", "--log", "/dev/null")
+    pod = f"trainer-{mode}"
+    src_scratch, dst_scratch = nodes.empty_dir("a", f"{pod}-a"), nodes.empty_dir("b", f"{pod}-b")
+    init = [PY, "-I", "/.criuctl/nsinit.py"]
+    job = nodes.pod("a", pod, [*init, "--", *_job_argv("/workspace/train.log")], src_scratch)
+    holder = nodes.pod("b", pod, [*init, "--placeholder"], dst_scratch)
+    _wait(lambda: "placeholder ready" in holder.log.read_text(errors="replace"), 30, "the placeholder")
+    upper = Path(_root_mount(nodes.runtimes["b"], holder.container).super_options["upperdir"])
+    _wait(lambda: len(_steps(job.log)) >= 40, 120, "40 steps on node a")
+
+    watch = DoubleRunWatch(nodes, job.container)
+    r = nodes.cluster.migrate(containers.name_of(job.container), "b", "--mode", mode)
+    bad = watch.stop()
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["target"] == "b" and result["mode"] == mode
+    assert not bad, f"the job ran on two nodes at once: {bad[:3]}"
+
+    # The job runs in the placeholder: in its cgroups, its PID namespace its own.
+    rec = next(
+        r for r in nodes.cluster.nodes["b"].records() if r["state"] == "running" and r.get("container")
+    )
+    assert rec["container"] == holder.container
+    cgroups = Path(f"/proc/{rec['root_pid']}/cgroup").read_text()
+    assert f"memory:/k8s.io/{holder.container}" in cgroups, cgroups
+    b = nodes.runtimes["b"]
+    code = b.wait_exited(holder.container, timeout=300)
+    assert code == 0, holder.log.read_text()[-3000:]
+    assert nodes.runtimes["a"].status(job.container).state == 2  # CONTAINER_EXITED: the source ended
+
+    # Every step exactly once across the two CRI logs, and bit-identical to the uninterrupted run.
+    before, after = _steps(job.log), _steps(holder.log)
+    assert before and after and min(after) > 0, (sorted(before)[-3:], sorted(after)[:3])
+    assert not set(before) & set(after) or all(before[s] == after[s] for s in set(before) & set(after))
+    assert {**before, **after} == ref.steps
+    assert _final(holder.log) == [ref.final]
+    assert not _final(job.log)
+
+    # The job's files came along: its log in the writable layer, its progress file in the emptyDir.
+    assert [int(x) for x in (dst_scratch / "progress").read_text().split()] == list(range(STEPS))
+    rootfs_log = (upper / "workspace" / "train.log").read_text()
+    logged = [int(line.split()[1]) for line in rootfs_log.splitlines() if line.startswith("step ")]
+    assert logged == list(range(STEPS)) and rootfs_log.rstrip().endswith("done")
+    assert "the job was restored here and runs" in holder.log.read_text()
+
+
+def _root_mount(rt: Containerd, cid: str) -> mounts.Mount:
+    pid = json.loads(
+        rt.rt.ContainerStatus(pb.ContainerStatusRequest(container_id=cid, verbose=True)).info["info"]
+    )
+    return mounts.root_mount(mounts.of(pid["pid"]))
