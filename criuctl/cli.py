@@ -242,7 +242,10 @@ def _cmd_restore(a: argparse.Namespace) -> int:
 
 def _cmd_inspect(a: argparse.Namespace) -> int:
     from criuctl import render
+    from criuctl.runtime import archive
 
+    if archive.is_archive(Path(a.bundle)):  # a kubelet/CRI checkpoint archive: imported, shown, removed
+        return archive.inspect(Path(a.bundle), as_json=a.output == "json")
     return render.inspect(Path(a.bundle), as_json=a.output == "json")
 
 
@@ -390,7 +393,7 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_cmd_restore)
 
     s = sub.add_parser("inspect", help="describe a bundle: processes, memory, files, checks")
-    s.add_argument("bundle", metavar="DIR")
+    s.add_argument("bundle", metavar="DIR|ARCHIVE", help="a bundle, or a kubelet/CRI checkpoint archive")
     s.add_argument("--output", choices=["text", "json"], default="text")
     s.set_defaults(func=_cmd_inspect)
 

@@ -19,3 +19,4 @@ if [ ! -x "$OLD/usr/sbin/criu" ]; then
     apt-get update -qq && (cd "$tmp" && apt-get download -qq "criu=3.17*" >/dev/null); }
   mkdir -p "$OLD" && dpkg -x "$tmp"/criu_3.17*.deb "$OLD"
 fi
+bash "$(dirname "$0")/install-containerd2.sh"  # containerd 2.x for tests/test_cri_archive.py
