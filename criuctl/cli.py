@@ -166,6 +166,9 @@ def _source_node(name: str, to: str, given: str | None):
             f"workload {name!r} runs on several nodes: {', '.join(n.name for n in sources)}",
             "say which one to move with --from NODE",
         )
+    if not sources and found.refused:
+        node, why = next(iter(found.refused.items()))
+        raise CriuctlError(f"{why} (node {node})", "nothing was frozen; the container keeps running")
     if not sources:
         silent = f" (no answer from node {', '.join(found.silent)})" if found.silent else ""
         raise CriuctlError(

@@ -116,6 +116,17 @@ def resolve(target: str, endpoint: str | None = None) -> workloads.Workload:
     return register(runtime.connect(endpoint), ident)
 
 
+def unsupported_rows(rt: Runtime) -> list[dict]:
+    """Register every checkpointable container; the others as rows that say why they are not
+    workloads (`GET /v1/workloads`, so `ps --node` and `migrate` can tell the user)."""
+    out = []
+    for r in rows(rt):
+        if r["checkpointable"] or r["state"] != "running" or is_placeholder(r["root_pid"]):
+            continue
+        out.append({**r, "state": "unsupported", "command": cmdline(r["root_pid"])})
+    return out
+
+
 def rows(rt: Runtime) -> list[dict]:
     """Every container on the node, with whether criuctl can checkpoint it (for `ps --node`)."""
     out = []

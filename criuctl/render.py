@@ -50,10 +50,14 @@ def workloads_table(
         state = "running" if live else (r["state"] if r["state"] != workloads.RUNNING else "lost")
         if r.get("moved_to") and r["state"] == workloads.MIGRATED:
             state = f"moved to {r['moved_to']}"
-        if not live and not all_states:
+        unsupported = r.get("why_not") is not None  # a container criuctl cannot checkpoint
+        if unsupported:
+            state = "not checkpointable"
+        elif not live and not all_states:
             continue
-        rss = human_bytes(r["rss_bytes"]) if live and r.get("rss_bytes") else "-"
-        row = (r["name"], str(r["root_pid"]), short_command(r["command"]), rss, state)
+        rss = human_bytes(r["rss_bytes"]) if (live or unsupported) and r.get("rss_bytes") else "-"
+        pod = "/".join((r.get("pod") or "").split("/")[:2]) or "-"  # namespace/pod of a container
+        row = (r["name"], pod, str(r["root_pid"]), short_command(r.get("command") or []), rss, state)
         table.append(tuple(escape(c) for c in row))  # an agent's rows are data, not rich markup
     if not table:
         if remote:  # not this host's state dir: the agent's is its own
@@ -65,7 +69,7 @@ def workloads_table(
             )
         return
     t = Table(box=None, header_style="bold")
-    for col in ("NAME", "PID", "COMMAND", "RSS", "STATE"):
+    for col in ("NAME", "POD", "PID", "COMMAND", "RSS", "STATE"):
         t.add_column(col, no_wrap=True)
     for r in table:
         t.add_row(*r)

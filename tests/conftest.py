@@ -46,6 +46,14 @@ def reference(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    """Two nodes, each with its own containerd and criuctl agent (tests/containerd.py)."""
+    from tests.containerd import two_nodes
+
+    yield from two_nodes(tmp_path_factory)
+
+
 @pytest.fixture(autouse=True)
 def state_dir(tmp_path, monkeypatch):
     """Each test gets its own criuctl state dir (registry, signing key), like its own node."""

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +24,9 @@ import grpc
 import psutil
 from criuctl_cri import api_pb2 as pb
 from criuctl_cri import api_pb2_grpc as rpc
+
+from criuctl import containers
+from tests.cluster import Cluster
 
 IMAGES = Path("/usr/local/lib/criuctl/images")
 BUSYBOX = "criuctl.test/busybox:1"
@@ -210,3 +215,80 @@ class Containerd:
                     with contextlib.suppress(OSError):
                         (hier / CGROUP_PARENT / cid).rmdir()
         self.proc = None
+
+
+JOB = REPO / "tests" / "workloads" / "train_cnn_loader.py"
+PY = str(REPO / ".venv" / "bin" / "python")
+INIT = [PY, "-I", "/.criuctl/nsinit.py"]  # criuctl's init, from the inject volume at /.criuctl
+_STEP = re.compile(r" (?:stdout|stderr) [FP] step (\d+) loss (\S+)$")
+_FINAL = re.compile(r" stdout [FP] final ([0-9a-f]{64})$")
+
+
+def job_argv(steps: int, log: str, scratch: str | None = "/scratch") -> list[str]:
+    """The training job (DataLoader workers, a thread, a log file, a file held open in /scratch)."""
+    argv = [PY, str(JOB), "--steps", str(steps), "--workers", "2", "--log", log]
+    return argv + (["--scratch", scratch] if scratch else [])
+
+
+def cri_steps(log: Path) -> dict[int, str]:
+    out: dict[int, str] = {}
+    if log.exists():
+        for line in log.read_text(errors="replace").splitlines():
+            if m := _STEP.search(line):
+                out[int(m[1])] = m[2]
+    return out
+
+
+def cri_final(log: Path) -> list[str]:
+    return [m[1] for line in log.read_text(errors="replace").splitlines() if (m := _FINAL.search(line))]
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@dataclass
+class Nodes:
+    """Two test nodes (network namespaces), each with its own containerd and criuctl agent."""
+
+    cluster: Cluster
+    runtimes: dict[str, Containerd]
+    inject: Path
+    root: Path
+
+    def empty_dir(self, node: str, pod: str) -> Path:
+        d = self.root / node / "kubelet" / "pods" / pod / "volumes" / "kubernetes.io~empty-dir" / "scratch"
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def pod(self, node: str, name: str, command: list[str], scratch: Path | None = None, **kw) -> Pod:
+        """A pod whose container sees the host's Python (read-only) and criuctl's inject dir."""
+        mounts = {p: p for p in PYTHON_MOUNTS}
+        mounts["/.criuctl"] = str(self.inject)
+        rw = {"/scratch": str(scratch)} if scratch else {}
+        return self.runtimes[node].run_pod(name, command, mounts=mounts, rw_mounts=rw, **kw)
+
+
+def two_nodes(tmp_path_factory) -> Iterator[Nodes]:
+    """The `nodes` fixture (tests/conftest.py): a cluster of two nodes with containerd and agents."""
+    root = tmp_path_factory.mktemp("ctr")
+    inject = containers.write_inject_dir(root / "inject")
+    sockets = {n: root / n / "containerd" / "containerd.sock" for n in ("a", "b")}
+    args = {
+        n: ["--runtime-endpoint", f"unix://{s}", "--inject-dir", str(root / n / "inject")]
+        for n, s in sockets.items()
+    }
+    with Cluster(root, agent_args=args) as cluster:
+        runtimes = {}
+        try:
+            for n, node in cluster.nodes.items():
+                runtimes[n] = Containerd(sockets[n].parent, netns=node.ns).start()
+            yield Nodes(cluster, runtimes, inject, root)
+        finally:
+            for rt in runtimes.values():
+                rt.stop()

@@ -13,20 +13,15 @@ and at no moment did the job run on both nodes or on neither.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from criuctl import containers, mounts
-from tests.cluster import Cluster
 from tests.conftest import needs_criu
-from tests.jobs import CRIUCTL
 
 pytestmark = [needs_criu, pytest.mark.slow]
 
@@ -35,77 +30,13 @@ if shutil.which("containerd") is None:  # `make test` installs it: only a bare `
 else:
     from criuctl_cri import api_pb2 as pb
 
-    from tests.containerd import PYTHON_MOUNTS, Containerd
+    from tests.containerd import JOB, PY, Containerd, Nodes, cri_final, cri_steps, job_argv, wait_until
 
-PY = str(Path(CRIUCTL[0]))
-JOB = Path(__file__).parent / "workloads" / "train_cnn_loader.py"
 STEPS = 160
-_STEP = re.compile(r" (?:stdout|stderr) [FP] step (\d+) loss (\S+)$")
-_FINAL = re.compile(r" stdout [FP] final ([0-9a-f]{64})$")
-
-
-@dataclass
-class Nodes:
-    cluster: Cluster
-    runtimes: dict[str, Containerd]
-    inject: Path
-    root: Path
-
-    def empty_dir(self, node: str, pod: str) -> Path:
-        d = self.root / node / "kubelet" / "pods" / pod / "volumes" / "kubernetes.io~empty-dir" / "scratch"
-        d.mkdir(parents=True, exist_ok=True)
-        return d
-
-    def pod(self, node: str, name: str, command: list[str], scratch: Path):
-        mounts = {p: p for p in PYTHON_MOUNTS}
-        mounts["/.criuctl"] = str(self.inject)
-        return self.runtimes[node].run_pod(name, command, mounts=mounts, rw_mounts={"/scratch": str(scratch)})
-
-
-@pytest.fixture(scope="module")
-def nodes(tmp_path_factory) -> Iterator[Nodes]:
-    root = tmp_path_factory.mktemp("ctr")
-    inject = containers.write_inject_dir(root / "inject")
-    sockets = {n: root / n / "containerd" / "containerd.sock" for n in ("a", "b")}
-    args = {
-        n: ["--runtime-endpoint", f"unix://{s}", "--inject-dir", str(root / n / "inject")]
-        for n, s in sockets.items()
-    }
-    with Cluster(root, agent_args=args) as cluster:
-        runtimes = {}
-        try:
-            for n, node in cluster.nodes.items():
-                runtimes[n] = Containerd(sockets[n].parent, netns=node.ns).start()
-            yield Nodes(cluster, runtimes, inject, root)
-        finally:
-            for rt in runtimes.values():
-                rt.stop()
 
 
 def _job_argv(log: str, scratch: str = "/scratch") -> list[str]:
-    return [PY, str(JOB), "--steps", str(STEPS), "--workers", "2", "--log", log, "--scratch", scratch]
-
-
-def _steps(log: Path) -> dict[int, str]:
-    out: dict[int, str] = {}
-    if log.exists():
-        for line in log.read_text(errors="replace").splitlines():
-            if m := _STEP.search(line):
-                out[int(m[1])] = m[2]
-    return out
-
-
-def _final(log: Path) -> list[str]:
-    return [m[1] for line in log.read_text(errors="replace").splitlines() if (m := _FINAL.search(line))]
-
-
-def _wait(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    return job_argv(STEPS, log, scratch)
 
 
 class DoubleRunWatch:
@@ -156,9 +87,9 @@ def test_container_moves_into_a_placeholder(nodes: Nodes, reference, tmp_path, m
     init = [PY, "-I", "/.criuctl/nsinit.py"]
     job = nodes.pod("a", pod, [*init, "--", *_job_argv("/workspace/train.log")], src_scratch)
     holder = nodes.pod("b", pod, [*init, "--placeholder"], dst_scratch)
-    _wait(lambda: "placeholder ready" in holder.log.read_text(errors="replace"), 30, "the placeholder")
+    wait_until(lambda: "placeholder ready" in holder.log.read_text(errors="replace"), 30, "the placeholder")
     upper = Path(_root_mount(nodes.runtimes["b"], holder.container).super_options["upperdir"])
-    _wait(lambda: len(_steps(job.log)) >= 40, 120, "40 steps on node a")
+    wait_until(lambda: len(cri_steps(job.log)) >= 40, 120, "40 steps on node a")
 
     watch = DoubleRunWatch(nodes, job.container)
     r = nodes.cluster.migrate(containers.name_of(job.container), "b", "--mode", mode)
@@ -181,12 +112,12 @@ def test_container_moves_into_a_placeholder(nodes: Nodes, reference, tmp_path, m
     assert nodes.runtimes["a"].status(job.container).state == 2  # CONTAINER_EXITED: the source ended
 
     # Every step exactly once across the two CRI logs, and bit-identical to the uninterrupted run.
-    before, after = _steps(job.log), _steps(holder.log)
+    before, after = cri_steps(job.log), cri_steps(holder.log)
     assert before and after and min(after) > 0, (sorted(before)[-3:], sorted(after)[:3])
     assert not set(before) & set(after) or all(before[s] == after[s] for s in set(before) & set(after))
     assert {**before, **after} == ref.steps
-    assert _final(holder.log) == [ref.final]
-    assert not _final(job.log)
+    assert cri_final(holder.log) == [ref.final]
+    assert not cri_final(job.log)
 
     # The job's files came along: its log in the writable layer, its progress file in the emptyDir.
     assert [int(x) for x in (dst_scratch / "progress").read_text().split()] == list(range(STEPS))

@@ -11,7 +11,7 @@ import json
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -114,6 +114,7 @@ class Survey:
 
     running_on: list[Node]
     silent: list[str]
+    refused: dict[str, str] = field(default_factory=dict)  # node -> why its container `name` cannot move
 
 
 def survey(name: str, nodes: list[Node] | None = None) -> Survey:
@@ -121,17 +122,24 @@ def survey(name: str, nodes: list[Node] | None = None) -> Survey:
     workloads.validate_name(name)
     nodes = list(all_nodes().values()) if nodes is None else nodes
 
+    why: dict[str, str] = {}
+
     def ask(node: Node) -> bool | None:
         try:
-            return running_here(AgentClient(node, timeout=10).get("/v1/workloads", timeout=10), name)
+            rows = AgentClient(node, timeout=10).get("/v1/workloads", timeout=10)
         except CriuctlError:
             return None
+        for r in rows:
+            if r.get("name") == name and isinstance(r.get("why_not"), str):
+                why[node.name] = r["why_not"]
+        return running_here(rows, name)
 
     with ThreadPoolExecutor(max_workers=min(16, len(nodes) or 1)) as pool:
         answers = list(pool.map(ask, nodes))
     return Survey(
         running_on=[n for n, a in zip(nodes, answers, strict=True) if a],
         silent=[n.name for n, a in zip(nodes, answers, strict=True) if a is None],
+        refused=why,
     )
 
 

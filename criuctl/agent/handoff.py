@@ -214,6 +214,13 @@ def target(spec_file: Path) -> int:
         _advance_target(spec, TargetState.ABORTED)
         _emit(Event.ABORTED)
         return 0
+    if restored.into is not None and not restored.into.alive():
+        # its container was stopped after the restore: running the job now would run it to its
+        # death; it never ran, so the source thaws and keeps it
+        restored.abort("the placeholder stopped before the commit")
+        _advance_target(spec, TargetState.ABORTED)
+        _emit(Event.ERROR, what="the placeholder container stopped before the commit", hint="", detail="")
+        return 1
     try:
         _advance_target(spec, TargetState.RUNNING)  # written before the tree runs
     except BadTransition:  # settled as ABORTED meanwhile: the source was told to thaw, never run this

@@ -47,13 +47,15 @@ class Runtimes:
         """A workload by name or PID, or a container by `ctr-<id>` or ID (registered on the way)."""
         return containers.resolve(name, self.endpoint)
 
-    def register_all(self) -> None:
-        """Register every checkpointable container (a node without a runtime has none: not an error)."""
+    def register_all(self) -> list[dict]:
+        """Register every checkpointable container; rows for the others (why they are not workloads).
+        A node without a runtime has no containers: not an error."""
         sock = self.endpoint.removeprefix("unix://")
         if self.endpoint != "procfs" and not os.path.exists(sock):
-            return
+            return []
         with contextlib.suppress(runtime.RuntimeUnavailable):
-            containers.rows(self.connect())
+            return containers.unsupported_rows(self.connect())
+        return []
 
     def prepare_inject_dir(self) -> None:
         """The files checkpointable containers mount (criuctl's init and hook), fresh at every start."""

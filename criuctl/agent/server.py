@@ -244,8 +244,8 @@ class Agent:
         return web.json_response(out)
 
     async def list_workloads(self, _r: web.Request) -> web.Response:
-        await asyncio.to_thread(self.runtimes.register_all)  # containers become workloads here
-        return web.json_response(await asyncio.to_thread(workloads.rows))
+        others = await asyncio.to_thread(self.runtimes.register_all)  # containers become workloads here
+        return web.json_response(await asyncio.to_thread(workloads.rows) + others)
 
     async def workload_logs(self, r: web.Request) -> web.Response:
         try:
