@@ -179,9 +179,10 @@ def _source_node(name: str, to: str, given: str | None):
 
 
 def _cmd_migrate(a: argparse.Namespace) -> int:
-    from criuctl import render, workloads
+    from criuctl import containers, render, workloads
     from criuctl.agent import migrate
 
+    a.name = containers.normalize(a.name)
     workloads.validate_name(a.name)
     source, target = _source_node(a.name, a.to, a.source)
     with render.migration_progress() as progress:
@@ -218,6 +219,7 @@ def _cmd_dump(a: argparse.Namespace) -> int:
     require_root("dump")
     from criuctl import checkpoint, containers, render, workloads
 
+    a.target = containers.normalize(a.target)
     if not a.target.isdigit():  # a PID is digits; anything else must be a workload name
         workloads.validate_name(a.target)
     _check_writable(Path(a.output).absolute().parent)

@@ -42,6 +42,13 @@ def name_of(container_id: str) -> str:
     return f"{NAME_PREFIX}{container_id[:12]}"
 
 
+def normalize(target: str) -> str:
+    """`ctr-<12 hex>` for a container ID given whole (or 12+ digits of it); anything else unchanged."""
+    if 12 <= len(target) <= 64 and not target.strip("0123456789abcdef") and not target.isdigit():
+        return name_of(target)
+    return target
+
+
 def cmdline(pid: int) -> list[str]:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]

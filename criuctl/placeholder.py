@@ -6,7 +6,7 @@ rootfs, namespaces, cgroup and the pipes its log is read from. The agent restore
 *into* it, with CRIU run from the host:
 
     rootfs            the placeholder's (writable-layer changes and emptyDirs unpacked first)
-    uts, ipc (, net)  the placeholder's, joined (net too when the job had the pod's own network)
+    uts, ipc, net     the placeholder's, joined (the network as CRIU's external one when the pod had its own)
     mounts            each external mount of the dump mapped to the same mount of the placeholder
     stdio             the placeholder's stdout/stderr pipes (`--inherit-fd`): the runtime's log goes on
     cgroups           the placeholder's (CRIU's soft mode): its limits and OOM apply to the job
@@ -171,10 +171,13 @@ def restore_options(ph: Placeholder, facts: ContainerFacts, stdio_pipes: dict[st
             fd = os.open(f"/proc/{ph.pid}/fd/{fd_no}", os.O_WRONLY)
             ph.fds.append(fd)
             inherit[pipe] = fd
-    if facts.netns_external:
+    join = {"uts": f"/proc/{ph.pid}/ns/uts", "ipc": f"/proc/{ph.pid}/ns/ipc"}
+    if facts.netns_external:  # the dump left the pod's network out: it is the placeholder's now
         fd = os.open(f"/proc/{ph.pid}/ns/net", os.O_RDONLY)
         ph.fds.append(fd)
         inherit["extRootNetNS"] = fd
+    else:  # the job had its node's network: on this node, that is the placeholder's
+        join["net"] = f"/proc/{ph.pid}/ns/net"
     cgroups = {}
     for line in Path(f"/proc/{ph.pid}/cgroup").read_text().splitlines():
         _, ctrl, path = line.split(":", 2)
@@ -182,7 +185,7 @@ def restore_options(ph: Placeholder, facts: ContainerFacts, stdio_pipes: dict[st
             cgroups[ctrl] = path
     return {
         "root": str(ph.rootfs),
-        "join_ns": {"uts": f"/proc/{ph.pid}/ns/uts", "ipc": f"/proc/{ph.pid}/ns/ipc"},
+        "join_ns": join,
         "ext_mount_map": ext,
         "inherit_fds": inherit,
         "cgroup_roots": cgroups,

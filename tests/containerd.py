@@ -10,6 +10,7 @@ host-network pods have the node's address. No CNI: pods use the node's network, 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -173,6 +174,21 @@ class Containerd:
 
     def status(self, cid: str) -> object:
         return self.rt.ContainerStatus(pb.ContainerStatusRequest(container_id=cid), timeout=10).status
+
+    def pid_of(self, cid: str) -> int:
+        st = self.rt.ContainerStatus(pb.ContainerStatusRequest(container_id=cid, verbose=True), timeout=10)
+        return int(json.loads(st.info["info"])["pid"])
+
+    def kill_daemon(self) -> None:
+        """containerd itself dies (SIGKILL); its shims, and the containers, live on."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+        self.channel.close()
+        self.sock.unlink(missing_ok=True)
+
+    def restart_daemon(self) -> None:
+        self.start()
 
     def stop_container(self, cid: str, grace: int = 10) -> None:
         self.rt.StopContainer(pb.StopContainerRequest(container_id=cid, timeout=grace), timeout=grace + 30)

@@ -1,0 +1,153 @@
+"""Where a container's move differs from a process's: the placeholder and the runtime.
+
+The placeholder's life is the job's (stopping it stops the job with the job's status; killing it
+kills the job), and every way the target's side can be missing or die before the commit leaves
+the job running on its source, whole, never on both nodes: no placeholder, a placeholder stopped
+after the bundle arrived or after the restore, the target's runtime down. Bad input gets one line
+and freezes nothing. The process-level fault matrix (agents, links, CRIU missing) is the same
+code for containers and is not repeated here (tests/test_boundaries.py, tests/test_migrate.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import psutil
+import pytest
+
+from criuctl import containers
+from criuctl.agent.points import ENV_PAUSE_AT, ENV_PAUSE_DIR
+from criuctl.agent.protocol import Point
+from tests.conftest import needs_criu
+from tests.jobs import CRIUCTL
+
+pytestmark = [needs_criu, pytest.mark.slow]
+
+if shutil.which("containerd") is None:  # `make test` installs it: only a bare `pytest` gets here
+    pytestmark.append(pytest.mark.skip(reason="containerd is not installed (run `make install`)"))
+else:
+    from tests.containerd import INIT, Nodes, cri_steps, job_argv, wait_until
+
+LONG = 5000  # steps: the job outlives every test here
+
+
+def _job(nodes: Nodes, pod: str, placeholder: bool = True):
+    """A long training container on node a (and, if asked, its placeholder on node b)."""
+    job = nodes.pod(
+        "a", pod, [*INIT, "--", *job_argv(LONG, "/workspace/train.log")], nodes.empty_dir("a", pod)
+    )
+    holder = None
+    if placeholder:
+        holder = nodes.pod("b", pod, [*INIT, "--placeholder"], nodes.empty_dir("b", pod))
+        wait_until(
+            lambda: "placeholder ready" in holder.log.read_text(errors="replace"), 30, "the placeholder"
+        )
+    wait_until(lambda: len(cri_steps(job.log)) >= 10, 120, "10 steps on node a")
+    return job, holder
+
+
+def _keeps_training(nodes: Nodes, job, more: int = 5) -> None:
+    """The job runs on node a, not stopped, and makes progress; nothing of it runs on node b."""
+    seen = max(cri_steps(job.log))
+    wait_until(lambda: max(cri_steps(job.log)) >= seen + more, 60, f"{more} more steps on node a")
+    assert nodes.runtimes["a"].status(job.container).state == 1  # CONTAINER_RUNNING
+    for rec in nodes.cluster.nodes["b"].records():
+        assert not (rec.get("container") and rec["state"] == "running" and psutil.pid_exists(rec["root_pid"]))
+
+
+def _migrated(nodes: Nodes, job) -> dict:
+    r = nodes.cluster.migrate(containers.name_of(job.container), "b", "--mode", "stop-and-copy")
+    assert r.returncode == 0, r.stderr
+    recs = nodes.cluster.nodes["b"].records()
+    return next(x for x in recs if x["state"] == "running" and x.get("container"))
+
+
+def test_stopping_the_placeholder_stops_the_job_with_its_status(nodes: Nodes) -> None:
+    job, holder = _job(nodes, "stop-me")
+    rec = _migrated(nodes, job)
+    nodes.runtimes["b"].stop_container(holder.container, grace=20)  # what the kubelet does: SIGTERM
+    code = nodes.runtimes["b"].wait_exited(holder.container, timeout=60)
+    assert code == 128 + signal.SIGTERM, holder.log.read_text()[-2000:]  # the trainer died of SIGTERM
+    wait_until(lambda: not psutil.pid_exists(rec["root_pid"]), 10, "the restored tree to end")
+
+
+def test_killing_the_placeholder_kills_the_job(nodes: Nodes) -> None:
+    job, holder = _job(nodes, "kill-me")
+    rec = _migrated(nodes, job)
+    os.kill(nodes.runtimes["b"].pid_of(holder.container), signal.SIGKILL)
+    wait_until(lambda: not psutil.pid_exists(rec["root_pid"]), 10, "the restored tree to die with it")
+    assert nodes.runtimes["b"].wait_exited(holder.container, timeout=30) == 128 + signal.SIGKILL
+
+
+def test_no_placeholder_keeps_the_job_on_its_node(nodes: Nodes) -> None:
+    job, _ = _job(nodes, "homeless", placeholder=False)
+    r = nodes.cluster.migrate(containers.name_of(job.container), "b")
+    assert r.returncode == 4, r.stderr
+    assert "no empty placeholder for default/homeless/train" in r.stderr
+    assert "Traceback" not in r.stderr
+    _keeps_training(nodes, job)
+
+
+@pytest.mark.parametrize("point", [Point.CLIENT_SENT, Point.CLIENT_RESTORED])
+def test_placeholder_stopped_before_the_commit(nodes: Nodes, tmp_path: Path, point: Point) -> None:
+    """Stopped after the bundle arrived (before the restore), or after the restore (before the commit)."""
+    job, holder = _job(nodes, f"gone-{point.split('.')[1]}")
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    env = {**os.environ, "CRIUCTL_STATE_DIR": str(nodes.cluster.client_state)}
+    env.update({ENV_PAUSE_AT: str(point), ENV_PAUSE_DIR: str(pause)})
+    name = containers.name_of(job.container)
+    p = subprocess.Popen([*CRIUCTL, "migrate", name, "--to", "b"], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)  # fmt: skip
+    wait_until(lambda: (pause / str(point)).exists() or p.poll() is not None, 120, f"the client at {point}")
+    assert p.poll() is None, p.stderr.read() if p.stderr else ""
+    os.kill(nodes.runtimes["b"].pid_of(holder.container), signal.SIGKILL)
+    nodes.runtimes["b"].wait_exited(holder.container, timeout=30)
+    (pause / f"{point}.go").touch()
+    _, err = p.communicate(timeout=180)
+    assert p.returncode == 4, err
+    assert "Traceback" not in err
+    _keeps_training(nodes, job)
+
+
+def test_target_runtime_down_keeps_the_job_on_its_node(nodes: Nodes) -> None:
+    job, _ = _job(nodes, "runtime-down")
+    b = nodes.runtimes["b"]
+    b.kill_daemon()  # containerd dies; its shims (and the placeholder) live on, as in a real crash
+    try:
+        r = nodes.cluster.migrate(containers.name_of(job.container), "b")
+        assert r.returncode == 4, r.stderr
+        assert "does not answer" in r.stderr and "Traceback" not in r.stderr
+        _keeps_training(nodes, job)
+    finally:
+        b.restart_daemon()
+
+
+def test_bad_input_one_line_nothing_frozen(nodes: Nodes, tmp_path: Path) -> None:
+    plain = nodes.runtimes["a"].run_pod("plain", ["/bin/sleep", "3600"])  # no criuctl init in it
+    job, _ = _job(nodes, "bystander", placeholder=False)
+    cases = [
+        (nodes.cluster.migrate("ctr-0123456789ab", "b"), "no node runs a workload named 'ctr-0123456789ab'"),
+        (nodes.cluster.migrate(containers.name_of(plain.container), "b"), "not criuctl's init"),
+    ]
+    env = {**os.environ, "CRIUCTL_STATE_DIR": str(tmp_path / "state")}
+    local = [*CRIUCTL, "dump", "0123456789abcdef", "-o", str(tmp_path / "b1")]
+    dead = {**env, "CRIUCTL_RUNTIME_ENDPOINT": f"unix://{tmp_path / 'nothing.sock'}"}
+    cases.append((subprocess.run(local, env=dead, capture_output=True, text=True), "does not answer"))
+    sock = nodes.runtimes["a"].endpoint
+    unknown = {**env, "CRIUCTL_RUNTIME_ENDPOINT": sock}
+    cases.append((subprocess.run(local, env=unknown, capture_output=True, text=True), "no container"))
+    plain_dump = [*CRIUCTL, "dump", plain.container, "-o", str(tmp_path / "b2")]
+    cases.append(
+        (subprocess.run(plain_dump, env=unknown, capture_output=True, text=True), "not criuctl's init")
+    )
+    for r, says in cases:
+        assert r.returncode != 0 and says in r.stderr, (r.returncode, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert nodes.runtimes["a"].status(plain.container).state == 1
+    assert not (tmp_path / "b1").exists() and not (tmp_path / "b2").exists()
+    _keeps_training(nodes, job)
