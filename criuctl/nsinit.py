@@ -135,6 +135,7 @@ def placeholder(control: str = CONTROL_DIR) -> int:
             raw, pending = pending.split(b"\n", 1)
             line = raw.decode(errors="replace").strip()
             word, _, rest = line.partition(" ")
+            word = word.rstrip(":")
             if word == "restoring":
                 _say(f"restoring a job here{': ' + rest if rest else ''}")
             elif word == "running":

@@ -57,17 +57,7 @@ class Placeholder:
 
     def tell(self, line: str) -> bool:
         """One line to the placeholder's init; False when it is gone or not listening."""
-        try:
-            fd = os.open(self.control("ctl"), os.O_WRONLY | os.O_NONBLOCK)
-        except OSError:
-            return False
-        try:
-            os.write(fd, (line.replace("\n", " ") + "\n").encode())
-            return True
-        except OSError:
-            return False
-        finally:
-            os.close(fd)
+        return tell_pid(self.pid, line)
 
     def alive(self) -> bool:
         return is_placeholder(self.pid)
@@ -77,6 +67,23 @@ class Placeholder:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self.fds.clear()
+
+
+def tell_pid(pid: int, line: str) -> bool:
+    """One line to the placeholder whose init is host PID `pid`; False when it is gone or deaf."""
+    if not is_placeholder(pid):
+        return False
+    try:
+        fd = os.open(f"/proc/{pid}/root/{CONTROL_DIR.strip('/')}/ctl", os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        os.write(fd, (line.replace("\n", " ") + "\n").encode())
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def find(rt: Runtime, ident: str) -> Placeholder:
@@ -198,6 +205,7 @@ def keep(ph: Placeholder, root_pid: int) -> int:
     Signals the placeholder's init forwards go to the tree's init (which forwards them to the
     job); if the placeholder dies (its container was killed), the tree is killed with it.
     """
+    _join_cgroups(ph.pid)
     sig_fd = _open_signals(ph)
     try:
         pidfd = os.pidfd_open(ph.pid)
@@ -225,6 +233,20 @@ def keep(ph: Placeholder, root_pid: int) -> int:
         for fd in (sig_fd, pidfd):
             if fd is not None:
                 os.close(fd)
+
+
+def _join_cgroups(pid: int) -> None:
+    """Move this keeper into the placeholder's cgroups: it then outlives the agent's container (a
+    DaemonSet update stops every process in the agent's cgroup) and lives exactly as long as the
+    container it keeps. Its ~40 MB count against the container's memory. Best effort."""
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, ctrl, path = line.split(":", 2)
+        hierarchy = "unified" if not ctrl else ctrl.removeprefix("name=")
+        procs = Path("/sys/fs/cgroup") / hierarchy / path.lstrip("/") / "cgroup.procs"
+        if not procs.exists() and not ctrl:
+            procs = Path("/sys/fs/cgroup") / path.lstrip("/") / "cgroup.procs"  # cgroup v2 only
+        with contextlib.suppress(OSError):
+            procs.write_text(str(os.getpid()))
 
 
 def _open_signals(ph: Placeholder) -> int | None:

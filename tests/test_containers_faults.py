@@ -151,3 +151,33 @@ def test_bad_input_one_line_nothing_frozen(nodes: Nodes, tmp_path: Path) -> None
     assert nodes.runtimes["a"].status(plain.container).state == 1
     assert not (tmp_path / "b1").exists() and not (tmp_path / "b2").exists()
     _keeps_training(nodes, job)
+
+
+def test_target_agent_and_handoff_killed_after_the_restore(nodes: Nodes, tmp_path: Path) -> None:
+    """Kill at a boundary the container path adds: the tree restored into the placeholder (stopped),
+    then the target's agent and its handoff die before the commit. The restarted agent kills the
+    copy that never ran and tells the placeholder; the source thaws; the job goes on at home."""
+    job, holder = _job(nodes, "agent-dies")
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    env = {**os.environ, "CRIUCTL_STATE_DIR": str(nodes.cluster.client_state)}
+    env.update({ENV_PAUSE_AT: str(Point.CLIENT_RESTORED), ENV_PAUSE_DIR: str(pause)})
+    name = containers.name_of(job.container)
+    p = subprocess.Popen([*CRIUCTL, "migrate", name, "--to", "b"], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)  # fmt: skip
+    point = pause / str(Point.CLIENT_RESTORED)
+    wait_until(lambda: point.exists() or p.poll() is not None, 120, "the client after the restore")
+    assert p.poll() is None, p.stderr.read() if p.stderr else ""
+    b = nodes.cluster.nodes["b"]
+    handoffs = [h for h in nodes.cluster.handoffs() if str(b.state.parent) in " ".join(h.cmdline())]
+    assert handoffs, "no target handoff holds the restored tree"
+    b.stop_agent(signal.SIGKILL)
+    for h in handoffs:
+        h.kill()
+    b.start_agent(lease=nodes.cluster.lease)  # a DaemonSet brings it back
+    (pause / f"{Point.CLIENT_RESTORED}.go").touch()
+    _, err = p.communicate(timeout=240)
+    assert p.returncode in (4, 5), err
+    ready = lambda: "this placeholder is empty" in holder.log.read_text(errors="replace")  # noqa: E731
+    wait_until(ready, 30, "the placeholder to say it is empty")
+    _keeps_training(nodes, job)

@@ -201,9 +201,11 @@ def target(spec_file: Path) -> int:
         _error(exc)
         return 1
     try:
+        into = restored.into
         _advance_target(
-            spec, TargetState.RESTORED, handoff_pid=os.getpid(), root_pid=restored.workload.root_pid
-        )
+            spec, TargetState.RESTORED, handoff_pid=os.getpid(), root_pid=restored.workload.root_pid,
+            placeholder=into.container.id if into else None, placeholder_pid=into.pid if into else None,
+        )  # fmt: skip
     except BadTransition:  # a restarted agent settled the record as ABORTED while CRIU restored
         restored.abort()
         _emit(Event.ABORTED)

@@ -295,6 +295,7 @@ class TargetRecord:
     history: list[str] = field(default_factory=list)
     placeholder: str | None = None  # container ID the client named (None: the target picks one)
     runtime: str | None = None
+    placeholder_pid: int | None = None  # host PID of the placeholder's init, once restored into it
 
     def to_json(self) -> dict:
         return {**asdict(self), "state": str(self.state)}

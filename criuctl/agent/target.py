@@ -24,6 +24,7 @@ from pathlib import Path
 
 import psutil
 
+from criuctl import placeholder
 from criuctl.agent import points, records
 from criuctl.agent.handoffs import HandoffFailed, HandoffLike
 from criuctl.agent.protocol import (
@@ -202,6 +203,8 @@ class TargetMachine:
                 if time.monotonic() > deadline:
                     return False
                 time.sleep(0.05)
+            if self.rec.placeholder_pid:  # its handoff died before saying so: the placeholder is empty
+                placeholder.tell_pid(self.rec.placeholder_pid, "aborted: the agent restarted first")
         return True
 
     def _handoff_lives(self) -> bool:
