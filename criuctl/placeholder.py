@@ -199,13 +199,17 @@ def restore_options(ph: Placeholder, facts: ContainerFacts, stdio_pipes: dict[st
     }
 
 
-def keep(ph: Placeholder, root_pid: int) -> int:
-    """Stand by a running restored tree (our child) until it ends; its status is the placeholder's.
+def keep(ph: Placeholder, root_pid: int, join_cgroups: bool = False) -> int:
+    """Stand by a running restored tree (our child) until it ends; return its exit status.
 
     Signals the placeholder's init forwards go to the tree's init (which forwards them to the
-    job); if the placeholder dies (its container was killed), the tree is killed with it.
+    job); if the placeholder dies (its container was killed), the tree is killed with it. The
+    caller records the end, then tells the placeholder (`tell(f"exit {code}")`): after that the
+    runtime may kill whatever is left in the container's cgroups — this process too, if it joined
+    them (`join_cgroups`, which the agent's keeper does to outlive the agent's own container).
     """
-    _join_cgroups(ph.pid)
+    if join_cgroups:
+        _join_cgroups(ph.pid)
     sig_fd = _open_signals(ph)
     try:
         pidfd = os.pidfd_open(ph.pid)
@@ -215,9 +219,7 @@ def keep(ph: Placeholder, root_pid: int) -> int:
         while True:
             pid, status = os.waitpid(root_pid, os.WNOHANG)
             if pid:
-                code = exit_code(status)
-                ph.tell(f"exit {code}")
-                return code
+                return exit_code(status)
             watch = [fd for fd in (sig_fd, pidfd) if fd is not None]
             ready, _, _ = select.select(watch, [], [], 0.5)
             if pidfd is not None and pidfd in ready:

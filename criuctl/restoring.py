@@ -60,17 +60,19 @@ class Restored:
             self.lazy_daemon.wait()
         _close(self.stdio, self.into, why)
 
-    def supervise(self, echo: bool = True) -> int:
-        """Stand by the running tree until it ends; the exit status for this command."""
+    def supervise(self, echo: bool = True, keeper: bool = False) -> int:
+        """Stand by the running tree until it ends; the exit status for this command. A `keeper`
+        (the agent's target handoff) joins the placeholder's cgroups (`placeholder.keep`)."""
         if self.into is None:
             assert self.stdio is not None
             return supervisor.supervise(self.workload, self.stdio, echo=echo)
-        code = placeholder.keep(self.into, self.workload.root_pid)
+        code = placeholder.keep(self.into, self.workload.root_pid, join_cgroups=keeper)
         w = self.workload
         now = workloads.load(w.name)
         if now is None or now.state == workloads.RUNNING:
             w.state, w.exit_code = workloads.EXITED, code
             workloads.save(w)
+        self.into.tell(f"exit {code}")  # last: the placeholder then ends, and its cgroups with it
         return code
 
 

@@ -13,7 +13,9 @@ and at no moment did the job run on both nodes or on neither.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -22,6 +24,7 @@ import pytest
 
 from criuctl import containers, mounts
 from tests.conftest import needs_criu
+from tests.jobs import CRIUCTL
 
 pytestmark = [needs_criu, pytest.mark.slow]
 
@@ -30,7 +33,7 @@ if shutil.which("containerd") is None:  # `make test` installs it: only a bare `
 else:
     from criuctl_cri import api_pb2 as pb
 
-    from tests.containerd import JOB, PY, Containerd, Nodes, cri_final, cri_steps, job_argv, wait_until
+    from tests.containerd import INIT, JOB, PY, Containerd, Nodes, cri_final, cri_steps, job_argv, wait_until
 
 STEPS = 160
 
@@ -132,3 +135,32 @@ def _root_mount(rt: Containerd, cid: str) -> mounts.Mount:
         rt.rt.ContainerStatus(pb.ContainerStatusRequest(container_id=cid, verbose=True)).info["info"]
     )
     return mounts.root_mount(mounts.of(pid["pid"]))
+
+
+def test_local_dump_then_restore_into_a_placeholder(nodes: Nodes, reference, tmp_path) -> None:
+    """The third way: `criuctl dump CONTAINER -o DIR` on one node, `criuctl restore DIR --into
+    PLACEHOLDER` on another, by hand. Run from the host's network namespace, so the dump finds the
+    pod's network outside CRIU's and leaves it external: the restore joins the placeholder's."""
+    ref = reference(JOB.name, "--steps", str(STEPS), "--workers", "2", "--log", "/dev/null")
+    pod = "trainer-by-hand"
+    src_scratch, dst_scratch = nodes.empty_dir("a", f"{pod}-a"), nodes.empty_dir("b", f"{pod}-b")
+    job = nodes.pod("a", pod, [*INIT, "--", *job_argv(STEPS, "/workspace/train.log")], src_scratch)
+    holder = nodes.pod("b", pod, [*INIT, "--placeholder"], dst_scratch)
+    wait_until(lambda: "placeholder ready" in holder.log.read_text(errors="replace"), 30, "the placeholder")
+    wait_until(lambda: len(cri_steps(job.log)) >= 30, 120, "30 steps on node a")
+    state = {**os.environ, "CRIUCTL_STATE_DIR": str(tmp_path / "state")}
+    out = tmp_path / "bundle"
+    a = {**state, "CRIUCTL_RUNTIME_ENDPOINT": nodes.runtimes["a"].endpoint}
+    r = subprocess.run(
+        [*CRIUCTL, "dump", job.container, "-o", str(out)], env=a, capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr
+    assert nodes.runtimes["a"].wait_exited(job.container, timeout=30) == 128 + 9  # committed: the tree ended
+    b = {**state, "CRIUCTL_RUNTIME_ENDPOINT": nodes.runtimes["b"].endpoint}
+    argv = [*CRIUCTL, "restore", str(out), "--into", holder.container[:12]]
+    restore = subprocess.run(argv, env=b, capture_output=True, text=True, timeout=300)
+    assert restore.returncode == 0, restore.stderr  # it stood by the job to its end: the job's status
+    assert nodes.runtimes["b"].wait_exited(holder.container, timeout=30) == 0
+    before, after = cri_steps(job.log), cri_steps(holder.log)
+    assert {**before, **after} == ref.steps and min(after) > 0
+    assert cri_final(holder.log) == [ref.final]

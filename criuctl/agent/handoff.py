@@ -234,7 +234,7 @@ def target(spec_file: Path) -> int:
     _detach()
     if restored.lazy_daemon is not None:  # the images are read until the last page is in
         threading.Thread(target=_collect, args=(restored.lazy_daemon, Path(spec.bundle)), daemon=True).start()
-    return restored.supervise(echo=False)
+    return restored.supervise(echo=False, keeper=True)
 
 
 def _placeholder(spec: TargetSpec) -> placeholder.Placeholder | None:
