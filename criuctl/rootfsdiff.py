@@ -8,6 +8,12 @@ removed from the placeholder's rootfs before the tar is unpacked into it.
 
 Unpacking happens in a child chrooted into the placeholder's rootfs: images are full of absolute
 symlinks (/var/run -> /run), and followed from the host they would write into the host.
+
+A tar written by a runtime (a kubelet/CRI archive's rootfs-diff.tar, from containerd) carries the
+overlay's deletions in the tar itself, as AUFS-style whiteout entries: `D/.wh.NAME` (NAME was
+deleted: the archive reader lists it in `deleted`) and `D/.wh..wh..opq` (D is opaque: nothing the
+image had below D is left; the tar's own entries below D are its content now). No `.wh.*` entry is
+ever extracted as a file; an opaque D is emptied in the rootfs before anything is unpacked.
 """
 
 from __future__ import annotations
@@ -16,10 +22,12 @@ import os
 import shutil
 import stat
 import tarfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 # criuctl's own control files in a placeholder: never carried to another placeholder.
 SKIP = ("run/criuctl",)
+WHITEOUT = ".wh."  # a tar entry named so is a deletion marker, never a file of the container
+OPAQUE = ".wh..wh..opq"  # the marker of an opaque folder: the folder holding it
 
 
 def _whiteout(st: os.stat_result) -> bool:
@@ -62,7 +70,8 @@ def write(upperdir: Path, out: Path) -> list[str]:
 
 
 def apply(tar_path: Path | None, deleted: list[str], rootfs: Path) -> None:
-    """Remove `deleted`, then unpack `tar_path`, inside `rootfs` (as a chroot would see it)."""
+    """Remove `deleted`, empty the tar's opaque folders, then unpack `tar_path` but its whiteout
+    entries, inside `rootfs` (as a chroot would see it)."""
     with open(tar_path or os.devnull, "rb") as archive:  # opened here: its path is not visible inside
         pid = os.fork()
         if pid == 0:
@@ -73,7 +82,7 @@ def apply(tar_path: Path | None, deleted: list[str], rootfs: Path) -> None:
                 _remove(deleted)
                 if tar_path is not None:
                     with tarfile.open(fileobj=archive) as tar:
-                        tar.extractall("/", filter="tar")
+                        tar.extractall("/", members=_content(tar), filter="tar")
                 code = 0
             except BaseException as exc:  # reported through the exit status, in the parent's words
                 os.write(2, f"criuctl: cannot apply the writable layer: {exc}\n".encode())
@@ -91,3 +100,40 @@ def _remove(deleted: list[str]) -> None:
             shutil.rmtree(target, ignore_errors=True)
         elif os.path.lexists(target):
             os.unlink(target)
+
+
+def _content(tar: tarfile.TarFile) -> list[tarfile.TarInfo]:
+    """The entries of `tar` to extract: all but the whiteouts. Every opaque folder is emptied here
+    first (in the chroot), so that none of the tar's own entries below it is lost to it."""
+    kept = []
+    for info in tar:
+        path = PurePosixPath(info.name)
+        if not path.name.startswith(WHITEOUT):
+            kept.append(info)
+        elif path.name == OPAQUE and path.parent.parts:
+            # A marker at the top would empty the whole rootfs; the overlay never marks its root
+            # opaque (and `write` never records it), so one there is ignored.
+            _empty("/".join(path.parent.parts))
+    return kept
+
+
+def _empty(rel: str) -> None:
+    """Make `rel` an empty folder's place: its children removed, or itself when it is not a folder
+    (a link the image had there is replaced, never followed: the tar brings the folder). criuctl's
+    control files in the placeholder (`SKIP`) stay."""
+    if any(rel == s or rel.startswith(s + "/") for s in SKIP):
+        return
+    target = "/" + rel
+    try:
+        st = os.lstat(target)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(target)
+        return
+    for name in os.listdir(target):
+        child = f"{rel}/{name}"
+        if any(s == child or s.startswith(child + "/") for s in SKIP):
+            _empty(child)  # is or holds criuctl's own files: emptied around them
+        else:
+            _remove([child])
