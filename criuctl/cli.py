@@ -242,7 +242,21 @@ def _cmd_restore(a: argparse.Namespace) -> int:
         from criuctl import placeholder, runtime
 
         into = placeholder.find(runtime.connect(a.runtime_endpoint), a.into)
-    return checkpoint.restore(Path(a.bundle), a.name, into=into)
+    from criuctl.runtime import archive
+
+    path = Path(a.bundle)
+    if not archive.is_archive(path):
+        return checkpoint.restore(path, a.name, into=into)
+    if into is None:
+        raise CriuctlError(
+            f"{path} is a kubelet/CRI checkpoint archive of a container: it restores only into a placeholder",
+            "start a placeholder (docs/containers.md) and pass --into CONTAINER",
+        )
+    from criuctl import bundle
+
+    key = bundle.load_key(workloads.key_path())  # the node that reads the archive signs it
+    with archive.imported(path, key, workloads.state_dir() / "imports") as (root, _manifest):
+        return checkpoint.restore(root, a.name, into=into)
 
 
 def _cmd_inspect(a: argparse.Namespace) -> int:

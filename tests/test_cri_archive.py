@@ -487,6 +487,61 @@ def test_cli_inspects_an_archive(checkpointed: Checkpointed, state_dir: Path) ->
 # ------------------------------------------------------------------------------- hostile archives
 
 
+def test_archive_restores_into_a_placeholder_under_containerd_16(
+    checkpointed: Checkpointed, tmp_path: Path, state_dir: Path
+) -> None:
+    """The other way round: the archive containerd 2.1.9 wrote, restored by criuctl into a placeholder
+    container of Debian 12's containerd 1.6 (which has no CheckpointContainer at all). The trainer
+    goes on from the checkpoint: the weight sums it prints after the restore are exactly those the
+    original printed at the same steps (its random stream is seeded), and its log in the writable
+    layer came along."""
+    from criuctl import containers
+    from tests.containerd import Containerd
+
+    node = checkpointed.node
+    node.rt.StopContainer(node.pb.StopContainerRequest(container_id=checkpointed.trainer_id, timeout=2))
+    original = dict(_sums(_log(node, "trainer-0", "trainer")))
+    old = Containerd(tmp_path / "c16").start()
+    try:
+        inject = containers.write_inject_dir(tmp_path / "inject")
+        mounts = {m: m for m in ("/usr", "/lib", "/lib64", str(REPO / ".venv"), sys.base_prefix)}
+        mounts["/.criuctl"] = str(inject)
+        placeholder = [str(REPO / ".venv" / "bin" / "python"), "-I", "/.criuctl/nsinit.py", "--placeholder"]
+        holder = old.run_pod("trainer-0", placeholder, mounts=mounts, container="trainer", namespace="ml")
+        deadline = time.monotonic() + 30
+        while "placeholder ready" not in holder.log.read_text(errors="replace"):
+            assert time.monotonic() < deadline, holder.log.read_text()
+            time.sleep(0.1)
+        env = {**os.environ, "CRIUCTL_RUNTIME_ENDPOINT": old.endpoint}
+        argv = [CRIUCTL, "restore", checkpointed.archive, "--into", holder.container]
+        restore = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while len(_sums(holder.log.read_text(errors="replace"))) < 3:
+            assert restore.poll() is None, restore.stderr.read() if restore.stderr else ""
+            assert time.monotonic() < deadline, holder.log.read_text()[-2000:]
+            time.sleep(0.1)
+        after = [
+            ln.split(" F ")[-1].split() for ln in holder.log.read_text().splitlines() if " F step " in ln
+        ]
+        assert after and all(original.get(int(w[1]), w[2]) == w[2] for w in after), (after[:3], original)
+        assert int(after[0][1]) > 10  # it went on from the checkpoint, it did not start over
+        assert any(int(w[1]) in original for w in after)  # and overlaps what the original printed
+        old.stop_container(holder.container, grace=2)  # PID 1 python ignores SIGTERM: SIGKILL after 2 s
+        assert restore.wait(60) != 0
+    finally:
+        old.stop()
+
+
+def _sums(cri_log: str) -> list[tuple[int, str]]:
+    """(step, weight sum) the trainer printed, from a CRI log ("TIME stdout F step 20 -0.1234")."""
+    out = []
+    for line in cri_log.splitlines():
+        words = line.split(" F ")[-1].split()
+        if len(words) == 3 and words[0] == "step":
+            out.append((int(words[1]), words[2]))
+    return out
+
+
 def _pycriu():
     return pytest.importorskip("pycriu", reason="needs pycriu: run `make install`")
 

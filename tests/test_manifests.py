@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from criuctl import bundle, cli, preflight, runtime, statedir, tokens, workloads
+from criuctl import bundle, cli, containers, preflight, runtime, statedir, tokens, workloads
 
 try:
     import kubernetes_validate
@@ -336,6 +336,7 @@ def test_the_secret_templates_hold_placeholders_the_agent_refuses(objects: list[
 # kubelet reports means the same thing in the agent)
 SAME_PATH = [
     "/var/lib/criuctl",
+    str(containers.INJECT_DIR),  # where pods find criuctl's init: written by the agent, on the host
     "/sys/fs/cgroup",
     "/var/lib/kubelet/pods",
     "/var/lib/kubelet/checkpoints",
