@@ -161,6 +161,20 @@ def _cuda() -> Check:
     )
 
 
+def _container_runtime() -> Check:
+    """Optional: criuctl moves containers only where it can ask their runtime (docs/containers.md)."""
+    from criuctl import runtime
+
+    where = runtime.endpoint()
+    try:
+        rt = runtime.connect(where)
+        n = len(rt.containers())
+        version = rt.version() if hasattr(rt, "version") else where
+    except CriuctlError as exc:
+        return Check("container runtime", False, exc.what, exc.hint, required=False)
+    return Check("container runtime", True, f"{version} at {where}: {n} containers")
+
+
 CHECKS: list[Callable[[], Check | list[Check]]] = [
     _root,
     _criu_version,
@@ -172,6 +186,7 @@ CHECKS: list[Callable[[], Check | list[Check]]] = [
     _nftables,
     _io_uring,
     _cuda,
+    _container_runtime,
 ]
 
 
