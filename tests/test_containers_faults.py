@@ -151,6 +151,13 @@ def test_bad_input_one_line_nothing_frozen(nodes: Nodes, tmp_path: Path) -> None
     assert nodes.runtimes["a"].status(plain.container).state == 1
     assert not (tmp_path / "b1").exists() and not (tmp_path / "b2").exists()
     _keeps_training(nodes, job)
+    # `ps --node` lists both containers next to each other: the job as a workload, the other with why not
+    ps = nodes.cluster.client("ps", "--node", "a")
+    assert ps.returncode == 0, ps.stderr
+    rows = {line.split()[0]: line for line in ps.stdout.splitlines() if line.startswith("ctr-")}
+    assert "default/bystander" in rows[containers.name_of(job.container)]
+    assert rows[containers.name_of(job.container)].rstrip().endswith("running")
+    assert "not checkpointable" in rows[containers.name_of(plain.container)]
 
 
 def test_target_agent_and_handoff_killed_after_the_restore(nodes: Nodes, tmp_path: Path) -> None:
