@@ -1,14 +1,20 @@
-"""`criuctl` command line: parse, call one workflow, render its result. No mechanism lives here."""
+"""`criuctl` command line: parse, call one workflow, render its result. No mechanism lives here.
+
+The verbs' options and help are data in `cliargs`; `node` and `migrate` live in `climigrate`."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from criuctl import climigrate
+from criuctl.cliargs import parser
 from criuctl.errors import CriuctlError, require_root
+
+__all__ = ["main", "parser"]
 
 
 def _cmd_run(a: argparse.Namespace) -> int:
@@ -101,101 +107,6 @@ def _cmd_agent(a: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_node(a: argparse.Namespace) -> int:
-    from criuctl import render
-    from criuctl.agent import client
-
-    if a.node_verb == "add":
-        client.add_node(
-            client.Node(
-                a.name, a.url, str(Path(a.token_file).absolute()), a.ca and str(Path(a.ca).absolute())
-            )
-        )
-        print(f"criuctl: node {a.name} → {a.url}", file=sys.stderr)
-    elif a.node_verb == "rm":
-        client.remove_node(a.name)
-    else:
-        nodes = list(client.all_nodes().values())
-        health = {}
-        for n in nodes:
-            try:
-                info = client.AgentClient(n, timeout=5).get("/v1/info", timeout=5)
-                health[n.name] = f"up ({info['node']}, CRIU {info.get('criu', 'missing')})"
-            except client.TokenRefused:
-                health[n.name] = "refused: wrong token (the agent is up; see TOKEN FILE)"
-            except client.NodeUnreachable as exc:
-                health[n.name] = f"down: {exc.what}"
-            except (CriuctlError, KeyError, TypeError, ValueError) as exc:
-                what = exc.what if isinstance(exc, CriuctlError) else "an answer that is not criuctl's"
-                health[n.name] = f"error: {what}"
-        render.nodes_table(nodes, health)
-    return 0
-
-
-def _source_node(name: str, to: str, given: str | None):
-    """The node workload `name` runs on, checked with every agent, or one line that says where it
-    is instead: already on the target, not on --from, on several nodes, or nowhere that answers."""
-    from criuctl.agent import client
-
-    target = client.get_node(to)
-    if given is not None:
-        source = client.get_node(given)
-        if client.running_here(client.AgentClient(source, timeout=10).get("/v1/workloads"), name):
-            if source.name == target.name:
-                raise CriuctlError(
-                    f"workload {name!r} already runs on node {to}", "nothing to move: pick another --to"
-                )
-            return source, target
-        others = client.survey(name, [n for n in client.all_nodes().values() if n.name != given])
-        where = ", ".join(n.name for n in others.running_on)
-        raise CriuctlError(
-            f"workload {name!r} does not run on node {given}"
-            + (f"; it runs on node {where}" if where else ""),
-            f"pass --from {others.running_on[0].name}"
-            if where
-            else "see `criuctl ps --node NODE` for what runs where",
-        )
-    found = client.survey(name)
-    if [n.name for n in found.running_on] == [target.name]:
-        raise CriuctlError(
-            f"workload {name!r} already runs on node {to}", "nothing to move: pick another --to"
-        )
-    sources = [n for n in found.running_on if n.name != target.name]
-    if len(sources) > 1:
-        raise CriuctlError(
-            f"workload {name!r} runs on several nodes: {', '.join(n.name for n in sources)}",
-            "say which one to move with --from NODE",
-        )
-    if not sources and found.refused:
-        node, why = next(iter(found.refused.items()))
-        raise CriuctlError(f"{why} (node {node})", "nothing was frozen; the container keeps running")
-    if not sources:
-        silent = f" (no answer from node {', '.join(found.silent)})" if found.silent else ""
-        raise CriuctlError(
-            f"no node runs a workload named {name!r}{silent}",
-            "see `criuctl ps --node NODE`, or pass --from NODE",
-        )
-    return sources[0], target
-
-
-def _cmd_migrate(a: argparse.Namespace) -> int:
-    from criuctl import containers, render, workloads
-    from criuctl.agent import migrate
-
-    a.name = containers.normalize(a.name)
-    workloads.validate_name(a.name)
-    source, target = _source_node(a.name, a.to, a.source)
-    with render.migration_progress() as progress:
-        result = migrate.migrate(a.name, source, target, a.mode, progress, into=a.into)
-    render.migration_summary(result)
-    if a.json:
-        import dataclasses
-        import json
-
-        print(json.dumps(dataclasses.asdict(result)))
-    return 0 if result.source_confirmed else 6
-
-
 def _check_writable(folder: Path) -> None:
     """Refuse a bundle folder we cannot create, before anything is frozen.
 
@@ -283,148 +194,20 @@ def _cmd_demo(a: argparse.Namespace) -> int:
     return demo.main(Path(a.out), steps=a.steps, freeze_at=a.freeze_at)
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="criuctl",
-        description="Freeze a running training job with CRIU "
-        "and restore it, bit-identical, here or on another node.",
-    )
-    sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--state-dir",
-        metavar="DIR",
-        help="criuctl's state on this node: workloads, logs, keys, nodes (env CRIUCTL_STATE_DIR; "
-        "default /var/lib/criuctl)",
-    )
-    _add = sub.add_parser
-
-    def add_parser(*args, **kw):  # every verb takes --state-dir
-        return _add(*args, parents=[common], **kw)
-
-    sub.add_parser = add_parser
-
-    s = sub.add_parser("run", help="start a command as a checkpointable workload")
-    s.add_argument("--name", help="workload name (default: the command's name)")
-    s.add_argument(
-        "--allow-io-uring",
-        action="store_true",
-        help="do not block io_uring (CRIU cannot checkpoint a process that uses it)",
-    )
-    s.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
-    s.set_defaults(func=_cmd_run)
-
-    s = sub.add_parser("ps", help="list the workloads on this host (or on a node's agent)")
-    s.add_argument("-a", "--all", action="store_true", help="also show exited, moved and checkpointed ones")
-    s.add_argument("--node", help="ask this node's agent instead of reading this host's registry")
-    s.set_defaults(func=_cmd_ps)
-
-    s = sub.add_parser("logs", help="a workload's stdout and stderr on this host (or on a node)")
-    s.add_argument("name", metavar="NAME")
-    s.add_argument("--node", help="ask this node's agent")
-    s.add_argument("--tail", type=int, default=0, metavar="N", help="only the last N lines")
-    s.set_defaults(func=_cmd_logs)
-
-    s = sub.add_parser("agent", help="run the node agent (the DaemonSet's process)")
-    s.add_argument("--listen", default="0.0.0.0:7070", metavar="HOST:PORT")
-    s.add_argument("--token-file", required=True, metavar="FILE", help="bearer token, mode 0600")
-    s.add_argument("--tls-cert", metavar="FILE")
-    s.add_argument("--tls-key", metavar="FILE")
-    s.add_argument("--name", help="this node's name (default: the host name)")
-    s.add_argument(
-        "--spool-dir", metavar="DIR",
-        help="where bundles in flight go (default: the state dir); a tmpfs keeps the disk out of a "
-        "migration's path, at the cost of RAM for one bundle per migration (env CRIUCTL_SPOOL_DIR)",
-    )  # fmt: skip
-    s.add_argument(
-        "--lease", type=float, default=120.0, metavar="SECONDS",
-        help="how long a frozen source waits for the client's commit before asking the target",
-    )  # fmt: skip
-    s.add_argument(
-        "--runtime-endpoint", metavar="SOCKET",
-        help="the container runtime's CRI socket (env CRIUCTL_RUNTIME_ENDPOINT; default: containerd's, "
-        "then CRI-O's, whichever exists)",
-    )  # fmt: skip
-    s.add_argument(
-        "--inject-dir", metavar="DIR",
-        help="where the agent puts criuctl's init and hook for containers to mount read-only "
-        "(default /var/lib/criuctl-inject)",
-    )  # fmt: skip
-    s.set_defaults(func=_cmd_agent)
-
-    s = sub.add_parser("node", help="the nodes `migrate` can use: agent addresses and their tokens")
-    nsub = s.add_subparsers(dest="node_verb", required=True)
-    # `node ls --state-dir D` as well as `node --state-dir D ls`: SUPPRESS, or the sub-verb's
-    # default (None) would overwrite a --state-dir given before it
-    after = argparse.ArgumentParser(add_help=False)
-    after.add_argument("--state-dir", metavar="DIR", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    _nadd = nsub.add_parser
-
-    def node_parser(*args, **kw):
-        return _nadd(*args, parents=[after], **kw)
-
-    nsub.add_parser = node_parser
-    n = nsub.add_parser("add", help="add or replace a node")
-    n.add_argument("name", metavar="NAME")
-    n.add_argument("url", metavar="URL", help="the agent's address, e.g. https://10.0.0.2:7070")
-    n.add_argument("--token-file", required=True, metavar="FILE")
-    n.add_argument("--ca", metavar="FILE", help="CA certificate that signed the agent's TLS certificate")
-    n = nsub.add_parser("rm", help="forget a node")
-    n.add_argument("name", metavar="NAME")
-    nsub.add_parser("ls", help="list nodes and whether their agents answer")
-    s.set_defaults(func=_cmd_node)
-
-    s = sub.add_parser("migrate", help="move a running workload to another node")
-    s.add_argument("name", metavar="NAME")
-    s.add_argument("--to", required=True, metavar="NODE")
-    s.add_argument(
-        "--from", dest="source", metavar="NODE", help="the node it runs on (default: ask them all)"
-    )
-    s.add_argument(
-        "--mode", choices=["stop-and-copy", "post-copy", "pre-copy"],
-        help="default: post-copy where both kernels have userfaultfd, else stop-and-copy",
-    )  # fmt: skip
-    s.add_argument(
-        "--into", metavar="CONTAINER",
-        help="a container's job: the placeholder container (ID) on the target to restore it into "
-        "(default: the target's one empty placeholder for the same pod and container)",
-    )  # fmt: skip
-    s.add_argument("--json", action="store_true", help="also print the result as JSON on stdout")
-    s.set_defaults(func=_cmd_migrate)
-
-    s = sub.add_parser("dump", help="checkpoint a workload into a bundle directory")
-    s.add_argument("target", metavar="NAME|PID")
-    s.add_argument("-o", "--output", required=True, metavar="DIR", help="new bundle directory")
-    s.add_argument("--leave-running", action="store_true", help="snapshot only: the workload keeps running")
-    s.set_defaults(func=_cmd_dump)
-
-    s = sub.add_parser("restore", help="restore a bundle and supervise it in the foreground")
-    s.add_argument("bundle", metavar="DIR")
-    s.add_argument("--name", help="name of the restored workload (default: the checkpointed one's)")
-    s.add_argument(
-        "--into",
-        metavar="CONTAINER",
-        help="a container's bundle: the placeholder container (ID) to restore into",
-    )
-    s.add_argument(
-        "--runtime-endpoint", metavar="SOCKET", help="the CRI socket (env CRIUCTL_RUNTIME_ENDPOINT)"
-    )
-    s.set_defaults(func=_cmd_restore)
-
-    s = sub.add_parser("inspect", help="describe a bundle: processes, memory, files, checks")
-    s.add_argument("bundle", metavar="DIR|ARCHIVE", help="a bundle, or a kubelet/CRI checkpoint archive")
-    s.add_argument("--output", choices=["text", "json"], default="text")
-    s.set_defaults(func=_cmd_inspect)
-
-    s = sub.add_parser("doctor", help="check CRIU and the kernel features criuctl needs")
-    s.set_defaults(func=_cmd_doctor)
-
-    s = sub.add_parser("demo", help="train, freeze, restore, and compare against an uninterrupted run")
-    s.add_argument("--out", default="criuctl-demo", help="directory for the bundle and plot")
-    s.add_argument("--steps", type=int, default=80)
-    s.add_argument("--freeze-at", type=int, default=30, help="freeze once this step has been printed")
-    s.set_defaults(func=_cmd_demo)
-    return p
+# verb → the function that carries it out; `cliargs.VERBS` has the same keys
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "run": _cmd_run,
+    "ps": _cmd_ps,
+    "logs": _cmd_logs,
+    "agent": _cmd_agent,
+    "node": climigrate.cmd_node,
+    "migrate": climigrate.cmd_migrate,
+    "dump": _cmd_dump,
+    "restore": _cmd_restore,
+    "inspect": _cmd_inspect,
+    "doctor": _cmd_doctor,
+    "demo": _cmd_demo,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -439,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from criuctl import statedir
 
         statedir.check_state_dir()
-        return a.func(a)
+        return COMMANDS[a.verb](a)
     except CriuctlError as exc:
         print(f"criuctl: error: {exc.line()}", file=sys.stderr)
         if exc.detail and _verbose():

@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from criuctl import bundle, criu
+from criuctl import bundle, cli, cliargs, criu
 from criuctl.bundle import Manifest, ProcessInfo
 
 pycriu = pytest.importorskip("pycriu", reason="pycriu is installed by `make test` (scripts/install-criu.sh)")
@@ -101,3 +101,8 @@ def test_not_a_bundle_and_future_format(tmp_path):
     )
     with pytest.raises(bundle.BundleError, match="format 99 is not supported"):
         bundle.read_manifest(tmp_path / "d")
+
+
+def test_every_verb_the_parser_knows_has_a_command():
+    assert list(cli.COMMANDS) == list(cliargs.VERBS)
+    assert cli.parser().parse_args(["node", "ls"]).verb in cli.COMMANDS

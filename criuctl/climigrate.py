@@ -1,0 +1,105 @@
+"""`criuctl node` and `criuctl migrate`, the client's side of moving a workload: the node list, which
+node a workload runs on, and the migration the two agents carry out."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from criuctl.errors import CriuctlError
+
+
+def cmd_node(a: argparse.Namespace) -> int:
+    from criuctl import render
+    from criuctl.agent import client
+
+    if a.node_verb == "add":
+        client.add_node(
+            client.Node(
+                a.name, a.url, str(Path(a.token_file).absolute()), a.ca and str(Path(a.ca).absolute())
+            )
+        )
+        print(f"criuctl: node {a.name} → {a.url}", file=sys.stderr)
+    elif a.node_verb == "rm":
+        client.remove_node(a.name)
+    else:
+        nodes = list(client.all_nodes().values())
+        health = {}
+        for n in nodes:
+            try:
+                info = client.AgentClient(n, timeout=5).get("/v1/info", timeout=5)
+                health[n.name] = f"up ({info['node']}, CRIU {info.get('criu', 'missing')})"
+            except client.TokenRefused:
+                health[n.name] = "refused: wrong token (the agent is up; see TOKEN FILE)"
+            except client.NodeUnreachable as exc:
+                health[n.name] = f"down: {exc.what}"
+            except (CriuctlError, KeyError, TypeError, ValueError) as exc:
+                what = exc.what if isinstance(exc, CriuctlError) else "an answer that is not criuctl's"
+                health[n.name] = f"error: {what}"
+        render.nodes_table(nodes, health)
+    return 0
+
+
+def _source_node(name: str, to: str, given: str | None):
+    """The node workload `name` runs on, checked with every agent, or one line that says where it
+    is instead: already on the target, not on --from, on several nodes, or nowhere that answers."""
+    from criuctl.agent import client
+
+    target = client.get_node(to)
+    if given is not None:
+        source = client.get_node(given)
+        if client.running_here(client.AgentClient(source, timeout=10).get("/v1/workloads"), name):
+            if source.name == target.name:
+                raise CriuctlError(
+                    f"workload {name!r} already runs on node {to}", "nothing to move: pick another --to"
+                )
+            return source, target
+        others = client.survey(name, [n for n in client.all_nodes().values() if n.name != given])
+        where = ", ".join(n.name for n in others.running_on)
+        raise CriuctlError(
+            f"workload {name!r} does not run on node {given}"
+            + (f"; it runs on node {where}" if where else ""),
+            f"pass --from {others.running_on[0].name}"
+            if where
+            else "see `criuctl ps --node NODE` for what runs where",
+        )
+    found = client.survey(name)
+    if [n.name for n in found.running_on] == [target.name]:
+        raise CriuctlError(
+            f"workload {name!r} already runs on node {to}", "nothing to move: pick another --to"
+        )
+    sources = [n for n in found.running_on if n.name != target.name]
+    if len(sources) > 1:
+        raise CriuctlError(
+            f"workload {name!r} runs on several nodes: {', '.join(n.name for n in sources)}",
+            "say which one to move with --from NODE",
+        )
+    if not sources and found.refused:
+        node, why = next(iter(found.refused.items()))
+        raise CriuctlError(f"{why} (node {node})", "nothing was frozen; the container keeps running")
+    if not sources:
+        silent = f" (no answer from node {', '.join(found.silent)})" if found.silent else ""
+        raise CriuctlError(
+            f"no node runs a workload named {name!r}{silent}",
+            "see `criuctl ps --node NODE`, or pass --from NODE",
+        )
+    return sources[0], target
+
+
+def cmd_migrate(a: argparse.Namespace) -> int:
+    from criuctl import containers, render, workloads
+    from criuctl.agent import migrate
+
+    a.name = containers.normalize(a.name)
+    workloads.validate_name(a.name)
+    source, target = _source_node(a.name, a.to, a.source)
+    with render.migration_progress() as progress:
+        result = migrate.migrate(a.name, source, target, a.mode, progress, into=a.into)
+    render.migration_summary(result)
+    if a.json:
+        import dataclasses
+        import json
+
+        print(json.dumps(dataclasses.asdict(result)))
+    return 0 if result.source_confirmed else 6
