@@ -140,6 +140,12 @@ VERBS: dict[str, Verb] = {
             opt("target", metavar="NAME|PID"),
             opt("-o", "--output", required=True, metavar="DIR", help="new bundle directory"),
             opt("--leave-running", action="store_true", help="snapshot only: the workload keeps running"),
+            opt(
+                "--via-runtime",
+                action="store_true",
+                help="a container: checkpoint it with the runtime's CRI CheckpointContainer (what the "
+                "kubelet calls; containerd >= 2.0, CRI-O) and import its archive; it keeps running",
+            ),
         ),
     ),
     "restore": Verb(

@@ -487,6 +487,22 @@ def test_cli_inspects_an_archive(checkpointed: Checkpointed, state_dir: Path) ->
 # ------------------------------------------------------------------------------- hostile archives
 
 
+def test_dump_via_runtime_takes_the_kubelets_checkpoint(checkpointed: Checkpointed, state_dir: Path) -> None:
+    """`criuctl dump CONTAINER --via-runtime`: CRI CheckpointContainer, then the archive imported as
+    a bundle this node signed; the container keeps running."""
+    node, out = checkpointed.node, state_dir.parent / "via-runtime"
+    env = {**os.environ, "CRIUCTL_RUNTIME_ENDPOINT": node.endpoint}
+    argv = [CRIUCTL, "dump", checkpointed.counter_id, "-o", out, "--via-runtime"]
+    r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "checkpointed by its runtime" in r.stderr
+    manifest = bundle.verify(out, bundle.load_key(state_dir / "bundle.key", create=False))
+    assert manifest.container is not None and manifest.container.id == checkpointed.counter_id
+    assert not list(out.parent.glob(".cri-checkpoint-*"))  # the runtime's archive is gone
+    st = node.rt.ContainerStatus(node.pb.ContainerStatusRequest(container_id=checkpointed.counter_id))
+    assert st.status.state == node.pb.CONTAINER_RUNNING
+
+
 def test_archive_restores_into_a_placeholder_under_containerd_16(
     checkpointed: Checkpointed, tmp_path: Path, state_dir: Path
 ) -> None:

@@ -37,6 +37,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from criuctl import bundle, criuimages
+from criuctl.runtime import Runtime
 from criuctl.runtime.archive_members import ZSTD_MAGIC, ArchiveError, Member, bad, copy_into, members
 from criuctl.runtime.archive_records import (
     CHECKPOINT_DIR,
@@ -168,6 +169,20 @@ def _scan(source: Path, root: Path | None, max_bytes: int) -> ArchiveFacts:
                 with (root / dest).open("rb") if root is not None else m.open() as f:
                     whiteouts = scan_diff(source, f)
     return facts(source, records, images, other, diff, whiteouts)
+
+
+def checkpoint_via_runtime(rt: Runtime, ident: str, out: Path, key: bytes) -> bundle.Manifest:
+    """A checkpoint taken the kubelet's way: the runtime's CRI `CheckpointContainer` (containerd
+    >= 2.0, CRI-O) writes its archive next to `out`, which is imported as a signed bundle at `out`
+    and removed. The container keeps running (the runtime checkpoints with leave-running)."""
+    out = out.absolute()
+    if out.exists():
+        raise ArchiveError(f"{out} already exists", "pass a new directory to -o")
+    with tempfile.TemporaryDirectory(prefix=".cri-checkpoint-", dir=out.parent) as tmp:
+        os.chmod(tmp, 0o700)  # the archive holds every memory page of the job
+        taken = Path(tmp) / "checkpoint.tar"
+        rt.checkpoint(ident, str(taken))
+        return import_archive(taken, out, key)
 
 
 def import_archive(path: Path, out: Path, key: bytes, max_bytes: int | None = None) -> bundle.Manifest:
