@@ -35,7 +35,7 @@ RUN mkdir -p /opt/criu-shim \
 # CRIU first, in a layer of its own, so that a change to the Python code does not rebuild it. The
 # script also wires pycriu into the venv it is given, and checks that it imports: here a scratch venv
 # that sees Debian's python3-protobuf (one of the script's build dependencies).
-COPY scripts/install-criu.sh scripts/criu-sockopt-eopnotsupp.patch /opt/criuctl/src/scripts/
+COPY scripts/install-criu.sh scripts/lib.sh scripts/criu-sockopt-eopnotsupp.patch /opt/criuctl/src/scripts/
 RUN python3 -m venv --system-site-packages /tmp/criu-venv \
  && PATH="/opt/criu-shim:$PATH" bash /opt/criuctl/src/scripts/install-criu.sh /tmp/criu-venv \
  && rm -rf /tmp/criu-venv /usr/local/src/criuctl \
@@ -51,7 +51,7 @@ RUN python3 -m venv --system-site-packages /tmp/criu-venv \
 # `make` does, not PyPI's default CUDA build of several GiB; override TORCH_INDEX to use a mirror.
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 COPY pyproject.toml README.md /opt/criuctl/src/
-COPY scripts/install-containerd.sh scripts/image-tar.py /opt/criuctl/src/scripts/
+COPY scripts/install-containerd.sh scripts/lib.sh scripts/image-tar.py /opt/criuctl/src/scripts/
 COPY criuctl /opt/criuctl/src/criuctl
 COPY hooks /opt/criuctl/src/hooks
 RUN python3 -m venv "$VENV" \

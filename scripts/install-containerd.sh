@@ -14,25 +14,9 @@ CACHE=${CRIUCTL_CACHE:-/usr/local/lib/criuctl}
 SRC=${CRIUCTL_CRI_SRC:-/usr/local/src/criuctl/containerd}
 IMAGES=$CACHE/images
 log() { echo "install-containerd: $*" >&2; }
-die() { log "error: $*"; exit 1; }
+# shellcheck source=scripts/lib.sh
+source "$HERE/lib.sh"
 [ "$(id -u)" = 0 ] || die "must run as root; try: sudo make test"
-
-apt_updated=0
-apt_install() {
-  [ $apt_updated = 1 ] || { apt-get update -qq; apt_updated=1; }
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
-}
-
-debian_uri() {
-  local f uri=""
-  for f in /etc/apt/sources.list.d/*.sources; do
-    [ -f "$f" ] || continue
-    uri=$(awk '/^URIs:/{print $2; exit}' "$f"); [ -n "$uri" ] && break
-  done
-  [ -n "$uri" ] || uri=$(awk '$1=="deb"{print $2; exit}' /etc/apt/sources.list 2>/dev/null || true)
-  [ -n "$uri" ] || die "no Debian apt source found to fetch containerd's source from"
-  echo "$uri"
-}
 
 # apt-get with a private list of sources ($1: a sources file); the system's apt state is untouched.
 private_apt() {

@@ -18,7 +18,8 @@ DEST=${CRIUCTL_CONTAINERD2:-/usr/local/lib/criuctl/containerd-2}
 KEYRING=/usr/share/keyrings/debian-archive-keyring.gpg
 
 log() { echo "install-containerd2: $*" >&2; }
-die() { log "error: $*"; exit 1; }
+# shellcheck source=scripts/lib.sh
+source "$(cd "$(dirname "$0")" && pwd)/lib.sh"
 [ "$(id -u)" = 0 ] || die "must run as root (it writes under /usr/local/lib); try: sudo make test"
 
 # "containerd github.com/containerd/containerd/v2 2.1.x~ds1 ..." -> its version, when it runs here
@@ -28,26 +29,6 @@ if v=$(runs "$DEST") && [ -n "$v" ]; then
   echo "containerd 2: $v at $DEST (already there)"
   exit 0
 fi
-
-# The mirror this machine uses for Debian (deb822 or one-line format), never a hard-coded host.
-debian_uri() {
-  local f uri=""
-  for f in /etc/apt/sources.list.d/*.sources; do
-    [ -f "$f" ] || continue
-    # the first entry whose URI is not the security archive
-    uri=$(awk '/^URIs:/{for(i=2;i<=NF;i++) if ($i !~ /security/) {print $i; exit}}' "$f")
-    [ -n "$uri" ] && break
-  done
-  if [ -z "$uri" ]; then
-    for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list; do
-      [ -f "$f" ] || continue
-      uri=$(awk '$1=="deb"{for(i=2;i<=NF;i++) if ($i ~ /^[a-z+]+:\/\// && $i !~ /security/) {print $i; exit}}' "$f")
-      [ -n "$uri" ] && break
-    done
-  fi
-  [ -n "$uri" ] || die "no Debian apt source found to derive the sid mirror from"
-  echo "${uri%/}"
-}
 
 [ -r "$KEYRING" ] || die "$KEYRING is missing (apt-get install debian-archive-keyring)"
 command -v dpkg-deb >/dev/null || die "dpkg-deb is missing"

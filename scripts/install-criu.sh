@@ -21,7 +21,8 @@ BUILD_DEPS="build-essential patch pkg-config libprotobuf-dev libprotobuf-c-dev p
 RUNTIME_DEPS="libprotobuf-c1 libnl-3-200 libnet1 libnftables1 libgnutls30 libbsd0 libaio1 libcap2 iproute2"
 
 log() { echo "install-criu: $*" >&2; }
-die() { log "error: $*"; exit 1; }
+# shellcheck source=scripts/lib.sh
+source "$HERE/lib.sh"
 [ "$(id -u)" = 0 ] || die "must run as root (CRIU is installed system-wide); try: sudo make test"
 
 # version_ge A B: true when version A >= B
@@ -35,26 +36,6 @@ criu_ok() {
 
 venv_site() { "$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
 pycriu_ok() { "$VENV/bin/python" -c 'import pycriu, pycriu.rpc_pb2' >/dev/null 2>&1; }
-
-apt_updated=0
-apt_install() {
-  [ $apt_updated = 1 ] || { apt-get update -qq; apt_updated=1; }
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
-}
-
-# Where the trixie sources come from: the URI of the existing Debian entry, never a hard-coded host.
-debian_uri() {
-  local f uri=""
-  for f in /etc/apt/sources.list.d/*.sources; do
-    [ -f "$f" ] || continue
-    uri=$(awk '/^URIs:/{print $2; exit}' "$f"); [ -n "$uri" ] && break
-  done
-  if [ -z "$uri" ] && [ -f /etc/apt/sources.list ]; then
-    uri=$(awk '$1=="deb"{for(i=2;i<=NF;i++) if ($i ~ /^[a-z]+:\/\//) {print $i; exit}}' /etc/apt/sources.list)
-  fi
-  [ -n "$uri" ] || die "no Debian apt source found to derive the trixie deb-src entry from"
-  echo "$uri"
-}
 
 build_from_source() {
   log "building CRIU $CRIU_VERSION from Debian's source package (about a minute)"
