@@ -27,6 +27,7 @@ from criuctl_cri import api_pb2 as pb
 from criuctl_cri import api_pb2_grpc as rpc
 
 from criuctl import containers
+from tests import containerd_config
 from tests.cluster import Cluster
 
 IMAGES = Path("/usr/local/lib/criuctl/images")
@@ -40,32 +41,6 @@ CGROUP_PARENT = "k8s.io"  # containerd's default parent under every cgroup hiera
 
 def containerd_binary() -> str | None:
     return shutil.which("containerd")
-
-
-_CONFIG = """version = 2
-root = "{root}/root"
-state = "{root}/state"
-[grpc]
-  address = "{sock}"
-[ttrpc]
-  address = "{sock}.ttrpc"
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "{pause}"
-  restrict_oom_score_adj = true
-  disable_apparmor = true
-  netns_mounts_under_state_dir = true
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "{root}/cni-bin"
-    conf_dir = "{root}/cni-conf"
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    default_runtime_name = "runc"
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
-        SystemdCgroup = false
-        CriuPath = "{criu}"
-        Root = "{root}/runc"
-"""
 
 
 @dataclass
@@ -92,9 +67,7 @@ class Containerd:
         for d in ("cni-bin", "cni-conf", "logs"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
         config = self.root / "config.toml"
-        config.write_text(
-            _CONFIG.format(root=self.root, sock=self.sock, pause=BUSYBOX, criu=shutil.which("criu") or "criu")
-        )
+        config.write_text(containerd_config.v2(self.root, BUSYBOX, shutil.which("criu") or "criu"))
         argv = ["containerd", "--config", str(config)]
         if self.netns:
             argv = ["nsenter", f"--net=/run/netns/{self.netns}", *argv]

@@ -154,7 +154,8 @@ def test_bad_input_one_line_nothing_frozen(nodes: Nodes, tmp_path: Path) -> None
     # `ps --node` lists both containers next to each other: the job as a workload, the other with why not
     ps = nodes.cluster.client("ps", "--node", "a")
     assert ps.returncode == 0, ps.stderr
-    rows = {line.split()[0]: line for line in ps.stdout.splitlines() if line.startswith("ctr-")}
+    rows = {line.split()[0]: line for line in ps.stdout.splitlines() if line.strip().startswith("ctr-")}
+    assert containers.name_of(job.container) in rows, ps.stdout
     assert "default/bystander" in rows[containers.name_of(job.container)]
     assert rows[containers.name_of(job.container)].rstrip().endswith("running")
     assert "not checkpointable" in rows[containers.name_of(plain.container)]

@@ -32,6 +32,7 @@ import pytest
 
 from criuctl import bundle
 from criuctl.runtime import archive
+from tests import containerd_config
 from tests.conftest import ENV_REQUIRE, REASON
 
 REPO = Path(__file__).resolve().parent.parent
@@ -116,39 +117,6 @@ class Node:
         return f"unix://{self.sock}"
 
 
-def _config(root: Path) -> str:
-    """containerd 2's configuration (format 3) for one test node; §2 of the design says why each line."""
-    return f"""version = 3
-root = "{root}/root"
-state = "{root}/state"
-[grpc]
-  address = "{root}/containerd.sock"
-[ttrpc]
-  address = "{root}/containerd.sock.ttrpc"
-[plugins.'io.containerd.internal.v1.opt']
-  path = "{root}/opt"
-[plugins.'io.containerd.nri.v1.nri']
-  disable = true
-[plugins.'io.containerd.cri.v1.images'.pinned_images]
-  sandbox = "{IMAGE}"
-[plugins.'io.containerd.cri.v1.runtime']
-  restrict_oom_score_adj = true
-  disable_apparmor = true
-  netns_mounts_under_state_dir = true
-  enable_cdi = false
-  [plugins.'io.containerd.cri.v1.runtime'.cni]
-    bin_dirs = ["{root}/cni-bin"]
-    conf_dir = "{root}/cni-conf"
-  [plugins.'io.containerd.cri.v1.runtime'.containerd]
-    default_runtime_name = "runc"
-    [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-      [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
-        SystemdCgroup = false
-        Root = "{root}/runc"
-"""
-
-
 def _wait_socket(node: Node, deadline: float) -> None:
     while not node.sock.exists():
         if node.proc.poll() is not None or time.monotonic() > deadline:
@@ -160,7 +128,7 @@ def _wait_socket(node: Node, deadline: float) -> None:
 def _start(root: Path) -> Node:
     for d in ("cni-bin", "cni-conf", "logs"):
         (root / d).mkdir()
-    (root / "config.toml").write_text(_config(root))
+    (root / "config.toml").write_text(containerd_config.v3(root, IMAGE))
     env = dict(os.environ)
     # the 2.x shim first (containerd starts the shim it finds on PATH), CRIU 4 before any other
     env["PATH"] = f"{CONTAINERD2 / 'bin'}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

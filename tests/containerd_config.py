@@ -1,0 +1,67 @@
+"""containerd configurations for test nodes: format 2 (Debian 12's 1.6) and format 3 (2.x).
+
+Standard library only (tests/test_cri_archive.py imports it before knowing the CRI stubs exist).
+Every setting is one /work/shared/design.md §2 found necessary here: own root, state and sockets;
+`restrict_oom_score_adj` (root lacks CAP_SYS_RESOURCE), no AppArmor, network namespaces under the
+state dir, empty CNI folders (pods use the node's network), runc v2 with cgroupfs and its own root.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _runc(plugin: str, root: Path, criu: str | None) -> str:
+    """The runc runtime section under `plugin` (the CRI plugin's name differs between formats)."""
+    criu_line = f'        CriuPath = "{criu}"\n' if criu else ""  # 2.x dropped it: runc takes PATH's
+    return (
+        f"  [{plugin}.containerd]\n"
+        '    default_runtime_name = "runc"\n'
+        f"    [{plugin}.containerd.runtimes.runc]\n"
+        '      runtime_type = "io.containerd.runc.v2"\n'
+        f"      [{plugin}.containerd.runtimes.runc.options]\n"
+        "        SystemdCgroup = false\n"
+        f"{criu_line}"
+        f'        Root = "{root}/runc"\n'
+    )
+
+
+_CRI_COMMON = (
+    "  restrict_oom_score_adj = true\n  disable_apparmor = true\n  netns_mounts_under_state_dir = true\n"
+)
+
+
+def _head(version: int, root: Path) -> str:
+    sock = root / "containerd.sock"
+    return (
+        f'version = {version}\nroot = "{root}/root"\nstate = "{root}/state"\n'
+        f'[grpc]\n  address = "{sock}"\n[ttrpc]\n  address = "{sock}.ttrpc"\n'
+    )
+
+
+def v2(root: Path, sandbox_image: str, criu: str) -> str:
+    """containerd 1.6/1.7."""
+    plugin = '''plugins."io.containerd.grpc.v1.cri"'''
+    return (
+        _head(2, root)
+        + f'[{plugin}]\n  sandbox_image = "{sandbox_image}"\n'
+        + _CRI_COMMON
+        + f'  [{plugin}.cni]\n    bin_dir = "{root}/cni-bin"\n    conf_dir = "{root}/cni-conf"\n'
+        + _runc(plugin, root, criu)
+    )
+
+
+def v3(root: Path, sandbox_image: str) -> str:
+    """containerd 2.x: the CRI plugin split into images and runtime; NRI and CDI off."""
+    plugin = "plugins.'io.containerd.cri.v1.runtime'"
+    return (
+        _head(3, root)
+        + f"[plugins.'io.containerd.internal.v1.opt']\n  path = \"{root}/opt\"\n"
+        + "[plugins.'io.containerd.nri.v1.nri']\n  disable = true\n"
+        + f"[plugins.'io.containerd.cri.v1.images'.pinned_images]\n  sandbox = \"{sandbox_image}\"\n"
+        + f"[{plugin}]\n"
+        + _CRI_COMMON
+        + "  enable_cdi = false\n"
+        + f'  [{plugin}.cni]\n    bin_dirs = ["{root}/cni-bin"]\n    conf_dir = "{root}/cni-conf"\n'
+        + _runc(plugin, root, None)
+    )
