@@ -102,6 +102,7 @@ class Containerd:
         namespace: str = "default",
         memory_limit: int = 0,
         env: dict[str, str] | None = None,
+        devices: list[str] | None = None,
     ) -> Pod:
         """A pod with one container, as the kubelet would create it (host network, own PID ns)."""
         uid = f"uid-{name}-{os.urandom(3).hex()}"
@@ -131,6 +132,7 @@ class Containerd:
             envs=[pb.KeyValue(key=k, value=v) for k, v in (env or {}).items()],
             log_path=f"{container}.log",
             mounts=m,
+            devices=[pb.Device(container_path=d, host_path=d, permissions="rw") for d in devices or []],
             labels={**labels, "io.kubernetes.container.name": container},
             linux=pb.LinuxContainerConfig(
                 resources=pb.LinuxContainerResources(memory_limit_in_bytes=memory_limit),

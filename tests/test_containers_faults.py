@@ -30,7 +30,7 @@ pytestmark = [needs_criu, pytest.mark.slow]
 if shutil.which("containerd") is None:  # `make test` installs it: only a bare `pytest` gets here
     pytestmark.append(pytest.mark.skip(reason="containerd is not installed (run `make install`)"))
 else:
-    from tests.containerd import INIT, Nodes, cri_steps, job_argv, wait_until
+    from tests.containerd import INIT, PY, Nodes, cri_steps, job_argv, wait_until
 
 LONG = 5000  # steps: the job outlives every test here
 
@@ -189,3 +189,70 @@ def test_target_agent_and_handoff_killed_after_the_restore(nodes: Nodes, tmp_pat
     ready = lambda: "this placeholder is empty" in holder.log.read_text(errors="replace")  # noqa: E731
     wait_until(ready, 30, "the placeholder to say it is empty")
     _keeps_training(nodes, job)
+
+
+HOLD = (
+    "import sys, time\nf = open(sys.argv[1], 'rb', buffering=0)\n"
+    "print('holding', flush=True)\ntime.sleep(1e6)\n"
+)
+CONNECT = (
+    "import socket, sys, time\ns = socket.create_connection((sys.argv[1], int(sys.argv[2])))\n"
+    "print('connected', flush=True)\ntime.sleep(1e6)\n"
+)
+
+
+def _refused(nodes: Nodes, pod, says: str) -> None:
+    """Migrating `pod`'s container is refused in one line before anything froze; it runs on."""
+    r = nodes.cluster.migrate(containers.name_of(pod.container), "b")
+    assert r.returncode != 0 and says in r.stderr, r.stderr
+    assert "nothing was frozen" in r.stderr and "Traceback" not in r.stderr
+    said = [line for line in r.stderr.splitlines() if line.startswith("criuctl:")]  # besides progress bars
+    assert len(said) == 1, r.stderr
+    assert nodes.runtimes["a"].status(pod.container).state == 1  # CONTAINER_RUNNING
+
+
+def test_unknown_device_and_remote_connection_are_refused_before_freezing(nodes: Nodes) -> None:
+    """A device criuctl cannot reopen elsewhere, and a TCP connection to another host (the pod's
+    address changes with its node): both refused before the freeze, the container untouched."""
+    import socket
+
+    dev = nodes.pod("a", "holds-dev", [*INIT, "--", PY, "-c", HOLD, "/dev/loop-control"],
+                    devices=["/dev/loop-control"])  # fmt: skip
+    bridge = f"{nodes.cluster.net}.1"  # the host's side of the test network: another host to the pod
+    server = socket.create_server((bridge, 0))
+    port = server.getsockname()[1]
+    tcp = nodes.pod("a", "talks", [*INIT, "--", PY, "-c", CONNECT, bridge, str(port)])
+    try:
+        peer, _ = server.accept()
+        for pod, word in ((dev, "holding"), (tcp, "connected")):
+            wait_until(lambda p=pod, w=word: w in p.log.read_text(errors="replace"), 30, word)
+        _refused(nodes, dev, "holds device /dev/loop-control open")
+        _refused(nodes, tcp, f"open TCP connection to {bridge}:{port}")
+        peer.sendall(b"still there")  # the connection was never frozen or cut
+    finally:
+        server.close()
+
+
+def test_criu_missing_on_the_target_refuses_before_freezing(nodes: Nodes) -> None:
+    job, _ = _job(nodes, "no-criu-there")
+    b = nodes.cluster.nodes["b"]
+    b.stop_agent()
+    b.start_agent(env={"CRIUCTL_CRIU": "/nonexistent/criu"}, lease=nodes.cluster.lease)
+    try:
+        r = nodes.cluster.migrate(containers.name_of(job.container), "b")
+        assert r.returncode != 0 and "node b cannot restore" in r.stderr and "CRIU" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+        _keeps_training(nodes, job)
+    finally:
+        b.stop_agent()
+        b.start_agent(lease=nodes.cluster.lease)
+
+
+def test_containers_are_found_without_the_runtime(nodes: Nodes) -> None:
+    """The /proc fallback (no runtime socket) finds a container's PID 1 by its ID, as the CRI does."""
+    from criuctl import runtime
+
+    job, _ = _job(nodes, "by-cgroup", placeholder=False)
+    found = runtime.connect("procfs").container(job.container[:12])
+    assert found.id == job.container
+    assert found.pid == nodes.runtimes["a"].pid_of(job.container)
