@@ -77,6 +77,10 @@ def _cmd_agent(a: argparse.Namespace) -> int:
             "--tls-cert and --tls-key go together", "pass both, or neither for plain HTTP"
         )
     tokens.read_token(Path(a.token_file))
+    if a.runtime_endpoint and a.runtime_endpoint != "procfs":
+        from criuctl import runtime
+
+        runtime.connect(a.runtime_endpoint)  # its form checked now; the runtime may start later
     if a.tls_cert:
         preflight.check_tls(Path(a.tls_cert), Path(a.tls_key))
     preflight.check_bind(host, port)
@@ -178,7 +182,7 @@ def _cmd_restore(a: argparse.Namespace) -> int:
     if a.into:
         from criuctl import placeholder, runtime
 
-        into = placeholder.find(runtime.connect(a.runtime_endpoint), a.into)
+        into = placeholder.find(runtime.connect(a.runtime_endpoint), runtime.check_id(a.into))
     from criuctl.runtime import archive
 
     path = Path(a.bundle)

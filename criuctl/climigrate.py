@@ -93,6 +93,10 @@ def cmd_migrate(a: argparse.Namespace) -> int:
 
     a.name = containers.normalize(a.name)
     workloads.validate_name(a.name)
+    if a.into is not None:
+        from criuctl import runtime
+
+        a.into = runtime.check_id(a.into)
     source, target = _source_node(a.name, a.to, a.source)
     with render.migration_progress() as progress:
         result = migrate.migrate(a.name, source, target, a.mode, progress, into=a.into)

@@ -74,13 +74,19 @@ class Runtime(Protocol):
     def checkpoint(self, ident: str, location: str, timeout: float = 300.0) -> None: ...
 
 
-def pick(ident: str, found: list[Container]) -> Container:
-    """The one container whose ID is `ident` or starts with it; UnknownContainer saying why not."""
-    if not ident or any(c not in "0123456789abcdef" for c in ident.lower()):
+def check_id(ident: str) -> str:
+    """`ident` if it can be (a prefix of) a container ID: 1-64 hex digits; UnknownContainer if not."""
+    if not ident or len(ident) > 64 or any(c not in "0123456789abcdef" for c in ident.lower()):
         raise UnknownContainer(
             f"{ident[:80]!r} is not a container ID (hex digits)",
             "see `criuctl ps --node` for the containers on this node",
         )
+    return ident.lower()
+
+
+def pick(ident: str, found: list[Container]) -> Container:
+    """The one container whose ID is `ident` or starts with it; UnknownContainer saying why not."""
+    check_id(ident)
     hits = [c for c in found if c.id.startswith(ident.lower())]
     if len(hits) == 1:
         return hits[0]

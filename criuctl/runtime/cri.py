@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from typing import Any
 
 from criuctl.runtime import Container, RuntimeUnavailable, UnknownContainer, Unsupported, pick
@@ -18,6 +19,8 @@ _CALL_TIMEOUT = 10.0
 
 
 def _stubs() -> tuple[Any, Any, Any]:
+    # gRPC's C core prints its own errors on stderr; ours say the same in one line
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     try:
         import grpc
         from criuctl_cri import api_pb2, api_pb2_grpc
@@ -31,7 +34,13 @@ def _stubs() -> tuple[Any, Any, Any]:
 
 class CRIRuntime:
     def __init__(self, endpoint: str) -> None:
-        self.endpoint = endpoint if "://" in endpoint else f"unix://{endpoint}"
+        path = endpoint.removeprefix("unix://")
+        if "://" in path or not path.startswith("/"):
+            raise RuntimeUnavailable(
+                f"{endpoint[:100]!r} is not a runtime socket",
+                "give the CRI socket's absolute path, e.g. unix:///run/containerd/containerd.sock",
+            )
+        self.endpoint = f"unix://{path}"
         grpc, self.pb, rpc = _stubs()
         self._grpc = grpc
         self._channel = grpc.insecure_channel(self.endpoint)

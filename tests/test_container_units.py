@@ -1,0 +1,90 @@
+"""The container path's pure parts: mountinfo, which mounts are external and where the host sees
+them, container IDs and names, runtime endpoints. No runtime, no CRIU: fast, and exact."""
+
+from __future__ import annotations
+
+import pytest
+
+from criuctl import containers, mounts, runtime
+from criuctl.runtime import Container, UnknownContainer
+
+# A container's view (runc under containerd 1.6, cgroup v1) and the host's, as this machine has them.
+INSIDE = """\
+95 60 0:49 / / rw,relatime - overlay overlay rw,lowerdir=/var/lib/c/1/fs,upperdir=/var/lib/c/3/fs,workdir=/w
+96 95 0:51 / /proc rw,nosuid,nodev,noexec,relatime - proc proc rw
+97 95 0:52 / /dev rw,nosuid - tmpfs tmpfs rw,size=65536k,mode=755
+98 97 0:53 / /dev/pts rw,nosuid,noexec,relatime - devpts devpts rw,gid=5,mode=620,ptmxmode=666
+99 97 0:42 / /dev/mqueue rw,nosuid,nodev,noexec,relatime - mqueue mqueue rw
+100 95 0:22 / /sys ro,nosuid,nodev,noexec,relatime - sysfs sysfs rw
+101 100 0:54 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime - tmpfs tmpfs rw,mode=755
+105 101 0:32 /k8s.io/abc /sys/fs/cgroup/memory ro,nosuid,nodev,noexec,relatime - cgroup cgroup rw,memory
+111 95 254:0 /usr /usr ro,relatime - ext4 /dev/vda rw
+112 95 254:0 /var/lib/k/pods/u/volumes/kubernetes.io~empty-dir/scratch /scratch rw,relatime - ext4 /dev/vda rw
+113 95 254:0 /srv/my\\040data /data rw,relatime - ext4 /dev/vda rw
+115 97 0:39 / /dev/shm rw,nosuid,nodev,noexec,relatime - tmpfs shm rw,size=65536k
+"""
+HOST = """\
+22 1 254:0 / / rw,relatime - ext4 /dev/vda rw
+30 22 0:22 / /sys rw,nosuid,nodev,noexec,relatime - sysfs sysfs rw
+40 30 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory
+50 22 0:39 / /run/c/sandboxes/s1/shm rw,nosuid,nodev,noexec,relatime - tmpfs shm rw,size=65536k
+60 22 0:49 / /run/c/task/abc/rootfs rw,relatime - overlay overlay rw,upperdir=/var/lib/c/3/fs
+"""
+
+
+def test_mountinfo_is_parsed_with_escapes_and_super_options() -> None:
+    m = mounts.by_point(mounts.parse(INSIDE))
+    assert m["/"].fstype == "overlay" and m["/"].super_options["upperdir"] == "/var/lib/c/3/fs"
+    assert m["/data"].root == "/srv/my data"  # \\040 is a space
+
+
+def test_external_mounts_are_those_the_host_also_has() -> None:
+    inside, host = mounts.parse(INSIDE), mounts.parse(HOST)
+    assert mounts.externals(inside, host) == [
+        "/sys/fs/cgroup/memory",  # a cgroup hierarchy: always external
+        "/usr",
+        "/scratch",
+        "/data",
+        "/dev/shm",  # the pod's shm: the host has the same tmpfs
+    ]  # not /, /proc, the /dev tmpfs, devpts, mqueue, sysfs, the /sys/fs/cgroup tmpfs: CRIU recreates those
+
+
+def test_host_path_of_a_container_mount() -> None:
+    inside, host = mounts.by_point(mounts.parse(INSIDE)), mounts.parse(HOST)
+    assert mounts.host_path(inside["/usr"], host) == "/usr"
+    assert mounts.host_path(inside["/data"], host) == "/srv/my data"
+    assert mounts.host_path(inside["/dev/shm"], host) == "/run/c/sandboxes/s1/shm"
+    assert mounts.host_path(inside["/sys/fs/cgroup/memory"], host) == "/sys/fs/cgroup/memory/k8s.io/abc"
+    assert mounts.host_path(inside["/"], host) == "/run/c/task/abc/rootfs"  # a placeholder's rootfs
+    assert mounts.host_path(inside["/dev"], host) is None  # a private tmpfs: no host view
+
+
+@pytest.mark.parametrize("bad", ["", "../etc", "xyz", "0" * 65, "ab cd", "ctr-/x"])
+def test_container_ids_are_hex(bad: str) -> None:
+    with pytest.raises(UnknownContainer, match="not a container ID"):
+        runtime.check_id(bad)
+
+
+def test_a_prefix_picks_one_container_or_says_why_not() -> None:
+    found = [
+        Container(id="ab" + "0" * 62, pid=1, state="running"),
+        Container(id="ac" + "1" * 62, pid=2, state="running"),
+    ]
+    assert runtime.pick("ab", found).pid == 1
+    with pytest.raises(UnknownContainer, match="matches 2 containers"):
+        runtime.pick("a", found)
+    with pytest.raises(UnknownContainer, match="no container 'ff'"):
+        runtime.pick("ff", found)
+
+
+def test_container_names_and_ids_normalize_to_one_workload_name() -> None:
+    cid = "3f2a9c1b7d44" + "e" * 52
+    assert containers.name_of(cid) == "ctr-3f2a9c1b7d44"
+    assert containers.normalize(cid) == containers.normalize(cid[:12]) == "ctr-3f2a9c1b7d44"
+    assert containers.normalize("bert") == "bert" and containers.normalize("123456789012") == "123456789012"
+
+
+@pytest.mark.parametrize("endpoint", ["garbage", "unix://relative/x.sock", "tcp://10.0.0.1:1"])
+def test_a_runtime_endpoint_is_an_absolute_socket(endpoint: str) -> None:
+    with pytest.raises(runtime.RuntimeUnavailable, match="is not a runtime socket"):
+        runtime.connect(endpoint)
