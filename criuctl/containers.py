@@ -280,22 +280,42 @@ INJECT_DIR = Path("/var/lib/criuctl-inject")  # world-readable: containers mount
 def write_inject_dir(dest: Path = INJECT_DIR) -> Path:
     """The files a checkpointable container mounts read-only (docs/containers.md): criuctl's init
     (`nsinit.py`, standard library only) and the in-process hook. Replaced atomically, so a
-    container starting meanwhile sees the old set or the new one."""
+    container starting meanwhile sees the old set or the new one; left alone when it already holds
+    this criuctl's files (several agents on one host start at once in tests)."""
+    import hashlib
     import shutil
     import tempfile
 
     from criuctl import nsinit
     from criuctl.supervisor import HOOKS_DIR
 
+    sources = [
+        Path(nsinit.__file__),
+        *sorted(p for p in HOOKS_DIR.rglob("*.py") if "__pycache__" not in p.parts),
+    ]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()
+    stamp = dest / ".criuctl-files"
+    if stamp.is_file() and stamp.read_text() == digest:
+        return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-    shutil.copy2(nsinit.__file__, staging / "nsinit.py")
-    shutil.copytree(HOOKS_DIR, staging / "hooks", ignore=shutil.ignore_patterns("__pycache__"))
-    for p in [staging, *staging.rglob("*")]:
-        p.chmod(0o755 if p.is_dir() else 0o644)
-    old = dest.with_name(f".{dest.name}.old")
-    if dest.exists():
-        os.rename(dest, old)
-    os.rename(staging, dest)
-    shutil.rmtree(old, ignore_errors=True)
+    try:
+        shutil.copy2(nsinit.__file__, staging / "nsinit.py")
+        shutil.copytree(HOOKS_DIR, staging / "hooks", ignore=shutil.ignore_patterns("__pycache__"))
+        (staging / ".criuctl-files").write_text(digest)
+        for p in [staging, *staging.rglob("*")]:
+            p.chmod(0o755 if p.is_dir() else 0o644)
+        old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old.", dir=dest.parent))
+        try:
+            if dest.exists():
+                os.rename(dest, old / "prev")
+            os.rename(staging, dest)
+        except OSError:
+            if not (stamp.is_file() and stamp.read_text() == digest):
+                raise
+            # another agent put the same files in place between our look and our rename
+        finally:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return dest

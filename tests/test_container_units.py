@@ -88,3 +88,18 @@ def test_container_names_and_ids_normalize_to_one_workload_name() -> None:
 def test_a_runtime_endpoint_is_an_absolute_socket(endpoint: str) -> None:
     with pytest.raises(runtime.RuntimeUnavailable, match="is not a runtime socket"):
         runtime.connect(endpoint)
+
+
+def test_the_inject_dir_is_written_once_and_replaced_whole(tmp_path) -> None:
+    """Agents starting together (tests start several on one host) leave one complete folder."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    dest = tmp_path / "inject"
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda _: containers.write_inject_dir(dest), range(8)))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["inject"]  # no staging left behind
+    assert (dest / "nsinit.py").is_file() and (dest / "hooks" / "criuctl_hook" / "__init__.py").is_file()
+    (dest / "nsinit.py").write_text("stale")  # an older criuctl's files: replaced on the next start
+    (dest / ".criuctl-files").write_text("old")
+    containers.write_inject_dir(dest)
+    assert "def placeholder" in (dest / "nsinit.py").read_text()
