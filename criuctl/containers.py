@@ -83,10 +83,10 @@ def why_not(c: Container) -> str | None:
 
 def workload(c: Container, runtime_endpoint: str) -> workloads.Workload:
     """The workload record for a checkpointable container (written so `resolve` finds it)."""
-    trainer = psutil.Process(c.pid).children()
-    command = cmdline(trainer[0].pid) if trainer else cmdline(c.pid)
     w = workloads.load(name_of(c.id))
     if w is None or w.root_pid != c.pid or w.state != workloads.RUNNING:
+        trainer = psutil.Process(c.pid).children()  # the job the init runs, for `ps`
+        command = cmdline(trainer[0].pid) if trainer else cmdline(c.pid)
         w = workloads.Workload(
             name=name_of(c.id),
             command=command,
