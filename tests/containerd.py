@@ -80,7 +80,14 @@ class Containerd:
             time.sleep(0.1)
         self.channel = grpc.insecure_channel(self.endpoint)
         self.rt = rpc.RuntimeServiceStub(self.channel)
-        self.rt.Version(pb.VersionRequest(), timeout=30)
+        while True:  # a restarted containerd recovers its containers before its CRI serves
+            try:
+                self.rt.Version(pb.VersionRequest(), timeout=30)
+                break
+            except grpc.RpcError as exc:
+                if "not initialized" not in (exc.details() or "") or time.monotonic() > deadline + 30:
+                    raise
+                time.sleep(0.2)
         r = subprocess.run(
             ["ctr", "-a", str(self.sock), "-n", "k8s.io", "images", "import", str(IMAGES / "busybox.tar")],
             capture_output=True,
