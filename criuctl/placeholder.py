@@ -31,7 +31,7 @@ from pathlib import Path
 
 from criuctl import mounts, rootfsdiff
 from criuctl.bundle import ContainerFacts
-from criuctl.containers import NotCheckpointable, is_placeholder, runs_criuctl_init
+from criuctl.containers import is_placeholder, runs_criuctl_init
 from criuctl.errors import CriuctlError
 from criuctl.nsinit import CONTROL_DIR, exit_code
 from criuctl.runtime import Container, Runtime
@@ -273,14 +273,3 @@ def _read_signals(fd: int) -> list[int]:
         if word.isdigit() and 0 < int(word) < 65:
             out.append(int(word))
     return out
-
-
-__all__ = [
-    "NotAPlaceholder",
-    "NotCheckpointable",
-    "Placeholder",
-    "find",
-    "keep",
-    "prepare",
-    "restore_options",
-]

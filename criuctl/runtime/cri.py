@@ -12,7 +12,14 @@ import json
 import os
 from typing import Any
 
-from criuctl.runtime import Container, RuntimeUnavailable, UnknownContainer, Unsupported, pick
+from criuctl.runtime import (
+    ENV_RUNTIME_ENDPOINT,
+    Container,
+    RuntimeUnavailable,
+    UnknownContainer,
+    Unsupported,
+    pick,
+)
 
 _STATES = {0: "created", 1: "running", 2: "exited", 3: "unknown"}
 _CALL_TIMEOUT = 10.0
@@ -61,7 +68,7 @@ class CRIRuntime:
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise RuntimeUnavailable(
                     f"the container runtime at {self.endpoint} does not answer ({code.name.lower()})",
-                    f"check that containerd or CRI-O runs and listens there, or set {_env()}",
+                    f"check that containerd or CRI-O runs and listens there, or set {ENV_RUNTIME_ENDPOINT}",
                 ) from None
             if code == grpc.StatusCode.NOT_FOUND:
                 raise UnknownContainer(
@@ -138,9 +145,3 @@ class CRIRuntime:
             timeout=timeout + 30,
             what=c.short_id,
         )
-
-
-def _env() -> str:
-    from criuctl.runtime import ENV_RUNTIME_ENDPOINT
-
-    return ENV_RUNTIME_ENDPOINT

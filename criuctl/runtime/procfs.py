@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from criuctl.runtime import Container, UnknownContainer, pick
+from criuctl.runtime import Container, pick
 
 _ID = re.compile(r"(?:^|[/:-])([0-9a-f]{64})(?:\.scope)?$")
 
@@ -61,6 +61,3 @@ class ProcfsRuntime:
             "without a runtime socket there is no runtime checkpoint",
             "set CRIUCTL_RUNTIME_ENDPOINT to the runtime's CRI socket",
         )
-
-
-__all__ = ["ProcfsRuntime", "UnknownContainer"]
