@@ -192,9 +192,9 @@ def test_every_manifest_file_validates_strictly(version: str) -> None:
 @pytest.mark.parametrize("version", versions())
 def test_what_kubectl_apply_k_sends_validates_strictly(objects: list[Obj], version: str) -> None:
     kinds = sorted(o["kind"] for o in objects)
-    assert kinds == sorted(
-        ["Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Secret", "Secret", "DaemonSet"]
-    )
+    expected = ["Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Secret", "Secret"]
+    expected += ["DaemonSet", "Deployment", "Service", "MutatingWebhookConfiguration"]  # agent, webhook
+    assert kinds == sorted(expected)
     for obj in objects:
         validate(obj, version)
 
@@ -371,7 +371,8 @@ def test_everything_namespaced_is_in_criuctl_system(objects: list[Obj]) -> None:
     assert ns["metadata"]["name"] == "criuctl-system"
     assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
     for o in objects:
-        if o["kind"] not in ("Namespace", "ClusterRole", "ClusterRoleBinding"):
+        cluster_scoped = ("Namespace", "ClusterRole", "ClusterRoleBinding", "MutatingWebhookConfiguration")
+        if o["kind"] not in cluster_scoped:
             assert o["metadata"]["namespace"] == "criuctl-system", f"{o['kind']}/{o['metadata']['name']}"
 
 

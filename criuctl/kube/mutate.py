@@ -1,0 +1,195 @@
+"""What the admission webhook does to a pod, as pure functions on the API server's JSON (camelCase).
+
+A pod is migratable when its containers' PID 1 is criuctl's init and criuctl's files are mounted
+(docs/containers.md, "What a pod needs"). Writing that by hand is error-prone, so the webhook does
+it at creation (`wrap`), and `criuctl migrate` derives the restore target's pod from the wrapped
+source (`placeholder`). No I/O and no Kubernetes client here: the webhook, the migrate command and
+the tests all call the same functions on plain dicts.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+from criuctl import containers  # cheap: standard library and psutil, nothing of torch or kubernetes
+
+Pod = dict[str, Any]
+
+LABEL = "criuctl.io/migratable"  # on a pod or a namespace: "true" opts in, on a pod "false" opts out
+INJECTED = "criuctl.io/injected"  # "true" once the webhook has seen the pod: never wrapped twice
+PYTHON_ANNOTATION = "criuctl.io/python"  # the image's Python 3, when it is not `python3` on PATH
+NOT_WRAPPED = "criuctl.io/not-wrapped"  # JSON {container: why it was left alone}
+PLACEHOLDER_FOR = "criuctl.io/placeholder-for"  # "NAMESPACE/POD": the pod whose job is restored here
+DEFAULT_PYTHON = "python3"
+
+VOLUME = "criuctl-inject"
+MOUNT = "/.criuctl"
+INJECT_DIR = str(containers.INJECT_DIR)  # where the node agent writes nsinit.py and the hook
+INIT = f"{MOUNT}/nsinit.py"
+RUN_VOLUME = "criuctl-run"  # an emptyDir for the placeholder init's FIFOs on a read-only rootfs
+RUN_DIR = "/run/criuctl"  # criuctl.nsinit.CONTROL_DIR (not imported: nsinit is the container's init)
+
+NO_COMMAND = "the image's entrypoint is not in the pod spec; give the container a command"
+PROBES = ("livenessProbe", "readinessProbe", "startupProbe")
+# The spec fields the webhook rewrites: `patch` replaces these whole and nothing else.
+PATCHED = (("metadata", "annotations"), ("spec", "containers"), ("spec", "volumes"))
+
+
+def is_wrapped(container: dict[str, Any]) -> bool:
+    """The container's command starts criuctl's init (`PYTHON [-I] /.criuctl/nsinit.py ...`), put
+    there by `wrap` or by hand as docs/containers.md shows."""
+    return INIT in (container.get("command") or [])[1:3]
+
+
+def is_placeholder(pod: Pod) -> bool:
+    """A restore target made by `placeholder`: it must be admitted as it is, never wrapped again."""
+    return PLACEHOLDER_FOR in _annotations(pod)
+
+
+def not_wrapped(pod: Pod) -> dict[str, str]:
+    """The containers `wrap` left alone and why (what `criuctl migrate` tells the user)."""
+    text = _annotations(pod).get(NOT_WRAPPED)
+    return json.loads(text) if text else {}
+
+
+def wrap(pod: Pod) -> Pod:
+    """The pod with every container that has a `command` started by criuctl's init, and criuctl's
+    files mounted read-only: transparent, because Kubernetes appends `args` to `command`, so the
+    job's argv is the same. A container without a command runs the image's ENTRYPOINT, which the
+    pod spec does not show, so it cannot be wrapped here; it is named in NOT_WRAPPED instead. Init
+    containers are never wrapped: they run to completion before the job, there is nothing to move."""
+    new = copy.deepcopy(pod)
+    if _annotations(pod).get(INJECTED) == "true":
+        return new
+    meta = new.setdefault("metadata", {})
+    annotations = meta["annotations"] = meta.get("annotations") or {}
+    python = annotations.get(PYTHON_ANNOTATION) or DEFAULT_PYTHON
+    spec = new.get("spec") or {}
+    skipped: dict[str, str] = {}
+    for c in spec.get("containers", []):
+        if not c.get("command"):
+            skipped[c["name"]] = NO_COMMAND
+            continue
+        if not is_wrapped(c):
+            c["command"] = [python, "-I", INIT, "--", *c["command"]]
+        # a hand-wrapped container may mount the files under another volume name: one mount is enough
+        if not _mounts(c, MOUNT):
+            c.setdefault("volumeMounts", []).append({"name": VOLUME, "mountPath": MOUNT, "readOnly": True})
+    used = any(m.get("name") == VOLUME for c in spec.get("containers", []) for m in _mounts(c))
+    if used and not any(v.get("name") == VOLUME for v in spec.get("volumes", [])):
+        host_path = {"path": INJECT_DIR, "type": "Directory"}  # the agent made it: missing means no agent
+        spec.setdefault("volumes", []).append({"name": VOLUME, "hostPath": host_path})
+    if skipped:
+        annotations[NOT_WRAPPED] = json.dumps(skipped, sort_keys=True)
+    annotations[INJECTED] = "true"
+    return new
+
+
+def placeholder(pod: Pod, node: str, source: str) -> Pod:
+    """The restore target's pod, from the wrapped source pod: the same spec (volumes, resources,
+    image, security context: the restored job finds the same mounts and limits), pinned to `node`,
+    each container running the init's `--placeholder` mode, which waits for the agent's restore.
+
+    Dropped: what the API server sets on a pod it stores (identity, status, the service-account token
+    volume it adds again, the priority its admission computes again), ephemeral containers (refused
+    on create), and what would act before the job is there (args, lifecycle hooks, probes: a
+    liveness probe would kill the waiting placeholder). The caller names the pod."""
+    meta = pod.get("metadata") or {}
+    bad = [c["name"] for c in pod.get("spec", {}).get("containers", []) if not is_wrapped(c)]
+    if bad:
+        raise ValueError(
+            f"pod {source}: container(s) {', '.join(bad)} do not run under criuctl's init, so their "
+            "job cannot be checkpointed; give each a command and recreate the pod with the "
+            f"{LABEL}=true label (docs/webhook.md)"
+        )
+    annotations = {**(meta.get("annotations") or {}), PLACEHOLDER_FOR: source}
+    new_meta = {"namespace": meta.get("namespace"), "labels": meta.get("labels"), "annotations": annotations}
+    spec = copy.deepcopy(pod.get("spec", {}))
+    for key in ("ephemeralContainers", "priority", "preemptionPolicy"):
+        spec.pop(key, None)
+    spec["nodeName"] = node
+    _drop_token_volume(spec)
+    needs_run_dir = False
+    for c in spec["containers"]:
+        c["command"] = [c["command"][0], "-I", INIT, "--placeholder"]
+        for key in ("args", "lifecycle", *PROBES):
+            c.pop(key, None)
+        # the init makes its control FIFOs in RUN_DIR, which a read-only rootfs refuses
+        if (c.get("securityContext") or {}).get("readOnlyRootFilesystem") and not _mounts(c, RUN_DIR):
+            c.setdefault("volumeMounts", []).append({"name": RUN_VOLUME, "mountPath": RUN_DIR})
+            needs_run_dir = True
+    if needs_run_dir:
+        spec.setdefault("volumes", []).append({"name": RUN_VOLUME, "emptyDir": {}})
+    return {
+        "apiVersion": pod.get("apiVersion", "v1"),
+        "kind": pod.get("kind", "Pod"),
+        "metadata": {k: copy.deepcopy(v) for k, v in new_meta.items() if v is not None},
+        "spec": spec,
+    }
+
+
+def _drop_token_volume(spec: dict[str, Any]) -> None:
+    """Remove the service-account token volume and its mounts: the ServiceAccount admission plugin
+    adds its own to the new pod, and a copied one would either duplicate its mount path or name a
+    token Secret of the source (`<sa>-token-xxxxx`, before 1.22) or a projected volume
+    (`kube-api-access-xxxxx`, from 1.22) that the plugin did not make for this pod."""
+    sa = spec.get("serviceAccountName") or spec.get("serviceAccount") or "default"
+    dropped = {
+        v["name"]
+        for v in spec.get("volumes", [])
+        if (v["name"].startswith(f"{sa}-token-") and "secret" in v)
+        or (v["name"].startswith("kube-api-access-") and "projected" in v)
+    }
+    if not dropped:
+        return
+    spec["volumes"] = [v for v in spec["volumes"] if v["name"] not in dropped]
+    for c in (*spec.get("initContainers", []), *spec.get("containers", [])):
+        if "volumeMounts" in c:
+            c["volumeMounts"] = [m for m in c["volumeMounts"] if m["name"] not in dropped]
+
+
+def patch(old: Pod, new: Pod) -> list[dict[str, Any]]:
+    """An RFC 6902 JSONPatch turning `old` into `new`, whole fields at a time (PATCHED): what `wrap`
+    changes. A difference anywhere else raises ValueError rather than yielding a patch that would
+    silently lose it."""
+    if _without(old) != _without(new):
+        raise ValueError("the pods differ outside " + ", ".join("/".join(p) for p in PATCHED))
+    ops: list[dict[str, Any]] = []
+    for parent in dict.fromkeys(p for p, _ in PATCHED):
+        keys = [k for p, k in PATCHED if p == parent]
+        before, after = old.get(parent), new.get(parent) or {}
+        if not isinstance(before, dict):  # no object to add members to: add the whole one
+            if any(k in after for k in keys):
+                ops.append({"op": "add", "path": f"/{parent}", "value": after})
+            continue
+        for key in keys:
+            path = f"/{parent}/{key}"
+            if key not in after:
+                if key in before:
+                    ops.append({"op": "remove", "path": path})
+            elif key not in before:
+                ops.append({"op": "add", "path": path, "value": after[key]})
+            elif before[key] != after[key]:
+                ops.append({"op": "replace", "path": path, "value": after[key]})
+    return ops
+
+
+def _without(pod: Pod) -> Pod:
+    """The pod less the PATCHED fields; `metadata` and `spec` themselves are always present in a pod
+    the API server sends, so an empty one stands for a missing one."""
+    out = dict(pod)
+    for parent, key in PATCHED:
+        out[parent] = {k: v for k, v in (out.get(parent) or {}).items() if k != key}
+    return out
+
+
+def _mounts(container: dict[str, Any], path: str | None = None) -> list[dict[str, Any]]:
+    """The container's volume mounts, or those at `path`."""
+    found = container.get("volumeMounts") or []
+    return [m for m in found if path is None or m.get("mountPath") == path]
+
+
+def _annotations(pod: Pod) -> dict[str, str]:
+    return (pod.get("metadata") or {}).get("annotations") or {}

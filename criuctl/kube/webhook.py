@@ -1,0 +1,153 @@
+"""`criuctl webhook`: the mutating admission webhook that makes opted-in pods migratable at creation.
+
+The API server sends every pod CREATE that the MutatingWebhookConfiguration selects
+(manifests/webhook.yaml: the pod or its namespace labelled criuctl.io/migratable=true) as an
+AdmissionReview; the answer is a JSONPatch that wraps the containers' commands in criuctl's init
+(criuctl.kube.mutate.wrap). The server holds no state and needs no Kubernetes credentials: all it
+knows comes in the review. docs/webhook.md has the selectors, TLS and failure policy.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import ssl
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from criuctl import preflight
+from criuctl.kube import mutate
+
+log = logging.getLogger("criuctl.webhook")
+
+API_VERSION = "admission.k8s.io/v1"
+# A pod's JSON is bounded by etcd's request limit (1.5 MiB); aiohttp's default (1 MiB) is not enough.
+MAX_BODY = 8 * 1024 * 1024
+
+
+class Malformed(ValueError):
+    """A review this webhook cannot read: not one the API server would send."""
+
+
+def review(request: dict[str, Any]) -> dict[str, Any]:
+    """An AdmissionReview v1 request → its response: allowed, with a JSONPatch when the pod changes.
+
+    A malformed review is refused (allowed false, with the reason), not admitted: only the API
+    server talks to this endpoint, so a review that cannot be read is a version skew or a bug, and
+    admitting the pod anyway would start a job its owner asked to be migratable as one that is not,
+    silently. Refused, the reason reaches whoever created the pod. A review the webhook does not
+    care about (not a pod CREATE, a placeholder, a pod already wrapped) is allowed unchanged."""
+    return _admit(request)[0]
+
+
+def _admit(body: Any) -> tuple[dict[str, Any], str]:
+    """`review`, plus the one log line that says what was done to which pod."""
+    uid = ""
+    try:
+        req = _request(body)
+        uid = req["uid"]
+        kind, operation = req.get("kind") or {}, req.get("operation")
+        what = f"{operation} {kind.get('group') or 'core'}/{kind.get('kind')}"
+        if (kind.get("group"), kind.get("kind")) != ("", "Pod") or req.get("subResource"):
+            return _response(uid), f"{what}: not a pod, left alone"
+        pod = req.get("object")
+        if operation != "CREATE":  # a DELETE has no object: only a creation is ever mutated
+            return _response(uid), f"{what} {_who(req, pod)}: not a creation, left alone"
+        if not isinstance(pod, dict):
+            raise Malformed(f"the {what} review has no object")
+        who = _who(req, pod)
+        if mutate.is_placeholder(pod):
+            return _response(uid), f"{who}: a placeholder, left alone"
+        try:
+            new = mutate.wrap(pod)
+            ops = mutate.patch(pod, new)
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            raise Malformed(f"pod {who} is not a pod this webhook can read ({exc!r})") from exc
+        if not ops:
+            return _response(uid), f"{who}: already injected, not mutated"
+        wrapped = [c["name"] for c in new["spec"]["containers"] if mutate.is_wrapped(c)]
+        skipped = sorted(mutate.not_wrapped(new))
+        return _response(uid, ops), (
+            f"{who}: mutated (wrapped: {', '.join(wrapped) or 'none'}; "
+            f"not wrapped: {', '.join(skipped) or 'none'})"
+        )
+    except Malformed as exc:
+        message = f"criuctl's admission webhook refused the request: {exc}"
+        return _response(uid, allowed=False, message=message), f"refused: {exc}"
+
+
+def _request(body: Any) -> dict[str, Any]:
+    """The `request` of an AdmissionReview v1, checked as far as `_admit` relies on it."""
+    if not isinstance(body, dict):
+        raise Malformed("the body is not a JSON object")
+    if (body.get("apiVersion"), body.get("kind")) != (API_VERSION, "AdmissionReview"):
+        raise Malformed(
+            f"not an {API_VERSION} AdmissionReview (apiVersion {body.get('apiVersion')!r}, "
+            f"kind {body.get('kind')!r}): set admissionReviewVersions to [v1]"
+        )
+    req = body.get("request")
+    if not isinstance(req, dict) or not isinstance(req.get("uid"), str) or not req["uid"]:
+        raise Malformed("the AdmissionReview has no request with a uid")
+    return req
+
+
+def _who(req: dict[str, Any], pod: Any) -> str:
+    """NAMESPACE/NAME for the log; a pod created with generateName has no name yet."""
+    meta = (pod.get("metadata") if isinstance(pod, dict) else None) or {}
+    namespace = req.get("namespace") or meta.get("namespace") or "?"
+    return f"{namespace}/{meta.get('name') or meta.get('generateName') or req.get('name') or '?'}"
+
+
+def _response(
+    uid: str, ops: list[dict[str, Any]] | None = None, *, allowed: bool = True, message: str = ""
+) -> dict[str, Any]:
+    response: dict[str, Any] = {"uid": uid, "allowed": allowed}
+    if ops:
+        response["patchType"] = "JSONPatch"
+        response["patch"] = base64.b64encode(json.dumps(ops).encode()).decode()
+    if message:
+        response["status"] = {"code": 400, "message": message}
+    return {"apiVersion": API_VERSION, "kind": "AdmissionReview", "response": response}
+
+
+async def _mutate(request: web.Request) -> web.Response:
+    try:
+        body = await request.json()
+    except (ValueError, UnicodeDecodeError):
+        body = None  # answered as a malformed review: a refusal that says why, not a bare 400
+    response, line = _admit(body)
+    log.info(line)
+    return web.json_response(response)
+
+
+async def _healthz(_request: web.Request) -> web.Response:
+    return web.Response(text="ok\n")
+
+
+def app() -> web.Application:
+    """POST /mutate (the API server's AdmissionReviews) and GET /healthz (the readiness probe)."""
+    application = web.Application(client_max_size=MAX_BODY)
+    application.router.add_post("/mutate", _mutate)
+    application.router.add_get("/healthz", _healthz)
+    return application
+
+
+def serve(listen: str, cert: str, key: str) -> None:
+    """Serve HTTPS on `listen` ("HOST:PORT") until SIGTERM or SIGINT.
+
+    The API server talks to admission webhooks over HTTPS only, verifying the certificate against
+    the configuration's caBundle (scripts/webhook-cert.sh makes both). The files are read once:
+    a new certificate takes a restart (`kubectl -n criuctl-system rollout restart deploy/criuctl-webhook`).
+    Bad options fail here in one line each (criuctl.preflight), before anything listens."""
+    host, port = preflight.parse_listen(listen)
+    preflight.check_tls(Path(cert), Path(key))
+    preflight.check_bind(host, port)
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(cert, key)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
+    log.info("listening on https://%s:%d/mutate", host, port)
+    web.run_app(app(), host=host, port=port, ssl_context=ctx, print=None, access_log=None)

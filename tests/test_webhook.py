@@ -1,0 +1,642 @@
+"""The admission webhook: the pure mutation (criuctl.kube.mutate), the AdmissionReview handling, the
+real HTTPS server with a certificate from scripts/webhook-cert.sh, that script's cluster steps
+(against a recording fake kubectl), and what manifests/webhook.yaml must agree on with all of them.
+
+No cluster and no root: pods are the JSON dicts the API server sends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import copy
+import json
+import os
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+
+from criuctl import containers, nsinit, preflight
+from criuctl.kube import mutate, webhook
+from criuctl.kube.mutate import INIT, INJECTED, NOT_WRAPPED, PLACEHOLDER_FOR
+
+ROOT = Path(__file__).resolve().parent.parent
+CERT_SCRIPT = ROOT / "scripts" / "webhook-cert.sh"
+MANIFEST = ROOT / "manifests" / "webhook.yaml"
+TOKEN_VOLUME = "kube-api-access-x7k2p"  # what the ServiceAccount admission plugin adds (>= 1.22)
+OLD_TOKEN_VOLUME = "trainer-token-9fzq2"  # the same before 1.22: a Secret volume `<sa>-token-…`
+
+Obj = dict[str, Any]
+
+
+# ----------------------------------------------------------------------------------- fixtures
+
+
+def pod(*containers_: Obj, annotations: Obj | None = None, **spec: Any) -> Obj:
+    """A pod as the API server sends it to a mutating webhook on CREATE: no uid yet, and the
+    service-account token volume already added (built-in admission runs before webhooks)."""
+    token_mount = {"name": TOKEN_VOLUME, "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"}
+    cs = [
+        {**c, "volumeMounts": [*c.get("volumeMounts", []), dict(token_mount, readOnly=True)]}
+        for c in containers_
+    ]
+    meta: Obj = {"generateName": "train-", "namespace": "ml", "labels": {mutate.LABEL: "true"}}
+    if annotations is not None:
+        meta["annotations"] = annotations
+    volumes = [*spec.pop("volumes", []), {"name": TOKEN_VOLUME, "projected": {"sources": []}}]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": meta,
+        "spec": {"serviceAccountName": "trainer", "containers": cs, "volumes": volumes, **spec},
+    }
+
+
+TRAIN = {"name": "train", "image": "trainer:1", "command": ["python"], "args": ["train.py", "--epochs", "3"]}
+SIDECAR = {"name": "sidecar", "image": "exporter:2"}  # runs its image's ENTRYPOINT
+INIT_CONTAINER = {"name": "fetch", "image": "fetcher:1", "command": ["sh", "-c", "fetch data"]}
+
+
+def containers_by_name(p: Obj) -> dict[str, Obj]:
+    return {c["name"]: c for c in p["spec"]["containers"]}
+
+
+def apply_patch(doc: Obj, ops: list[Obj]) -> Obj:
+    """A minimal RFC 6902 applier (add, replace, remove on objects and lists), as the API server
+    applies the webhook's patch; independent of criuctl's code."""
+    doc = copy.deepcopy(doc)
+    for op in ops:
+        *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
+        target: Any = doc
+        for p in parents:
+            target = target[int(p)] if isinstance(target, list) else target[p]
+        if isinstance(target, list):
+            index = len(target) if last == "-" else int(last)
+            if op["op"] == "remove" or op["op"] == "replace":
+                del target[index]
+            if op["op"] in ("add", "replace"):
+                target.insert(index, copy.deepcopy(op["value"]))
+        elif op["op"] == "remove":
+            del target[last]
+        else:
+            assert op["op"] == "add" or last in target, f"replace of a missing member: {op}"
+            target[last] = copy.deepcopy(op["value"])
+    return doc
+
+
+def admission(obj: Any, operation: str = "CREATE", kind: str = "Pod", group: str = "", **extra: Any) -> Obj:
+    request = {
+        "uid": "705ab4f5-6393-11e8-b7cc-42010a800002",
+        "kind": {"group": group, "version": "v1", "kind": kind},
+        "resource": {"group": group, "version": "v1", "resource": kind.lower() + "s"},
+        "namespace": "ml",
+        "operation": operation,
+        "object": obj,
+        "oldObject": None,
+        **extra,
+    }
+    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": request}
+
+
+# --------------------------------------------------------------------------------------- wrap
+
+
+def test_wrap_starts_the_command_under_the_init_and_keeps_args() -> None:
+    source = pod(TRAIN)
+    before = copy.deepcopy(source)
+    wrapped = mutate.wrap(source)
+    assert source == before, "wrap changed its argument"
+    train = containers_by_name(wrapped)["train"]
+    assert train["command"] == ["python3", "-I", INIT, "--", "python"]
+    # Kubernetes appends args to command: the job's argv is the same as before
+    assert train["args"] == TRAIN["args"]
+    assert train["command"][4:] + train["args"] == TRAIN["command"] + TRAIN["args"]
+    assert {"name": "criuctl-inject", "mountPath": "/.criuctl", "readOnly": True} in train["volumeMounts"]
+    injects = [v for v in wrapped["spec"]["volumes"] if v["name"] == mutate.VOLUME]
+    assert injects == [{"name": "criuctl-inject", "hostPath": {"path": INJECT_DIR, "type": "Directory"}}]
+    assert wrapped["metadata"]["annotations"] == {INJECTED: "true"}
+    assert mutate.is_wrapped(train) and not mutate.is_placeholder(wrapped)
+
+
+INJECT_DIR = str(containers.INJECT_DIR)
+
+
+def test_the_inject_dir_and_init_paths_are_those_of_the_agent_and_nsinit() -> None:
+    assert mutate.INJECT_DIR == INJECT_DIR == "/var/lib/criuctl-inject"
+    assert Path(nsinit.__file__).name == Path(INIT).name and Path(INIT).parent == Path(mutate.MOUNT)
+    assert mutate.RUN_DIR == nsinit.CONTROL_DIR
+
+
+def test_a_container_without_command_is_left_alone_and_named() -> None:
+    wrapped = mutate.wrap(pod(TRAIN, SIDECAR, initContainers=[INIT_CONTAINER]))
+    by_name = containers_by_name(wrapped)
+    assert "command" not in by_name["sidecar"]
+    assert not any(m["name"] == mutate.VOLUME for m in by_name["sidecar"]["volumeMounts"])
+    assert mutate.is_wrapped(by_name["train"])
+    reasons = json.loads(wrapped["metadata"]["annotations"][NOT_WRAPPED])
+    assert reasons == {"sidecar": mutate.NO_COMMAND}
+    assert "entrypoint is not in the pod spec" in reasons["sidecar"]
+    assert mutate.not_wrapped(wrapped) == reasons
+    # init containers are never touched
+    assert wrapped["spec"]["initContainers"] == [INIT_CONTAINER]
+
+
+def test_a_pod_with_no_command_anywhere_gets_no_volume() -> None:
+    wrapped = mutate.wrap(pod(SIDECAR))
+    assert [v["name"] for v in wrapped["spec"]["volumes"]] == [TOKEN_VOLUME]
+    assert wrapped["metadata"]["annotations"][INJECTED] == "true"
+    assert set(mutate.not_wrapped(wrapped)) == {"sidecar"}
+
+
+def test_the_python_annotation_names_the_interpreter() -> None:
+    wrapped = mutate.wrap(pod(TRAIN, annotations={mutate.PYTHON_ANNOTATION: "/opt/conda/bin/python"}))
+    assert containers_by_name(wrapped)["train"]["command"][:4] == ["/opt/conda/bin/python", "-I", INIT, "--"]
+
+
+def test_wrap_is_idempotent() -> None:
+    once = mutate.wrap(pod(TRAIN, SIDECAR))
+    twice = mutate.wrap(once)
+    assert twice == once and twice is not once
+    # even without the annotation a wrapped command is not wrapped again
+    del once["metadata"]["annotations"][INJECTED]
+    again = containers_by_name(mutate.wrap(once))["train"]
+    assert again["command"] == ["python3", "-I", INIT, "--", "python"]
+    assert sum(m["mountPath"] == mutate.MOUNT for m in again["volumeMounts"]) == 1
+    assert sum(v["name"] == mutate.VOLUME for v in mutate.wrap(once)["spec"]["volumes"]) == 1
+
+
+def test_a_pod_wrapped_by_hand_as_the_docs_show_keeps_its_own_volume() -> None:
+    """docs/containers.md names the volume `criuctl`: a second mount at /.criuctl would be refused
+    by the API server (duplicate mountPath), so nothing is added."""
+    hand = {
+        "name": "train",
+        "image": "trainer:1",
+        "command": ["python3", "-I", INIT, "--"],
+        "args": ["python", "train.py"],
+        "volumeMounts": [{"name": "criuctl", "mountPath": "/.criuctl", "readOnly": True}],
+    }
+    volume = {"name": "criuctl", "hostPath": {"path": INJECT_DIR, "type": "Directory"}}
+    source = pod(hand, volumes=[volume])
+    wrapped = mutate.wrap(source)
+    assert wrapped["spec"] == source["spec"]
+    assert wrapped["metadata"]["annotations"] == {INJECTED: "true"}
+
+
+# -------------------------------------------------------------------------------- placeholder
+
+
+def running(p: Obj) -> Obj:
+    """The wrapped pod as `kubectl get -o json` returns it once it runs on node a."""
+    p = mutate.wrap(p)
+    p["metadata"].update(
+        name="train-abc12",
+        uid="0c1d2e3f",
+        resourceVersion="4711",
+        creationTimestamp="2026-01-01T00:00:00Z",
+        ownerReferences=[{"apiVersion": "batch/v1", "kind": "Job", "name": "train", "uid": "9"}],
+        managedFields=[{"manager": "kube-controller-manager"}],
+    )
+    spec = p["spec"]
+    spec.update(nodeName="node-a", priority=0, preemptionPolicy="PreemptLowerPriority")
+    spec["ephemeralContainers"] = [{"name": "debugger", "image": "busybox"}]
+    p["status"] = {"phase": "Running", "podIP": "10.0.0.7"}
+    return p
+
+
+PROBE = {"httpGet": {"path": "/", "port": 8080}}
+FULL = {
+    **TRAIN,
+    "livenessProbe": PROBE,
+    "readinessProbe": PROBE,
+    "startupProbe": PROBE,
+    "lifecycle": {"preStop": {"exec": {"command": ["sleep", "5"]}}},
+    "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+}
+
+
+def test_placeholder_is_the_source_spec_waiting_on_the_target_node() -> None:
+    init = {**INIT_CONTAINER, "volumeMounts": [{"name": OLD_TOKEN_VOLUME, "mountPath": "/var/run/secrets/x"}]}
+    old_token = {"name": OLD_TOKEN_VOLUME, "secret": {"secretName": OLD_TOKEN_VOLUME}}
+    source = running(pod(FULL, volumes=[{"name": "data", "emptyDir": {}}, old_token], initContainers=[init]))
+    before = copy.deepcopy(source)
+    ph = mutate.placeholder(source, "node-b", "ml/train-abc12")
+    assert source == before, "placeholder changed its argument"
+
+    assert set(ph) == {"apiVersion", "kind", "metadata", "spec"}  # no status
+    assert set(ph["metadata"]) == {"namespace", "labels", "annotations"}  # the caller names it
+    assert ph["metadata"]["namespace"] == "ml"
+    assert ph["metadata"]["labels"] == source["metadata"]["labels"]
+    assert ph["metadata"]["annotations"][PLACEHOLDER_FOR] == "ml/train-abc12"
+    assert ph["metadata"]["annotations"][INJECTED] == "true"
+    assert mutate.is_placeholder(ph)
+
+    spec = ph["spec"]
+    assert spec["nodeName"] == "node-b"
+    assert spec["serviceAccountName"] == "trainer"
+    for gone in ("ephemeralContainers", "priority", "preemptionPolicy"):
+        assert gone not in spec, gone
+    (train,) = spec["containers"]
+    assert train["command"] == ["python3", "-I", INIT, "--placeholder"]
+    for gone in ("args", "lifecycle", "livenessProbe", "readinessProbe", "startupProbe"):
+        assert gone not in train, gone
+    # the job's mounts stay (the restore maps each to the placeholder's), the token mounts go
+    assert [m["mountPath"] for m in train["volumeMounts"]] == ["/data", mutate.MOUNT]
+    assert [v["name"] for v in spec["volumes"]] == ["data", mutate.VOLUME]
+    assert spec["initContainers"] == [{**INIT_CONTAINER, "volumeMounts": []}]
+    assert "node-a" not in json.dumps(ph)  # the source's node, in nodeName and nowhere else
+
+
+def test_placeholder_keeps_a_token_volume_of_another_account() -> None:
+    """Only the volume the ServiceAccount plugin adds for this pod's account is dropped; a Secret
+    the user mounts whose name happens to contain "-token-" stays."""
+    user = {"name": "github-token-x", "secret": {"secretName": "github-token-x"}}
+    ph = mutate.placeholder(running(pod(TRAIN, volumes=[user])), "node-b", "ml/train-abc12")
+    assert [v["name"] for v in ph["spec"]["volumes"]] == ["github-token-x", mutate.VOLUME]
+
+
+def test_placeholder_uses_the_wrapped_commands_interpreter() -> None:
+    source = running(pod(TRAIN, annotations={mutate.PYTHON_ANNOTATION: "/usr/bin/python3.11"}))
+    ph = mutate.placeholder(source, "node-b", "ml/x")
+    assert ph["spec"]["containers"][0]["command"] == ["/usr/bin/python3.11", "-I", INIT, "--placeholder"]
+
+
+def test_placeholder_of_a_read_only_rootfs_gets_a_folder_for_the_inits_fifos() -> None:
+    ro = {**TRAIN, "securityContext": {"readOnlyRootFilesystem": True}}
+    ph = mutate.placeholder(running(pod(ro)), "node-b", "ml/x")
+    (c,) = ph["spec"]["containers"]
+    assert {"name": mutate.RUN_VOLUME, "mountPath": nsinit.CONTROL_DIR} in c["volumeMounts"]
+    assert {"name": mutate.RUN_VOLUME, "emptyDir": {}} in ph["spec"]["volumes"]
+    plain = mutate.placeholder(running(pod(TRAIN)), "node-b", "ml/x")
+    assert mutate.RUN_VOLUME not in json.dumps(plain)
+
+
+def test_placeholder_refuses_a_pod_whose_containers_are_not_wrapped() -> None:
+    with pytest.raises(
+        ValueError, match=r"ml/train-abc12: container\(s\) sidecar do not run under criuctl's init"
+    ):
+        mutate.placeholder(running(pod(TRAIN, SIDECAR)), "node-b", "ml/train-abc12")
+    with pytest.raises(ValueError, match="train"):
+        mutate.placeholder(pod(TRAIN), "node-b", "ml/never-wrapped")
+
+
+def test_a_placeholder_passes_the_webhook_unchanged() -> None:
+    ph = mutate.placeholder(running(pod(TRAIN)), "node-b", "ml/x")
+    del ph["metadata"]["annotations"][INJECTED]  # even a hand-wrapped source's placeholder
+    response = webhook.review(admission(ph))["response"]
+    assert response["allowed"] is True and "patch" not in response
+
+
+# -------------------------------------------------------------------------------------- patch
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        pod(TRAIN),  # annotations absent: add; volumes present: replace
+        pod(TRAIN, SIDECAR, annotations={"team": "ml"}),  # annotations replaced
+        {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": {"containers": [TRAIN]}},
+        {"apiVersion": "v1", "kind": "Pod", "spec": {"containers": [TRAIN]}},  # no metadata at all
+    ],
+    ids=["no-annotations", "annotations", "no-volumes", "no-metadata"],
+)
+def test_the_patch_turns_the_pod_into_exactly_the_wrapped_one(source: Obj) -> None:
+    wrapped = mutate.wrap(source)
+    ops = mutate.patch(source, wrapped)
+    assert ops and {op["op"] for op in ops} <= {"add", "replace"}
+    assert apply_patch(source, ops) == wrapped
+
+
+def test_patch_of_equal_pods_is_empty_and_removal_works() -> None:
+    p = mutate.wrap(pod(TRAIN))
+    assert mutate.patch(p, p) == []
+    less = copy.deepcopy(p)
+    del less["spec"]["volumes"]
+    ops = mutate.patch(p, less)
+    assert ops == [{"op": "remove", "path": "/spec/volumes"}]
+    assert apply_patch(p, ops) == less
+
+
+def test_patch_refuses_differences_it_would_lose() -> None:
+    p = pod(TRAIN)
+    other = copy.deepcopy(p)
+    other["spec"]["nodeName"] = "node-b"
+    with pytest.raises(ValueError, match="differ outside"):
+        mutate.patch(p, other)
+
+
+# ------------------------------------------------------------------------------------- review
+
+
+def decoded_patch(response: Obj) -> list[Obj]:
+    assert response["patchType"] == "JSONPatch"
+    return json.loads(base64.b64decode(response["patch"]))
+
+
+def test_review_of_a_pod_create_answers_with_the_patch_that_wraps_it() -> None:
+    source = pod(TRAIN, SIDECAR)
+    review = admission(source)
+    answer = webhook.review(review)
+    assert (answer["apiVersion"], answer["kind"]) == ("admission.k8s.io/v1", "AdmissionReview")
+    response = answer["response"]
+    assert response["uid"] == review["request"]["uid"]
+    assert response["allowed"] is True and "status" not in response
+    assert apply_patch(source, decoded_patch(response)) == mutate.wrap(source)
+
+
+@pytest.mark.parametrize(
+    "review",
+    [
+        admission(pod(TRAIN), operation="UPDATE"),
+        admission(None, operation="DELETE"),  # a DELETE carries no object
+        admission({"kind": "Deployment"}, kind="Deployment", group="apps"),
+        admission({"kind": "EphemeralContainers"}, operation="UPDATE", subResource="ephemeralcontainers"),
+        admission(mutate.wrap(pod(TRAIN))),  # already injected (it matched both webhooks)
+        admission(mutate.placeholder(running(pod(TRAIN)), "node-b", "ml/x")),
+    ],
+    ids=["update", "delete", "not-a-pod", "subresource", "injected", "placeholder"],
+)
+def test_review_allows_what_it_does_not_mutate_unchanged(review: Obj) -> None:
+    response = webhook.review(review)["response"]
+    assert response == {"uid": review["request"]["uid"], "allowed": True}
+
+
+@pytest.mark.parametrize(
+    ("body", "uid", "says"),
+    [
+        (None, "", "not a JSON object"),
+        (
+            {**admission(pod(TRAIN)), "apiVersion": "admission.k8s.io/v1beta1"},
+            "",
+            "not an admission.k8s.io/v1",
+        ),
+        ({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview"}, "", "no request with a uid"),
+        (admission(None), "705ab4f5-6393-11e8-b7cc-42010a800002", "has no object"),
+        (admission({"spec": {"containers": "train"}}), "705ab4f5-6393-11e8-b7cc-42010a800002", "can read"),
+    ],
+    ids=["not-json-object", "v1beta1", "no-request", "create-without-object", "containers-not-a-list"],
+)
+def test_review_refuses_a_malformed_request_and_says_why(body: Any, uid: str, says: str) -> None:
+    response = webhook.review(body)["response"]
+    assert response["uid"] == uid
+    assert response["allowed"] is False and "patch" not in response
+    assert response["status"]["code"] == 400
+    assert says in response["status"]["message"]
+
+
+# ------------------------------------------------------------------ the HTTPS server, for real
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("webhook-tls")
+    subprocess.run(["bash", str(CERT_SCRIPT), "--print-only", str(out)], check=True, timeout=30)
+    return out
+
+
+def manifest() -> dict[str, Obj]:
+    return {o["kind"]: o for o in yaml.safe_load_all(MANIFEST.read_text()) if o}
+
+
+def service_name() -> str:
+    """The name the API server verifies the webhook's certificate against: SERVICE.NAMESPACE.svc."""
+    (hook, *_) = manifest()["MutatingWebhookConfiguration"]["webhooks"]
+    svc = hook["clientConfig"]["service"]
+    return f"{svc['name']}.{svc['namespace']}.svc"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(certs: Path, tmp_path_factory: pytest.TempPathFactory):
+    """`serve()` itself in a child process (it blocks, and sets up logging and signals like the CLI)."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("webhook-log") / "stderr"
+    code = "import sys; from criuctl.kube.webhook import serve; serve(*sys.argv[1:])"
+    args = [f"127.0.0.1:{port}", str(certs / "tls.crt"), str(certs / "tls.key")]
+    with log.open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", code, *args], stderr=err, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            assert proc.poll() is None, f"the webhook exited: {log.read_text()}"
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"the webhook did not listen: {log.read_text()}"
+                time.sleep(0.05)
+        yield port, log
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def client_context(ca: Path) -> ssl.SSLContext:
+    """As the API server verifies a webhook: against the caBundle, by the Service's DNS name."""
+    ctx = ssl.create_default_context(cafile=str(ca))
+    ctx.verify_flags |= ssl.VERIFY_X509_STRICT
+    return ctx
+
+
+async def call(port: int, ctx: ssl.SSLContext, hostname: str, body: Any = None) -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as session:
+        if body is None:
+            async with session.get(
+                f"https://127.0.0.1:{port}/healthz", ssl=ctx, server_hostname=hostname
+            ) as r:
+                return r.status, await r.text()
+        async with session.post(
+            f"https://127.0.0.1:{port}/mutate", json=body, ssl=ctx, server_hostname=hostname
+        ) as r:
+            return r.status, await r.json()
+
+
+def test_the_server_answers_an_admission_review_over_verified_https(certs: Path, server) -> None:
+    port, log = server
+    ctx, name = client_context(certs / "ca.crt"), service_name()
+    assert asyncio.run(call(port, ctx, name)) == (200, "ok\n")
+    source = pod(TRAIN, SIDECAR)
+    status, answer = asyncio.run(call(port, ctx, name, admission(source)))
+    assert status == 200
+    assert answer["response"]["allowed"] is True
+    assert apply_patch(source, decoded_patch(answer["response"])) == mutate.wrap(source)
+    # one line per admission: the pod (generateName before it has a name) and what was done
+    deadline = time.monotonic() + 5
+    while "ml/train-: mutated" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    lines = [line for line in log.read_text().splitlines() if "ml/train-" in line]
+    assert len(lines) == 1 and "wrapped: train; not wrapped: sidecar" in lines[0], log.read_text()
+
+
+def test_the_servers_certificate_fails_against_another_ca_or_name(
+    certs: Path, server, tmp_path: Path
+) -> None:
+    port, _ = server
+    other = tmp_path / "other"
+    subprocess.run(["bash", str(CERT_SCRIPT), "--print-only", str(other)], check=True, timeout=30)
+    with pytest.raises(aiohttp.ClientConnectorCertificateError):
+        asyncio.run(call(port, client_context(other / "ca.crt"), service_name()))
+    with pytest.raises(aiohttp.ClientConnectorCertificateError):
+        asyncio.run(call(port, client_context(certs / "ca.crt"), "criuctl-webhook.elsewhere.svc"))
+
+
+def test_a_body_that_is_not_json_is_refused_in_a_review(certs: Path, server) -> None:
+    port, _ = server
+
+    async def post_garbage() -> tuple[int, Obj]:
+        async with aiohttp.ClientSession() as session:
+            ctx = client_context(certs / "ca.crt")
+            async with session.post(
+                f"https://127.0.0.1:{port}/mutate", data=b"{not json", ssl=ctx, server_hostname=service_name()
+            ) as r:
+                return r.status, await r.json()
+
+    status, answer = asyncio.run(post_garbage())
+    assert status == 200 and answer["response"]["allowed"] is False
+
+
+def test_serve_refuses_bad_options_in_one_line(certs: Path, tmp_path: Path) -> None:
+    with pytest.raises(preflight.BadOption, match="not HOST:PORT"):
+        webhook.serve("8443", str(certs / "tls.crt"), str(certs / "tls.key"))
+    with pytest.raises(preflight.BadOption, match="cannot read --tls-key"):
+        webhook.serve("127.0.0.1:18443", str(certs / "tls.crt"), str(tmp_path / "missing.key"))
+    with pytest.raises(preflight.BadOption, match="not a PEM certificate and its key"):
+        webhook.serve("127.0.0.1:18443", str(certs / "tls.crt"), str(certs / "ca.crt"))
+
+
+# ------------------------------------------------------------ webhook-cert.sh against a cluster
+
+FAKE_KUBECTL = r"""#!/usr/bin/env bash
+# records every call; answers the few reads webhook-cert.sh makes
+echo "$*" >>"$FAKE_LOG"
+case "$*" in
+  "get mutatingwebhookconfiguration criuctl "*) printf 'pods.criuctl.io\nnamespaces.criuctl.io\n' ;;
+  *" get secret criuctl-webhook-tls "*) printf '%s' "$FAKE_OLD_CA" ;;
+  "patch "*) printf '%s' "${@: -1}" >"$FAKE_PATCH" ;;
+  "apply -f "*) cp "$3" "$FAKE_APPLIED" ;;
+esac
+"""
+
+
+def test_the_cert_script_trusts_old_and_new_ca_then_applies_and_restarts(certs: Path, tmp_path: Path) -> None:
+    fake = tmp_path / "bin" / "kubectl"
+    fake.parent.mkdir()
+    fake.write_text(FAKE_KUBECTL)
+    fake.chmod(0o755)
+    old_ca = (certs / "ca.crt").read_text()
+    env = {
+        **os.environ,
+        "PATH": f"{fake.parent}:{os.environ['PATH']}",
+        "FAKE_LOG": str(tmp_path / "calls"),
+        "FAKE_OLD_CA": base64.b64encode(old_ca.encode()).decode(),
+        "FAKE_PATCH": str(tmp_path / "patch.json"),
+        "FAKE_APPLIED": str(tmp_path / "secret.yaml"),
+    }
+    subprocess.run(["bash", str(CERT_SCRIPT)], check=True, timeout=60, env=env, capture_output=True)
+
+    calls = (tmp_path / "calls").read_text().splitlines()
+    verbs = [c.split()[0] if not c.startswith("-n") else c.split()[2] for c in calls]
+    assert verbs.index("patch") < verbs.index("apply") < verbs.index("rollout"), calls
+    assert any(c.endswith("rollout restart deployment criuctl-webhook") for c in calls), calls
+
+    secret = yaml.safe_load((tmp_path / "secret.yaml").read_text())
+    assert (secret["metadata"]["name"], secret["metadata"]["namespace"]) == (
+        "criuctl-webhook-tls",
+        "criuctl-system",
+    )
+    assert secret["type"] == "kubernetes.io/tls"
+    new_ca = base64.b64decode(secret["data"]["ca.crt"]).decode()
+    assert new_ca != old_ca
+
+    ops = json.loads((tmp_path / "patch.json").read_text())
+    assert [op["path"] for op in ops] == [f"/webhooks/{i}/clientConfig/caBundle" for i in (0, 1)]
+    assert {op["op"] for op in ops} == {"add"}
+    bundle = base64.b64decode(ops[0]["value"]).decode()
+    assert bundle.strip() == (new_ca + old_ca).strip()
+    # the Secret's certificate verifies against the new CA by the Service's name
+    ctx = ssl.create_default_context(cadata=bundle)
+    crt = tmp_path / "tls.crt"
+    crt.write_bytes(base64.b64decode(secret["data"]["tls.crt"]))
+    out = subprocess.run(
+        ["openssl", "verify", "-CAfile", "/dev/stdin", "-verify_hostname", service_name(), str(crt)],
+        input=new_ca, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert ctx.cert_store_stats()["x509_ca"] == 2
+
+
+# ------------------------------------------------------------------------------- the manifest
+
+
+def test_the_manifest_agrees_with_the_code_and_the_script(certs: Path) -> None:
+    objs = manifest()
+    hooks = {h["name"]: h for h in objs["MutatingWebhookConfiguration"]["webhooks"]}
+    assert set(hooks) == {"pods.criuctl.io", "namespaces.criuctl.io"}
+    svc = objs["Service"]
+    for h in hooks.values():
+        assert h["failurePolicy"] == "Ignore" and h["sideEffects"] == "None"
+        assert h["admissionReviewVersions"] == ["v1"] and "caBundle" not in h["clientConfig"]
+        assert h["clientConfig"]["service"] == {
+            "namespace": svc["metadata"]["namespace"],
+            "name": svc["metadata"]["name"],
+            "path": "/mutate",
+            "port": svc["spec"]["ports"][0]["port"],
+        }
+        assert h["rules"] == [
+            {
+                "operations": ["CREATE"],
+                "apiGroups": [""],
+                "apiVersions": ["v1"],
+                "resources": ["pods"],
+                "scope": "Namespaced",
+            }
+        ]
+        excluded = next(
+            e for e in h["namespaceSelector"]["matchExpressions"] if e["key"] == "kubernetes.io/metadata.name"
+        )
+        assert (excluded["operator"], set(excluded["values"])) == ("NotIn", {"kube-system", "criuctl-system"})
+    assert hooks["pods.criuctl.io"]["objectSelector"]["matchExpressions"] == [
+        {"key": mutate.LABEL, "operator": "In", "values": ["true"]}
+    ]
+    assert hooks["namespaces.criuctl.io"]["objectSelector"]["matchExpressions"] == [
+        {"key": mutate.LABEL, "operator": "NotIn", "values": ["false"]}
+    ]
+    assert {"key": mutate.LABEL, "operator": "In", "values": ["true"]} in hooks["namespaces.criuctl.io"][
+        "namespaceSelector"
+    ]["matchExpressions"]
+
+    # the Deployment serves on the Service's target port, from the Secret the script writes
+    pod_spec = objs["Deployment"]["spec"]["template"]["spec"]
+    (c,) = pod_spec["containers"]
+    args = dict(zip(c["args"][1::2], c["args"][2::2], strict=True))
+    assert c["args"][0] == "webhook"
+    (port,) = c["ports"]
+    assert preflight.parse_listen(args["--listen"])[1] == port["containerPort"]
+    assert svc["spec"]["ports"][0]["targetPort"] == port["name"]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": port["name"], "scheme": "HTTPS"}
+    secret = yaml.safe_load((certs / "secret.yaml").read_text())
+    (mount,) = c["volumeMounts"]
+    (volume,) = [v for v in pod_spec["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+    assert secret["metadata"]["namespace"] == objs["Deployment"]["metadata"]["namespace"]
+    for flag, key in (("--tls-cert", "tls.crt"), ("--tls-key", "tls.key")):
+        assert args[flag] == f"{mount['mountPath']}/{key}" and key in secret["data"]
+    # no privilege: the pod runs as a non-root number that fsGroup lets read the key
+    sc = c["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["capabilities"] == {"drop": ["ALL"]}
+    assert (
+        pod_spec["securityContext"]["runAsNonRoot"] is True and pod_spec["securityContext"]["runAsUser"] > 0
+    )
+    assert volume["secret"]["defaultMode"] & 0o040 and pod_spec["securityContext"]["fsGroup"] > 0
