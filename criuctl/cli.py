@@ -224,6 +224,13 @@ def _cmd_demo(a: argparse.Namespace) -> int:
     return demo.main(Path(a.out), steps=a.steps, freeze_at=a.freeze_at)
 
 
+def _cmd_webhook(a: argparse.Namespace) -> int:
+    from criuctl.kube import webhook
+
+    webhook.serve(a.listen, a.tls_cert, a.tls_key)  # runs as the webhook's own user, not root
+    return 0
+
+
 # verb → the function that carries it out; `cliargs.VERBS` has the same keys
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "run": _cmd_run,
@@ -237,6 +244,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "inspect": _cmd_inspect,
     "doctor": _cmd_doctor,
     "demo": _cmd_demo,
+    "webhook": _cmd_webhook,
 }
 
 

@@ -115,10 +115,21 @@ VERBS: dict[str, Verb] = {
         },
     ),
     "migrate": Verb(
-        "move a running workload to another node",
+        "move a running workload, or a Kubernetes pod, to another node",
         (
-            opt("name", metavar="NAME"),
-            opt("--to", required=True, metavar="NODE"),
+            opt("name", metavar="NAME|POD"),
+            opt("node", nargs="?", metavar="NODE", help="the node to move it to (or --to NODE)"),
+            opt("--to", metavar="NODE", help=argparse.SUPPRESS),
+            opt(
+                "-n",
+                "--namespace",
+                help="a pod's namespace (default: the kubeconfig context's, else 'default'); "
+                "POD is a pod when this, --kubeconfig, $KUBECONFIG or an in-cluster config is "
+                "there and NODE is not a node of `criuctl node ls`",
+            ),
+            opt("--kubeconfig", metavar="FILE", help="the kubeconfig to use (default: $KUBECONFIG, ~/.kube/config)"),
+            opt("--dry-run", action="store_true", help="a pod: check everything, change nothing, say what would happen"),
+            opt("-o", "--output", choices=["text", "json"], default="text", help="json: the result on stdout"),
             opt("--from", dest="source", metavar="NODE", help="the node it runs on (default: ask them all)"),
             opt(
                 "--mode",
@@ -169,6 +180,14 @@ VERBS: dict[str, Verb] = {
         ),
     ),
     "doctor": Verb("check CRIU and the kernel features criuctl needs"),
+    "webhook": Verb(
+        "serve the admission webhook that makes labelled pods migratable (manifests/webhook.yaml)",
+        (
+            opt("--listen", default="0.0.0.0:8443", metavar="HOST:PORT"),
+            opt("--tls-cert", required=True, metavar="FILE"),
+            opt("--tls-key", required=True, metavar="FILE"),
+        ),
+    ),
     "demo": Verb(
         "train, freeze, restore, and compare against an uninterrupted run",
         (

@@ -298,18 +298,24 @@ def write_inject_dir(dest: Path = INJECT_DIR) -> Path:
     if stamp.is_file() and stamp.read_text() == digest:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    # A hostPath volume (the agent's DaemonSet) is a mount point: it cannot be renamed, so its
+    # entries are swapped one by one (the stamp last) from a staging folder on the same mount.
+    in_place = os.path.ismount(dest)
+    home = dest if in_place else dest.parent
+    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=home))
     try:
         shutil.copy2(nsinit.__file__, staging / "nsinit.py")
         shutil.copytree(HOOKS_DIR, staging / "hooks", ignore=shutil.ignore_patterns("__pycache__"))
         (staging / ".criuctl-files").write_text(digest)
         for p in [staging, *staging.rglob("*")]:
             p.chmod(0o755 if p.is_dir() else 0o644)
-        old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old.", dir=dest.parent))
+        old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old.", dir=home))
         try:
-            if dest.exists():
-                os.rename(dest, old / "prev")
-            os.rename(staging, dest)
+            swaps = [(staging / n, dest / n) for n in ("hooks", "nsinit.py", ".criuctl-files")]
+            for new, live in swaps if in_place else [(staging, dest)]:
+                if live.exists():
+                    os.rename(live, old / live.name)
+                os.rename(new, live)
         except OSError:
             if not (stamp.is_file() and stamp.read_text() == digest):
                 raise

@@ -5,7 +5,7 @@ Tests need container images without a registry or a Docker engine: the host's st
 pause image and the placeholder's shell) is all they need inside; Python and the project come
 from read-only host mounts. Standard library only.
 
-    image-tar.py ROOTFS_DIR NAME:TAG OUT.tar [--cmd ARG ...]
+    image-tar.py ROOTFS_DIR NAME:TAG OUT.tar [--cmd ARG ...] [--entrypoint ARG ...]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ def main() -> None:
     p.add_argument("ref")
     p.add_argument("out", type=Path)
     p.add_argument("--cmd", nargs="*", default=["/bin/sh"])
+    p.add_argument("--entrypoint", nargs="*", default=None)
     a = p.parse_args()
     layer = io.BytesIO()
     with tarfile.open(fileobj=layer, mode="w") as t:
@@ -46,7 +47,7 @@ def main() -> None:
         {
             "architecture": "amd64",
             "os": "linux",
-            "config": {"Cmd": a.cmd, "Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]},
+            "config": {"Cmd": a.cmd, **({"Entrypoint": a.entrypoint} if a.entrypoint else {}), "Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]},
             "rootfs": {"type": "layers", "diff_ids": [f"sha256:{diff}"]},
         }
     ).encode()

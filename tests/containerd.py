@@ -27,7 +27,7 @@ from criuctl_cri import api_pb2 as pb
 from criuctl_cri import api_pb2_grpc as rpc
 
 from criuctl import containers
-from tests import containerd_config
+from criuctl.localcluster import containerd_config
 from tests.cluster import Cluster
 
 IMAGES = Path("/usr/local/lib/criuctl/images")

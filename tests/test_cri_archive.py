@@ -32,7 +32,7 @@ import pytest
 
 from criuctl import bundle
 from criuctl.runtime import archive
-from tests import containerd_config
+from criuctl.localcluster import containerd_config
 from tests.conftest import ENV_REQUIRE, REASON
 
 REPO = Path(__file__).resolve().parent.parent

@@ -109,9 +109,13 @@ def migrate(
     mode: str | None = None,
     progress: Progress = _quiet,
     into: str | None = None,
+    target_committed: Callable[[], None] | None = None,
 ) -> MigrationResult:
     """Move workload `name`; a container goes `into` that placeholder container on the target
-    (default: the target's one empty placeholder for the same pod and container)."""
+    (default: the target's one empty placeholder for the same pod and container).
+    `target_committed` runs once the job runs on the target and before the source's copy ends:
+    where something must learn of the move before the source tree dies (Kubernetes deletes the
+    source pod there, so that its kubelet does not restart the container it sees die)."""
     started = time.monotonic()
     if source.name == target.name:
         raise MigrationFailed(f"{name!r} already runs on node {target.name}", "pick another --to node")
@@ -173,6 +177,8 @@ def migrate(
     progress("commit")
     _commit_target(src, dst, og_id, inc["id"], name, source.name)
     points.reach(Point.CLIENT_TARGET_COMMITTED)
+    if target_committed is not None:
+        target_committed()
     confirmed = True
     try:
         answer = src.post(f"/v1/outgoing/{og_id}/commit", timeout=TIMEOUTS.source_commit)

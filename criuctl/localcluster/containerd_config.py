@@ -1,4 +1,5 @@
-"""containerd configurations for test nodes: format 2 (Debian 12's 1.6) and format 3 (2.x).
+"""containerd configurations: test nodes (format 2 for Debian 12's 1.6, format 3 for 2.x) and the
+local cluster's kubelet nodes (format 2 at the standard paths, with CNI).
 
 Standard library only (tests/test_cri_archive.py imports it before knowing the CRI stubs exist).
 Every setting is one /work/shared/design.md §2 found necessary here: own root, state and sockets;
@@ -31,10 +32,11 @@ _CRI_COMMON = (
 )
 
 
-def _head(version: int, root: Path) -> str:
-    sock = root / "containerd.sock"
+def _head(version: int, root: Path, state: Path | None = None, sock: Path | None = None) -> str:
+    sock = sock or root / "containerd.sock"
     return (
-        f'version = {version}\nroot = "{root}/root"\nstate = "{root}/state"\n'
+        f'version = {version}\nroot = "{root if state else root / "root"}"\n'
+        f'state = "{state or root / "state"}"\n'
         f'[grpc]\n  address = "{sock}"\n[ttrpc]\n  address = "{sock}.ttrpc"\n'
     )
 
@@ -64,4 +66,18 @@ def v3(root: Path, sandbox_image: str) -> str:
         + "  enable_cdi = false\n"
         + f'  [{plugin}.cni]\n    bin_dirs = ["{root}/cni-bin"]\n    conf_dir = "{root}/cni-conf"\n'
         + _runc(plugin, root, None)
+    )
+
+
+def node_v2(sandbox_image: str, criu: str) -> str:
+    """A kubelet node's containerd 1.6 at the standard paths (the local cluster binds a folder of
+    its own over each, in the node's mount namespace), with Debian's CNI plugins."""
+    plugin = '''plugins."io.containerd.grpc.v1.cri"'''
+    run = Path("/run/containerd")
+    return (
+        _head(2, Path("/var/lib/containerd"), run, run / "containerd.sock")
+        + f'[{plugin}]\n  sandbox_image = "{sandbox_image}"\n'
+        + _CRI_COMMON
+        + f'  [{plugin}.cni]\n    bin_dir = "/usr/lib/cni"\n    conf_dir = "/etc/cni/net.d"\n'
+        + _runc(plugin, run, criu)
     )

@@ -1,0 +1,142 @@
+"""`scripts/local-cluster up|down|status` (see the package docstring)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from criuctl.localcluster import addons, control, node, pki
+from criuctl.localcluster.layout import DEFAULT_DIR, K8S_BIN, REPO, ClusterError, Layout, sh
+
+KUBE_PARTS = ("kube-apiserver", "kube-scheduler", "kube-controller-manager", "etcd")
+
+
+def kubectl(lay: Layout, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return sh("kubectl", "--kubeconfig", str(lay.kubeconfig), *args, check=check)
+
+
+def _wait(what: str, ready, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ready():
+            return
+        time.sleep(0.5)
+    raise ClusterError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def _nodes_ready(lay: Layout) -> bool:
+    out = kubectl(lay, "get", "nodes", "-o", "json", check=False).stdout
+    if not out:
+        return False
+    ready = {
+        n["metadata"]["name"]
+        for n in json.loads(out)["items"]
+        if any(c["type"] == "Ready" and c["status"] == "True" for c in n["status"].get("conditions", []))
+    }
+    return ready >= set(lay.nodes)
+
+
+def _agents_ready(lay: Layout) -> bool:
+    out = kubectl(lay, "-n", "criuctl-system", "get", "pods", "-o", "json", check=False).stdout
+    if not out:
+        return False
+    ready = {
+        p["spec"].get("nodeName")
+        for p in json.loads(out)["items"]
+        if p["metadata"]["name"].startswith("criuctl-agent")
+        and any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))
+    }
+    return ready >= set(lay.nodes)
+
+
+def up(lay: Layout) -> Layout:
+    if not all((K8S_BIN / b).exists() for b in ("kube-apiserver", "kubelet")):
+        subprocess.run(["bash", str(REPO / "scripts" / "install-kubernetes.sh")], check=True)
+    if (lay.dir / "state.json").exists():
+        raise ClusterError(f"a local cluster is already recorded in {lay.dir}: run `down` first")
+    if sh("ip", "route", "show", f"{lay.net}.0/24").stdout.strip():
+        raise ClusterError(f"{lay.net}.0/24 is already routed here; pass --net 10.N.0")
+    lay.dir.mkdir(parents=True, exist_ok=True)
+    lay.dir.chmod(0o700)
+    lay.save()
+    sh("ip", "link", "add", lay.bridge, "type", "bridge")
+    sh("ip", "addr", "add", f"{lay.host_ip}/24", "dev", lay.bridge)
+    sh("ip", "link", "set", lay.bridge, "up")
+    tokens = pki.make(lay)
+    pki.kubeconfig(lay, lay.kubeconfig, tokens["admin"])
+    for part in ("kube-scheduler", "kube-controller-manager"):
+        pki.kubeconfig(lay, lay.dir / f"{part}.kubeconfig", tokens[part])
+    control.start(lay, tokens)
+    addons.agent_image()
+    for name in lay.nodes:
+        node.start(lay, name, tokens[f"node-{name}"])
+    _wait("every node Ready", lambda: _nodes_ready(lay), 120)
+    webhook = [str(REPO / ".venv" / "bin" / "criuctl"), "webhook", "--listen", f"{lay.host_ip}:{lay.webhook_port}",
+               "--tls-cert", str(lay.pki / "webhook.crt"), "--tls-key", str(lay.pki / "webhook.key")]  # fmt: skip
+    control.spawn(lay, "webhook", webhook, {"KUBECONFIG": str(lay.kubeconfig)})
+    addons.apply(lay, addons.render(lay))
+    _wait("criuctl's agent Ready on every node", lambda: _agents_ready(lay), 180)
+    return lay
+
+
+def down(lay: Layout) -> None:
+    for name in lay.nodes:
+        node.stop(lay, name)
+    for part, pid in lay.pids.items():
+        if part.startswith("node-"):
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGTERM)
+    time.sleep(0.5)
+    for part, pid in lay.pids.items():
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+    sh("ip", "link", "del", lay.bridge, check=False)
+    for target in node.BINDS.values():  # folders `up` had to create on the host for its binds
+        with contextlib.suppress(OSError):
+            if Path(target).is_dir() and not any(Path(target).iterdir()):
+                Path(target).rmdir()
+    shutil.rmtree(lay.dir, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="local-cluster", description=__doc__)
+    p.add_argument("verb", choices=("up", "down", "status"))
+    p.add_argument("--dir", type=Path, default=DEFAULT_DIR, help=f"where everything lives (default {DEFAULT_DIR})")
+    p.add_argument("--nodes", default="a,b", help="node names, comma-separated (default a,b)")
+    a = p.parse_args(argv)
+    if os.geteuid() != 0:
+        print("local-cluster: must run as root", file=sys.stderr)
+        return 2
+    try:
+        if a.verb == "up":
+            lay = up(Layout(a.dir.absolute(), nodes=a.nodes.split(",")))
+            print(f"export KUBECONFIG={lay.kubeconfig}")
+        elif not (a.dir / "state.json").exists():
+            print(f"local-cluster: nothing recorded in {a.dir}", file=sys.stderr)
+            return 0 if a.verb == "down" else 1
+        elif a.verb == "down":
+            down(Layout.load(a.dir))
+        else:
+            lay = Layout.load(a.dir)
+            for part, pid in lay.pids.items():
+                print(f"{part:28} {'up' if control.alive(pid) else 'DOWN'} (pid {pid})")
+            print(f"export KUBECONFIG={lay.kubeconfig}")
+    except ClusterError as exc:
+        print(f"local-cluster: {exc}", file=sys.stderr)
+        print(f"local-cluster: logs in {a.dir}/logs; `scripts/local-cluster down --dir {a.dir}` cleans up",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
