@@ -87,23 +87,74 @@ def _source_node(name: str, to: str, given: str | None):
     return sources[0], target
 
 
+def _target(a: argparse.Namespace) -> str:
+    if a.node and a.to and a.node != a.to:
+        raise CriuctlError(f"two target nodes given: {a.node} and --to {a.to}", "give one")
+    to = a.node or a.to
+    if not to:
+        raise CriuctlError("no target node given", "criuctl migrate NAME NODE")
+    return to
+
+
+def _print_json(obj: object) -> None:
+    import dataclasses
+    import json
+
+    print(json.dumps(dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj))
+
+
 def cmd_migrate(a: argparse.Namespace) -> int:
     from criuctl import containers, render, workloads
-    from criuctl.agent import migrate
+    from criuctl.agent import client, migrate
+    from criuctl.kube import cluster
 
+    to = _target(a)
+    a.json = a.json or a.output == "json"
+    if cluster.wanted(a.kubeconfig, a.namespace) and to not in client.all_nodes():
+        return _migrate_pod(a, to)
+    if a.dry_run:
+        raise CriuctlError("--dry-run is for pods", "without Kubernetes, `criuctl ps --node NODE` shows what runs")
     a.name = containers.normalize(a.name)
     workloads.validate_name(a.name)
     if a.into is not None:
         from criuctl import runtime
 
         a.into = runtime.check_id(a.into)
-    source, target = _source_node(a.name, a.to, a.source)
+    source, target = _source_node(a.name, to, a.source)
     with render.migration_progress() as progress:
         result = migrate.migrate(a.name, source, target, a.mode, progress, into=a.into)
     render.migration_summary(result)
     if a.json:
-        import dataclasses
-        import json
+        _print_json(result)
+    return 0 if result.source_confirmed else 6
 
-        print(json.dumps(dataclasses.asdict(result)))
+
+def _migrate_pod(a: argparse.Namespace, to: str) -> int:
+    """`criuctl migrate POD NODE` (criuctl.kube.podmigrate): checks, then the move, or the plan."""
+    from criuctl import render
+    from criuctl.kube import cluster, podmigrate
+
+    c = cluster.connect(a.kubeconfig)
+    namespace = a.namespace or c.namespace
+    plan = podmigrate.plan(c, namespace, a.name, to)
+    if a.dry_run:
+        print(
+            f"criuctl: would move pod {namespace}/{plan.pod} ({plan.workload}) from node {plan.source} "
+            f"to node {plan.target} as pod {plan.placeholder_name}; {plan.memory_needed >> 20} MiB of "
+            f"{plan.memory_free >> 20} MiB free there; nothing was changed",
+            file=sys.stderr,
+        )
+        if a.json:
+            _print_json({"dry_run": True, **plan.summary()})
+        return 0
+    with render.migration_progress() as progress:
+        result = podmigrate.execute(c, plan, a.mode, progress)
+    render.migration_summary(result)
+    print(f"criuctl: pod {namespace}/{plan.pod} is now pod {plan.placeholder_name} on node {plan.target}; "
+          f"follow it with: kubectl -n {namespace} logs -f {plan.placeholder_name}", file=sys.stderr)  # fmt: skip
+    if a.json:
+        import dataclasses
+
+        _print_json({**dataclasses.asdict(result), "pod": plan.pod, "new_pod": plan.placeholder_name,
+                     "namespace": namespace})  # fmt: skip
     return 0 if result.source_confirmed else 6

@@ -24,7 +24,7 @@ command -v etcd >/dev/null || missing+=(etcd-server)
 command -v kubectl >/dev/null || missing+=(kubernetes-client)
 command -v openssl >/dev/null || missing+=(openssl)
 built() { for b in $WHAT; do [ -x "$BIN/$b" ] || return 1; done; }
-built || missing+=(golang-1.19-go golang-1.19-src rsync dpkg-dev)
+built || missing+=(golang-1.19-go golang-1.19-src rsync dpkg-dev golang-github-modern-go-reflect2-dev)
 [ ${#missing[@]} = 0 ] || { log "installing ${missing[*]}"; apt_install "${missing[@]}"; }
 
 private_apt() {
@@ -45,6 +45,15 @@ if ! built; then
     (cd "$SRC/dl" && private_apt "$SRC/bookworm-src.sources" source "kubernetes/bookworm" >/dev/null) \
       || die "could not fetch and unpack Debian's kubernetes source package"
     tree=$(ls -d "$SRC"/dl/kubernetes-1.20*/ | head -n1)
+  fi
+  # v1.20.2 vendors modern-go/reflect2 1.0.1, whose map iteration faults under Go >= 1.18 (the
+  # API server dies with SIGSEGV in mapiterinit the first time it JSON-encodes a map, e.g. a
+  # webhook's patch): the vendored copy is replaced with Debian 12's reflect2 1.0.2, which fixes it.
+  r2=$tree/vendor/github.com/modern-go/reflect2
+  if [ ! -f "$r2/go_above_118.go" ]; then
+    log "replacing the vendored reflect2 1.0.1 with Debian's 1.0.2 (Go 1.18+ map iteration)"
+    rm -rf "$r2" && cp -r /usr/share/gocode/src/github.com/modern-go/reflect2 "$r2"
+    rm -rf "$r2"/*_test.go "$r2"/test* "$r2"/.??* "$r2"/go.mod
   fi
   log "building $WHAT v1.20.2 (cached in $BIN; ~10 min on 2 cores)"
   (cd "$tree" && PATH=/usr/lib/go-1.19/bin:$PATH GOPROXY=off GOFLAGS=-mod=vendor GO111MODULE=on \

@@ -1,0 +1,143 @@
+"""The API server and the node agents as `criuctl migrate POD NODE` sees them: the official client
+configured from a kubeconfig or the pod's in-cluster account, nodes and their agents (the DaemonSet's
+pods), the agents' token and CA read from the Secrets `manifests/` installs. Every failure to reach
+or to be allowed is one line that says what to do."""
+
+from __future__ import annotations
+
+import base64
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from criuctl import workloads
+from criuctl.agent.client import Node
+from criuctl.errors import CriuctlError
+
+SYSTEM_NS = "criuctl-system"
+AGENT_LABEL = "app.kubernetes.io/name=criuctl-agent"
+AGENT_PORT = 7070  # manifests/daemonset.yaml's hostPort
+
+
+class NotFound(CriuctlError):
+    exit_code = 3
+
+
+def wanted(kubeconfig: str | None, namespace: str | None) -> bool:
+    """Whether a NAME means a pod: the user named a namespace or kubeconfig, or one is there."""
+    return bool(
+        kubeconfig
+        or namespace
+        or os.environ.get("KUBECONFIG")
+        or os.environ.get("KUBERNETES_SERVICE_HOST")
+        or Path("~/.kube/config").expanduser().exists()
+    )
+
+
+@dataclass
+class Cluster:
+    core: Any  # kubernetes.client.CoreV1Api
+    custom: Any  # kubernetes.client.CustomObjectsApi
+    namespace: str  # the context's namespace, for a pod named without -n
+
+    def serialize(self, obj: Any) -> dict:
+        """A client model as the API's JSON (camelCase): what the webhook's pure functions take."""
+        return self.core.api_client.sanitize_for_serialization(obj)
+
+
+def connect(kubeconfig: str | None = None) -> Cluster:
+    from kubernetes import client, config
+    from kubernetes.config.config_exception import ConfigException
+
+    namespace = "default"
+    try:
+        if kubeconfig or not os.environ.get("KUBERNETES_SERVICE_HOST"):
+            config.load_kube_config(config_file=kubeconfig)
+            _, ctx = config.list_kube_config_contexts(config_file=kubeconfig)
+            namespace = (ctx or {}).get("context", {}).get("namespace") or "default"
+        else:
+            config.load_incluster_config()
+            ns_file = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+            namespace = ns_file.read_text().strip() if ns_file.exists() else "default"
+    except (ConfigException, OSError, TypeError) as exc:
+        raise CriuctlError(
+            f"no usable Kubernetes configuration ({exc})", "pass --kubeconfig FILE or set KUBECONFIG"
+        ) from exc
+    api = client.ApiClient()
+    return Cluster(client.CoreV1Api(api), client.CustomObjectsApi(api), namespace)
+
+
+def api_error(exc: Exception, what: str) -> CriuctlError:
+    """One line for an API failure: 404 → NotFound, 401/403 → not allowed, else unreachable."""
+    from kubernetes.client.exceptions import ApiException
+
+    if isinstance(exc, ApiException):
+        if exc.status == 404:
+            return NotFound(f"no {what}", "see `kubectl get` for what there is")
+        if exc.status in (401, 403):
+            return CriuctlError(
+                f"the API server refused access to {what} (HTTP {exc.status})",
+                "use a kubeconfig whose user may read pods, nodes and secrets in criuctl-system",
+            )
+        return CriuctlError(f"the API server failed on {what}: HTTP {exc.status} {exc.reason}", "try again")
+    return CriuctlError(f"the API server does not answer ({type(exc).__name__})", "check KUBECONFIG and the cluster")
+
+
+def call(what: str, fn, *args, **kw):
+    from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
+
+    try:
+        return fn(*args, **kw)
+    except (ApiException, HTTPError, OSError) as exc:
+        raise api_error(exc, what) from exc
+
+
+def _secret_file(c: Cluster, secret: str, key: str, dest: Path) -> str | None:
+    s = call(f"secret {SYSTEM_NS}/{secret}", c.core.read_namespaced_secret, secret, SYSTEM_NS)
+    raw = (s.data or {}).get(key)
+    if raw is None:
+        return None
+    dest.unlink(missing_ok=True)
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
+    with os.fdopen(fd, "wb") as f:
+        f.write(base64.b64decode(raw))
+    return str(dest)
+
+
+def agent_for(c: Cluster, node: dict) -> Node:
+    """The agent of `node` (the DaemonSet's pod there, Ready) as a criuctl node, reached at the
+    node's InternalIP with the token and CA of the Secrets; or one line why there is none."""
+    name = node["metadata"]["name"]
+    pods = call(
+        "the criuctl agent pods",
+        c.core.list_namespaced_pod,
+        SYSTEM_NS,
+        label_selector=AGENT_LABEL,
+        field_selector=f"spec.nodeName={name}",
+    ).items
+    ready = [
+        p
+        for p in pods
+        if p.metadata.deletion_timestamp is None
+        and any(cond.type == "Ready" and cond.status == "True" for cond in (p.status.conditions or []))
+    ]
+    if not ready:
+        raise CriuctlError(
+            f"node {name} has no ready criuctl agent"
+            + (" (its agent pod is not Ready)" if pods else ""),
+            "install it with `kubectl apply -k manifests/` (docs/deploy.md); a tainted node needs "
+            "the DaemonSet's tolerations",
+        )
+    ips = [a["address"] for a in node["status"].get("addresses", []) if a["type"] == "InternalIP"]
+    if not ips:
+        raise CriuctlError(f"node {name} reports no InternalIP", "the agent is reached at the node's InternalIP")
+    home = workloads.state_dir() / "kube"
+    home.mkdir(parents=True, exist_ok=True, mode=0o700)
+    token = _secret_file(c, "criuctl-agent", "token", home / "token")
+    if token is None:
+        raise CriuctlError(f"secret {SYSTEM_NS}/criuctl-agent has no token", "docs/deploy.md, Secrets")
+    ca = _secret_file(c, "criuctl-agent-tls", "ca.crt", home / "ca.crt")
+    host = f"[{ips[0]}]" if ":" in ips[0] else ips[0]
+    return Node(name, f"https://{host}:{AGENT_PORT}", token, ca)

@@ -1,0 +1,46 @@
+"""Kubernetes Events and the provenance annotation a migration leaves on the pods it touches, so that
+`kubectl describe pod` and `kubectl get events` tell the story without criuctl."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from enum import Enum
+
+from criuctl.kube.cluster import Cluster
+
+MIGRATED_FROM = "criuctl.io/migrated-from"  # on the new pod: "NAMESPACE/POD@NODE"
+MIGRATED_AT = "criuctl.io/migrated-at"  # on the new pod: RFC 3339, when it took over
+
+
+class Reason(str, Enum):
+    STARTED = "MigrationStarted"
+    MIGRATED = "Migrated"
+    FAILED = "MigrationFailed"
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def record(c: Cluster, pod: dict, reason: Reason, message: str) -> None:
+    """One Event on `pod`; never fails the migration it reports on (an Event is a courtesy)."""
+    meta = pod["metadata"]
+    body = {
+        "metadata": {"name": f"{meta['name']}.{os.urandom(8).hex()}", "namespace": meta["namespace"]},
+        "involvedObject": {
+            "apiVersion": "v1", "kind": "Pod", "name": meta["name"],
+            "namespace": meta["namespace"], "uid": meta.get("uid"),
+        },
+        "reason": reason.value,
+        "message": message[:1000],
+        "type": "Warning" if reason is Reason.FAILED else "Normal",
+        "source": {"component": "criuctl"},
+        "firstTimestamp": now(),
+        "lastTimestamp": now(),
+        "count": 1,
+    }  # fmt: skip
+    try:
+        c.core.create_namespaced_event(meta["namespace"], body)
+    except Exception:  # noqa: BLE001 — an Event that cannot be written changes nothing
+        pass

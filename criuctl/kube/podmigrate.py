@@ -1,0 +1,259 @@
+"""`criuctl migrate POD NODE`: move a pod's container to another node with the agents.
+
+    check       pod, node, agents, memory, the container         nothing changed on any refusal
+    placeholder a pod pinned to NODE, from the pod's own spec,  on failure: deleted; the source
+                its command criuctl's init in placeholder mode   pod never stopped running
+    migrate     the agents' migration (criuctl.agent.migrate)    before the target commits: the
+                into the placeholder's container                 placeholder is deleted, the
+                                                                 source thaws and keeps running
+    hand over   after the target commits and before the source   the job runs in the new pod; the
+                tree ends: the source pod is deleted, so its     source tree ends by the agents'
+                kubelet never restarts the container it sees die protocol either way
+    record      Events on both pods, provenance annotations
+
+A pod a controller owns is not moved this way: its controller would recreate it under the same name
+on any node. Such a pod keeps its identity only when the recreated pod becomes the placeholder
+(docs/kubernetes.md, "Controller-owned pods"), which is not on main yet: `migrate` refuses it.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from criuctl import containers
+from criuctl.agent import migrate as agent_migrate
+from criuctl.agent.client import AgentClient, Node
+from criuctl.errors import CriuctlError
+from criuctl.kube import events, mutate
+from criuctl.kube.cluster import Cluster, NotFound, agent_for, call
+
+# labels a controller selects its pods by: a placeholder keeps none, or the controller adopts it
+CONTROLLER_LABELS = ("pod-template-hash", "controller-revision-hash", "controller-uid", "job-name",
+                     "statefulset.kubernetes.io/pod-name", "apps.kubernetes.io/pod-index")  # fmt: skip
+
+
+class NotMigratable(CriuctlError):
+    exit_code = 2
+
+
+@dataclass
+class PodPlan:
+    namespace: str
+    pod: str
+    source: str
+    target: str
+    container: str
+    workload: str  # the agents' name for the container: ctr-<12 hex>
+    placeholder_name: str
+    memory_needed: int
+    memory_free: int
+    src: Node
+    dst: Node
+    source_pod: dict
+    placeholder: dict
+
+    def summary(self) -> dict[str, Any]:
+        keys = ("namespace", "pod", "source", "target", "container", "workload", "placeholder_name",
+                "memory_needed", "memory_free")  # fmt: skip
+        return {k: getattr(self, k) for k in keys}
+
+
+def _ready(node: dict) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in node["status"].get("conditions", []))
+
+
+def _bytes(q: str | None) -> int:
+    from kubernetes.utils import parse_quantity
+
+    return int(parse_quantity(q)) if q else 0
+
+
+def _pod_memory(pod: dict) -> int:
+    total = 0
+    for c in pod["spec"]["containers"]:
+        r = c.get("resources") or {}
+        total += _bytes((r.get("requests") or {}).get("memory") or (r.get("limits") or {}).get("memory"))
+    return total
+
+
+def _free_memory(c: Cluster, node: dict) -> int:
+    name = node["metadata"]["name"]
+    pods = call(f"pods on node {name}", c.core.list_pod_for_all_namespaces,
+                field_selector=f"spec.nodeName={name},status.phase!=Succeeded,status.phase!=Failed").items  # fmt: skip
+    used = sum(_pod_memory(c.serialize(p)) for p in pods)
+    return _bytes(node["status"]["allocatable"].get("memory")) - used
+
+
+def next_name(name: str) -> str:
+    """The placeholder's name: NAME-m1, then -m2 on the next move (a bare pod's name cannot be
+    reused while its source exists; the lineage stays readable)."""
+    m = re.fullmatch(r"(.*)-m(\d+)", name)
+    base, k = (m[1], int(m[2]) + 1) if m else (name, 1)
+    return f"{base[: 63 - len(str(k)) - 2]}-m{k}"
+
+
+def _refuse_owned(c: Cluster, pod: dict) -> None:
+    meta = pod["metadata"]
+    for ref in meta.get("ownerReferences") or []:
+        if not ref.get("controller"):
+            continue
+        if ref["kind"] == "PyTorchJob":
+            job = call(f"PyTorchJob {ref['name']}", c.custom.get_namespaced_custom_object, "kubeflow.org", "v1",
+                       meta["namespace"], "pytorchjobs", ref["name"])  # fmt: skip
+            specs = job.get("spec", {}).get("pytorchReplicaSpecs", {})
+            n = sum(int(s.get("replicas", 1)) for s in specs.values())
+            if n > 1:
+                raise NotMigratable(
+                    f"pod {meta['name']} is one of {n} replicas of PyTorchJob {ref['name']}: it holds TCP "
+                    "connections to its peers, which move only with the coordinated multi-node migration "
+                    "(not on main yet)",
+                    "nothing was changed; a single-replica job's pod is refused for now too (see below)",
+                )
+        raise NotMigratable(
+            f"pod {meta['name']} is owned by {ref['kind']} {ref['name']}, which would recreate it under "
+            "its own name: moving a controller's pod through the recreated one is not on main yet",
+            "nothing was changed; docs/kubernetes.md, 'Controller-owned pods'",
+        )
+
+
+def _wrapped_container(pod: dict) -> dict:
+    meta = pod["metadata"]
+    if mutate.is_placeholder(pod):
+        raise NotMigratable(f"pod {meta['name']} is a placeholder waiting for a restore", "move the job's pod")
+    wrapped = [c for c in pod["spec"]["containers"] if mutate.is_wrapped(c)]
+    if not wrapped:
+        why = mutate.not_wrapped(pod)
+        detail = "; ".join(f"{k}: {v}" for k, v in why.items()) or "it was created without criuctl's webhook"
+        raise NotMigratable(
+            f"pod {meta['name']} is not migratable: no container runs under criuctl's init ({detail})",
+            f"label it {mutate.LABEL}=true (with the webhook installed: manifests/webhook.yaml) and "
+            "recreate it; nothing was changed",
+        )
+    if len(wrapped) > 1:
+        raise NotMigratable(
+            f"pod {meta['name']} has {len(wrapped)} checkpointable containers; criuctl moves pods with one",
+            "nothing was changed",
+        )
+    return wrapped[0]
+
+
+def plan(c: Cluster, namespace: str, name: str, target: str) -> PodPlan:
+    """Every check, in the order a user can fix them; raises one line, changes nothing."""
+    try:
+        pod = c.serialize(call(f"pod {namespace}/{name}", c.core.read_namespaced_pod, name, namespace))
+    except NotFound as exc:
+        raise NotFound(f"no pod {name!r} in namespace {namespace}", "see `kubectl get pods -n NAMESPACE`") from exc
+    try:
+        node = c.serialize(call(f"node {target}", c.core.read_node, target))
+    except NotFound as exc:
+        raise NotFound(f"no node {target!r} in the cluster", "see `kubectl get nodes`") from exc
+    source = pod["spec"].get("nodeName")
+    if source == target:
+        raise CriuctlError(f"pod {name} already runs on node {target}", "nothing to move: pick another node")
+    if pod["metadata"].get("deletionTimestamp") or pod["status"].get("phase") != "Running":
+        state = "terminating" if pod["metadata"].get("deletionTimestamp") else pod["status"].get("phase")
+        raise NotMigratable(f"pod {name} is {state}, not running", "only a running pod moves")
+    if not _ready(node):
+        raise CriuctlError(f"node {target} is NotReady", "pick a Ready node: `kubectl get nodes`")
+    if node["spec"].get("unschedulable"):
+        raise CriuctlError(f"node {target} is cordoned (unschedulable)", "uncordon it or pick another node")
+    ctr = _wrapped_container(pod)
+    _refuse_owned(c, pod)
+    needed, free = _pod_memory(pod), _free_memory(c, node)
+    status = {s["name"]: s for s in pod["status"].get("containerStatuses", [])}
+    cid = (status.get(ctr["name"], {}).get("containerID") or "").partition("://")[2]
+    if not cid:
+        raise NotMigratable(f"container {ctr['name']} of pod {name} has not started", "wait until it runs")
+    src_node = call(f"node {source}", c.core.read_node, source)
+    src, dst = agent_for(c, c.serialize(src_node)), agent_for(c, node)
+    workload = containers.name_of(cid)
+    rows = AgentClient(src, timeout=15).get("/v1/workloads")
+    row = next((r for r in rows if r.get("name") == workload), None)
+    if row is None:
+        raise CriuctlError(f"node {source}'s agent does not see container {cid[:12]} of pod {name}",
+                           "is the agent on that node healthy? `kubectl -n criuctl-system logs`")  # fmt: skip
+    if row.get("why_not"):
+        raise NotMigratable(f"pod {name}: {row['why_not']}", "nothing was changed")
+    needed = max(needed, int(row.get("rss_bytes") or 0))
+    if needed > free:
+        raise CriuctlError(
+            f"node {target} has {free >> 20} MiB of allocatable memory free; pod {name} needs {needed >> 20} MiB",
+            "free memory there or pick another node; nothing was changed",
+        )
+    body = mutate.placeholder(pod, target, f"{namespace}/{name}")
+    new = next_name(name)
+    body["metadata"]["name"] = new
+    for k in CONTROLLER_LABELS:
+        body["metadata"].get("labels", {}).pop(k, None)
+    body["metadata"].setdefault("annotations", {})[events.MIGRATED_FROM] = f"{namespace}/{name}@{source}"
+    return PodPlan(namespace, name, source, target, ctr["name"], workload, new, needed, free, src, dst,
+                   pod, body)  # fmt: skip
+
+
+def _wait_placeholder(c: Cluster, p: PodPlan, timeout: float = 120) -> str:
+    """The placeholder's container ID once it runs (its init waits for the restore)."""
+    deadline = time.monotonic() + timeout
+    last = "Pending"
+    while time.monotonic() < deadline:
+        pod = c.serialize(call("the placeholder pod", c.core.read_namespaced_pod, p.placeholder_name, p.namespace))
+        for s in pod["status"].get("containerStatuses", []):
+            if s["name"] == p.container and "running" in (s.get("state") or {}):
+                return s["containerID"].partition("://")[2]
+            waiting = (s.get("state") or {}).get("waiting") or {}
+            last = waiting.get("reason", last)
+        time.sleep(0.3)
+    raise CriuctlError(
+        f"the placeholder pod {p.placeholder_name} did not start on node {p.target} within {timeout:.0f}s ({last})",
+        f"see `kubectl -n {p.namespace} describe pod {p.placeholder_name}`",
+    )
+
+
+def _delete(c: Cluster, namespace: str, name: str, grace: int | None = None) -> None:
+    from kubernetes import client
+
+    opts = client.V1DeleteOptions(grace_period_seconds=grace)
+    try:
+        call(f"pod {namespace}/{name}", c.core.delete_namespaced_pod, name, namespace, body=opts)
+    except NotFound:
+        pass
+
+
+def execute(c: Cluster, p: PodPlan, mode: str | None, progress) -> agent_migrate.MigrationResult:
+    src_pod = p.source_pod
+    events.record(c, src_pod, events.Reason.STARTED, f"moving to node {p.target} as pod {p.placeholder_name}")
+    progress("placeholder")
+    created = call("the placeholder pod", c.core.create_namespaced_pod, p.namespace, copy.deepcopy(p.placeholder))
+    new_pod = c.serialize(created)
+    handed_over: list[str] = []
+
+    def hand_over() -> None:
+        """The job runs in the new pod: the source pod goes before its tree ends (see the table)."""
+        try:
+            _delete(c, p.namespace, p.pod)
+            handed_over.append(p.pod)
+        except CriuctlError:
+            pass  # the source agent still ends the tree; its kubelet may restart a fresh copy
+
+    try:
+        into = _wait_placeholder(c, p)
+        result = agent_migrate.migrate(p.workload, p.src, p.dst, mode, progress, into=into,
+                                       target_committed=hand_over)  # fmt: skip
+    except agent_migrate.MigrationInDoubt as exc:
+        events.record(c, src_pod, events.Reason.FAILED, f"in doubt: {exc.what}")
+        raise
+    except CriuctlError as exc:
+        _delete(c, p.namespace, p.placeholder_name, grace=0)
+        events.record(c, src_pod, events.Reason.FAILED, f"{exc.what}; it keeps running on {p.source}")
+        raise
+    if not handed_over:
+        _delete(c, p.namespace, p.pod)
+    stamp = {"metadata": {"annotations": {events.MIGRATED_AT: events.now()}}}
+    call("the new pod", c.core.patch_namespaced_pod, p.placeholder_name, p.namespace, stamp)
+    msg = f"from pod {p.pod} on node {p.source} ({result.mode}, downtime {result.downtime_seconds:.2f} s)"
+    events.record(c, new_pod, events.Reason.MIGRATED, msg)
+    events.record(c, src_pod, events.Reason.MIGRATED, f"to pod {p.placeholder_name} on node {p.target}")
+    return result

@@ -1,0 +1,120 @@
+"""Pods and helpers for the tests on the local cluster (criuctl.localcluster: real apiserver,
+scheduler, controller-manager, kubelets, containerd; the agent as the DaemonSet).
+
+A training pod here is an ordinary pod spec a user would write: busybox as the image, the host's
+Python and the project by read-only hostPath (the cluster has no registry), an emptyDir, a log file;
+it carries the label `criuctl.io/migratable: "true"` and nothing else of criuctl's: the webhook,
+called by the API server, wraps it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+from criuctl.localcluster.layout import BUSYBOX, HOST_PYTHON, REPO, Layout
+
+PY = str(REPO / ".venv" / "bin" / "python")
+JOB = str(REPO / "tests" / "workloads" / "train_cnn_loader.py")
+_STEP = re.compile(r"^[FP] step (\d+) loss (\S+)$|^step (\d+) loss (\S+)$")
+_FINAL = re.compile(r"^(?:[FP] )?final ([0-9a-f]{64})$")
+
+
+def training_pod(name: str, steps: int = 40, node: str | None = None, labels: dict | None = None,
+                 extra_spec: dict | None = None) -> dict:  # fmt: skip
+    mounts = [p for p in (*HOST_PYTHON, str(REPO)) if Path(p).exists()]
+    spec = {
+        "restartPolicy": "Always",
+        "terminationGracePeriodSeconds": 10,
+        "containers": [{
+            "name": "train",
+            "image": BUSYBOX,
+            "imagePullPolicy": "Never",
+            "command": [PY, JOB],
+            "args": ["--steps", str(steps), "--workers", "2", "--log", "/scratch/train.log",
+                     "--scratch", "/scratch"],
+            "volumeMounts": [{"name": f"host{i}", "mountPath": p, "readOnly": True} for i, p in enumerate(mounts)]
+            + [{"name": "scratch", "mountPath": "/scratch"}],
+            "resources": {"requests": {"memory": "256Mi", "cpu": "100m"}},
+        }],
+        "volumes": [{"name": f"host{i}", "hostPath": {"path": p, "type": "Directory"}} for i, p in enumerate(mounts)]
+        + [{"name": "scratch", "emptyDir": {}}],
+        **(extra_spec or {}),
+    }  # fmt: skip
+    if node:
+        spec["nodeName"] = node
+    meta = {
+        "name": name,
+        "labels": {"criuctl.io/migratable": "true", "app": name, **(labels or {})},
+        "annotations": {"criuctl.io/python": PY},
+    }
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
+
+
+class Kubectl:
+    def __init__(self, lay: Layout) -> None:
+        self.lay = lay
+
+    def __call__(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+        r = subprocess.run(["kubectl", "--kubeconfig", str(self.lay.kubeconfig), *args],
+                           input=input, capture_output=True, text=True, timeout=120)  # fmt: skip
+        if check and r.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)}: {r.stderr.strip()}")
+        return r
+
+    def apply(self, obj: dict, namespace: str = "default") -> None:
+        self("-n", namespace, "apply", "-f", "-", input=json.dumps(obj))
+
+    def get(self, kind: str, name: str, namespace: str = "default") -> dict | None:
+        r = self("-n", namespace, "get", kind, name, "-o", "json", check=False)
+        return json.loads(r.stdout) if r.returncode == 0 else None
+
+    def pods(self, namespace: str = "default", selector: str | None = None) -> list[dict]:
+        args = ["-n", namespace, "get", "pods", "-o", "json"] + (["-l", selector] if selector else [])
+        return json.loads(self(*args).stdout)["items"]
+
+    def logs(self, pod: str, namespace: str = "default") -> str:
+        return self("-n", namespace, "logs", pod, check=False).stdout
+
+    def wait_running(self, pod: str, namespace: str = "default", timeout: float = 90) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            p = self.get("pod", pod, namespace)
+            if p and p["status"].get("phase") == "Running" and all(
+                "running" in c.get("state", {}) for c in p["status"].get("containerStatuses", [])
+            ):
+                return p
+            time.sleep(0.3)
+        raise AssertionError(f"pod {namespace}/{pod} not running after {timeout}s: {p and p.get('status')}")
+
+    def wait_gone(self, kind: str, name: str, namespace: str = "default", timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.get(kind, name, namespace) is None:
+                return
+            time.sleep(0.5)
+        raise AssertionError(f"{kind} {namespace}/{name} still there after {timeout}s")
+
+
+def steps(log: str) -> dict[int, str]:
+    out = {}
+    for line in log.splitlines():
+        if m := _STEP.match(line.strip()):
+            out[int(m[1] or m[3])] = m[2] or m[4]
+    return out
+
+
+def final(log: str) -> list[str]:
+    return [m[1] for line in log.splitlines() if (m := _FINAL.match(line.strip()))]
+
+
+def wait_step(k: Kubectl, pod: str, n: int, timeout: float = 120, namespace: str = "default") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if max(steps(k.logs(pod, namespace)) or [-1]) >= n:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"pod {pod} did not reach step {n}: {k.logs(pod, namespace)[-800:]}")
