@@ -74,3 +74,30 @@ def no_leaked_workloads(state_dir):
     for w in leaked:
         subprocess.run(["kill", "-9", str(w.root_pid)], check=False)
     assert not leaked, f"test left workloads running: {[w.name for w in leaked]}"
+
+
+@pytest.fixture(scope="session")
+def local_cluster(tmp_path_factory):
+    """A real Kubernetes on this machine (criuctl.localcluster): apiserver, etcd, scheduler,
+    controller-manager, two kubelet nodes with containerd, criuctl's agent as the DaemonSet, the
+    webhook registered by URL. Up once per session (~25 s), down at its end, leaving nothing."""
+    from criuctl.localcluster import __main__ as lc
+    from criuctl.localcluster.layout import K8S_BIN, Layout
+    from tests.cluster import _free_subnet
+    from tests.kube import Kubectl
+
+    missing = REASON or (
+        None if (K8S_BIN / "kube-apiserver").exists() else
+        f"needs Kubernetes v1.20.2 in {K8S_BIN}: run `make test`, which builds it (scripts/install-kubernetes.sh)"
+    )  # fmt: skip
+    if missing:
+        if os.environ.get(ENV_REQUIRE) == "1":
+            raise pytest.UsageError(f"make test installed everything, yet: {missing}")
+        pytest.skip(missing)
+    net = _free_subnet(123)
+    lay = Layout(tmp_path_factory.mktemp("kube"), prefix=f"k{net.split('.')[1]}", net=net)
+    try:
+        lc.up(lay)
+        yield lay, Kubectl(lay)
+    finally:
+        lc.down(lay)

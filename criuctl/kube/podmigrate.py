@@ -122,7 +122,7 @@ def _refuse_owned(c: Cluster, pod: dict) -> None:
 
 def _wrapped_container(pod: dict) -> dict:
     meta = pod["metadata"]
-    if mutate.is_placeholder(pod):
+    if mutate.is_placeholder(pod) and events.MIGRATED_AT not in (meta.get("annotations") or {}):
         raise NotMigratable(f"pod {meta['name']} is a placeholder waiting for a restore", "move the job's pod")
     wrapped = [c for c in pod["spec"]["containers"] if mutate.is_wrapped(c)]
     if not wrapped:
@@ -141,8 +141,22 @@ def _wrapped_container(pod: dict) -> dict:
     return wrapped[0]
 
 
+_DNS1123 = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def check_name(kind: str, name: str) -> None:
+    """Kubernetes' own rule for object names, checked before any name reaches a URL."""
+    if len(name) > 253 or not _DNS1123.fullmatch(name):
+        raise CriuctlError(
+            f"{name!r} is not a valid {kind} name",
+            "Kubernetes names are lower-case letters, digits, '-' and '.' (RFC 1123)",
+        )
+
+
 def plan(c: Cluster, namespace: str, name: str, target: str) -> PodPlan:
     """Every check, in the order a user can fix them; raises one line, changes nothing."""
+    for kind, value in (("pod", name), ("namespace", namespace), ("node", target)):
+        check_name(kind, value)
     try:
         pod = c.serialize(call(f"pod {namespace}/{name}", c.core.read_namespaced_pod, name, namespace))
     except NotFound as exc:
@@ -170,14 +184,15 @@ def plan(c: Cluster, namespace: str, name: str, target: str) -> PodPlan:
         raise NotMigratable(f"container {ctr['name']} of pod {name} has not started", "wait until it runs")
     src_node = call(f"node {source}", c.core.read_node, source)
     src, dst = agent_for(c, c.serialize(src_node)), agent_for(c, node)
-    workload = containers.name_of(cid)
     rows = AgentClient(src, timeout=15).get("/v1/workloads")
-    row = next((r for r in rows if r.get("name") == workload), None)
+    # a job restored into a placeholder keeps the name it had on its first node: found by container
+    row = next((r for r in rows if containers.name_of(cid) == r.get("name") or r.get("container") == cid), None)
     if row is None:
         raise CriuctlError(f"node {source}'s agent does not see container {cid[:12]} of pod {name}",
                            "is the agent on that node healthy? `kubectl -n criuctl-system logs`")  # fmt: skip
     if row.get("why_not"):
         raise NotMigratable(f"pod {name}: {row['why_not']}", "nothing was changed")
+    workload = row["name"]
     needed = max(needed, int(row.get("rss_bytes") or 0))
     if needed > free:
         raise CriuctlError(
@@ -189,7 +204,9 @@ def plan(c: Cluster, namespace: str, name: str, target: str) -> PodPlan:
     body["metadata"]["name"] = new
     for k in CONTROLLER_LABELS:
         body["metadata"].get("labels", {}).pop(k, None)
-    body["metadata"].setdefault("annotations", {})[events.MIGRATED_FROM] = f"{namespace}/{name}@{source}"
+    notes = body["metadata"].setdefault("annotations", {})
+    notes.pop(events.MIGRATED_AT, None)  # set once the job runs in it: until then it is a placeholder
+    notes[events.MIGRATED_FROM] = f"{namespace}/{name}@{source}"
     return PodPlan(namespace, name, source, target, ctr["name"], workload, new, needed, free, src, dst,
                    pod, body)  # fmt: skip
 

@@ -52,8 +52,8 @@ class NodeInfo:
 
     @property
     def pod_cidr(self) -> str:
-        a, b, _ = self.net.split(".")
-        return f"{a}.{int(b) + 1 + self.index}.0.0/24"
+        a, b, _ = self.net.split(".")  # outside the bridge's /24, routed to the node
+        return f"{a}.{b}.{100 + self.index}.0/24"
 
     @property
     def cgroup_root(self) -> str:

@@ -1,0 +1,277 @@
+"""`criuctl migrate POD NODE` and the webhook on a real Kubernetes (tests/conftest.py `local_cluster`):
+the API server calls the webhook itself, kubelets start the pods through containerd, criuctl's agent
+runs as the DaemonSet of manifests/, and a training pod (DataLoader workers, a thread, a log file in
+an emptyDir) moves a → b → a with bit-identical losses and final weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+
+import pytest
+
+from criuctl.localcluster import control
+from tests.conftest import needs_criu
+from tests.kube import JOB, Kubectl, final, steps, training_pod, wait_step
+
+pytestmark = [needs_criu, pytest.mark.timeout(600)]
+CRIUCTL = [os.path.join(os.path.dirname(JOB), "..", "..", ".venv", "bin", "criuctl")]
+STEPS = 400
+
+
+def criuctl(lay, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "KUBECONFIG": str(lay.kubeconfig)}
+    return subprocess.run([*CRIUCTL, *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+class LogFollower(threading.Thread):
+    """`kubectl logs -f POD` for as long as the container lives: every line it printed, even once
+    the pod is deleted (a migrated pod's log ends where the freeze cut it)."""
+
+    def __init__(self, k: Kubectl, pod: str) -> None:
+        super().__init__(daemon=True)
+        self.argv = ["kubectl", "--kubeconfig", str(k.lay.kubeconfig), "logs", "-f", pod]
+        self.text = ""
+
+    def run(self) -> None:
+        self.text = subprocess.run(self.argv, capture_output=True, text=True, timeout=600).stdout
+
+
+def _dry_run(k: Kubectl, pod: dict, namespace: str = "default") -> dict:
+    """What the API server would store: admission (our webhook, called by the server) included."""
+    r = k("-n", namespace, "create", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(pod))
+    return json.loads(r.stdout)
+
+
+def _sleeper(name: str, labels: dict | None = None, node: str | None = None, memory: str = "16Mi") -> dict:
+    spec = {"containers": [{"name": "main", "image": "criuctl.test/busybox:1", "imagePullPolicy": "Never",
+                            "command": ["/bin/sleep", "3600"],
+                            "resources": {"requests": {"memory": memory, "cpu": "10m"}}}],
+            "terminationGracePeriodSeconds": 1}  # fmt: skip
+    if node:
+        spec["nodeName"] = node
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels or {}}, "spec": spec}
+
+
+def test_webhook_called_by_the_api_server(local_cluster) -> None:
+    lay, k = local_cluster
+    wrapped = _dry_run(k, training_pod("w1"))
+    c = wrapped["spec"]["containers"][0]
+    assert c["command"][1:4] == ["-I", "/.criuctl/nsinit.py", "--"], c["command"]
+    assert c["command"][4:] == training_pod("w1")["spec"]["containers"][0]["command"]
+    assert c["args"] == training_pod("w1")["spec"]["containers"][0]["args"], "args must stay as written"
+    assert {"name": "criuctl-inject", "mountPath": "/.criuctl", "readOnly": True} in c["volumeMounts"]
+    assert wrapped["metadata"]["annotations"]["criuctl.io/injected"] == "true"
+    plain = _dry_run(k, _sleeper("p1"))
+    assert plain["spec"]["containers"][0]["command"] == ["/bin/sleep", "3600"]
+    assert "criuctl.io/injected" not in (plain["metadata"].get("annotations") or {})
+    # a namespace labelled migratable: its pods are wrapped without a label, unless they opt out
+    k("create", "namespace", "mig")
+    try:
+        k("label", "namespace", "mig", "criuctl.io/migratable=true")
+        in_ns = _dry_run(k, _sleeper("n1"), "mig")
+        assert in_ns["spec"]["containers"][0]["command"][2:4] == ["/.criuctl/nsinit.py", "--"]
+        out = _dry_run(k, _sleeper("n2", {"criuctl.io/migratable": "false"}), "mig")
+        assert out["spec"]["containers"][0]["command"] == ["/bin/sleep", "3600"]
+    finally:
+        k("delete", "namespace", "mig", "--wait=false")
+
+
+def test_webhook_down_fails_open(local_cluster) -> None:
+    """failurePolicy Ignore: with the webhook down, every pod is still admitted (the labelled one
+    unwrapped, so not migratable; `criuctl migrate` says so) — the cluster is never blocked."""
+    lay, k = local_cluster
+    pid = lay.pids["webhook"]
+    os.killpg(pid, 9)
+    try:
+        assert "criuctl.io/injected" not in (_dry_run(k, training_pod("d1"))["metadata"].get("annotations") or {})
+        assert _dry_run(k, _sleeper("d2"))["spec"]["containers"][0]["command"] == ["/bin/sleep", "3600"]
+    finally:
+        control.spawn(lay, "webhook", _webhook_argv(lay), {"KUBECONFIG": str(lay.kubeconfig)})
+        deadline = time.monotonic() + 20
+        while "injected" not in json.dumps(_dry_run(k, training_pod("d3"))["metadata"]):
+            assert time.monotonic() < deadline, "the webhook did not come back"
+            time.sleep(0.5)
+
+
+def _webhook_argv(lay) -> list[str]:
+    return [*CRIUCTL, "webhook", "--listen", f"{lay.host_ip}:{lay.webhook_port}",
+            "--tls-cert", str(lay.pki / "webhook.crt"), "--tls-key", str(lay.pki / "webhook.key")]  # fmt: skip
+
+
+def _migrate(lay, k: Kubectl, pod: str, node: str, *opts: str) -> str:
+    """Move `pod` with the CLI; returns the new pod's name, checked to run on `node`."""
+    r = criuctl(lay, "migrate", pod, node, "-o", "json", *opts)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["pod"] == pod and out["target"] == node
+    new = k.get("pod", out["new_pod"])
+    assert new["spec"]["nodeName"] == node and new["status"]["phase"] == "Running"
+    assert new["metadata"]["annotations"]["criuctl.io/migrated-from"].startswith(f"default/{pod}@")
+    k.wait_gone("pod", pod)
+    return out["new_pod"]
+
+
+def test_pod_moves_there_and_back_bit_identical(local_cluster, reference) -> None:
+    lay, k = local_cluster
+    ref = reference(os.path.basename(JOB), "--steps", str(STEPS), "--workers", "2", "--log", "/dev/null")
+    pod = training_pod("train", steps=STEPS, node="a", extra_spec={"restartPolicy": "OnFailure"})
+    k.apply(pod)
+    k.wait_running("train")
+    follow = [LogFollower(k, "train")]
+    follow[0].start()
+    wait_step(k, "train", 40)
+    on_b = _migrate(lay, k, "train", "b")
+    follow.append(LogFollower(k, on_b))
+    follow[-1].start()
+    before = max(steps(k.logs(on_b)) or [0])
+    wait_step(k, on_b, before + 30)  # it trains on b, and `kubectl logs` of the new pod shows it
+    on_a = _migrate(lay, k, on_b, "a", "--mode", "stop-and-copy")
+    follow.append(LogFollower(k, on_a))
+    follow[-1].start()
+    deadline = time.monotonic() + 300
+    while (k.get("pod", on_a) or {}).get("status", {}).get("phase") != "Succeeded":
+        assert time.monotonic() < deadline, k.logs(on_a)[-1000:]
+        time.sleep(1)
+    for f in follow:
+        f.join(60)
+    parts = [steps(f.text) for f in follow]
+    assert all(parts), "a pod's log showed no step: the move was not mid-training"
+    combined: dict[int, str] = {}
+    for part in parts:
+        for s, loss in part.items():
+            assert combined.get(s, loss) == loss, f"step {s} reported twice with different losses"
+            combined[s] = loss
+    assert min(parts[1]) > 0 and min(parts[2]) > 0, "a move started the job over"
+    assert combined == ref.steps
+    assert final(follow[-1].text) == ref.final, "final weights differ from the uninterrupted run"
+    # the log file in the emptyDir continued across both moves (heartbeats from the thread too)
+    text = k("exec", on_a, "--", "cat", "/scratch/train.log", check=False).stdout
+    assert text == "" or f"step {STEPS - 1} " in text  # the pod has exited: exec may find no container
+    reasons = k("get", "events", "--field-selector", f"involvedObject.name={on_a}", "-o", "json").stdout
+    assert "Migrated" in reasons
+    k("delete", "pod", on_a, "--wait=false")
+
+
+@pytest.fixture(scope="module")
+def running(local_cluster):
+    """A migratable training pod on node a for the refusals below (each must leave it running)."""
+    lay, k = local_cluster
+    k.apply(training_pod("steady", steps=100000, node="a"))
+    k.wait_running("steady")
+    k.apply(_sleeper("plain", node="a"))
+    k.wait_running("plain")
+    yield lay, k
+    k("delete", "pod", "steady", "plain", "--grace-period=1", "--wait=false")
+
+
+def _refused(lay, k: Kubectl, *args: str) -> str:
+    pods = sorted(p["metadata"]["name"] for p in k.pods())
+    r = criuctl(lay, "migrate", *args)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0, r.stderr
+    assert len(lines) == 1 and lines[0].startswith("criuctl: error: "), r.stderr
+    assert "Traceback" not in r.stderr
+    assert sorted(p["metadata"]["name"] for p in k.pods()) == pods, "a refusal changed the cluster"
+    assert k.get("pod", "steady")["status"]["phase"] == "Running"
+    return lines[0]
+
+
+def test_refusals_change_nothing(running) -> None:
+    lay, k = running
+    assert "no pod 'nosuch'" in _refused(lay, k, "nosuch", "b")
+    assert "no node 'nowhere'" in _refused(lay, k, "steady", "nowhere")
+    assert "already runs on node a" in _refused(lay, k, "steady", "a")
+    assert "not migratable" in _refused(lay, k, "plain", "b")
+    assert "not a valid pod name" in _refused(lay, k, "../../etc", "b")
+    assert "not a valid node name" in _refused(lay, k, "steady", "b;rm")
+    # a Node object no kubelet serves: NotReady
+    k.apply({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "ghost"}})
+    try:
+        assert "node ghost is NotReady" in _refused(lay, k, "steady", "ghost")
+        # reported Ready (as by a kubelet) but with no criuctl agent on it
+        status = {"status": {"conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                                             "message": "test", "lastHeartbeatTime": _now(),
+                                             "lastTransitionTime": _now()}],
+                             "allocatable": {"memory": "8Gi", "cpu": "2", "pods": "10"},
+                             "capacity": {"memory": "8Gi", "cpu": "2", "pods": "10"}}}  # fmt: skip
+        k("patch", "node", "ghost", "--subresource=status", "--type=merge", "-p", json.dumps(status), check=False)
+        if _ready(k.get("node", "ghost")):
+            assert "node ghost has no ready criuctl agent" in _refused(lay, k, "steady", "ghost")
+    finally:
+        k("delete", "node", "ghost", "--wait=false")
+    # a cordoned node
+    k("cordon", "b")
+    try:
+        assert "cordoned" in _refused(lay, k, "steady", "b")
+    finally:
+        k("uncordon", "b")
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _ready(node: dict) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in node["status"].get("conditions", []))
+
+
+def test_refused_without_memory_on_the_target(running) -> None:
+    lay, k = running
+    node = k.get("node", "b")
+    from kubernetes.utils import parse_quantity
+
+    alloc = int(parse_quantity(node["status"]["allocatable"]["memory"]))
+    used = sum(
+        int(parse_quantity(c.get("resources", {}).get("requests", {}).get("memory", "0")))
+        for p in k.pods("criuctl-system") if p["spec"].get("nodeName") == "b" for c in p["spec"]["containers"]
+    )  # fmt: skip
+    k.apply(_sleeper("filler", node="b", memory=str((alloc - used - (100 << 20)) >> 20) + "Mi"))
+    try:
+        k.wait_running("filler")
+        assert "allocatable memory free" in _refused(lay, k, "steady", "b")
+    finally:
+        k("delete", "pod", "filler", "--grace-period=1")
+
+
+def test_refuses_controller_owned_and_multi_worker_pods(running) -> None:
+    lay, k = running
+    crd = {
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": "pytorchjobs.kubeflow.org"},
+        "spec": {"group": "kubeflow.org", "scope": "Namespaced",
+                 "names": {"plural": "pytorchjobs", "singular": "pytorchjob", "kind": "PyTorchJob"},
+                 "versions": [{"name": "v1", "served": True, "storage": True,
+                               "schema": {"openAPIV3Schema": {"type": "object",
+                                                              "x-kubernetes-preserve-unknown-fields": True}}}]},
+    }  # fmt: skip
+    k.apply(crd)
+    job = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": "ddp"},
+           "spec": {"pytorchReplicaSpecs": {"Master": {"replicas": 1}, "Worker": {"replicas": 1}}}}  # fmt: skip
+    deadline = time.monotonic() + 30
+    while k("apply", "-f", "-", input=json.dumps(job), check=False).returncode != 0:
+        assert time.monotonic() < deadline, "the PyTorchJob CRD was not served"
+        time.sleep(0.5)
+    uid = k.get("pytorchjob", "ddp")["metadata"]["uid"]
+    worker = training_pod("ddp-worker-0", steps=100000, node="a")
+    worker["metadata"]["ownerReferences"] = [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "name": "ddp",
+                                              "uid": uid, "controller": True}]  # fmt: skip
+    k.apply(worker)
+    try:
+        k.wait_running("ddp-worker-0")
+        assert "one of 2 replicas of PyTorchJob ddp" in _refused(lay, k, "ddp-worker-0", "b")
+    finally:
+        k("delete", "pod", "ddp-worker-0", "--grace-period=1", "--wait=false")
+    sts = {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "st"},
+           "spec": {"serviceName": "st", "replicas": 1, "selector": {"matchLabels": {"app": "st"}},
+                    "template": {"metadata": {"labels": {"app": "st"}},
+                                 "spec": _sleeper("x")["spec"] | {"nodeName": "a"}}}}  # fmt: skip
+    k.apply(sts)
+    try:
+        k.wait_running("st-0")
+        assert "owned by StatefulSet st" in _refused(lay, k, "st-0", "b")
+    finally:
+        k("delete", "statefulset", "st", "--wait=false")
