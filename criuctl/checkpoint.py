@@ -159,6 +159,10 @@ class Frozen:
         for k, v in record.items():
             setattr(w, k, v)
         workloads.save(w)
+        if state == workloads.MIGRATED:
+            from criuctl import containers
+
+            containers.mark_moved(w, getattr(w, "moved_to", "") or "another node")
         try:
             if self._criu is not None:
                 for pid in self.pids:

@@ -96,6 +96,7 @@ def workload(c: Container, runtime_endpoint: str) -> workloads.Workload:
             container=c.id,
             runtime=runtime_endpoint,
             pod=f"{c.pod_namespace}/{c.pod_name}/{c.name}" if c.pod_name else None,
+            pod_uid=c.pod_uid or None,
         )
         workloads.save(w)
     return w
@@ -275,6 +276,33 @@ def _readlink(path: str) -> str:
 
 
 INJECT_DIR = Path("/var/lib/criuctl-inject")  # world-readable: containers mount it read-only
+
+
+def mark_moved(w: workloads.Workload, node: str) -> bool:
+    """Before a container's frozen job ends on its old node: mark its pod's job as moved, in the
+    inject dir the container mounts (criuctl.nsinit.moved_to). The kubelet restarts a container it
+    sees die unless its pod is being deleted; a restarted one then waits instead of running the job
+    again from its first step. Best effort, and harmless when no kubelet is involved."""
+    if not w.container or not w.pod_uid or "/" in w.pod_uid:
+        return False
+    try:
+        init = next(a for a in cmdline(w.root_pid) if a.endswith("/nsinit.py"))
+        seen = mounts.by_point(mounts.of(w.root_pid)).get(os.path.dirname(init))
+        dest = mounts.host_path(seen, mounts.of("self")) if seen else None
+        if dest is None:
+            return False
+        moved = Path(dest) / "moved"  # criuctl.nsinit.MOVED_DIR
+        moved.mkdir(mode=0o755, exist_ok=True)
+        tmp = moved / f".{w.pod_uid}.tmp"
+        with open(tmp, "w") as f:
+            f.write(node + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.chmod(0o644)
+        os.replace(tmp, moved / w.pod_uid)
+        return True
+    except (OSError, StopIteration):
+        return False
 
 
 def write_inject_dir(dest: Path = INJECT_DIR) -> Path:

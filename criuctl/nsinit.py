@@ -33,6 +33,12 @@ ENV_ALLOW_IO_URING = "CRIUCTL_ALLOW_IO_URING"
 # EOF when exec succeeded (the fd is close-on-exec) and an errno when it did not. Without it a
 # command that cannot start would look like a workload that started and exited.
 ENV_REPORT_FD = "CRIUCTL_INIT_REPORT_FD"
+# The pod's UID (the webhook sets it from the downward API). When the node's agent has marked that
+# pod's job as moved (MOVED_DIR/UID beside this file, written before the frozen job ended), this
+# container is one the kubelet restarted after the job left: starting the command again would run
+# the job a second time, from its first step, beside its moved copy. It waits instead.
+ENV_POD_UID = "CRIUCTL_POD_UID"
+MOVED_DIR = "moved"
 # In a placeholder container: where the init listens for the restorer ("ctl") and writes the
 # signals it gets ("signals"). The restorer reaches them through /proc/PID/root (criuctl.placeholder).
 CONTROL_DIR = "/run/criuctl"
@@ -157,9 +163,32 @@ def _hooks_env() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [hooks, os.environ.get("PYTHONPATH")]))
 
 
+def moved_to() -> str | None:
+    """The node this pod's job moved to, if the agent marked it (see ENV_POD_UID)."""
+    uid = os.environ.get(ENV_POD_UID, "")
+    if not uid or "/" in uid or uid.startswith("."):
+        return None
+    try:
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), MOVED_DIR, uid)) as f:
+            return f.read().strip() or "another node"
+    except OSError:
+        return None
+
+
+def stay_moved(node: str) -> int:
+    """The job runs on `node` now: wait, doing nothing, until the container is stopped."""
+    _say(f"this pod's job moved to node {node} (criuctl migrate); it is not started here again")
+    for sig in FORWARDED:
+        signal.signal(sig, lambda n, _f: os._exit(0))
+    while True:
+        signal.pause()
+
+
 def main(argv: list[str]) -> int:
     if argv and argv[0] == PLACEHOLDER:
         return placeholder()
+    if (node := moved_to()) is not None:
+        return stay_moved(node)
     if argv and argv[0] == "--":
         argv = argv[1:]
     if not argv:

@@ -160,12 +160,21 @@ def restore_stopped(
         command=manifest.command,
         root_pid=result.pid,
         supervisor_pid=os.getpid(),
-        stdio_pipes=stdio.keys() if stdio else manifest.stdio_pipes,
+        # into a placeholder, the job now writes to the placeholder's pipes: those are what a next
+        # dump must name (the bundle's were the first container's, gone with it)
+        stdio_pipes=stdio.keys() if stdio else _placeholder_pipes(into, manifest),
         restored_from=str(bundle_dir),
         container=into.container.id if into else None,
+        pod_uid=(into.container.pod_uid or None) if into else None,
         runtime=into.container.runtime if into else None,
     )
     return Restored(w, stdio, result.seconds, lazy, into)
+
+
+def _placeholder_pipes(into: placeholder.Placeholder | None, manifest: bundle.Manifest) -> dict[str, str]:
+    from criuctl import containers
+
+    return containers.stdio_pipes(into.pid) if into is not None else manifest.stdio_pipes
 
 
 def _destination(

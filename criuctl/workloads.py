@@ -122,6 +122,7 @@ class Workload:
     moved_to: str | None = None  # node it was migrated to
     node: str | None = None  # node whose agent restored it here (None: started here)
     container: str | None = None  # the runtime's container ID when the workload is a container
+    pod_uid: str | None = None  # its pod's UID (Kubernetes), for the moved marker (containers.mark_moved)
     runtime: str | None = None  # the runtime endpoint that runs that container
     pod: str | None = None  # "namespace/pod/container" when the runtime's labels name them
 

@@ -275,3 +275,50 @@ def test_refuses_controller_owned_and_multi_worker_pods(running) -> None:
         assert "owned by StatefulSet st" in _refused(lay, k, "st-0", "b")
     finally:
         k("delete", "statefulset", "st", "--wait=false")
+
+
+def test_client_killed_between_the_target_commit_and_the_source_pod_delete(local_cluster, reference, tmp_path) -> None:
+    """The step this issue adds to the protocol: the CLI dies after the target committed and
+    before it deleted the source pod. The source's lease asks the target (running) and ends the
+    frozen tree; the kubelet, seeing a container of a live pod die, restarts it — and the
+    restarted init finds the agent's moved marker and does not run the job a second time."""
+    lay, k = local_cluster
+    ref = reference(os.path.basename(JOB), "--steps", str(STEPS), "--workers", "2", "--log", "/dev/null")
+    k.apply(training_pod("dead", steps=STEPS, node="a"))  # restartPolicy Always
+    k.wait_running("dead")
+    wait_step(k, "dead", 30)
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    env = {**os.environ, "KUBECONFIG": str(lay.kubeconfig), "CRIUCTL_PAUSE_AT": "client.target-committed",
+           "CRIUCTL_PAUSE_DIR": str(pause)}  # fmt: skip
+    cli = subprocess.Popen([*CRIUCTL, "migrate", "dead", "b"], env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 180
+    while not (pause / "client.target-committed").exists():
+        assert cli.poll() is None, cli.stderr.read()
+        assert time.monotonic() < deadline, "the CLI never reached the target commit"
+        time.sleep(0.1)
+    cli.kill()
+    cli.wait()
+    follow = LogFollower(k, "dead-m1")
+    follow.start()
+    deadline = time.monotonic() + 180
+    while "moved to node b" not in k.logs("dead"):
+        assert time.monotonic() < deadline, f"the source pod's container: {k.logs('dead')[-500:]}"
+        time.sleep(1)
+    src = k.get("pod", "dead")
+    assert src["status"]["containerStatuses"][0]["restartCount"] >= 1, "the kubelet did not restart it"
+    assert not steps(k.logs("dead")), "the restarted source container trained: the job ran twice"
+    before = steps(k("logs", "dead", "--previous").stdout)
+    deadline = time.monotonic() + 300
+    while not final(k.logs("dead-m1")):
+        assert time.monotonic() < deadline, k.logs("dead-m1")[-800:]
+        time.sleep(1)
+    follow.join(30)
+    after = steps(k.logs("dead-m1"))
+    assert before and after and min(after) > 0
+    assert all(before.get(s, loss) == loss for s, loss in after.items())
+    assert {**before, **after} == ref.steps
+    assert final(k.logs("dead-m1")) == ref.final
+    assert not steps(k.logs("dead")), "the source pod ran the job again"
+    k("delete", "pod", "dead", "dead-m1", "--grace-period=1", "--wait=false")

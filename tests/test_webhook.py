@@ -175,7 +175,7 @@ def test_wrap_is_idempotent() -> None:
 
 def test_a_pod_wrapped_by_hand_as_the_docs_show_keeps_its_own_volume() -> None:
     """docs/containers.md names the volume `criuctl`: a second mount at /.criuctl would be refused
-    by the API server (duplicate mountPath), so nothing is added."""
+    by the API server (duplicate mountPath), so nothing is added but the pod-UID variable."""
     hand = {
         "name": "train",
         "image": "trainer:1",
@@ -186,6 +186,8 @@ def test_a_pod_wrapped_by_hand_as_the_docs_show_keeps_its_own_volume() -> None:
     volume = {"name": "criuctl", "hostPath": {"path": INJECT_DIR, "type": "Directory"}}
     source = pod(hand, volumes=[volume])
     wrapped = mutate.wrap(source)
+    env = wrapped["spec"]["containers"][0].pop("env")
+    assert env == [{"name": "CRIUCTL_POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}]
     assert wrapped["spec"] == source["spec"]
     assert wrapped["metadata"]["annotations"] == {INJECTED: "true"}
 

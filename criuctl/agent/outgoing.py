@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import psutil
 from aiohttp import web
 
-from criuctl import bundle, checkpoint, criu, netlock, workloads
+from criuctl import bundle, checkpoint, containers, criu, netlock, workloads
 from criuctl.agent import records, transfer, verdicts
 from criuctl.agent.handoffs import Handoff
 from criuctl.agent.protocol import SOURCE_FINAL, Mode, SourceRecord, SourceSpec, SourceState, Ticket, Verdict
@@ -224,6 +224,7 @@ def _end(root_pid: int, rec: SourceRecord) -> None:
     if w is not None and w.root_pid == root_pid:
         w.state, w.moved_to = workloads.MIGRATED, rec.ticket.node
         workloads.save(w)
+        containers.mark_moved(w, rec.ticket.node)
     with contextlib.suppress(ProcessLookupError):
         os.kill(root_pid, signal.SIGKILL)
     if rec.netlock_table:  # the tree is gone: its lock would only outlive it

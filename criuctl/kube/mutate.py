@@ -31,6 +31,7 @@ INIT = f"{MOUNT}/nsinit.py"
 RUN_VOLUME = "criuctl-run"  # an emptyDir for the placeholder init's FIFOs on a read-only rootfs
 RUN_DIR = "/run/criuctl"  # criuctl.nsinit.CONTROL_DIR (not imported: nsinit is the container's init)
 
+POD_UID_ENV = "CRIUCTL_POD_UID"  # criuctl.nsinit.ENV_POD_UID (not imported: it is the container's init)
 NO_COMMAND = "the image's entrypoint is not in the pod spec; give the container a command"
 PROBES = ("livenessProbe", "readinessProbe", "startupProbe")
 # The spec fields the webhook rewrites: `patch` replaces these whole and nothing else.
@@ -74,6 +75,12 @@ def wrap(pod: Pod) -> Pod:
             continue
         if not is_wrapped(c):
             c["command"] = [python, "-I", INIT, "--", *c["command"]]
+        # the pod's UID, for the init to tell a container the kubelet restarted after its job moved
+        # away from one it must start (criuctl.nsinit.moved_to)
+        if not any(e.get("name") == POD_UID_ENV for e in c.get("env") or []):
+            c.setdefault("env", []).append(
+                {"name": POD_UID_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}
+            )
         # a hand-wrapped container may mount the files under another volume name: one mount is enough
         if not _mounts(c, MOUNT):
             c.setdefault("volumeMounts", []).append({"name": VOLUME, "mountPath": MOUNT, "readOnly": True})

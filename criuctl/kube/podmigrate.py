@@ -122,8 +122,8 @@ def _refuse_owned(c: Cluster, pod: dict) -> None:
 
 def _wrapped_container(pod: dict) -> dict:
     meta = pod["metadata"]
-    if mutate.is_placeholder(pod) and events.MIGRATED_AT not in (meta.get("annotations") or {}):
-        raise NotMigratable(f"pod {meta['name']} is a placeholder waiting for a restore", "move the job's pod")
+    # a placeholder pod is a job's pod once a job was restored into it; an empty one the agent
+    # reports as such (why_not) below
     wrapped = [c for c in pod["spec"]["containers"] if mutate.is_wrapped(c)]
     if not wrapped:
         why = mutate.not_wrapped(pod)

@@ -74,7 +74,12 @@ def overlay(lay: Layout) -> Path:
          "data": {"tls.crt": _b64(pki / "agent.crt"), "tls.key": _b64(pki / "agent.key"),
                   "ca.crt": _b64(pki / "ca.crt")}},
     ]  # fmt: skip
+    # a short lease: a frozen source whose client died asks the target after 20 s, not 120 s (the
+    # tests of a dead client wait for it)
+    lease = [{"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": v}
+             for v in ("--lease", f"{lay.agent_lease:g}")]  # fmt: skip
     patches = [{"path": "daemonset.json"}] + [{"path": f"secret{i}.json"} for i in range(len(secrets))]
+    patches.append({"target": {"kind": "DaemonSet", "name": "criuctl-agent"}, "patch": json.dumps(lease)})
     (d / "daemonset.json").write_text(json.dumps(ds_patch))
     for i, s in enumerate(secrets):
         (d / f"secret{i}.json").write_text(json.dumps(s))

@@ -69,6 +69,7 @@ class Layout:
     api_port: int = 6443
     etcd_port: int = 23790
     webhook_port: int = 9443
+    agent_lease: float = 20.0  # the agents' --lease (seconds a frozen source waits for its client)
     pids: dict[str, int] = field(default_factory=dict)  # part → PID of its process (group leader)
     mnt_ns: dict[str, int] = field(default_factory=dict)  # node → inode of its mount namespace
 
