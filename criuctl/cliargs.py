@@ -127,9 +127,19 @@ VERBS: dict[str, Verb] = {
                 "POD is a pod when this, --kubeconfig, $KUBECONFIG or an in-cluster config is "
                 "there and NODE is not a node of `criuctl node ls`",
             ),
-            opt("--kubeconfig", metavar="FILE", help="the kubeconfig to use (default: $KUBECONFIG, ~/.kube/config)"),
-            opt("--dry-run", action="store_true", help="a pod: check everything, change nothing, say what would happen"),
-            opt("-o", "--output", choices=["text", "json"], default="text", help="json: the result on stdout"),
+            opt(
+                "--kubeconfig",
+                metavar="FILE",
+                help="the kubeconfig to use (default: $KUBECONFIG, ~/.kube/config)",
+            ),
+            opt(
+                "--dry-run",
+                action="store_true",
+                help="a pod: check everything, change nothing, say what would happen",
+            ),
+            opt(
+                "-o", "--output", choices=["text", "json"], default="text", help="json: the result on stdout"
+            ),
             opt("--from", dest="source", metavar="NODE", help="the node it runs on (default: ask them all)"),
             opt(
                 "--mode",

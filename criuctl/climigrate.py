@@ -113,7 +113,9 @@ def cmd_migrate(a: argparse.Namespace) -> int:
     if cluster.wanted(a.kubeconfig, a.namespace) and to not in client.all_nodes():
         return _migrate_pod(a, to)
     if a.dry_run:
-        raise CriuctlError("--dry-run is for pods", "without Kubernetes, `criuctl ps --node NODE` shows what runs")
+        raise CriuctlError(
+            "--dry-run is for pods", "without Kubernetes, `criuctl ps --node NODE` shows what runs"
+        )
     a.name = containers.normalize(a.name)
     workloads.validate_name(a.name)
     if a.into is not None:
@@ -151,7 +153,8 @@ def _migrate_pod(a: argparse.Namespace, to: str) -> int:
         result = podmigrate.execute(c, plan, a.mode, progress)
     render.migration_summary(result)
     print(f"criuctl: pod {namespace}/{plan.pod} is now pod {plan.placeholder_name} on node {plan.target}; "
-          f"follow it with: kubectl -n {namespace} logs -f {plan.placeholder_name}", file=sys.stderr)  # fmt: skip
+          f"follow it with: kubectl -n {namespace} logs -f {plan.placeholder_name}",
+          file=sys.stderr)  # fmt: skip
     if a.json:
         import dataclasses
 

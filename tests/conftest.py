@@ -88,7 +88,8 @@ def local_cluster(tmp_path_factory):
 
     missing = REASON or (
         None if (K8S_BIN / "kube-apiserver").exists() else
-        f"needs Kubernetes v1.20.2 in {K8S_BIN}: run `make test`, which builds it (scripts/install-kubernetes.sh)"
+        f"needs Kubernetes v1.20.2 in {K8S_BIN}: run `make test`, which builds it "
+        "(scripts/install-kubernetes.sh)"
     )  # fmt: skip
     if missing:
         if os.environ.get(ENV_REQUIRE) == "1":

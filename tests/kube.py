@@ -36,11 +36,13 @@ def training_pod(name: str, steps: int = 40, node: str | None = None, labels: di
             "command": [PY, JOB],
             "args": ["--steps", str(steps), "--workers", "2", "--log", "/scratch/train.log",
                      "--scratch", "/scratch"],
-            "volumeMounts": [{"name": f"host{i}", "mountPath": p, "readOnly": True} for i, p in enumerate(mounts)]
+            "volumeMounts": [{"name": f"host{i}", "mountPath": p, "readOnly": True}
+                             for i, p in enumerate(mounts)]
             + [{"name": "scratch", "mountPath": "/scratch"}],
             "resources": {"requests": {"memory": "256Mi", "cpu": "100m"}},
         }],
-        "volumes": [{"name": f"host{i}", "hostPath": {"path": p, "type": "Directory"}} for i, p in enumerate(mounts)]
+        "volumes": [{"name": f"host{i}", "hostPath": {"path": p, "type": "Directory"}}
+                    for i, p in enumerate(mounts)]
         + [{"name": "scratch", "emptyDir": {}}],
         **(extra_spec or {}),
     }  # fmt: skip
@@ -58,7 +60,9 @@ class Kubectl:
     def __init__(self, lay: Layout) -> None:
         self.lay = lay
 
-    def __call__(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    def __call__(
+        self, *args: str, input: str | None = None, check: bool = True
+    ) -> subprocess.CompletedProcess:
         r = subprocess.run(["kubectl", "--kubeconfig", str(self.lay.kubeconfig), *args],
                            input=input, capture_output=True, text=True, timeout=120)  # fmt: skip
         if check and r.returncode != 0:
@@ -83,8 +87,10 @@ class Kubectl:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             p = self.get("pod", pod, namespace)
-            if p and p["status"].get("phase") == "Running" and all(
-                "running" in c.get("state", {}) for c in p["status"].get("containerStatuses", [])
+            if (
+                p
+                and p["status"].get("phase") == "Running"
+                and all("running" in c.get("state", {}) for c in p["status"].get("containerStatuses", []))
             ):
                 return p
             time.sleep(0.3)

@@ -31,8 +31,8 @@ from pathlib import Path
 import pytest
 
 from criuctl import bundle
-from criuctl.runtime import archive
 from criuctl.localcluster import containerd_config
+from criuctl.runtime import archive
 from tests.conftest import ENV_REQUIRE, REASON
 
 REPO = Path(__file__).resolve().parent.parent

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from criuctl.localcluster import control
+from criuctl.localcluster import __main__ as lc
 from tests.conftest import needs_criu
 from tests.kube import JOB, Kubectl, final, steps, training_pod, wait_step
 
@@ -53,11 +53,16 @@ def _sleeper(name: str, labels: dict | None = None, node: str | None = None, mem
             "terminationGracePeriodSeconds": 1}  # fmt: skip
     if node:
         spec["nodeName"] = node
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels or {}}, "spec": spec}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": labels or {}},
+        "spec": spec,
+    }
 
 
 def test_webhook_called_by_the_api_server(local_cluster) -> None:
-    lay, k = local_cluster
+    _, k = local_cluster
     wrapped = _dry_run(k, training_pod("w1"))
     c = wrapped["spec"]["containers"][0]
     assert c["command"][1:4] == ["-I", "/.criuctl/nsinit.py", "--"], c["command"]
@@ -87,19 +92,16 @@ def test_webhook_down_fails_open(local_cluster) -> None:
     pid = lay.pids["webhook"]
     os.killpg(pid, 9)
     try:
-        assert "criuctl.io/injected" not in (_dry_run(k, training_pod("d1"))["metadata"].get("annotations") or {})
+        assert "criuctl.io/injected" not in (
+            _dry_run(k, training_pod("d1"))["metadata"].get("annotations") or {}
+        )
         assert _dry_run(k, _sleeper("d2"))["spec"]["containers"][0]["command"] == ["/bin/sleep", "3600"]
     finally:
-        control.spawn(lay, "webhook", _webhook_argv(lay), {"KUBECONFIG": str(lay.kubeconfig)})
+        lc.start_webhook(lay)
         deadline = time.monotonic() + 20
         while "injected" not in json.dumps(_dry_run(k, training_pod("d3"))["metadata"]):
             assert time.monotonic() < deadline, "the webhook did not come back"
             time.sleep(0.5)
-
-
-def _webhook_argv(lay) -> list[str]:
-    return [*CRIUCTL, "webhook", "--listen", f"{lay.host_ip}:{lay.webhook_port}",
-            "--tls-cert", str(lay.pki / "webhook.crt"), "--tls-key", str(lay.pki / "webhook.key")]  # fmt: skip
 
 
 def _migrate(lay, k: Kubectl, pod: str, node: str, *opts: str) -> str:
@@ -198,7 +200,16 @@ def test_refusals_change_nothing(running) -> None:
                                              "lastTransitionTime": _now()}],
                              "allocatable": {"memory": "8Gi", "cpu": "2", "pods": "10"},
                              "capacity": {"memory": "8Gi", "cpu": "2", "pods": "10"}}}  # fmt: skip
-        k("patch", "node", "ghost", "--subresource=status", "--type=merge", "-p", json.dumps(status), check=False)
+        k(
+            "patch",
+            "node",
+            "ghost",
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            json.dumps(status),
+            check=False,
+        )
         if _ready(k.get("node", "ghost")):
             assert "node ghost has no ready criuctl agent" in _refused(lay, k, "steady", "ghost")
     finally:
@@ -246,18 +257,21 @@ def test_refuses_controller_owned_and_multi_worker_pods(running) -> None:
                  "names": {"plural": "pytorchjobs", "singular": "pytorchjob", "kind": "PyTorchJob"},
                  "versions": [{"name": "v1", "served": True, "storage": True,
                                "schema": {"openAPIV3Schema": {"type": "object",
-                                                              "x-kubernetes-preserve-unknown-fields": True}}}]},
+                                                              "x-kubernetes-preserve-unknown-fields":
+                                                              True}}}]},
     }  # fmt: skip
     k.apply(crd)
     job = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": "ddp"},
-           "spec": {"pytorchReplicaSpecs": {"Master": {"replicas": 1}, "Worker": {"replicas": 1}}}}  # fmt: skip
+           "spec": {"pytorchReplicaSpecs": {"Master": {"replicas": 1},
+                                            "Worker": {"replicas": 1}}}}  # fmt: skip
     deadline = time.monotonic() + 30
     while k("apply", "-f", "-", input=json.dumps(job), check=False).returncode != 0:
         assert time.monotonic() < deadline, "the PyTorchJob CRD was not served"
         time.sleep(0.5)
     uid = k.get("pytorchjob", "ddp")["metadata"]["uid"]
     worker = training_pod("ddp-worker-0", steps=100000, node="a")
-    worker["metadata"]["ownerReferences"] = [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "name": "ddp",
+    worker["metadata"]["ownerReferences"] = [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
+                                              "name": "ddp",
                                               "uid": uid, "controller": True}]  # fmt: skip
     k.apply(worker)
     try:
@@ -277,7 +291,9 @@ def test_refuses_controller_owned_and_multi_worker_pods(running) -> None:
         k("delete", "statefulset", "st", "--wait=false")
 
 
-def test_client_killed_between_the_target_commit_and_the_source_pod_delete(local_cluster, reference, tmp_path) -> None:
+def test_client_killed_between_the_target_commit_and_the_source_pod_delete(
+    local_cluster, reference, tmp_path
+) -> None:
     """The step this issue adds to the protocol: the CLI dies after the target committed and
     before it deleted the source pod. The source's lease asks the target (running) and ends the
     frozen tree; the kubelet, seeing a container of a live pod die, restarts it — and the

@@ -81,7 +81,9 @@ def api_error(exc: Exception, what: str) -> CriuctlError:
                 "use a kubeconfig whose user may read pods, nodes and secrets in criuctl-system",
             )
         return CriuctlError(f"the API server failed on {what}: HTTP {exc.status} {exc.reason}", "try again")
-    return CriuctlError(f"the API server does not answer ({type(exc).__name__})", "check KUBECONFIG and the cluster")
+    return CriuctlError(
+        f"the API server does not answer ({type(exc).__name__})", "check KUBECONFIG and the cluster"
+    )
 
 
 def call(what: str, fn, *args, **kw):
@@ -125,14 +127,15 @@ def agent_for(c: Cluster, node: dict) -> Node:
     ]
     if not ready:
         raise CriuctlError(
-            f"node {name} has no ready criuctl agent"
-            + (" (its agent pod is not Ready)" if pods else ""),
+            f"node {name} has no ready criuctl agent" + (" (its agent pod is not Ready)" if pods else ""),
             "install it with `kubectl apply -k manifests/` (docs/deploy.md); a tainted node needs "
             "the DaemonSet's tolerations",
         )
     ips = [a["address"] for a in node["status"].get("addresses", []) if a["type"] == "InternalIP"]
     if not ips:
-        raise CriuctlError(f"node {name} reports no InternalIP", "the agent is reached at the node's InternalIP")
+        raise CriuctlError(
+            f"node {name} reports no InternalIP", "the agent is reached at the node's InternalIP"
+        )
     home = workloads.state_dir() / "kube"
     home.mkdir(parents=True, exist_ok=True, mode=0o700)
     token = _secret_file(c, "criuctl-agent", "token", home / "token")

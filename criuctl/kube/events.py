@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
-from enum import Enum
+from enum import StrEnum
 
 from criuctl.kube.cluster import Cluster
 
@@ -13,14 +14,14 @@ MIGRATED_FROM = "criuctl.io/migrated-from"  # on the new pod: "NAMESPACE/POD@NOD
 MIGRATED_AT = "criuctl.io/migrated-at"  # on the new pod: RFC 3339, when it took over
 
 
-class Reason(str, Enum):
+class Reason(StrEnum):
     STARTED = "MigrationStarted"
     MIGRATED = "Migrated"
     FAILED = "MigrationFailed"
 
 
 def now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def record(c: Cluster, pod: dict, reason: Reason, message: str) -> None:
@@ -40,7 +41,5 @@ def record(c: Cluster, pod: dict, reason: Reason, message: str) -> None:
         "lastTimestamp": now(),
         "count": 1,
     }  # fmt: skip
-    try:
+    with contextlib.suppress(Exception):  # an Event that cannot be written changes nothing
         c.core.create_namespaced_event(meta["namespace"], body)
-    except Exception:  # noqa: BLE001 — an Event that cannot be written changes nothing
-        pass

@@ -18,6 +18,7 @@ on any node. Such a pod keeps its identity only when the recreated pod becomes t
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 import time
@@ -83,7 +84,8 @@ def _pod_memory(pod: dict) -> int:
 def _free_memory(c: Cluster, node: dict) -> int:
     name = node["metadata"]["name"]
     pods = call(f"pods on node {name}", c.core.list_pod_for_all_namespaces,
-                field_selector=f"spec.nodeName={name},status.phase!=Succeeded,status.phase!=Failed").items  # fmt: skip
+                field_selector=f"spec.nodeName={name},status.phase!=Succeeded,status.phase!=Failed",
+                ).items  # fmt: skip
     used = sum(_pod_memory(c.serialize(p)) for p in pods)
     return _bytes(node["status"]["allocatable"].get("memory")) - used
 
@@ -102,7 +104,8 @@ def _refuse_owned(c: Cluster, pod: dict) -> None:
         if not ref.get("controller"):
             continue
         if ref["kind"] == "PyTorchJob":
-            job = call(f"PyTorchJob {ref['name']}", c.custom.get_namespaced_custom_object, "kubeflow.org", "v1",
+            job = call(f"PyTorchJob {ref['name']}", c.custom.get_namespaced_custom_object,
+                       "kubeflow.org", "v1",
                        meta["namespace"], "pytorchjobs", ref["name"])  # fmt: skip
             specs = job.get("spec", {}).get("pytorchReplicaSpecs", {})
             n = sum(int(s.get("replicas", 1)) for s in specs.values())
@@ -160,7 +163,9 @@ def plan(c: Cluster, namespace: str, name: str, target: str) -> PodPlan:
     try:
         pod = c.serialize(call(f"pod {namespace}/{name}", c.core.read_namespaced_pod, name, namespace))
     except NotFound as exc:
-        raise NotFound(f"no pod {name!r} in namespace {namespace}", "see `kubectl get pods -n NAMESPACE`") from exc
+        raise NotFound(
+            f"no pod {name!r} in namespace {namespace}", "see `kubectl get pods -n NAMESPACE`"
+        ) from exc
     try:
         node = c.serialize(call(f"node {target}", c.core.read_node, target))
     except NotFound as exc:
@@ -186,7 +191,9 @@ def plan(c: Cluster, namespace: str, name: str, target: str) -> PodPlan:
     src, dst = agent_for(c, c.serialize(src_node)), agent_for(c, node)
     rows = AgentClient(src, timeout=15).get("/v1/workloads")
     # a job restored into a placeholder keeps the name it had on its first node: found by container
-    row = next((r for r in rows if containers.name_of(cid) == r.get("name") or r.get("container") == cid), None)
+    row = next(
+        (r for r in rows if containers.name_of(cid) == r.get("name") or r.get("container") == cid), None
+    )
     if row is None:
         raise CriuctlError(f"node {source}'s agent does not see container {cid[:12]} of pod {name}",
                            "is the agent on that node healthy? `kubectl -n criuctl-system logs`")  # fmt: skip
@@ -196,7 +203,8 @@ def plan(c: Cluster, namespace: str, name: str, target: str) -> PodPlan:
     needed = max(needed, int(row.get("rss_bytes") or 0))
     if needed > free:
         raise CriuctlError(
-            f"node {target} has {free >> 20} MiB of allocatable memory free; pod {name} needs {needed >> 20} MiB",
+            f"node {target} has {free >> 20} MiB of allocatable memory free; "
+            f"pod {name} needs {needed >> 20} MiB",
             "free memory there or pick another node; nothing was changed",
         )
     body = mutate.placeholder(pod, target, f"{namespace}/{name}")
@@ -216,7 +224,9 @@ def _wait_placeholder(c: Cluster, p: PodPlan, timeout: float = 120) -> str:
     deadline = time.monotonic() + timeout
     last = "Pending"
     while time.monotonic() < deadline:
-        pod = c.serialize(call("the placeholder pod", c.core.read_namespaced_pod, p.placeholder_name, p.namespace))
+        pod = c.serialize(
+            call("the placeholder pod", c.core.read_namespaced_pod, p.placeholder_name, p.namespace)
+        )
         for s in pod["status"].get("containerStatuses", []):
             if s["name"] == p.container and "running" in (s.get("state") or {}):
                 return s["containerID"].partition("://")[2]
@@ -224,7 +234,8 @@ def _wait_placeholder(c: Cluster, p: PodPlan, timeout: float = 120) -> str:
             last = waiting.get("reason", last)
         time.sleep(0.3)
     raise CriuctlError(
-        f"the placeholder pod {p.placeholder_name} did not start on node {p.target} within {timeout:.0f}s ({last})",
+        f"the placeholder pod {p.placeholder_name} did not start on node {p.target} "
+        f"within {timeout:.0f}s ({last})",
         f"see `kubectl -n {p.namespace} describe pod {p.placeholder_name}`",
     )
 
@@ -233,17 +244,17 @@ def _delete(c: Cluster, namespace: str, name: str, grace: int | None = None) -> 
     from kubernetes import client
 
     opts = client.V1DeleteOptions(grace_period_seconds=grace)
-    try:
+    with contextlib.suppress(NotFound):
         call(f"pod {namespace}/{name}", c.core.delete_namespaced_pod, name, namespace, body=opts)
-    except NotFound:
-        pass
 
 
 def execute(c: Cluster, p: PodPlan, mode: str | None, progress) -> agent_migrate.MigrationResult:
     src_pod = p.source_pod
     events.record(c, src_pod, events.Reason.STARTED, f"moving to node {p.target} as pod {p.placeholder_name}")
     progress("placeholder")
-    created = call("the placeholder pod", c.core.create_namespaced_pod, p.namespace, copy.deepcopy(p.placeholder))
+    created = call(
+        "the placeholder pod", c.core.create_namespaced_pod, p.namespace, copy.deepcopy(p.placeholder)
+    )
     new_pod = c.serialize(created)
     handed_over: list[str] = []
 

@@ -57,6 +57,15 @@ def _agents_ready(lay: Layout) -> bool:
     return ready >= set(lay.nodes)
 
 
+def start_webhook(lay: Layout) -> None:
+    """`criuctl webhook` on the host, at the URL the webhook configuration names (addons)."""
+    argv = [str(REPO / ".venv" / "bin" / "criuctl"), "webhook",
+            "--listen", f"{lay.host_ip}:{lay.webhook_port}",
+            "--tls-cert", str(lay.pki / "webhook.crt"),
+            "--tls-key", str(lay.pki / "webhook.key")]  # fmt: skip
+    control.spawn(lay, "webhook", argv, {"KUBECONFIG": str(lay.kubeconfig)})
+
+
 def up(lay: Layout) -> Layout:
     if not all((K8S_BIN / b).exists() for b in ("kube-apiserver", "kubelet")):
         subprocess.run(["bash", str(REPO / "scripts" / "install-kubernetes.sh")], check=True)
@@ -79,9 +88,7 @@ def up(lay: Layout) -> Layout:
     for name in lay.nodes:
         node.start(lay, name, tokens[f"node-{name}"])
     _wait("every node Ready", lambda: _nodes_ready(lay), 120)
-    webhook = [str(REPO / ".venv" / "bin" / "criuctl"), "webhook", "--listen", f"{lay.host_ip}:{lay.webhook_port}",
-               "--tls-cert", str(lay.pki / "webhook.crt"), "--tls-key", str(lay.pki / "webhook.key")]  # fmt: skip
-    control.spawn(lay, "webhook", webhook, {"KUBECONFIG": str(lay.kubeconfig)})
+    start_webhook(lay)
     addons.apply(lay, addons.render(lay))
     _wait("criuctl's agent Ready on every node", lambda: _agents_ready(lay), 180)
     return lay
@@ -96,7 +103,7 @@ def down(lay: Layout) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGTERM)
     time.sleep(0.5)
-    for part, pid in lay.pids.items():
+    for pid in lay.pids.values():
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
     sh("ip", "link", "del", lay.bridge, check=False)
@@ -110,7 +117,9 @@ def down(lay: Layout) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="local-cluster", description=__doc__)
     p.add_argument("verb", choices=("up", "down", "status"))
-    p.add_argument("--dir", type=Path, default=DEFAULT_DIR, help=f"where everything lives (default {DEFAULT_DIR})")
+    p.add_argument(
+        "--dir", type=Path, default=DEFAULT_DIR, help=f"where everything lives (default {DEFAULT_DIR})"
+    )
     p.add_argument("--nodes", default="a,b", help="node names, comma-separated (default a,b)")
     a = p.parse_args(argv)
     if os.geteuid() != 0:

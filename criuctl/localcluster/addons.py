@@ -13,7 +13,13 @@ import tempfile
 from pathlib import Path
 
 from criuctl.localcluster.layout import (
-    AGENT_IMAGE, HOST_PYTHON, IMAGES, REPO, ClusterError, Layout, sh,
+    AGENT_IMAGE,
+    HOST_PYTHON,
+    IMAGES,
+    REPO,
+    ClusterError,
+    Layout,
+    sh,
 )  # fmt: skip
 
 AGENT_TAR = IMAGES / "criuctl-agent-dev.tar"
@@ -66,7 +72,8 @@ def overlay(lay: Layout) -> Path:
     }  # fmt: skip
     pki = lay.pki
     secrets = [
-        {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "criuctl-agent", "namespace": "criuctl-system"},
+        {"apiVersion": "v1", "kind": "Secret",
+         "metadata": {"name": "criuctl-agent", "namespace": "criuctl-system"},
          "stringData": None,
          "data": {"token": _b64(pki / "agent-token"), "bundle.key": _b64(pki / "bundle.key")}},
         {"apiVersion": "v1", "kind": "Secret",

@@ -88,8 +88,11 @@ def start(lay: Layout, tokens: dict[str, str]) -> None:
     ])  # fmt: skip
     admin = {"Authorization": f"Bearer {tokens['admin']}"}
     ca = str(pki / "ca.crt")
-    wait(lay, "kube-apiserver",
-         lambda: requests.get(f"{lay.api_url}/readyz", headers=admin, verify=ca, timeout=2).ok, 90)  # fmt: skip
+
+    def api_ready() -> bool:
+        return requests.get(f"{lay.api_url}/readyz", headers=admin, verify=ca, timeout=2).ok
+
+    wait(lay, "kube-apiserver", api_ready, 90)
     common = ["--leader-elect=false", "--port=0", "--secure-port=0"]
     spawn(lay, "kube-scheduler", [
         str(K8S_BIN / "kube-scheduler"), f"--kubeconfig={lay.dir}/kube-scheduler.kubeconfig", *common,
