@@ -1,11 +1,20 @@
 """The container path's pure parts: mountinfo, which mounts are external and where the host sees
-them, container IDs and names, runtime endpoints. No runtime, no CRIU: fast, and exact."""
+them, container IDs and names, runtime endpoints, the init's moved marker. No runtime, no CRIU:
+fast, and exact."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
-from criuctl import containers, mounts, runtime
+from criuctl import containers, mounts, nsinit, runtime
 from criuctl.runtime import Container, UnknownContainer
 
 # A container's view (runc under containerd 1.6, cgroup v1) and the host's, as this machine has them.
@@ -103,3 +112,34 @@ def test_the_inject_dir_is_written_once_and_replaced_whole(tmp_path) -> None:
     (dest / ".criuctl-files").write_text("old")
     containers.write_inject_dir(dest)
     assert "def placeholder" in (dest / "nsinit.py").read_text()
+
+
+def _init_in(tmp_path: Path, uid: str, marked: str | None) -> subprocess.Popen:
+    """criuctl's init as a container runs it (from its inject dir), for a pod with UID `uid`,
+    whose job the agent marked as moved (`marked`: the UID it marked, or nothing)."""
+    inject = tmp_path / "inject"
+    (inject / "moved").mkdir(parents=True)
+    shutil.copy(nsinit.__file__, inject / "nsinit.py")
+    if marked:
+        (inject / "moved" / marked).write_text("b\n")
+    env = {**os.environ, nsinit.ENV_POD_UID: uid}
+    argv = [sys.executable, "-I", str(inject / "nsinit.py"), "--", sys.executable, "-c", "print('TRAINED')"]
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_container_restarted_after_its_job_moved_does_not_run_it_again(tmp_path: Path) -> None:
+    p = _init_in(tmp_path, "uid-1", marked="uid-1")
+    time.sleep(1.0)
+    assert p.poll() is None, "the init exited: a kubelet would restart it again and again"
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=10)
+    assert p.returncode == 0
+    assert "TRAINED" not in out
+    assert "this pod's job moved to node b" in err
+
+
+@pytest.mark.parametrize("uid, marked", [("uid-2", "uid-other"), ("../moved/uid-3", "uid-3"), ("", None)])
+def test_the_job_starts_unless_its_own_pod_was_marked(tmp_path: Path, uid: str, marked: str | None) -> None:
+    p = _init_in(tmp_path, uid, marked)
+    out, _ = p.communicate(timeout=30)
+    assert p.returncode == 0 and out.strip() == "TRAINED"
