@@ -149,7 +149,7 @@ def test_pod_moves_there_and_back_bit_identical(local_cluster, reference) -> Non
             combined[s] = loss
     assert min(parts[1]) > 0 and min(parts[2]) > 0, "a move started the job over"
     assert combined == ref.steps
-    assert final(follow[-1].text) == ref.final, "final weights differ from the uninterrupted run"
+    assert final(follow[-1].text) == [ref.final], "final weights differ from the uninterrupted run"
     # the log file in the emptyDir continued across both moves (heartbeats from the thread too)
     text = k("exec", on_a, "--", "cat", "/scratch/train.log", check=False).stdout
     assert text == "" or f"step {STEPS - 1} " in text  # the pod has exited: exec may find no container
@@ -335,6 +335,6 @@ def test_client_killed_between_the_target_commit_and_the_source_pod_delete(
     assert before and after and min(after) > 0
     assert all(before.get(s, loss) == loss for s, loss in after.items())
     assert {**before, **after} == ref.steps
-    assert final(k.logs("dead-m1")) == ref.final
+    assert final(k.logs("dead-m1")) == [ref.final]
     assert not steps(k.logs("dead")), "the source pod ran the job again"
     k("delete", "pod", "dead", "dead-m1", "--grace-period=1", "--wait=false")

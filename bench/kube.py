@@ -1,0 +1,140 @@
+"""Pods, side by side in one run: what `criuctl migrate POD NODE` costs on a real Kubernetes, and the
+Kubernetes-native alternative.
+
+On the local cluster (criuctl.localcluster: apiserver, scheduler, controller-manager, two kubelet
+nodes with containerd, the agent as the DaemonSet), for each state size a pod holding N GiB of model
++ Adam state (bench/big_state.py) under the webhook's wrapping moves between the nodes by
+
+    pod post-copy        criuctl migrate POD NODE --mode post-copy
+    pod stop-and-copy    criuctl migrate POD NODE --mode stop-and-copy
+    delete + recreate    kubectl delete, the same pod created on the other node, until its state
+                         exists again (what a drain does to a job without criuctl: every step since
+                         its last own checkpoint is lost, and this does not count them)
+
+For the migrations: the job's downtime (the agents' measure: frozen → running on the target), the
+agents' total, and the command's wall time (adds the checks, the placeholder pod, the API calls).
+The pod moves back and forth, so contenders alternate within each repetition after a warm-up move
+(these are VMs: the first touch of memory is slow); each number is the median of the repetitions.
+The agents' own numbers without Kubernetes are bench/containers.py's. Run as root:
+`.venv/bin/python bench/kube.py [--sizes 0.5 2] [--reps 3]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from criuctl.localcluster import __main__ as lc  # noqa: E402
+from criuctl.localcluster.layout import Layout  # noqa: E402
+from tests.kube import PY, Kubectl, training_pod  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+CRIUCTL = str(HERE.parent / ".venv" / "bin" / "criuctl")
+console = Console(stderr=True)
+
+
+def state_pod(name: str, gib: float, node: str) -> dict:
+    pod = training_pod(name, node=node, extra_spec={"restartPolicy": "Never"})
+    c = pod["spec"]["containers"][0]
+    c["command"], c["args"] = [PY, str(HERE / "big_state.py")], ["--gib", str(gib)]
+    c["resources"] = {"requests": {"memory": f"{int(gib * 1024 + 512)}Mi", "cpu": "100m"}}
+    return pod
+
+
+def _wait_ready(k: Kubectl, pod: str, timeout: float = 900) -> None:
+    deadline = time.monotonic() + timeout
+    while "ready" not in k.logs(pod).split():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{pod} not ready: {k.logs(pod)[-500:]}")
+        time.sleep(0.2)
+
+
+def migrate(lay: Layout, pod: str, node: str, mode: str) -> dict:
+    env = {**os.environ, "KUBECONFIG": str(lay.kubeconfig)}
+    t0 = time.monotonic()
+    r = subprocess.run([CRIUCTL, "migrate", pod, node, "--mode", mode, "-o", "json"],
+                       capture_output=True, text=True, env=env, timeout=900)  # fmt: skip
+    wall = time.monotonic() - t0
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr[-1500:])
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    return {"downtime": out["downtime_seconds"], "agents": out["total_seconds"], "wall": wall,
+            "new_pod": out["new_pod"]}  # fmt: skip
+
+
+def recreate(k: Kubectl, pod: str, gib: float, node: str, name: str) -> float:
+    t0 = time.monotonic()
+    k("delete", "pod", pod, "--grace-period=1", "--wait=false")
+    k.apply(state_pod(name, gib, node))
+    _wait_ready(k, name)
+    return time.monotonic() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", type=float, nargs="+", default=[0.5, 2])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dir", type=Path, default=Path("/var/tmp/criuctl-bench-kube"))
+    a = ap.parse_args()
+    lay = Layout(a.dir, prefix="kb", net="10.201.0")
+    lc.up(lay)
+    rows = []
+    try:
+        k = Kubectl(lay)
+        for gib in a.sizes:
+            pod, node, other = f"state{int(gib * 10)}", "a", "b"
+            k.apply(state_pod(pod, gib, node))
+            _wait_ready(k, pod)
+            pod = migrate(lay, pod, other, "post-copy")["new_pod"]  # warm-up: both nodes touched
+            node, other = other, node
+            runs: dict[str, list] = {"post-copy": [], "stop-and-copy": [], "recreate": []}
+            for rep in range(a.reps):
+                for mode in ("post-copy", "stop-and-copy"):
+                    console.print(f"{gib} GiB, round {rep + 1}: pod {mode} {node} → {other} …")
+                    r = migrate(lay, pod, other, mode)
+                    runs[mode].append(r)
+                    pod, node, other = r["new_pod"], other, node
+                console.print(f"{gib} GiB, round {rep + 1}: delete + recreate {node} → {other} …")
+                name = f"state{int(gib * 10)}-r{rep}"
+                runs["recreate"].append({"wall": recreate(k, pod, gib, other, name)})
+                pod, node, other = name, other, node
+            k("delete", "pod", pod, "--grace-period=1", "--wait=false")
+            rows.append({"gib": gib, "runs": runs})
+    finally:
+        lc.down(lay)
+    out = HERE / "results" / "kube.json"
+    out.write_text(json.dumps(rows, indent=1))
+    report(rows)
+    return 0
+
+
+def _med(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def report(rows: list[dict]) -> None:
+    t = Table(title="seconds (median)")
+    for col in ("state", "post-copy downtime", "post-copy agents", "post-copy command",
+                "s&c downtime", "s&c agents", "s&c command", "delete + recreate"):  # fmt: skip
+        t.add_column(col, justify="right")
+    for r in rows:
+        pc, sc, rc = r["runs"]["post-copy"], r["runs"]["stop-and-copy"], r["runs"]["recreate"]
+        cells = [_med(pc, "downtime"), _med(pc, "agents"), _med(pc, "wall"),
+                 _med(sc, "downtime"), _med(sc, "agents"), _med(sc, "wall"), _med(rc, "wall")]  # fmt: skip
+        t.add_row(f"{r['gib']} GiB", *(f"{x:.2f}" for x in cells))
+    Console().print(t)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
