@@ -140,7 +140,19 @@ def _summary(dumped, restore_s, first_step_s, ref, resumed, frozen_after, identi
     )
 
 
-def _plot(path: Path, ref: dict, before: dict, after: dict, frozen_after: int) -> Path:
+def _plot(
+    path: Path,
+    ref: dict,
+    before: dict,
+    after: dict,
+    frozen_after: int,
+    labels: tuple[str, str, str] = (
+        "under criuctl, before freeze",
+        "restored from the bundle",
+        "freeze → CRIU dump → restore",
+    ),
+    title: str = "Loss curves: identical after a freeze and restore",
+) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -150,12 +162,12 @@ def _plot(path: Path, ref: dict, before: dict, after: dict, frozen_after: int) -
     xs = sorted(ref)
     ax.plot(xs, [ref[i] for i in xs], color="tab:blue", lw=2.5, alpha=0.5, label="uninterrupted run")
     xb = sorted(before)
-    ax.plot(xb, [before[i] for i in xb], "o", ms=3, color="tab:green", label="under criuctl, before freeze")
+    ax.plot(xb, [before[i] for i in xb], "o", ms=3, color="tab:green", label=labels[0])
     xa = sorted(after)
-    ax.plot(xa, [after[i] for i in xa], "x", ms=4, color="tab:red", label="restored from the bundle")
+    ax.plot(xa, [after[i] for i in xa], "x", ms=4, color="tab:red", label=labels[1])
     ax.axvline(frozen_after + 0.5, color="black", ls="--", lw=1)
     ax.annotate(
-        "freeze → CRIU dump → restore",
+        labels[2],
         (frozen_after + 0.5, ax.get_ylim()[1]),
         ha="left",
         va="top",
@@ -165,7 +177,7 @@ def _plot(path: Path, ref: dict, before: dict, after: dict, frozen_after: int) -
     )
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
-    ax.set_title("Loss curves: identical after a freeze and restore")
+    ax.set_title(title)
     ax.legend(loc="lower left")
     fig.tight_layout()
     fig.savefig(path)

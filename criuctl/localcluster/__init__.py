@@ -3,6 +3,7 @@
     scripts/local-cluster up [--nodes a,b] [--dir DIR]    build once (cached), start, print KUBECONFIG
     scripts/local-cluster down [--dir DIR]               remove everything it started
     scripts/local-cluster status [--dir DIR]
+    scripts/local-cluster demo [--out DIR]              its own cluster: a pod moved mid-training
 
 Real parts only: etcd, kube-apiserver, kube-scheduler and kube-controller-manager v1.20.2 (built
 from Debian 12's source package by scripts/install-kubernetes.sh), and per node a network namespace

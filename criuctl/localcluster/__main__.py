@@ -1,4 +1,4 @@
-"""`scripts/local-cluster up|down|status` (see the package docstring)."""
+"""`scripts/local-cluster up|down|status|demo` (see the package docstring)."""
 
 from __future__ import annotations
 
@@ -116,7 +116,8 @@ def down(lay: Layout) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="local-cluster", description=__doc__)
-    p.add_argument("verb", choices=("up", "down", "status"))
+    p.add_argument("verb", choices=("up", "down", "status", "demo"))
+    p.add_argument("--out", type=Path, default=Path("criuctl-demo"), help="demo: where the plot goes")
     p.add_argument(
         "--dir", type=Path, default=DEFAULT_DIR, help=f"where everything lives (default {DEFAULT_DIR})"
     )
@@ -126,6 +127,14 @@ def main(argv: list[str] | None = None) -> int:
         print("local-cluster: must run as root", file=sys.stderr)
         return 2
     try:
+        if a.verb == "demo":  # its own cluster, up and down around it
+            from criuctl.localcluster import demo
+
+            lay = Layout(a.dir.absolute() / "demo", nodes=a.nodes.split(","), prefix="kd", net="10.202.0")
+            try:
+                return demo.run(up(lay), a.out)
+            finally:
+                down(lay)
         if a.verb == "up":
             lay = up(Layout(a.dir.absolute(), nodes=a.nodes.split(",")))
             print(f"export KUBECONFIG={lay.kubeconfig}")

@@ -5,28 +5,28 @@ it from), yet criuctl must meet a PyTorchJob's pods as the operator makes them: 
 its rank and its DNS name, and a deleted worker comes back under that name. This module reproduces
 that part of the operator's v1 PyTorchJob controller, the way the operator does it:
 
-- the CRD `pytorchjobs.kubeflow.org` (v1, namespaced, a preserve-unknown-fields schema, status
+- the CRD `pytorchjobs.kubeflow.org` (v1, namespaced, schema preserving unknown fields, status
   subresource); `spec.pytorchReplicaSpecs` with `Master` (1 replica) and optionally `Worker` (N);
 - per replica index i a pod `<job>-<master|worker>-<i>` from the replica's template and a headless
-  Service of the same name selecting it; the operator's labels (`training.kubeflow.org/job-name`,
-  `operator-name: pytorchjob-controller`, `replica-type`, `replica-index`, `job-role: master` on
-  the master's pod) and its controller ownerReference, so deleting the job deletes them (by the
-  garbage collector);
-- the operator's env appended on every container: PYTHONUNBUFFERED ("0", as the operator writes it:
+  Service of that name selecting it; the operator's labels (`training.kubeflow.org/job-name`,
+  `operator-name: pytorchjob-controller`, `replica-type`, `replica-index`, and `job-role: master`
+  on the master's pod) and its controller ownerReference (deleting the job deletes them);
+- the operator's env appended on every container: PYTHONUNBUFFERED ("0" as the operator writes it;
   CPython unbuffers on any non-empty value), MASTER_PORT (the master's port `pytorchjob-port`,
   default 23456), MASTER_ADDR (`<job>-master-0`), WORLD_SIZE (all replicas), RANK (master 0, worker
   i → i+1); the replica's restartPolicy on the pod (default OnFailure; ExitCode → Never);
-- a replica pod that is gone is created again under the same name, while the job has neither
-  Succeeded nor Failed (criuctl's migration of a worker relies on this);
-- `status` through the status subresource: conditions Created, Running (the master runs), Succeeded
-  (the master Succeeded; Running turns False), Failed (a replica pod Failed, or a spec it cannot
-  run), with kubeflow/common's rules for them, `replicaStatuses`, `startTime`, `completionTime`.
+- a replica pod that is gone is made again under its name while the job has neither Succeeded nor
+  Failed (criuctl's migration of a worker relies on this);
+- `status` through the status subresource, by kubeflow/common's rules: conditions Created, Running
+  (the master runs), Restarting (a replica failed or is being deleted; restartPolicy not Never),
+  Failed (the same with Never, or a spec it cannot run), Succeeded (the master exited 0; Running
+  turns False); `replicaStatuses`, `startTime`, `completionTime`.
 
 What it does NOT do: elastic jobs (torchrun rendezvous, nprocPerNode), a job without a Master, the
-ExitCode policy's retries (a Failed pod fails the job), runPolicy (cleanPodPolicy, TTL, deadlines,
-backoffLimit, suspend), gang scheduling, the init container that waits for the master, Events,
-metrics, defaulting or validating webhooks, leader election. It polls every second rather than
-watching: a local cluster has a handful of pods, and a poll misses nothing across an API restart.
+ExitCode policy's retries (a failed pod is not deleted and made again), runPolicy (cleanPodPolicy,
+TTL, deadlines, backoffLimit, suspend), gang scheduling, the init container that waits for the
+master, Events, metrics, webhooks, leader election. It polls every second rather than watching: a
+local cluster has a handful of pods, and a poll misses nothing across an API server restart.
 """
 
 from __future__ import annotations
