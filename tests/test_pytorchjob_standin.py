@@ -98,6 +98,25 @@ def test_conditions_follow_kubeflow_common() -> None:
     assert ptj.invalid(ptj.replica_specs(_job())) is None
 
 
+def test_a_deleted_worker_leaves_restarting_written_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The master runs, the worker is being deleted (counted failed): each pass ends in Restarting,
+    and a second pass changes nothing (no status write every second while the pod terminates)."""
+    ticks = iter(range(1000))
+    monkeypatch.setattr(ptj, "_now", lambda: f"t{next(ticks)}")
+    specs = ptj.replica_specs(_job())
+    counts = {
+        "Master": {"active": 1, "succeeded": 0, "failed": 0},
+        "Worker": {"active": 0, "succeeded": 0, "failed": 1},
+    }
+    status: dict[str, Any] = {}
+    ptj.update_conditions(status, "mnist", specs, counts)
+    ptj.update_conditions(status, "mnist", specs, counts)
+    assert [(c["type"], c["lastUpdateTime"]) for c in status["conditions"]] == [("Restarting", "t0")]
+    counts["Worker"] = {"active": 1, "succeeded": 0, "failed": 0}  # made again, running
+    ptj.update_conditions(status, "mnist", specs, counts)
+    assert [c["type"] for c in status["conditions"]] == ["Running"]
+
+
 # -- on the local cluster --------------------------------------------------------------------------
 
 

@@ -98,11 +98,16 @@ def replica_specs(job: dict) -> dict[str, dict]:
     return {rtype.capitalize(): spec or {} for rtype, spec in specs.items()}
 
 
+def replicas(spec: dict) -> int:
+    """A replica spec's count: 1 when unset, as the operator's defaulting writes it."""
+    return int(spec.get("replicas", 1))
+
+
 def invalid(specs: dict[str, dict]) -> str | None:
     """Why the stand-in cannot run these specs (the operator's validation, narrowed to this scope)."""
     if set(specs) - {"Master", "Worker"}:
         return f"replica types {sorted(set(specs) - {'Master', 'Worker'})} are not Master or Worker"
-    if int(specs.get("Master", {}).get("replicas", 1)) != 1:
+    if replicas(specs.get("Master", {})) != 1:
         return "there must be exactly 1 Master replica (a job without one is not supported here)"
     for rtype, spec in specs.items():
         if not ((spec.get("template") or {}).get("spec") or {}).get("containers"):
@@ -134,7 +139,7 @@ def pod_for(job: dict, rtype: str, index: int) -> dict:
     tmeta, spec = template.get("metadata") or {}, template["spec"]
     policy = specs[rtype].get("restartPolicy", "OnFailure")
     spec["restartPolicy"] = "Never" if policy == "ExitCode" else policy
-    world = sum(int(s.get("replicas", 1)) for s in specs.values())
+    world = sum(replicas(s) for s in specs.values())
     env = [
         {"name": "PYTHONUNBUFFERED", "value": "0"},
         {"name": "MASTER_PORT", "value": str(_port(specs["Master"]))},
@@ -239,7 +244,7 @@ class Controller:
             status.setdefault("startTime", _now())
             order = sorted(specs, key="Master".__ne__)
             status["replicaStatuses"] = {rtype: self._replicas(job, rtype, pods, svcs) for rtype in order}
-            _conditions(status, name, specs, status["replicaStatuses"])
+            update_conditions(status, name, specs, status["replicaStatuses"])
             if holds(status, "Succeeded", "Failed"):
                 status.setdefault("completionTime", _now())
         if status != (job.get("status") or {}):
@@ -251,7 +256,7 @@ class Controller:
         """Make the replica type's missing pods and Services; count its pods by what they are."""
         ns, name = _key(job)
         counts = {"active": 0, "succeeded": 0, "failed": 0}
-        for i in range(int(replica_specs(job)[rtype].get("replicas", 1))):
+        for i in range(replicas(replica_specs(job)[rtype])):
             key = (ns, name_of(name, rtype, i))
             pod = pods.get(key)
             if pod is None:  # never made, or gone: made (again) under its name, so with its rank
@@ -271,21 +276,24 @@ class Controller:
                 raise
 
 
-def _conditions(status: dict, name: str, specs: dict[str, dict], counts: dict[str, dict]) -> None:
-    """The operator's UpdateJobStatus for a job with a Master (Master first, as success ends it)."""
-    for rtype, n in counts.items():
-        replicas = int(specs[rtype].get("replicas", 1))
-        if rtype == "Master" and n["active"]:
-            set_condition(status, "Running", f"PyTorchJob {name} is running.")
-        if rtype == "Master" and n["succeeded"] == replicas:
-            set_condition(status, "Succeeded", f"PyTorchJob {name} is successfully completed.")
-            return
-        if n["failed"] and replicas > n["succeeded"] + n["active"]:
-            why = f"because {n['failed']} {rtype} replica(s) failed."
-            if specs[rtype].get("restartPolicy", "OnFailure") != "Never":
-                set_condition(status, "Restarting", f"PyTorchJob {name} is restarting {why}")
-            else:
-                set_condition(status, "Failed", f"PyTorchJob {name} is failed {why}")
+def update_conditions(status: dict, name: str, specs: dict[str, dict], counts: dict[str, dict]) -> None:
+    """The operator's UpdateJobStatus for a job with a Master, Master first. A pass that ends in
+    Restarting does not set Running on its way there (the end is the same; the status is not
+    rewritten every second while a deleted replica terminates)."""
+    failing = {rtype: n["failed"] for rtype, n in counts.items()
+               if n["failed"] and replicas(specs[rtype]) > n["succeeded"] + n["active"]}  # fmt: skip
+    restarts = {rtype for rtype in failing if specs[rtype].get("restartPolicy", "OnFailure") != "Never"}
+    if counts["Master"]["active"] and not restarts:
+        set_condition(status, "Running", f"PyTorchJob {name} is running.")
+    if counts["Master"]["succeeded"] == 1:
+        set_condition(status, "Succeeded", f"PyTorchJob {name} is successfully completed.")
+        return
+    for rtype, failed in failing.items():
+        why = f"because {failed} {rtype} replica(s) failed."
+        if rtype in restarts:
+            set_condition(status, "Restarting", f"PyTorchJob {name} is restarting {why}")
+        else:
+            set_condition(status, "Failed", f"PyTorchJob {name} is failed {why}")
 
 
 def _key(obj: dict) -> tuple[str, str]:
