@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from criuctl.localcluster import addons, control, node, pki
+from criuctl.localcluster import addons, control, node, pki, pytorchjob
 from criuctl.localcluster.layout import DEFAULT_DIR, K8S_BIN, REPO, ClusterError, Layout, sh
 
 KUBE_PARTS = ("kube-apiserver", "kube-scheduler", "kube-controller-manager", "etcd")
@@ -88,6 +88,10 @@ def up(lay: Layout) -> Layout:
     for name in lay.nodes:
         node.start(lay, name, tokens[f"node-{name}"])
     _wait("every node Ready", lambda: _nodes_ready(lay), 120)
+    # the training operator cannot run here: its stand-in (criuctl.localcluster.pytorchjob)
+    pytorchjob.install(str(lay.kubeconfig))
+    control.spawn(lay, "pytorchjob-standin", [str(REPO / ".venv" / "bin" / "python"), "-m",
+                  "criuctl.localcluster.pytorchjob", "--kubeconfig", str(lay.kubeconfig)])  # fmt: skip
     start_webhook(lay)
     addons.apply(lay, addons.render(lay))
     _wait("criuctl's agent Ready on every node", lambda: _agents_ready(lay), 180)
