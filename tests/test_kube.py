@@ -271,10 +271,12 @@ def test_refuses_controller_owned_and_multi_worker_pods(running) -> None:
         assert "one of 2 replicas of PyTorchJob ddp" in _refused(lay, k, "ddp-worker-0", "b")
     finally:
         k("delete", "pod", "ddp-worker-0", "--grace-period=1", "--wait=false")
+    trainer = training_pod("x", steps=100000, node="a")  # migratable: only the owner is refused
     sts = {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "st"},
            "spec": {"serviceName": "st", "replicas": 1, "selector": {"matchLabels": {"app": "st"}},
-                    "template": {"metadata": {"labels": {"app": "st"}},
-                                 "spec": _sleeper("x")["spec"] | {"nodeName": "a"}}}}  # fmt: skip
+                    "template": {"metadata": {"labels": {"app": "st", "criuctl.io/migratable": "true"},
+                                              "annotations": trainer["metadata"]["annotations"]},
+                                 "spec": trainer["spec"]}}}  # fmt: skip
     k.apply(sts)
     try:
         k.wait_running("st-0")
