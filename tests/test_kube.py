@@ -332,3 +332,38 @@ def test_client_killed_between_the_target_commit_and_the_source_pod_delete(
     assert final(k.logs("dead-m1")) == [ref.final]
     assert not steps(k.logs("dead")), "the source pod ran the job again"
     k("delete", "pod", "dead", "dead-m1", "--grace-period=1", "--wait=false")
+
+
+def test_target_agent_killed_mid_move_leaves_the_source_pod_running(running, tmp_path) -> None:
+    """The target node's agent pod dies once the bundle reached it: the move fails in one line,
+    the placeholder pod is deleted, the source pod's job thaws and goes on training, Events say so."""
+    lay, k = running
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    env = {**os.environ, "KUBECONFIG": str(lay.kubeconfig), "CRIUCTL_PAUSE_AT": "client.sent",
+           "CRIUCTL_PAUSE_DIR": str(pause)}  # fmt: skip
+    cli = subprocess.Popen([*CRIUCTL, "migrate", "steady", "b", "--mode", "stop-and-copy"], env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 180
+    while not (pause / "client.sent").exists():
+        assert cli.poll() is None, cli.stderr.read()
+        assert time.monotonic() < deadline, "the CLI never reached client.sent"
+        time.sleep(0.1)
+    agent = next(p["metadata"]["name"] for p in k.pods("criuctl-system") if p["spec"]["nodeName"] == "b")
+    k("-n", "criuctl-system", "delete", "pod", agent, "--grace-period=0", "--force")
+    (pause / "client.sent.go").touch()
+    _, err = cli.communicate(timeout=300)
+    assert cli.returncode == 4, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("criuctl: error: ") and "keeps running on a" in last, err
+    assert "Traceback" not in err
+    k.wait_gone("pod", "steady-m1")
+    before = max(steps(k.logs("steady")))
+    wait_step(k, "steady", before + 5)  # thawed: it trains on, in its own pod
+    assert k.get("pod", "steady")["status"]["containerStatuses"][0]["restartCount"] == 0
+    reasons = k("get", "events", "--field-selector", "involvedObject.name=steady", "-o", "json").stdout
+    assert "MigrationFailed" in reasons
+    deadline = time.monotonic() + 120  # the DaemonSet brings the agent back for the next tests
+    while not lc._agents_ready(lay):
+        assert time.monotonic() < deadline, "the agent on b did not come back"
+        time.sleep(1)

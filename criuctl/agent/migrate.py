@@ -40,6 +40,8 @@ class MigrationFailed(CriuctlError):
 
 class MigrationInDoubt(CriuctlError):
     exit_code = 5
+    # (source outgoing id, target incoming id): where a caller can watch the agents settle it
+    ids: tuple[str | None, str] | None = None
 
 
 STOP_AND_COPY, POST_COPY, PRE_COPY = Mode.STOP_AND_COPY, Mode.POST_COPY, Mode.PRE_COPY
@@ -170,12 +172,20 @@ def migrate(
         dst.post(f"/v1/incoming/{inc['id']}/restore", body, timeout=TIMEOUTS.restore)
         facts["restore"] = time.monotonic() - phase_started
         points.reach(Point.CLIENT_RESTORED)
-    except MigrationInDoubt:
+    except MigrationInDoubt as exc:
+        exc.ids = (og_id, inc["id"])
         raise
     except CriuctlError as exc:
-        raise _aborted(src, dst, og_id, inc["id"], exc, name, source.name) from exc
+        err = _aborted(src, dst, og_id, inc["id"], exc, name, source.name)
+        if isinstance(err, MigrationInDoubt):
+            err.ids = (og_id, inc["id"])
+        raise err from exc
     progress("commit")
-    _commit_target(src, dst, og_id, inc["id"], name, source.name)
+    try:
+        _commit_target(src, dst, og_id, inc["id"], name, source.name)
+    except MigrationInDoubt as exc:
+        exc.ids = (og_id, inc["id"])
+        raise
     points.reach(Point.CLIENT_TARGET_COMMITTED)
     if target_committed is not None:
         target_committed()

@@ -20,203 +20,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import re
 import time
-from dataclasses import dataclass
-from typing import Any
 
-from criuctl import containers
 from criuctl.agent import migrate as agent_migrate
-from criuctl.agent.client import AgentClient, Node
+from criuctl.agent.client import AgentClient
 from criuctl.errors import CriuctlError
-from criuctl.kube import events, mutate
-from criuctl.kube.cluster import Cluster, NotFound, agent_for, call
+from criuctl.kube import events
+from criuctl.kube.cluster import Cluster, NotFound, call
+from criuctl.kube.podplan import PodPlan, plan
 
-# labels a controller selects its pods by: a placeholder keeps none, or the controller adopts it
-CONTROLLER_LABELS = ("pod-template-hash", "controller-revision-hash", "controller-uid", "job-name",
-                     "statefulset.kubernetes.io/pod-name", "apps.kubernetes.io/pod-index")  # fmt: skip
-
-
-class NotMigratable(CriuctlError):
-    exit_code = 2
-
-
-@dataclass
-class PodPlan:
-    namespace: str
-    pod: str
-    source: str
-    target: str
-    container: str
-    workload: str  # the agents' name for the container: ctr-<12 hex>
-    placeholder_name: str
-    memory_needed: int
-    memory_free: int
-    src: Node
-    dst: Node
-    source_pod: dict
-    placeholder: dict
-
-    def summary(self) -> dict[str, Any]:
-        keys = ("namespace", "pod", "source", "target", "container", "workload", "placeholder_name",
-                "memory_needed", "memory_free")  # fmt: skip
-        return {k: getattr(self, k) for k in keys}
-
-
-def _ready(node: dict) -> bool:
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in node["status"].get("conditions", []))
-
-
-def _bytes(q: str | None) -> int:
-    from kubernetes.utils import parse_quantity
-
-    return int(parse_quantity(q)) if q else 0
-
-
-def _pod_memory(pod: dict) -> int:
-    total = 0
-    for c in pod["spec"]["containers"]:
-        r = c.get("resources") or {}
-        total += _bytes((r.get("requests") or {}).get("memory") or (r.get("limits") or {}).get("memory"))
-    return total
-
-
-def _free_memory(c: Cluster, node: dict) -> int:
-    name = node["metadata"]["name"]
-    pods = call(f"pods on node {name}", c.core.list_pod_for_all_namespaces,
-                field_selector=f"spec.nodeName={name},status.phase!=Succeeded,status.phase!=Failed",
-                ).items  # fmt: skip
-    used = sum(_pod_memory(c.serialize(p)) for p in pods)
-    return _bytes(node["status"]["allocatable"].get("memory")) - used
-
-
-def next_name(name: str) -> str:
-    """The placeholder's name: NAME-m1, then -m2 on the next move (a bare pod's name cannot be
-    reused while its source exists; the lineage stays readable)."""
-    m = re.fullmatch(r"(.*)-m(\d+)", name)
-    base, k = (m[1], int(m[2]) + 1) if m else (name, 1)
-    return f"{base[: 63 - len(str(k)) - 2]}-m{k}"
-
-
-def _refuse_owned(c: Cluster, pod: dict) -> None:
-    meta = pod["metadata"]
-    for ref in meta.get("ownerReferences") or []:
-        if not ref.get("controller"):
-            continue
-        if ref["kind"] == "PyTorchJob":
-            job = call(f"PyTorchJob {ref['name']}", c.custom.get_namespaced_custom_object,
-                       "kubeflow.org", "v1",
-                       meta["namespace"], "pytorchjobs", ref["name"])  # fmt: skip
-            specs = job.get("spec", {}).get("pytorchReplicaSpecs", {})
-            n = sum(int(s.get("replicas", 1)) for s in specs.values())
-            if n > 1:
-                raise NotMigratable(
-                    f"pod {meta['name']} is one of {n} replicas of PyTorchJob {ref['name']}: it holds TCP "
-                    "connections to its peers, which move only with the coordinated multi-node migration "
-                    "(not on main yet)",
-                    "nothing was changed; a single-replica job's pod is refused for now too (see below)",
-                )
-        raise NotMigratable(
-            f"pod {meta['name']} is owned by {ref['kind']} {ref['name']}, which would recreate it under "
-            "its own name: moving a controller's pod through the recreated one is not on main yet",
-            "nothing was changed; docs/kubernetes.md, 'Controller-owned pods'",
-        )
-
-
-def _wrapped_container(pod: dict) -> dict:
-    meta = pod["metadata"]
-    # a placeholder pod is a job's pod once a job was restored into it; an empty one the agent
-    # reports as such (why_not) below
-    wrapped = [c for c in pod["spec"]["containers"] if mutate.is_wrapped(c)]
-    if not wrapped:
-        why = mutate.not_wrapped(pod)
-        detail = "; ".join(f"{k}: {v}" for k, v in why.items()) or "it was created without criuctl's webhook"
-        raise NotMigratable(
-            f"pod {meta['name']} is not migratable: no container runs under criuctl's init ({detail})",
-            f"label it {mutate.LABEL}=true (with the webhook installed: manifests/webhook.yaml) and "
-            "recreate it; nothing was changed",
-        )
-    if len(wrapped) > 1:
-        raise NotMigratable(
-            f"pod {meta['name']} has {len(wrapped)} checkpointable containers; criuctl moves pods with one",
-            "nothing was changed",
-        )
-    return wrapped[0]
-
-
-_DNS1123 = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
-
-
-def check_name(kind: str, name: str) -> None:
-    """Kubernetes' own rule for object names, checked before any name reaches a URL."""
-    if len(name) > 253 or not _DNS1123.fullmatch(name):
-        raise CriuctlError(
-            f"{name!r} is not a valid {kind} name",
-            "Kubernetes names are lower-case letters, digits, '-' and '.' (RFC 1123)",
-        )
-
-
-def plan(c: Cluster, namespace: str, name: str, target: str) -> PodPlan:
-    """Every check, in the order a user can fix them; raises one line, changes nothing."""
-    for kind, value in (("pod", name), ("namespace", namespace), ("node", target)):
-        check_name(kind, value)
-    try:
-        pod = c.serialize(call(f"pod {namespace}/{name}", c.core.read_namespaced_pod, name, namespace))
-    except NotFound as exc:
-        raise NotFound(
-            f"no pod {name!r} in namespace {namespace}", "see `kubectl get pods -n NAMESPACE`"
-        ) from exc
-    try:
-        node = c.serialize(call(f"node {target}", c.core.read_node, target))
-    except NotFound as exc:
-        raise NotFound(f"no node {target!r} in the cluster", "see `kubectl get nodes`") from exc
-    source = pod["spec"].get("nodeName")
-    if source == target:
-        raise CriuctlError(f"pod {name} already runs on node {target}", "nothing to move: pick another node")
-    if pod["metadata"].get("deletionTimestamp") or pod["status"].get("phase") != "Running":
-        state = "terminating" if pod["metadata"].get("deletionTimestamp") else pod["status"].get("phase")
-        raise NotMigratable(f"pod {name} is {state}, not running", "only a running pod moves")
-    if not _ready(node):
-        raise CriuctlError(f"node {target} is NotReady", "pick a Ready node: `kubectl get nodes`")
-    if node["spec"].get("unschedulable"):
-        raise CriuctlError(f"node {target} is cordoned (unschedulable)", "uncordon it or pick another node")
-    ctr = _wrapped_container(pod)
-    _refuse_owned(c, pod)
-    needed, free = _pod_memory(pod), _free_memory(c, node)
-    status = {s["name"]: s for s in pod["status"].get("containerStatuses", [])}
-    cid = (status.get(ctr["name"], {}).get("containerID") or "").partition("://")[2]
-    if not cid:
-        raise NotMigratable(f"container {ctr['name']} of pod {name} has not started", "wait until it runs")
-    src_node = call(f"node {source}", c.core.read_node, source)
-    src, dst = agent_for(c, c.serialize(src_node)), agent_for(c, node)
-    rows = AgentClient(src, timeout=15).get("/v1/workloads")
-    # a job restored into a placeholder keeps the name it had on its first node: found by container
-    row = next(
-        (r for r in rows if containers.name_of(cid) == r.get("name") or r.get("container") == cid), None
-    )
-    if row is None:
-        raise CriuctlError(f"node {source}'s agent does not see container {cid[:12]} of pod {name}",
-                           "is the agent on that node healthy? `kubectl -n criuctl-system logs`")  # fmt: skip
-    if row.get("why_not"):
-        raise NotMigratable(f"pod {name}: {row['why_not']}", "nothing was changed")
-    workload = row["name"]
-    needed = max(needed, int(row.get("rss_bytes") or 0))
-    if needed > free:
-        raise CriuctlError(
-            f"node {target} has {free >> 20} MiB of allocatable memory free; "
-            f"pod {name} needs {needed >> 20} MiB",
-            "free memory there or pick another node; nothing was changed",
-        )
-    body = mutate.placeholder(pod, target, f"{namespace}/{name}")
-    new = next_name(name)
-    body["metadata"]["name"] = new
-    for k in CONTROLLER_LABELS:
-        body["metadata"].get("labels", {}).pop(k, None)
-    notes = body["metadata"].setdefault("annotations", {})
-    notes.pop(events.MIGRATED_AT, None)  # set once the job runs in it: until then it is a placeholder
-    notes[events.MIGRATED_FROM] = f"{namespace}/{name}@{source}"
-    return PodPlan(namespace, name, source, target, ctr["name"], workload, new, needed, free, src, dst,
-                   pod, body)  # fmt: skip
+__all__ = ["execute", "plan", "settle"]
 
 
 def _wait_placeholder(c: Cluster, p: PodPlan, timeout: float = 120) -> str:
@@ -248,6 +61,39 @@ def _delete(c: Cluster, namespace: str, name: str, grace: int | None = None) -> 
         call(f"pod {namespace}/{name}", c.core.delete_namespaced_pod, name, namespace, body=opts)
 
 
+def settle(p: PodPlan, exc: agent_migrate.MigrationInDoubt, timeout: float = 300) -> str | None:
+    """Where the job runs once the agents settled a migration in doubt (they always do, once they
+    hear each other: docs/architecture.md), the source's or the target's node; None if they have not
+    within `timeout`. Deciding for the pods needs it: an empty placeholder is deleted, a used one is
+    the job's pod now."""
+    if exc.ids is None:
+        return None
+    og, inc = exc.ids
+    src, dst = AgentClient(p.src, timeout=10), AgentClient(p.dst, timeout=10)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        target_state = source_state = None
+        with contextlib.suppress(CriuctlError, KeyError):
+            target_state = dst.get(f"/v1/incoming/{inc}", timeout=10)["state"]
+        if target_state == "running":
+            return p.target
+        try:
+            source_state = src.get(f"/v1/outgoing/{og}", timeout=10)["state"] if og else "gone"
+        except CriuctlError as err:  # 404: settled and forgotten, or left to its orphan settler
+            source_state = "gone" if getattr(err, "status", None) == 404 else None
+        except KeyError:
+            pass
+        if source_state == "thawed":
+            return p.source
+        if source_state in ("committed", "done"):
+            return p.target
+        # the target's copy is dead or never ran: the source thaws on hearing it (it may be asking)
+        if source_state == "gone" and target_state in ("aborted", "failed"):
+            return p.source
+        time.sleep(2)
+    return None
+
+
 def execute(c: Cluster, p: PodPlan, mode: str | None, progress) -> agent_migrate.MigrationResult:
     src_pod = p.source_pod
     events.record(c, src_pod, events.Reason.STARTED, f"moving to node {p.target} as pod {p.placeholder_name}")
@@ -256,6 +102,7 @@ def execute(c: Cluster, p: PodPlan, mode: str | None, progress) -> agent_migrate
         "the placeholder pod", c.core.create_namespaced_pod, p.namespace, copy.deepcopy(p.placeholder)
     )
     new_pod = c.serialize(created)
+    events.record(c, new_pod, events.Reason.STARTED, f"placeholder for pod {p.pod} from node {p.source}")
     handed_over: list[str] = []
 
     def hand_over() -> None:
@@ -271,11 +118,24 @@ def execute(c: Cluster, p: PodPlan, mode: str | None, progress) -> agent_migrate
         result = agent_migrate.migrate(p.workload, p.src, p.dst, mode, progress, into=into,
                                        target_committed=hand_over)  # fmt: skip
     except agent_migrate.MigrationInDoubt as exc:
-        events.record(c, src_pod, events.Reason.FAILED, f"in doubt: {exc.what}")
-        raise
+        where = settle(p, exc)
+        if where == p.target:  # the job runs in the new pod: the hand-over as after a commit
+            hand_over()
+        if where != p.source:
+            events.record(c, src_pod, events.Reason.FAILED, f"in doubt: {exc.what}")
+            raise
+        _delete(c, p.namespace, p.placeholder_name, grace=0)
+        events.record(
+            c, src_pod, events.Reason.FAILED, f"{exc.what}; the agents settled it: it runs on {p.source}"
+        )
+        raise agent_migrate.MigrationFailed(
+            exc.what,
+            f"the agents settled it: pod {p.pod} keeps running on {p.source}; the placeholder was deleted",
+        ) from exc
     except CriuctlError as exc:
         _delete(c, p.namespace, p.placeholder_name, grace=0)
         events.record(c, src_pod, events.Reason.FAILED, f"{exc.what}; it keeps running on {p.source}")
+        events.record(c, new_pod, events.Reason.FAILED, f"{exc.what}; this placeholder is deleted")
         raise
     if not handed_over:
         _delete(c, p.namespace, p.pod)
