@@ -111,10 +111,9 @@ def main() -> int:
                 pod, node, other = name, other, node
             k("delete", "pod", pod, "--grace-period=1", "--wait=false")
             rows.append({"gib": gib, "runs": runs})
+            (HERE / "results" / "kube.json").write_text(json.dumps(rows, indent=1))  # each size as done
     finally:
         lc.down(lay)
-    out = HERE / "results" / "kube.json"
-    out.write_text(json.dumps(rows, indent=1))
     report(rows)
     return 0
 
