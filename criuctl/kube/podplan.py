@@ -190,7 +190,12 @@ def plan(c: Cluster, namespace: str, name: str, target: str) -> PodPlan:
             "free memory there or pick another node; nothing was changed",
         )
     body = mutate.placeholder(pod, target, f"{namespace}/{name}")
+    taken = {
+        q.metadata.name for q in call(f"pods in {namespace}", c.core.list_namespaced_pod, namespace).items
+    }
     new = next_name(name)
+    while new in taken:  # a placeholder an interrupted move left behind (docs/kubernetes.md)
+        new = next_name(new)
     body["metadata"]["name"] = new
     for k in CONTROLLER_LABELS:
         body["metadata"].get("labels", {}).pop(k, None)
