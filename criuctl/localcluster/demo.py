@@ -75,7 +75,11 @@ def run(lay: Layout, out: Path, steps: int = 300, move_at: int = 100) -> int:
     before.start()
     print(f"criuctl demo: pod train on node a (wrapped by the webhook), pod reference on node b; moving "
           f"train to node b after step {move_at}")  # fmt: skip
+    deadline = time.monotonic() + 600
     while max(before.steps, default=-1) < move_at:
+        if time.monotonic() > deadline or not before.is_alive():
+            print("criuctl demo: the training pod did not get going; see `kubectl describe pod train`")
+            return 1
         time.sleep(0.2)
     r = subprocess.run([str(REPO / ".venv" / "bin" / "criuctl"), "migrate", "train", "b", "-o", "json"],
                        env=env, stdout=subprocess.PIPE, text=True)  # fmt: skip
