@@ -243,8 +243,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "restore": _cmd_restore,
     "inspect": _cmd_inspect,
     "doctor": _cmd_doctor,
-    "demo": _cmd_demo,
     "webhook": _cmd_webhook,
+    "demo": _cmd_demo,
 }
 
 
