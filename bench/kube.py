@@ -32,12 +32,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+from rich.console import Console
+from rich.table import Table
 
-from criuctl.localcluster import __main__ as lc  # noqa: E402
-from criuctl.localcluster.layout import Layout  # noqa: E402
-from tests.kube import PY, Kubectl, training_pod  # noqa: E402
+from criuctl.localcluster import __main__ as lc
+from criuctl.localcluster.layout import Layout
+from tests.kube import PY, Kubectl, training_pod
 
 HERE = Path(__file__).resolve().parent
 CRIUCTL = str(HERE.parent / ".venv" / "bin" / "criuctl")
