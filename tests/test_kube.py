@@ -208,10 +208,9 @@ def test_refusals_change_nothing(running) -> None:
             "--type=merge",
             "-p",
             json.dumps(status),
-            check=False,
         )
-        if _ready(k.get("node", "ghost")):
-            assert "node ghost has no ready criuctl agent" in _refused(lay, k, "steady", "ghost")
+        assert _ready(k.get("node", "ghost")), "the Node's status was not taken"
+        assert "node ghost has no ready criuctl agent" in _refused(lay, k, "steady", "ghost")
     finally:
         k("delete", "node", "ghost", "--wait=false")
     # a cordoned node
