@@ -162,7 +162,7 @@ class Frozen:
         if state == workloads.MIGRATED:
             from criuctl import containers
 
-            containers.mark_moved(w, getattr(w, "moved_to", "") or "another node")
+            containers.mark_moved(w, w.moved_to or "another node")
         try:
             if self._criu is not None:
                 for pid in self.pids:

@@ -14,11 +14,12 @@ import time
 import pytest
 
 from criuctl.localcluster import __main__ as lc
+from criuctl.localcluster.layout import REPO
 from tests.conftest import needs_criu
 from tests.kube import JOB, Kubectl, final, steps, training_pod, wait_step
 
 pytestmark = [needs_criu, pytest.mark.timeout(600)]
-CRIUCTL = [os.path.join(os.path.dirname(JOB), "..", "..", ".venv", "bin", "criuctl")]
+CRIUCTL = [str(REPO / ".venv" / "bin" / "criuctl")]
 STEPS = 400
 
 

@@ -40,6 +40,7 @@ class Cluster:
     core: Any  # kubernetes.client.CoreV1Api
     custom: Any  # kubernetes.client.CustomObjectsApi
     namespace: str  # the context's namespace, for a pod named without -n
+    credentials: tuple[str, str | None] | None = None  # the agents' token file and CA file, once read
 
     def serialize(self, obj: Any) -> dict:
         """A client model as the API's JSON (camelCase): what the webhook's pure functions take."""
@@ -97,15 +98,30 @@ def call(what: str, fn, *args, **kw):
 
 
 def _secret_file(c: Cluster, secret: str, key: str, dest: Path) -> str | None:
+    """One key of a Secret as a root-only file, replaced whole (another criuctl may be reading it)."""
     s = call(f"secret {SYSTEM_NS}/{secret}", c.core.read_namespaced_secret, secret, SYSTEM_NS)
     raw = (s.data or {}).get(key)
     if raw is None:
         return None
-    dest.unlink(missing_ok=True)
-    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
     with os.fdopen(fd, "wb") as f:
         f.write(base64.b64decode(raw))
+    os.replace(tmp, dest)
     return str(dest)
+
+
+def _credentials(c: Cluster) -> tuple[str, str | None]:
+    """The agents' token and CA from the Secrets `manifests/` installs: read once per command."""
+    if c.credentials is None:
+        home = workloads.state_dir() / "kube"
+        home.mkdir(parents=True, exist_ok=True, mode=0o700)
+        token = _secret_file(c, "criuctl-agent", "token", home / "token")
+        if token is None:
+            raise CriuctlError(f"secret {SYSTEM_NS}/criuctl-agent has no token", "docs/deploy.md, Secrets")
+        c.credentials = (token, _secret_file(c, "criuctl-agent-tls", "ca.crt", home / "ca.crt"))
+    return c.credentials
 
 
 def agent_for(c: Cluster, node: dict) -> Node:
@@ -136,11 +152,6 @@ def agent_for(c: Cluster, node: dict) -> Node:
         raise CriuctlError(
             f"node {name} reports no InternalIP", "the agent is reached at the node's InternalIP"
         )
-    home = workloads.state_dir() / "kube"
-    home.mkdir(parents=True, exist_ok=True, mode=0o700)
-    token = _secret_file(c, "criuctl-agent", "token", home / "token")
-    if token is None:
-        raise CriuctlError(f"secret {SYSTEM_NS}/criuctl-agent has no token", "docs/deploy.md, Secrets")
-    ca = _secret_file(c, "criuctl-agent-tls", "ca.crt", home / "ca.crt")
+    token, ca = _credentials(c)
     host = f"[{ips[0]}]" if ":" in ips[0] else ips[0]
     return Node(name, f"https://{host}:{AGENT_PORT}", token, ca)
