@@ -353,11 +353,25 @@ class Cluster:
         again = record()  # post-copy's page server holds a tree in tracing stop
         return status not in held and again is not None and again["root_pid"] == rec["root_pid"]
 
-    def wait_finished(self, name: str, timeout: float = 300) -> None:
+    def wait_finished(self, name: str, timeout: float = 300, settle: float = 15) -> None:
+        """Until the job wrote its final weights, no copy runs, and its supervisor recorded the exit.
+
+        The supervisor records the exit a moment after the process is gone: a caller that read the
+        records in between saw the job end nowhere. A record still saying running `settle` seconds
+        after its process ended is left for the caller's assertion to report (a lost copy).
+        """
         deadline = time.monotonic() + timeout
+        done_since: float | None = None
         while time.monotonic() < deadline:
             if self.final(name) and not self.running(name):
-                return
+                now = time.monotonic()
+                done_since = now if done_since is None else done_since
+                recorded = not any(r["name"] == name and r["state"] == "running"
+                                   for n in self.nodes.values() for r in n.records())  # fmt: skip
+                if recorded or now - done_since > settle:
+                    return
+            else:
+                done_since = None
             time.sleep(0.3)
         raise AssertionError(f"{name} did not finish within {timeout}s; running on {self.running(name)}")
 
