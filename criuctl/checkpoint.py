@@ -159,10 +159,11 @@ class Frozen:
         for k, v in record.items():
             setattr(w, k, v)
         workloads.save(w)
-        if state == workloads.MIGRATED:
+        if state in (workloads.MIGRATED, workloads.CHECKPOINTED):  # the job lives elsewhere now
             from criuctl import containers
 
-            containers.mark_moved(w, w.moved_to or "another node")
+            where = w.moved_to if state == workloads.MIGRATED else None
+            containers.mark_moved(w, where or "another node")
         try:
             if self._criu is not None:
                 for pid in self.pids:

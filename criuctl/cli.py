@@ -96,6 +96,10 @@ def _cmd_agent(a: argparse.Namespace) -> int:
         runtime_endpoint=a.runtime_endpoint,
         inject_dir=a.inject_dir and Path(a.inject_dir),
     )
+    if a.prestop_port:
+        from criuctl.kube import nodeside
+
+        opts.extensions.append(nodeside.extension(a.prestop_port, a.kubeconfig))
     if a.name:
         opts.name = a.name
     if a.spool_dir:
@@ -227,7 +231,10 @@ def _cmd_demo(a: argparse.Namespace) -> int:
 def _cmd_webhook(a: argparse.Namespace) -> int:
     from criuctl.kube import webhook
 
-    webhook.serve(a.listen, a.tls_cert, a.tls_key)  # runs as the webhook's own user, not root
+    opts = webhook.Options(prestop_port=a.prestop_port)
+    if a.kubeconfig or os.environ.get("KUBERNETES_SERVICE_HOST"):
+        opts.pending = webhook.pending_moves(a.kubeconfig)
+    webhook.serve(a.listen, a.tls_cert, a.tls_key, opts)  # runs as the webhook's own user, not root
     return 0
 
 

@@ -94,6 +94,15 @@ VERBS: dict[str, Verb] = {
                 help="where the agent puts criuctl's init and hook for containers to mount read-only "
                 "(default /var/lib/criuctl-inject)",
             ),
+            opt(
+                "--prestop-port",
+                type=int,
+                metavar="PORT",
+                help="on Kubernetes: serve criuctl's preStop hook on 127.0.0.1:PORT (the kubelet "
+                "calls it when a migratable pod is deleted) and restore kept bundles into their "
+                "pods' successors; needs in-cluster credentials or --kubeconfig",
+            ),
+            opt("--kubeconfig", metavar="FILE", help="with --prestop-port, outside a pod"),
         ),
     ),
     "node": Verb(
@@ -196,6 +205,18 @@ VERBS: dict[str, Verb] = {
             opt("--listen", default="0.0.0.0:8443", metavar="HOST:PORT"),
             opt("--tls-cert", required=True, metavar="FILE"),
             opt("--tls-key", required=True, metavar="FILE"),
+            opt(
+                "--prestop-port",
+                type=int,
+                metavar="PORT",
+                help="add criuctl's preStop hook, calling the node agents' --prestop-port",
+            ),
+            opt(
+                "--kubeconfig",
+                metavar="FILE",
+                help="credentials to read pending moves (default: in-cluster; without either, "
+                "controller-owned pods are not made placeholders)",
+            ),
         ),
     ),
     "demo": Verb(

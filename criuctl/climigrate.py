@@ -139,10 +139,15 @@ def _migrate_pod(a: argparse.Namespace, to: str) -> int:
     c = cluster.connect(a.kubeconfig)
     namespace = a.namespace or c.namespace
     plan = podmigrate.plan(c, namespace, a.name, to)
+    how = (
+        f"through its successor ({plan.owner} recreates it)"
+        if plan.owner
+        else f"as pod {plan.placeholder_name}"
+    )
     if a.dry_run:
         print(
             f"criuctl: would move pod {namespace}/{plan.pod} ({plan.workload}) from node {plan.source} "
-            f"to node {plan.target} as pod {plan.placeholder_name}; {plan.memory_needed >> 20} MiB of "
+            f"to node {plan.target} {how}; {plan.memory_needed >> 20} MiB of "
             f"{plan.memory_free >> 20} MiB free there; nothing was changed",
             file=sys.stderr,
         )
@@ -150,9 +155,12 @@ def _migrate_pod(a: argparse.Namespace, to: str) -> int:
             _print_json({"dry_run": True, **plan.summary()})
         return 0
     with render.migration_progress() as progress:
-        result = podmigrate.execute(c, plan, a.mode, progress)
+        if plan.owner:
+            result = podmigrate.execute_owned(c, plan, progress)
+        else:
+            result = podmigrate.execute(c, plan, a.mode, progress)
     render.migration_summary(result)
-    print(f"criuctl: pod {namespace}/{plan.pod} is now pod {plan.placeholder_name} on node {plan.target}; "
+    print(f"criuctl: pod {namespace}/{plan.pod} is now pod {plan.placeholder_name} on node {result.target}; "
           f"follow it with: kubectl -n {namespace} logs -f {plan.placeholder_name}",
           file=sys.stderr)  # fmt: skip
     if a.json:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -124,3 +125,27 @@ def wait_step(k: Kubectl, pod: str, n: int, timeout: float = 120, namespace: str
             return
         time.sleep(0.5)
     raise AssertionError(f"pod {pod} did not reach step {n}: {k.logs(pod, namespace)[-800:]}")
+
+
+class LogFollower(threading.Thread):
+    """`kubectl logs -f POD` for as long as the container lives: every line it printed, even once
+    the pod is deleted (a migrated pod's log ends where the freeze cut it)."""
+
+    def __init__(self, k: Kubectl, pod: str) -> None:
+        super().__init__(daemon=True)
+        self.argv = ["kubectl", "--kubeconfig", str(k.lay.kubeconfig), "logs", "-f", pod]
+        self.text = ""
+
+    def run(self) -> None:
+        self.text = subprocess.run(self.argv, capture_output=True, text=True, timeout=600).stdout
+
+
+def combined_steps(parts: list[dict[int, str]]) -> dict[int, str]:
+    """Every step's loss over the logs of a job's successive pods; a step that two pods report
+    must carry the same loss (a resumed copy, not a second run from the start)."""
+    out: dict[int, str] = {}
+    for part in parts:
+        for s, loss in part.items():
+            assert out.get(s, loss) == loss, f"step {s} reported twice with different losses"
+            out[s] = loss
+    return out

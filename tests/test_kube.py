@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import threading
 import time
 
 import pytest
@@ -16,7 +15,7 @@ import pytest
 from criuctl.localcluster import __main__ as lc
 from criuctl.localcluster.layout import REPO
 from tests.conftest import needs_criu
-from tests.kube import JOB, Kubectl, final, steps, training_pod, wait_step
+from tests.kube import JOB, Kubectl, LogFollower, final, steps, training_pod, wait_step
 
 pytestmark = [needs_criu, pytest.mark.timeout(600)]
 CRIUCTL = [str(REPO / ".venv" / "bin" / "criuctl")]
@@ -26,19 +25,6 @@ STEPS = 400
 def criuctl(lay, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "KUBECONFIG": str(lay.kubeconfig)}
     return subprocess.run([*CRIUCTL, *args], capture_output=True, text=True, env=env, timeout=300)
-
-
-class LogFollower(threading.Thread):
-    """`kubectl logs -f POD` for as long as the container lives: every line it printed, even once
-    the pod is deleted (a migrated pod's log ends where the freeze cut it)."""
-
-    def __init__(self, k: Kubectl, pod: str) -> None:
-        super().__init__(daemon=True)
-        self.argv = ["kubectl", "--kubeconfig", str(k.lay.kubeconfig), "logs", "-f", pod]
-        self.text = ""
-
-    def run(self) -> None:
-        self.text = subprocess.run(self.argv, capture_output=True, text=True, timeout=600).stdout
 
 
 def _dry_run(k: Kubectl, pod: dict, namespace: str = "default") -> dict:
@@ -272,17 +258,23 @@ def test_refuses_controller_owned_and_multi_worker_pods(running) -> None:
     finally:
         k("delete", "pod", "ddp-worker-0", "--grace-period=1", "--wait=false")
     trainer = training_pod("x", steps=100000, node="a")  # migratable: only the owner is refused
-    sts = {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "st"},
-           "spec": {"serviceName": "st", "replicas": 1, "selector": {"matchLabels": {"app": "st"}},
-                    "template": {"metadata": {"labels": {"app": "st", "criuctl.io/migratable": "true"},
+    dep = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "dep"},
+           "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "dep"}},
+                    "template": {"metadata": {"labels": {"app": "dep", "criuctl.io/migratable": "true"},
                                               "annotations": trainer["metadata"]["annotations"]},
                                  "spec": trainer["spec"]}}}  # fmt: skip
-    k.apply(sts)
+    k.apply(dep)
     try:
-        k.wait_running("st-0")
-        assert "owned by StatefulSet st" in _refused(lay, k, "st-0", "b")
+        deadline = time.monotonic() + 60
+        while not (pods := k.pods(selector="app=dep")):
+            assert time.monotonic() < deadline, "the Deployment made no pod"
+            time.sleep(0.5)
+        name = pods[0]["metadata"]["name"]
+        k.wait_running(name)
+        said = _refused(lay, k, name, "b")
+        assert "owned by ReplicaSet" in said and "another name" in said, said
     finally:
-        k("delete", "statefulset", "st", "--wait=false")
+        k("delete", "deployment", "dep", "--wait=false")
 
 
 def test_client_killed_between_the_target_commit_and_the_source_pod_delete(

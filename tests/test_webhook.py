@@ -329,7 +329,7 @@ def test_patch_of_equal_pods_is_empty_and_removal_works() -> None:
 def test_patch_refuses_differences_it_would_lose() -> None:
     p = pod(TRAIN)
     other = copy.deepcopy(p)
-    other["spec"]["nodeName"] = "node-b"
+    other["spec"]["hostNetwork"] = True
     with pytest.raises(ValueError, match="differ outside"):
         mutate.patch(p, other)
 

@@ -1,9 +1,15 @@
 """HTTP routes for bundles kept on this node, outside any migration.
 
-    POST   /v1/workloads/{name}/checkpoint   dump into a bundle kept here (through a `dump` handoff)
+    POST   /v1/workloads/{name}/checkpoint   dump into a bundle kept here (through a `dump` handoff);
+                                             {"id": ID} names it (a caller that recorded the id
+                                             first can tell a dump that happened from one that did not)
     GET    /v1/bundles/{id}                  stream a bundle out (tar)
+    GET    /v1/bundles/{id}/manifest         its manifest: whether it is kept here, unused
     PUT    /v1/bundles/{id}                  receive a bundle (verified before it is kept)
-    POST   /v1/bundles/{id}/restore          restore a kept bundle, supervised by a handoff
+    POST   /v1/bundles/{id}/restore          restore a kept bundle, supervised by a handoff;
+                                             {"into": CONTAINER} restores into a placeholder container.
+                                             The bundle is used up: marked before the restored job
+                                             may run, removed once it runs (it never restores twice)
     DELETE /v1/bundles/{id}                  delete a kept bundle
 
 A checkpoint freezes in a handoff process, like a migration, never in the agent: CRIU's ptrace
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import uuid
 from pathlib import Path
@@ -26,11 +33,21 @@ from criuctl import bundle, checkpoint, workloads
 from criuctl.agent import transfer
 from criuctl.agent.handoffs import Handoff, HandoffFailed
 from criuctl.agent.protocol import TIMEOUTS, Command, Event, TargetSpec
-from criuctl.agent.web import body_json, error, fail, valid_id
+from criuctl.agent.web import BadInto, body_json, container_id, error, fail, valid_id
 from criuctl.errors import CriuctlError
 
 if TYPE_CHECKING:
     from criuctl.agent.server import Agent
+
+
+USED = ".restored"  # in a bundle's folder: a restore of it reached the commit (see `restore`)
+
+
+def _mark_used(path: Path) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fsync(fd)
+    os.close(fd)
+    bundle.fsync_dir(path.parent)
 
 
 class Bundles:
@@ -44,6 +61,7 @@ class Bundles:
     def routes(self, r: web.UrlDispatcher) -> None:
         r.add_post("/v1/workloads/{name}/checkpoint", self.checkpoint)
         r.add_get("/v1/bundles/{id}", self.send)
+        r.add_get("/v1/bundles/{id}/manifest", self.manifest)
         r.add_put("/v1/bundles/{id}", self.receive)
         r.add_post("/v1/bundles/{id}/restore", self.restore)
         r.add_delete("/v1/bundles/{id}", self.delete)
@@ -63,7 +81,11 @@ class Bundles:
             return fail(400, exc.what, exc.hint)
         except CriuctlError as exc:
             return self.agent.error_response(exc)
-        bid = uuid.uuid4().hex
+        bid = body.get("id") or uuid.uuid4().hex
+        if not isinstance(bid, str) or not valid_id(bid):
+            return fail(400, f"{str(bid)[:80]!r} is not a bundle id", "bundle ids are 32 hex digits")
+        if (self.root / bid).exists():
+            return fail(409, f"bundle {bid} already exists on node {self.agent.name}")
         work = workloads.logs_dir("handoffs") / bid
         work.mkdir(mode=0o700)
         spec = {
@@ -85,10 +107,20 @@ class Bundles:
             await asyncio.to_thread(shutil.rmtree, work, True)
         return web.json_response({"id": bid, "bytes": ev["bytes"], "freeze_seconds": ev["freeze_seconds"]})
 
-    async def send(self, r: web.Request) -> web.StreamResponse:
+    def _kept(self, r: web.Request) -> Path:
+        """A kept bundle's folder; 404 for one absent, half-received or used up by a restore."""
         path = self._path(r)
-        if not (path / bundle.MANIFEST).exists():
-            return fail(404, f"no bundle {path.name} on node {self.agent.name}")
+        if not (path / bundle.MANIFEST).exists() or (path / USED).exists():
+            raise error(404, f"no bundle {path.name} on node {self.agent.name}")
+        return path
+
+    async def manifest(self, r: web.Request) -> web.Response:
+        path = self._kept(r)
+        return web.Response(body=await asyncio.to_thread((path / bundle.MANIFEST).read_bytes),
+                            content_type="application/json")  # fmt: skip
+
+    async def send(self, r: web.Request) -> web.StreamResponse:
+        path = self._kept(r)
         resp = web.StreamResponse(headers={"Content-Type": "application/x-tar"})
         resp.content_length = await asyncio.to_thread(transfer.stream_size, path)
         await resp.prepare(r)
@@ -114,21 +146,35 @@ class Bundles:
         body = await body_json(r)
         try:
             name = workloads.validate_name(body["name"]) if body.get("name") else None
+            into = container_id(body.get("into"))
+        except BadInto as exc:
+            return fail(400, str(exc), "name the placeholder by its container ID (hex digits)")
         except CriuctlError as exc:
             return fail(400, exc.what, exc.hint)
         if not (path / bundle.MANIFEST).exists():
             return fail(404, f"no bundle {path.name} on node {self.agent.name}")
+        used = path / USED
+        if used.exists():
+            return fail(409, f"bundle {path.name} on node {self.agent.name} was restored already",
+                        "a bundle restores once: see `criuctl ps` there")  # fmt: skip
         work = workloads.logs_dir("handoffs")
-        spec = TargetSpec(None, str(path), self.agent.name, name=name)
+        spec = TargetSpec(None, str(path), self.agent.name, name=name, placeholder=into,
+                          runtime=self.agent.runtimes.endpoint if into else None)  # fmt: skip
         h = await Handoff.spawn("target", spec.to_json(), work, work / f"restore-{path.name}.log")
         try:
             ev = await h.until({Event.RESTORED}, TIMEOUTS.restore)
-            running = await h.ask(Command.COMMIT, {Event.RUNNING}, TIMEOUTS.target_commit)
+            await asyncio.to_thread(_mark_used, used)  # before the copy may run: never restored twice
+            try:
+                running = await h.ask(Command.COMMIT, {Event.RUNNING}, TIMEOUTS.target_commit)
+            except BaseException:
+                used.unlink(missing_ok=True)  # the copy never ran (the handoff kills it on failure)
+                raise
         except (HandoffFailed, TimeoutError) as exc:
             await h.kill_group()
             return self.agent.error_response(exc)
         finally:
             await h.close()
+        await asyncio.to_thread(shutil.rmtree, path, True)  # the job runs: its pages need not stay on disk
         return web.json_response({"pid": running["pid"], "criu_seconds": ev["criu_seconds"]})
 
     async def delete(self, r: web.Request) -> web.Response:

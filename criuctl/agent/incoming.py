@@ -37,7 +37,7 @@ from criuctl.agent.protocol import (
     secret_digest,
 )
 from criuctl.agent.target import TargetMachine
-from criuctl.agent.web import body_json, error, fail, outcome_response, valid_id
+from criuctl.agent.web import BadInto, body_json, container_id, error, fail, outcome_response, valid_id
 from criuctl.errors import CriuctlError
 
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ class Incoming:
         body = await body_json(r)
         try:
             name = workloads.validate_name(str(body.get("workload", "")))
-            into = _container_id(body.get("into"))
+            into = container_id(body.get("into"))
             mode = Mode(body.get("mode", Mode.STOP_AND_COPY))
         except BadInto as exc:
             return fail(400, str(exc), "name the placeholder by its container ID (hex digits)")
@@ -225,19 +225,6 @@ class Incoming:
                     await m.verdict()
                 self.machines.pop(m.id, None)
         await asyncio.to_thread(_forget_tombstones, self.spool, set(self.machines))
-
-
-class BadInto(ValueError):
-    pass
-
-
-def _container_id(raw: object) -> str | None:
-    """The placeholder the client named: None, or 1-64 lowercase hex digits."""
-    if raw is None:
-        return None
-    if not isinstance(raw, str) or not 0 < len(raw) <= 64 or raw.strip("0123456789abcdef"):
-        raise BadInto(f"{str(raw)[:80]!r} is not a container ID")
-    return raw
 
 
 def _forget_tombstones(spool: Path, live: set[str]) -> None:

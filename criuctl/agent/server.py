@@ -27,6 +27,7 @@ import os
 import socket
 import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,6 +58,9 @@ class AgentOptions:
     lease_seconds: float = 120.0  # a frozen source waits this long for a commit before asking the target
     runtime_endpoint: str | None = None  # the container runtime's CRI socket (default: runtime.endpoint())
     inject_dir: Path | None = None  # where containers find criuctl's init (default containers.INJECT_DIR)
+    # what the layers above add to the agent's process (the CLI composes them: criuctl.kube's
+    # preStop listener and kept-bundle restorer), each called with the agent and its application
+    extensions: list[Callable[[Agent, web.Application], None]] = field(default_factory=list)
 
 
 class Metrics:
@@ -123,6 +127,8 @@ class Agent:
         self.runtimes.routes(r)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
+        for extend in self.opts.extensions:
+            extend(self, app)
         return app
 
     def spawn(self, coro) -> None:

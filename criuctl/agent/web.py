@@ -33,6 +33,19 @@ def error(status: int, what: str, hint: str = "", **extra: Any) -> web.HTTPExcep
     )
 
 
+class BadInto(ValueError):
+    pass
+
+
+def container_id(raw: object) -> str | None:
+    """A placeholder container the client named: None, or 1-64 lowercase hex digits."""
+    if raw is None:
+        return None
+    if not isinstance(raw, str) or not 0 < len(raw) <= 64 or raw.strip("0123456789abcdef"):
+        raise BadInto(f"{str(raw)[:80]!r} is not a container ID")
+    return raw
+
+
 def valid_id(value: str) -> bool:
     """Migration and bundle ids are ours (uuid4 hex): anything else never reaches a path."""
     return bool(_ID.match(value))

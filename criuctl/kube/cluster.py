@@ -24,6 +24,10 @@ class NotFound(CriuctlError):
     exit_code = 3
 
 
+class Conflict(CriuctlError):
+    """Another writer changed the object first (a resourceVersion precondition failed)."""
+
+
 def wanted(kubeconfig: str | None, namespace: str | None) -> bool:
     """Whether a NAME means a pod: the user named a namespace or kubeconfig, or one is there."""
     return bool(
@@ -74,6 +78,9 @@ def api_error(exc: Exception, what: str) -> CriuctlError:
     from kubernetes.client.exceptions import ApiException
 
     if isinstance(exc, ApiException):
+        if exc.status == 409:
+            err = Conflict(f"{what} changed meanwhile (HTTP 409)", "try again")
+            return err
         if exc.status == 404:
             return NotFound(f"no {what}", "see `kubectl get` for what there is")
         if exc.status in (401, 403):
@@ -155,3 +162,23 @@ def agent_for(c: Cluster, node: dict) -> Node:
     token, ca = _credentials(c)
     host = f"[{ips[0]}]" if ":" in ips[0] else ips[0]
     return Node(name, f"https://{host}:{AGENT_PORT}", token, ca)
+
+
+def workload_row(agent: Node, cid: str) -> dict | None:
+    """The agent's row for container `cid`: by the name it gives containers, or, for a job restored
+    into a placeholder (which keeps the name it had on its first node), by its container."""
+    from criuctl import containers
+    from criuctl.agent.client import AgentClient
+
+    rows = AgentClient(agent, timeout=15).get("/v1/workloads")
+    return next(
+        (r for r in rows if containers.name_of(cid) == r.get("name") or r.get("container") == cid), None
+    )
+
+
+def container_id(pod: dict, container: str) -> str | None:
+    """The runtime's ID of a running container of `pod` (without the `containerd://` scheme)."""
+    for s in pod.get("status", {}).get("containerStatuses") or []:
+        if s["name"] == container and "running" in (s.get("state") or {}):
+            return (s.get("containerID") or "").partition("://")[2] or None
+    return None

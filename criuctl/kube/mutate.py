@@ -35,7 +35,12 @@ POD_UID_ENV = "CRIUCTL_POD_UID"  # criuctl.nsinit.ENV_POD_UID (not imported: it 
 NO_COMMAND = "the image's entrypoint is not in the pod spec; give the container a command"
 PROBES = ("livenessProbe", "readinessProbe", "startupProbe")
 # The spec fields the webhook rewrites: `patch` replaces these whole and nothing else.
-PATCHED = (("metadata", "annotations"), ("spec", "containers"), ("spec", "volumes"))
+PATCHED = (("metadata", "annotations"), ("spec", "containers"), ("spec", "volumes"), ("spec", "nodeName"),
+           ("spec", "terminationGracePeriodSeconds"), ("spec", "nodeSelector"),
+           ("spec", "affinity"))  # fmt: skip
+PRESTOP_PATH = "/v1/prestop"  # + /NAMESPACE/POD: criuctl.kube.prestop, on the node agent's loopback port
+# a preStop checkpoint (freeze, dump, copy to another node) must fit in the pod's grace period
+PRESTOP_GRACE = 300
 
 
 def is_wrapped(container: dict[str, Any]) -> bool:
@@ -55,7 +60,18 @@ def not_wrapped(pod: Pod) -> dict[str, str]:
     return json.loads(text) if text else {}
 
 
-def wrap(pod: Pod) -> Pod:
+def prestop_hook(port: int, namespace: str, name: str) -> dict[str, Any]:
+    """The preStop hook that checkpoints the job when the pod is deleted (drain, eviction, `criuctl
+    migrate` of a controller's pod): an httpGet the kubelet itself makes to its node's agent on
+    127.0.0.1. An exec hook would run a process inside the container, in the job's PID namespace,
+    where CRIU would find a stranger in the tree it must dump. Kubernetes 1.20's kubelet makes a
+    lifecycle httpGet over plain HTTP without headers, whatever `scheme` says: the agent's preStop
+    listener is loopback-only and acts only on a pod the API server says is being deleted."""
+    return {"preStop": {"httpGet": {"host": "127.0.0.1", "port": port,
+                                    "path": f"{PRESTOP_PATH}/{namespace}/{name}"}}}  # fmt: skip
+
+
+def wrap(pod: Pod, prestop_port: int | None = None, namespace: str | None = None) -> Pod:
     """The pod with every container that has a `command` started by criuctl's init, and criuctl's
     files mounted read-only: transparent, because Kubernetes appends `args` to `command`, so the
     job's argv is the same. A container without a command runs the image's ENTRYPOINT, which the
@@ -88,9 +104,46 @@ def wrap(pod: Pod) -> Pod:
     if used and not any(v.get("name") == VOLUME for v in spec.get("volumes", [])):
         host_path = {"path": INJECT_DIR, "type": "Directory"}  # the agent made it: missing means no agent
         spec.setdefault("volumes", []).append({"name": VOLUME, "hostPath": host_path})
+    name, namespace = meta.get("name"), namespace or meta.get("namespace")
+    if prestop_port and name and namespace:  # a generateName pod's successor has another name: no use
+        hooked = False
+        for c in spec.get("containers", []):
+            if is_wrapped(c) and not (c.get("lifecycle") or {}).get("preStop"):
+                c["lifecycle"] = {**(c.get("lifecycle") or {}), **prestop_hook(prestop_port, namespace, name)}
+                hooked = True
+        if hooked:
+            grace = spec.get("terminationGracePeriodSeconds")
+            spec["terminationGracePeriodSeconds"] = max(30 if grace is None else grace, PRESTOP_GRACE)
     if skipped:
         annotations[NOT_WRAPPED] = json.dumps(skipped, sort_keys=True)
     annotations[INJECTED] = "true"
+    return new
+
+
+def has_prestop(container: dict[str, Any]) -> bool:
+    """The container carries criuctl's preStop hook (`wrap` with a port)."""
+    get = ((container.get("lifecycle") or {}).get("preStop") or {}).get("httpGet") or {}
+    return str(get.get("path", "")).startswith(PRESTOP_PATH + "/")
+
+
+def successor(pod: Pod, node: str, source: str) -> Pod:
+    """A controller's new pod (already `wrap`ped) turned into the placeholder of its predecessor's
+    pending move: pinned to `node`, where the bundle is kept; its identity (name, labels, owner) and
+    criuctl's preStop hook kept, so that once the job runs in it, it moves on a delete again."""
+    new = copy.deepcopy(pod)
+    new["metadata"]["annotations"] = {**_annotations(pod), PLACEHOLDER_FOR: source}
+    spec = new["spec"]
+    spec["nodeName"] = node
+    # the node was chosen for it (by `criuctl migrate NODE`, or a drain): the kubelet there would
+    # refuse a pod whose node selector or node affinity names another (NodeAffinity), and the
+    # controller would recreate it again and again. Pod (anti-)affinity stays.
+    spec.pop("nodeSelector", None)
+    affinity = {k: v for k, v in (spec.get("affinity") or {}).items() if k != "nodeAffinity"}
+    if affinity:
+        spec["affinity"] = affinity
+    else:
+        spec.pop("affinity", None)
+    _placeholder_containers(spec, keep=("lifecycle",))
     return new
 
 
@@ -118,23 +171,31 @@ def placeholder(pod: Pod, node: str, source: str) -> Pod:
         spec.pop(key, None)
     spec["nodeName"] = node
     _drop_token_volume(spec)
-    needs_run_dir = False
-    for c in spec["containers"]:
-        c["command"] = [c["command"][0], "-I", INIT, "--placeholder"]
-        for key in ("args", "lifecycle", *PROBES):
-            c.pop(key, None)
-        # the init makes its control FIFOs in RUN_DIR, which a read-only rootfs refuses
-        if (c.get("securityContext") or {}).get("readOnlyRootFilesystem") and not _mounts(c, RUN_DIR):
-            c.setdefault("volumeMounts", []).append({"name": RUN_VOLUME, "mountPath": RUN_DIR})
-            needs_run_dir = True
-    if needs_run_dir:
-        spec.setdefault("volumes", []).append({"name": RUN_VOLUME, "emptyDir": {}})
+    _placeholder_containers(spec)
     return {
         "apiVersion": pod.get("apiVersion", "v1"),
         "kind": pod.get("kind", "Pod"),
         "metadata": {k: copy.deepcopy(v) for k, v in new_meta.items() if v is not None},
         "spec": spec,
     }
+
+
+def _placeholder_containers(spec: dict[str, Any], keep: tuple[str, ...] = ()) -> None:
+    """Every (wrapped) container runs the init's `--placeholder` mode, which waits for the restore;
+    what would act before the job is there goes (args; probes: a liveness probe would kill the
+    waiting placeholder), unless kept."""
+    needs_run_dir = False
+    for c in spec["containers"]:
+        c["command"] = [c["command"][0], "-I", INIT, "--placeholder"]
+        for key in ("args", "lifecycle", *PROBES):
+            if key not in keep:
+                c.pop(key, None)
+        # the init makes its control FIFOs in RUN_DIR, which a read-only rootfs refuses
+        if (c.get("securityContext") or {}).get("readOnlyRootFilesystem") and not _mounts(c, RUN_DIR):
+            c.setdefault("volumeMounts", []).append({"name": RUN_VOLUME, "mountPath": RUN_DIR})
+            needs_run_dir = True
+    if needs_run_dir and not any(v.get("name") == RUN_VOLUME for v in spec.get("volumes", [])):
+        spec.setdefault("volumes", []).append({"name": RUN_VOLUME, "emptyDir": {}})
 
 
 def _drop_token_volume(spec: dict[str, Any]) -> None:

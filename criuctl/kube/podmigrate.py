@@ -11,9 +11,15 @@
                 kubelet never restarts the container it sees die protocol either way
     record      Events on both pods, provenance annotations
 
-A pod a controller owns is not moved this way: its controller would recreate it under the same name
-on any node. Such a pod keeps its identity only when the recreated pod becomes the placeholder
-(docs/kubernetes.md, "Controller-owned pods"), which is not on main yet: `migrate` refuses it.
+A pod whose controller recreates it under its name (StatefulSet, PyTorchJob) moves through its
+successor instead (`execute_owned`; docs/kubernetes.md, "Controller-owned pods"):
+
+    request     a move record naming NODE (criuctl.kube.moves)      the pod runs on, untouched
+    delete      the pod; its preStop hook checkpoints the job into  a failed checkpoint: the job
+                a bundle kept on NODE's agent (criuctl.kube.prestop) ends with its pod and starts over
+    successor   its controller recreates it; the webhook pins it to the bundle's node as a placeholder
+    restore     NODE's agent restores the bundle into it              failed: back on the source node
+                (criuctl.kube.successors); the record goes
 """
 
 from __future__ import annotations
@@ -25,11 +31,14 @@ import time
 from criuctl.agent import migrate as agent_migrate
 from criuctl.agent.client import AgentClient
 from criuctl.errors import CriuctlError
-from criuctl.kube import events
+from criuctl.kube import events, moves
 from criuctl.kube.cluster import Cluster, NotFound, call
 from criuctl.kube.podplan import PodPlan, plan
 
-__all__ = ["execute", "plan", "settle"]
+__all__ = ["execute", "execute_owned", "plan", "settle"]
+
+PHASES = {moves.Phase.DUMPING: "checkpoint", moves.Phase.KEPT: "restore"}  # as the progress shows them
+OWNED_TIMEOUT = 900.0  # delete → restored: the grace period's checkpoint, the controller, the restore
 
 
 def _wait_placeholder(c: Cluster, p: PodPlan, timeout: float = 120) -> str:
@@ -145,3 +154,60 @@ def execute(c: Cluster, p: PodPlan, mode: str | None, progress) -> agent_migrate
     events.record(c, new_pod, events.Reason.MIGRATED, msg)
     events.record(c, src_pod, events.Reason.MIGRATED, f"to pod {p.placeholder_name} on node {p.target}")
     return result
+
+
+def _owned_result(
+    p: PodPlan, m: moves.Move | None, where: str, started: float
+) -> agent_migrate.MigrationResult:
+    took = time.monotonic() - started
+    size, freeze = (m.size, m.freeze) if m else (0, 0.0)
+    return agent_migrate.MigrationResult(p.workload, p.source, where, "stop-and-copy (preStop)", took, took,
+                                         size, freeze, 0.0, 0.0)  # fmt: skip
+
+
+def execute_owned(c: Cluster, p: PodPlan, progress) -> agent_migrate.MigrationResult:
+    """Record the move, delete the pod, and follow the record until the successor runs the job."""
+    uid = p.source_pod["metadata"]["uid"]
+    stale = moves.read(c, p.namespace, p.pod)
+    if stale is not None:
+        moves.forget(c, stale)  # a requested or failed move of an earlier pod (plan refused live ones)
+    moves.save(c, moves.Move(p.namespace, p.pod, uid, p.source, p.container, moves.Phase.REQUESTED,
+                             target=p.target, since=time.time()))  # fmt: skip
+    said = f"moving to node {p.target}: checkpointed on delete, restored into its successor"
+    events.record(c, p.source_pod, events.Reason.STARTED, said)
+    started = time.monotonic()
+    progress("checkpoint")
+    _delete(c, p.namespace, p.pod)
+    seen: moves.Move | None = None
+    phase = moves.Phase.REQUESTED
+    deadline = started + OWNED_TIMEOUT
+    while time.monotonic() < deadline:
+        m = moves.read(c, p.namespace, p.pod)
+        try:
+            pod = c.serialize(call(f"pod {p.pod}", c.core.read_namespaced_pod, p.pod, p.namespace))
+        except NotFound:
+            pod = None
+        successor = pod if pod is not None and pod["metadata"]["uid"] != uid else None
+        if m is not None and m.phase != phase:
+            phase, seen = m.phase, m
+            progress(
+                {moves.Phase.DUMPING: "checkpoint", moves.Phase.KEPT: "restore"}.get(m.phase, str(m.phase))
+            )
+        if m is None and seen is not None and successor is not None:
+            notes = successor["metadata"].get("annotations") or {}
+            if events.MIGRATED_AT in notes:
+                return _owned_result(p, seen, successor["spec"]["nodeName"], started)
+        if m is not None and m.phase == moves.Phase.FAILED:
+            raise agent_migrate.MigrationFailed(m.note, f"see `kubectl -n {p.namespace} get events`")
+        if m is not None and m.phase == moves.Phase.REQUESTED and successor is not None:
+            moves.forget(c, m)
+            raise agent_migrate.MigrationFailed(
+                f"pod {p.pod} was deleted but its preStop hook did not checkpoint it: it started over",
+                "is the agent's --prestop-port set on node " + p.source + "? (manifests/daemonset.yaml)",
+            )
+        time.sleep(0.5)
+    raise agent_migrate.MigrationInDoubt(
+        f"pod {p.pod} has not come back within {OWNED_TIMEOUT:.0f} s",
+        f"its move goes on without this command: `kubectl -n {moves.SYSTEM_NS} get cm "
+        f"{moves.record_name(p.namespace, p.pod)} -o yaml` says where it is",
+    )

@@ -8,11 +8,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from criuctl import containers
-from criuctl.agent.client import AgentClient, Node
+from criuctl.agent.client import Node
 from criuctl.errors import CriuctlError
-from criuctl.kube import events, mutate
-from criuctl.kube.cluster import Cluster, NotFound, agent_for, call
+from criuctl.kube import events, moves, mutate, owners
+from criuctl.kube.cluster import Cluster, NotFound, agent_for, call, workload_row
 
 # labels a controller selects its pods by: a placeholder keeps none, or the controller adopts it
 CONTROLLER_LABELS = ("pod-template-hash", "controller-revision-hash", "controller-uid", "job-name",
@@ -37,15 +36,16 @@ class PodPlan:
     src: Node
     dst: Node
     source_pod: dict
-    placeholder: dict
+    placeholder: dict | None  # None: a controller's pod, whose successor is the placeholder
+    owner: str = ""  # "KIND NAME" of that controller
 
     def summary(self) -> dict[str, Any]:
         keys = ("namespace", "pod", "source", "target", "container", "workload", "placeholder_name",
-                "memory_needed", "memory_free")  # fmt: skip
+                "memory_needed", "memory_free", "owner")  # fmt: skip
         return {k: getattr(self, k) for k in keys}
 
 
-def _ready(node: dict) -> bool:
+def ready(node: dict) -> bool:
     return any(c["type"] == "Ready" and c["status"] == "True" for c in node["status"].get("conditions", []))
 
 
@@ -55,7 +55,7 @@ def _bytes(q: str | None) -> int:
     return int(parse_quantity(q)) if q else 0
 
 
-def _pod_memory(pod: dict) -> int:
+def pod_memory(pod: dict) -> int:
     total = 0
     for c in pod["spec"]["containers"]:
         r = c.get("resources") or {}
@@ -63,12 +63,12 @@ def _pod_memory(pod: dict) -> int:
     return total
 
 
-def _free_memory(c: Cluster, node: dict) -> int:
+def free_memory(c: Cluster, node: dict) -> int:
     name = node["metadata"]["name"]
     pods = call(f"pods on node {name}", c.core.list_pod_for_all_namespaces,
                 field_selector=f"spec.nodeName={name},status.phase!=Succeeded,status.phase!=Failed",
                 ).items  # fmt: skip
-    used = sum(_pod_memory(c.serialize(p)) for p in pods)
+    used = sum(pod_memory(c.serialize(p)) for p in pods)
     return _bytes(node["status"]["allocatable"].get("memory")) - used
 
 
@@ -80,29 +80,40 @@ def next_name(name: str) -> str:
     return f"{base[: 63 - len(str(k)) - 2]}-m{k}"
 
 
-def _refuse_owned(c: Cluster, pod: dict) -> None:
+def _owned(c: Cluster, pod: dict, ctr: dict) -> owners.Owner | None:
+    """The controller that recreates the pod under its name (it moves through its successor), None
+    for a bare pod; any other controller, or a multi-node job's worker, is refused in one line."""
     meta = pod["metadata"]
-    for ref in meta.get("ownerReferences") or []:
-        if not ref.get("controller"):
-            continue
-        if ref["kind"] == "PyTorchJob":
-            job = call(f"PyTorchJob {ref['name']}", c.custom.get_namespaced_custom_object,
-                       "kubeflow.org", "v1",
-                       meta["namespace"], "pytorchjobs", ref["name"])  # fmt: skip
-            specs = job.get("spec", {}).get("pytorchReplicaSpecs", {})
-            n = sum(int(s.get("replicas", 1)) for s in specs.values())
-            if n > 1:
-                raise NotMigratable(
-                    f"pod {meta['name']} is one of {n} replicas of PyTorchJob {ref['name']}: it holds TCP "
-                    "connections to its peers, which move only with the coordinated multi-node migration "
-                    "(not on main yet)",
-                    "nothing was changed; a single-replica job's pod is refused for now too (see below)",
-                )
+    ref = owners.controller_ref(pod)
+    if ref is None:
+        return None
+    if ref["kind"] not in owners.SAME_NAME:
         raise NotMigratable(
-            f"pod {meta['name']} is owned by {ref['kind']} {ref['name']}, which would recreate it under "
-            "its own name: moving a controller's pod through the recreated one is not on main yet",
-            "nothing was changed; docs/kubernetes.md, 'Controller-owned pods'",
+            f"pod {meta['name']} is owned by {ref['kind']} {ref['name']}, which replaces it with a pod "
+            "of another name: nothing could tell its successor apart, so it does not move",
+            f"nothing was changed; criuctl moves bare pods and the pods of {' and '.join(owners.SAME_NAME)}s",
         )
+    o = owners.owner(c, pod)
+    if o is None or not o.wants_back:
+        raise NotMigratable(f"pod {meta['name']}: {o.why if o else 'no owner'}", "nothing was changed")
+    if o.kind == "PyTorchJob" and o.replicas > 1:
+        raise NotMigratable(
+            f"pod {meta['name']} is one of {o.replicas} replicas of PyTorchJob {o.name}: it holds TCP "
+            "connections to its peers, which move only with the coordinated multi-node migration "
+            "(not on main yet)",
+            "nothing was changed; a single-replica job's pod moves",
+        )
+    if not mutate.has_prestop(ctr):
+        raise NotMigratable(
+            f"pod {meta['name']} of {o.kind} {o.name} has no criuctl preStop hook (it was created before "
+            "the webhook added one): its job would end with it",
+            "recreate the pod (delete it: its controller makes a new one); nothing was changed",
+        )
+    pending = moves.read(c, meta["namespace"], meta["name"])
+    if pending is not None and pending.phase in (moves.Phase.DUMPING, moves.Phase.KEPT):
+        raise CriuctlError(f"pod {meta['name']} is already moving (bundle {pending.bundle})",
+                           "wait for it: `kubectl get events`")  # fmt: skip
+    return o
 
 
 def _wrapped_container(pod: dict) -> dict:
@@ -158,24 +169,20 @@ def plan(c: Cluster, namespace: str, name: str, target: str) -> PodPlan:
     if pod["metadata"].get("deletionTimestamp") or pod["status"].get("phase") != "Running":
         state = "terminating" if pod["metadata"].get("deletionTimestamp") else pod["status"].get("phase")
         raise NotMigratable(f"pod {name} is {state}, not running", "only a running pod moves")
-    if not _ready(node):
+    if not ready(node):
         raise CriuctlError(f"node {target} is NotReady", "pick a Ready node: `kubectl get nodes`")
     if node["spec"].get("unschedulable"):
         raise CriuctlError(f"node {target} is cordoned (unschedulable)", "uncordon it or pick another node")
     ctr = _wrapped_container(pod)
-    _refuse_owned(c, pod)
-    needed, free = _pod_memory(pod), _free_memory(c, node)
+    owner = _owned(c, pod, ctr)
+    needed, free = pod_memory(pod), free_memory(c, node)
     status = {s["name"]: s for s in pod["status"].get("containerStatuses", [])}
     cid = (status.get(ctr["name"], {}).get("containerID") or "").partition("://")[2]
     if not cid:
         raise NotMigratable(f"container {ctr['name']} of pod {name} has not started", "wait until it runs")
     src_node = call(f"node {source}", c.core.read_node, source)
     src, dst = agent_for(c, c.serialize(src_node)), agent_for(c, node)
-    rows = AgentClient(src, timeout=15).get("/v1/workloads")
-    # a job restored into a placeholder keeps the name it had on its first node: found by container
-    row = next(
-        (r for r in rows if containers.name_of(cid) == r.get("name") or r.get("container") == cid), None
-    )
+    row = workload_row(src, cid)
     if row is None:
         raise CriuctlError(f"node {source}'s agent does not see container {cid[:12]} of pod {name}",
                            "is the agent on that node healthy? `kubectl -n criuctl-system logs`")  # fmt: skip
@@ -189,6 +196,9 @@ def plan(c: Cluster, namespace: str, name: str, target: str) -> PodPlan:
             f"pod {name} needs {needed >> 20} MiB",
             "free memory there or pick another node; nothing was changed",
         )
+    if owner is not None:  # its successor is the placeholder: same name, made by its controller
+        return PodPlan(namespace, name, source, target, ctr["name"], workload, name, needed, free, src, dst,
+                       pod, None, f"{owner.kind} {owner.name}")  # fmt: skip
     body = mutate.placeholder(pod, target, f"{namespace}/{name}")
     taken = {
         q.metadata.name for q in call(f"pods in {namespace}", c.core.list_namespaced_pod, namespace).items

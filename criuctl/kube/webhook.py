@@ -4,22 +4,28 @@ The API server sends every pod CREATE that the MutatingWebhookConfiguration sele
 (manifests/webhook.yaml: the pod or its namespace labelled criuctl.io/migratable=true) as an
 AdmissionReview; the answer is a JSONPatch that wraps the containers' commands in criuctl's init
 (criuctl.kube.mutate.wrap). The server holds no state and needs no Kubernetes credentials: all it
-knows comes in the review. docs/webhook.md has the selectors, TLS and failure policy.
+knows comes in the review, except the pending moves of controller-owned pods (criuctl.kube.moves),
+which it reads through the API server when given credentials (`--kubeconfig`, or in-cluster).
+docs/webhook.md has the selectors, TLS and failure policy.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
 import ssl
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from criuctl import preflight
-from criuctl.kube import mutate
+from criuctl.errors import CriuctlError
+from criuctl.kube import cluster, moves, mutate
 
 log = logging.getLogger("criuctl.webhook")
 
@@ -32,7 +38,17 @@ class Malformed(ValueError):
     """A review this webhook cannot read: not one the API server would send."""
 
 
-def review(request: dict[str, Any]) -> dict[str, Any]:
+@dataclass
+class Options:
+    """What the webhook adds beyond the wrap: criuctl's preStop hook (the node agents' loopback
+    port), and the pending moves it reads to make a controller's new pod its predecessor's
+    placeholder (None: no credentials, no pending moves seen; docs/kubernetes.md)."""
+
+    prestop_port: int | None = None
+    pending: Callable[[str, str], moves.Move | None] | None = None
+
+
+def review(request: dict[str, Any], opts: Options | None = None) -> dict[str, Any]:
     """An AdmissionReview v1 request → its response: allowed, with a JSONPatch when the pod changes.
 
     A malformed review is refused (allowed false, with the reason), not admitted: only the API
@@ -40,10 +56,10 @@ def review(request: dict[str, Any]) -> dict[str, Any]:
     admitting the pod anyway would start a job its owner asked to be migratable as one that is not,
     silently. Refused, the reason reaches whoever created the pod. A review the webhook does not
     care about (not a pod CREATE, a placeholder, a pod already wrapped) is allowed unchanged."""
-    return _admit(request)[0]
+    return _admit(request, opts or Options())[0]
 
 
-def _admit(body: Any) -> tuple[dict[str, Any], str]:
+def _admit(body: Any, opts: Options) -> tuple[dict[str, Any], str]:
     """`review`, plus the one log line that says what was done to which pod."""
     uid = ""
     try:
@@ -61,11 +77,22 @@ def _admit(body: Any) -> tuple[dict[str, Any], str]:
         who = _who(req, pod)
         if mutate.is_placeholder(pod):
             return _response(uid), f"{who}: a placeholder, left alone"
+        namespace = req.get("namespace") or (pod.get("metadata") or {}).get("namespace")
+        name = (pod.get("metadata") or {}).get("name")
+        move = opts.pending(namespace, name) if opts.pending and namespace and name else None
+        if move is not None and move.phase not in (moves.Phase.DUMPING, moves.Phase.KEPT):
+            move = None
         try:
-            new = mutate.wrap(pod)
+            new = mutate.wrap(pod, opts.prestop_port, namespace)
+            if move is not None:
+                node = move.holder or move.target
+                new = mutate.successor(new, node, f"{namespace}/{name}@{move.source}")
             ops = mutate.patch(pod, new)
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise Malformed(f"pod {who} is not a pod this webhook can read ({exc!r})") from exc
+        if move is not None:
+            line = f"{who}: its predecessor's placeholder, pinned to node {node} (bundle {move.bundle})"
+            return _response(uid, ops), line
         if not ops:
             return _response(uid), f"{who}: already injected, not mutated"
         wrapped = [c["name"] for c in new["spec"]["containers"] if mutate.is_wrapped(c)]
@@ -118,7 +145,7 @@ async def _mutate(request: web.Request) -> web.Response:
         body = await request.json()
     except (ValueError, UnicodeDecodeError):
         body = None  # answered as a malformed review: a refusal that says why, not a bare 400
-    response, line = _admit(body)
+    response, line = await asyncio.to_thread(_admit, body, request.app[OPTIONS])
     log.info(line)
     return web.json_response(response)
 
@@ -127,15 +154,34 @@ async def _healthz(_request: web.Request) -> web.Response:
     return web.Response(text="ok\n")
 
 
-def app() -> web.Application:
+OPTIONS = web.AppKey("options", Options)
+
+
+def app(opts: Options | None = None) -> web.Application:
     """POST /mutate (the API server's AdmissionReviews) and GET /healthz (the readiness probe)."""
     application = web.Application(client_max_size=MAX_BODY)
+    application[OPTIONS] = opts or Options()
     application.router.add_post("/mutate", _mutate)
     application.router.add_get("/healthz", _healthz)
     return application
 
 
-def serve(listen: str, cert: str, key: str) -> None:
+def pending_moves(kubeconfig: str | None) -> Callable[[str, str], moves.Move | None]:
+    """The lookup of pending moves, through the API server (in-cluster credentials or a kubeconfig).
+    A lookup that fails refuses the pod rather than guess: admitted as an ordinary pod, a
+    successor would start its job over beside the kept bundle of the same job."""
+    c = cluster.connect(kubeconfig)
+
+    def pending(namespace: str, name: str) -> moves.Move | None:
+        try:
+            return moves.read(c, namespace, name)
+        except CriuctlError as exc:
+            raise Malformed(f"cannot read criuctl's pending moves: {exc.what}") from exc
+
+    return pending
+
+
+def serve(listen: str, cert: str, key: str, opts: Options | None = None) -> None:
     """Serve HTTPS on `listen` ("HOST:PORT") until SIGTERM or SIGINT.
 
     The API server talks to admission webhooks over HTTPS only, verifying the certificate against
@@ -150,4 +196,4 @@ def serve(listen: str, cert: str, key: str) -> None:
     ctx.load_cert_chain(cert, key)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
     log.info("listening on https://%s:%d/mutate", host, port)
-    web.run_app(app(), host=host, port=port, ssl_context=ctx, print=None, access_log=None)
+    web.run_app(app(opts), host=host, port=port, ssl_context=ctx, print=None, access_log=None)

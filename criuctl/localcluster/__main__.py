@@ -57,12 +57,16 @@ def _agents_ready(lay: Layout) -> bool:
     return ready >= set(lay.nodes)
 
 
+PRESTOP_PORT = 7071  # manifests/daemonset.yaml's --prestop-port
+
+
 def start_webhook(lay: Layout) -> None:
     """`criuctl webhook` on the host, at the URL the webhook configuration names (addons)."""
     argv = [str(REPO / ".venv" / "bin" / "criuctl"), "webhook",
             "--listen", f"{lay.host_ip}:{lay.webhook_port}",
             "--tls-cert", str(lay.pki / "webhook.crt"),
-            "--tls-key", str(lay.pki / "webhook.key")]  # fmt: skip
+            "--tls-key", str(lay.pki / "webhook.key"),
+            "--prestop-port", str(PRESTOP_PORT), "--kubeconfig", str(lay.kubeconfig)]  # fmt: skip
     control.spawn(lay, "webhook", argv, {"KUBECONFIG": str(lay.kubeconfig)})
 
 

@@ -67,7 +67,12 @@ def overlay(lay: Layout) -> Path:
         "metadata": {"name": "criuctl-agent", "namespace": "criuctl-system"},
         "spec": {"template": {"spec": {
             "volumes": vols,
-            "containers": [{"name": "agent", "volumeMounts": mounts}],
+            # no kube-proxy here: a Service address would not route, so the agent's in-cluster
+            # client is pointed at the API server itself (its certificate names that address)
+            "containers": [{"name": "agent", "volumeMounts": mounts, "env": [
+                {"name": "KUBERNETES_SERVICE_HOST", "value": lay.host_ip},
+                {"name": "KUBERNETES_SERVICE_PORT", "value": str(lay.api_port)},
+            ]}],
         }}},
     }  # fmt: skip
     pki = lay.pki

@@ -1,0 +1,117 @@
+"""Pending moves of controller-owned pods: one ConfigMap per pod in criuctl's namespace.
+
+A pod whose controller recreates it under the same name (a StatefulSet's ordinal, a PyTorchJob's
+rank) keeps its identity by being recreated *as the placeholder* (docs/kubernetes.md,
+"Controller-owned pods"). Between the source pod's end and the restore into its successor the job
+exists only as a kept, verified bundle; this record is what every party reads to know where:
+
+    requested  `criuctl migrate` chose the target and is about to delete the pod
+    dumping    the pod's preStop is checkpointing it into bundle `bundle` on the source node
+    kept       the bundle is kept (verified) on `holder`; the next pod of this name is pinned there
+               as a placeholder, and holder's agent restores the bundle into it
+    failed     nothing more will be tried: `note` says why and where the bundle is
+
+The record lives in the API server (etcd), not on a node: it survives any agent, the CLI and
+either node. It is written before each step whose crash it must explain, and updated with the
+ConfigMap's resourceVersion, so two writers never both think they advanced it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import time
+from dataclasses import asdict, dataclass, fields
+from enum import StrEnum
+
+from criuctl.kube.cluster import SYSTEM_NS, Cluster, NotFound, call
+
+LABEL = "criuctl.io/move"  # on every record: they are listed by it
+
+
+class Phase(StrEnum):
+    REQUESTED = "requested"
+    DUMPING = "dumping"
+    KEPT = "kept"
+    FAILED = "failed"
+
+
+@dataclass
+class Move:
+    namespace: str
+    pod: str
+    uid: str  # the source pod's UID: its successor has another
+    source: str  # node
+    container: str
+    phase: Phase
+    target: str = ""  # the node asked for; empty until one is chosen
+    holder: str = ""  # the node keeping the verified bundle (kept)
+    bundle: str = ""  # the bundle's id (32 hex digits), chosen before the dump
+    since: float = 0.0  # when the record was first written (time.time())
+    size: int = 0  # the bundle's bytes, once kept
+    freeze: float = 0.0  # seconds the dump held the job frozen, once kept
+    note: str = ""
+    version: str = ""  # the ConfigMap's resourceVersion this was read at ("" for a new one)
+
+    @property
+    def key(self) -> str:
+        return record_name(self.namespace, self.pod)
+
+    def copies(self) -> list[str]:
+        """The nodes that may hold the bundle: the holder first, then the source's own copy."""
+        return list(dict.fromkeys(n for n in (self.holder, self.source) if n))
+
+
+def record_name(namespace: str, pod: str) -> str:
+    """`move.NAMESPACE.POD`: unambiguous (a namespace has no dots), hashed when too long."""
+    name = f"move.{namespace}.{pod}"
+    return name if len(name) <= 253 else "move." + hashlib.sha256(name.encode()).hexdigest()
+
+
+def _from(cm) -> Move:
+    data = dict(cm.data or {})
+    kw = {f.name: data[f.name] for f in fields(Move) if f.name in data}
+    kw["phase"] = Phase(kw["phase"])
+    kw["since"] = float(kw.get("since") or 0)
+    kw["size"] = int(kw.get("size") or 0)
+    kw["freeze"] = float(kw.get("freeze") or 0)
+    kw["version"] = cm.metadata.resource_version
+    return Move(**kw)
+
+
+def read(c: Cluster, namespace: str, pod: str) -> Move | None:
+    try:
+        cm = call("a move record", c.core.read_namespaced_config_map, record_name(namespace, pod), SYSTEM_NS)
+    except NotFound:
+        return None
+    return _from(cm)
+
+
+def every(c: Cluster) -> list[Move]:
+    cms = call("the move records", c.core.list_namespaced_config_map, SYSTEM_NS, label_selector=LABEL)
+    return [_from(cm) for cm in cms.items]
+
+
+def save(c: Cluster, m: Move) -> Move:
+    """Create (m.version empty) or update the record at the version it was read; a concurrent
+    writer makes this raise (409) rather than be overwritten."""
+    from kubernetes import client
+
+    data = {k: str(v) for k, v in asdict(m).items() if k != "version"}
+    data["since"] = repr(m.since or time.time())
+    meta = client.V1ObjectMeta(name=m.key, namespace=SYSTEM_NS, labels={LABEL: "true"},
+                               resource_version=m.version or None)  # fmt: skip
+    body = client.V1ConfigMap(metadata=meta, data=data)
+    if m.version:
+        cm = call("a move record", c.core.replace_namespaced_config_map, m.key, SYSTEM_NS, body)
+    else:
+        cm = call("a move record", c.core.create_namespaced_config_map, SYSTEM_NS, body)
+    return _from(cm)
+
+
+def forget(c: Cluster, m: Move) -> None:
+    from kubernetes import client
+
+    opts = client.V1DeleteOptions(preconditions=client.V1Preconditions(resource_version=m.version or None))
+    with contextlib.suppress(NotFound):
+        call("a move record", c.core.delete_namespaced_config_map, m.key, SYSTEM_NS, body=opts)

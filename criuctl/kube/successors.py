@@ -1,0 +1,170 @@
+"""Each node agent's loop over the pending moves (criuctl.kube.moves): restore a kept bundle into
+the successor pod its controller recreated, which the webhook pinned here as a placeholder.
+
+Level-triggered, every few seconds, from the records alone, so that an agent restarted at any
+instant picks up where the last one was. For a record whose bundle this node holds:
+
+    no successor yet           wait (the old pod is still going, or the controller is slow);
+                               after GIVE_UP with none, the move is failed and the bundle kept
+    successor not a placeholder   created without criuctl's webhook: it started the job over.
+                               The bundle must never run beside it: the move fails, bundle kept
+    placeholder on another node   (pinned before the holder changed) deleted while empty, so the
+                               controller recreates it and the webhook pins it here
+    placeholder here, running  restore the bundle into it (the agent uses the bundle up before
+                               the copy may run: it never restores twice); done: provenance on
+                               the pod, Events, the other copy deleted, the record forgotten
+    restore failed             the other copy (the source's) becomes the holder, the empty
+                               placeholder is deleted: the job comes back on the source node
+A record stuck in `dumping` after its pod is gone (the preStop's agent died mid-way) is settled by
+the source node: its bundle there means the dump committed (copied on, kept), none means the job
+ended with its pod (failed; the successor starts over).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+from criuctl.agent.client import AgentClient
+from criuctl.errors import CriuctlError
+from criuctl.kube import events, moves, mutate
+from criuctl.kube.cluster import Cluster, NotFound, agent_for, call, container_id, workload_row
+
+log = logging.getLogger("criuctl.kube")
+
+GIVE_UP = 3600.0  # a kept bundle whose pod never came back: failed, bundle kept for `criuctl restore`
+FORGET_FAILED = 24 * 3600.0  # a failed move's record is kept this long for `kubectl get cm`
+RESTORE_TIMEOUT = 900.0
+
+
+def _agent(c: Cluster, node: str) -> AgentClient:
+    return AgentClient(agent_for(c, c.serialize(call(f"node {node}", c.core.read_node, node))), timeout=30)
+
+
+def _holds_job(c: Cluster, node: str, cid: str) -> bool:
+    """Whether container `cid` on `node` runs a job (restored into it), not an empty placeholder."""
+    row = workload_row(_agent(c, node).node, cid)
+    return row is not None and row.get("state") == "running" and not row.get("why_not")
+
+
+def _pod(c: Cluster, m: moves.Move) -> dict | None:
+    try:
+        return c.serialize(call(f"pod {m.namespace}/{m.pod}", c.core.read_namespaced_pod, m.pod, m.namespace))
+    except NotFound:
+        return None
+
+
+def _fail(c: Cluster, m: moves.Move, why: str, pod: dict | None) -> None:
+    m.phase, m.note = moves.Phase.FAILED, why
+    moves.save(c, m)
+    if pod is not None:
+        events.record(c, pod, events.Reason.FAILED, why)
+    log.warning("move failed", extra={"pod": f"{m.namespace}/{m.pod}", "why": why})
+
+
+def _delete_pod(c: Cluster, pod: dict) -> None:
+    from kubernetes import client
+
+    meta = pod["metadata"]
+    only = client.V1Preconditions(uid=meta["uid"])  # never its successor's successor
+    opts = client.V1DeleteOptions(grace_period_seconds=0, preconditions=only)
+    with contextlib.suppress(NotFound):
+        call(f"pod {meta['name']}", c.core.delete_namespaced_pod, meta["name"], meta["namespace"], body=opts)
+
+
+def _finish(c: Cluster, m: moves.Move, pod: dict, node: str) -> None:
+    stamp = {"metadata": {"annotations": {events.MIGRATED_FROM: f"{m.namespace}/{m.pod}@{m.source}",
+                                          events.MIGRATED_AT: events.now()}}}  # fmt: skip
+    call("the new pod", c.core.patch_namespaced_pod, m.pod, m.namespace, stamp)
+    said = f"restored on node {node} from node {m.source} (bundle {m.bundle})"
+    events.record(c, pod, events.Reason.MIGRATED, said)
+    for other in {m.source, m.target} - {node, ""}:
+        # a copy left on a node that is down stays there, root-only
+        with contextlib.suppress(CriuctlError):
+            _agent(c, other).delete(f"/v1/bundles/{m.bundle}")
+    moves.forget(c, m)
+    log.info("restored", extra={"pod": f"{m.namespace}/{m.pod}", "bundle": m.bundle, "node": node})
+
+
+def _settle_dumping(c: Cluster, m: moves.Move, node: str) -> None:
+    pod = _pod(c, m)
+    if pod is not None and pod["metadata"]["uid"] == m.uid:
+        return  # its preStop is still at work
+    src = _agent(c, node)
+    try:
+        src.get(f"/v1/bundles/{m.bundle}/manifest")
+        has = True
+    except CriuctlError as exc:
+        if getattr(exc, "status", None) != 404:
+            return
+        has = False
+    if not has:
+        _fail(c, m, "the pod ended during its checkpoint: the job started over", pod)
+        return
+    try:
+        src.copy_bundle(m.bundle, _agent(c, m.target))
+        m.holder = m.target
+    except CriuctlError:
+        m.holder = node
+    m.phase = moves.Phase.KEPT
+    moves.save(c, m)
+
+
+def step(c: Cluster, m: moves.Move, node: str) -> None:
+    """Advance one record as far as this node can, now."""
+    age = time.time() - m.since
+    if m.phase == moves.Phase.FAILED:
+        if age > FORGET_FAILED and m.source == node:
+            moves.forget(c, m)
+        return
+    if m.phase == moves.Phase.DUMPING and m.source == node:
+        _settle_dumping(c, m, node)
+        return
+    if m.phase != moves.Phase.KEPT or m.holder != node:
+        return
+    pod = _pod(c, m)
+    if pod is None or pod["metadata"]["uid"] == m.uid:
+        if age > GIVE_UP:
+            why = f"no successor pod came within {GIVE_UP:.0f} s; bundle {m.bundle} is kept on node {node}"
+            _fail(c, m, why, None)
+        return
+    if not mutate.is_placeholder(pod):
+        _fail(c, m, f"pod {m.pod} was recreated without criuctl's webhook and started its job over; "
+                    f"bundle {m.bundle} is kept on node {node}", pod)  # fmt: skip
+        return
+    ctr = next((x for x in pod["spec"]["containers"] if mutate.is_wrapped(x)), None)
+    if pod["spec"].get("nodeName") != node:
+        cid = container_id(pod, ctr["name"]) if ctr else None
+        if cid is None or not _holds_job(c, pod["spec"]["nodeName"], cid):
+            _delete_pod(c, pod)  # empty: its controller recreates it, pinned here by the webhook
+        return
+    cid = container_id(pod, ctr["name"]) if ctr else None
+    if cid is None:
+        return  # not started yet
+    if _holds_job(c, node, cid):
+        _finish(c, m, pod, node)  # restored before this agent restarted
+        return
+    here = _agent(c, node)
+    try:
+        AgentClient(here.node, timeout=RESTORE_TIMEOUT).post(f"/v1/bundles/{m.bundle}/restore", {"into": cid})
+    except CriuctlError as exc:
+        others = [n for n in m.copies() if n != node]
+        why = f"the restore on node {node} failed ({exc.what})"
+        if getattr(exc, "status", None) == 409 or not others:
+            _fail(c, m, f"{why}; bundle {m.bundle} is kept on node {node}", pod)
+            return
+        m.holder, m.note = others[0], why
+        moves.save(c, m)
+        events.record(c, pod, events.Reason.FAILED, f"{why}: it is restored on node {others[0]} instead")
+        _delete_pod(c, pod)
+        return
+    _finish(c, m, pod, node)
+
+
+def tick(c: Cluster, node: str) -> None:
+    for m in moves.every(c):
+        try:
+            step(c, m, node)
+        except CriuctlError as exc:  # a Conflict: another writer advanced it; read again next tick
+            log.info("move not advanced", extra={"pod": f"{m.namespace}/{m.pod}", "why": exc.line()})

@@ -1,0 +1,171 @@
+"""Controller-owned pods keep their identity (docs/kubernetes.md, "Controller-owned pods"), on the
+local cluster: a real StatefulSet controller, the PyTorchJob stand-in operator, `kubectl drain`
+with the real eviction API and the real kubelet's preStop hook.
+
+Each test follows the job across its pods' logs and checks the only thing a user cares about:
+every step's loss and the final weights are those of an uninterrupted run, no step ran twice with
+another loss, and the job did not start over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from tests.conftest import needs_criu
+from tests.jobs import CRIUCTL
+from tests.kube import JOB, Kubectl, LogFollower, combined_steps, final, steps, training_pod, wait_step
+
+pytestmark = [needs_criu, pytest.mark.slow]
+
+STEPS = 500
+SYSTEM_NS = "criuctl-system"
+
+
+def _template(name: str, node: str, steps_: int) -> dict:
+    """A pod template for a controller: the training pod, kept on `node` by a nodeSelector."""
+    pod = training_pod(name, steps=steps_)
+    spec = {**pod["spec"], "nodeSelector": {"kubernetes.io/hostname": node}}
+    labels = {**pod["metadata"]["labels"], "app": name}
+    return {"metadata": {"labels": labels, "annotations": pod["metadata"]["annotations"]}, "spec": spec}
+
+
+def _statefulset(name: str, node: str) -> dict:
+    return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": name},
+            "spec": {"serviceName": name, "replicas": 1, "selector": {"matchLabels": {"app": name}},
+                     "template": _template(name, node, STEPS)}}  # fmt: skip
+
+
+def _pytorchjob(name: str, node: str) -> dict:
+    template = _template(name, node, STEPS)
+    master = {"replicas": 1, "restartPolicy": "OnFailure", "template": template}
+    return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": name},
+            "spec": {"pytorchReplicaSpecs": {"Master": master}}}  # fmt: skip
+
+
+def _apply_retrying(k: Kubectl, obj: dict, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while k("apply", "-f", "-", input=json.dumps(obj), check=False).returncode != 0:
+        assert time.monotonic() < deadline, f"{obj['kind']} not accepted"
+        time.sleep(0.5)
+
+
+def _successor(k: Kubectl, name: str, old_uid: str, node: str, timeout: float = 300) -> dict:
+    """The pod `name` after the move: another UID, on `node`, running the restored job."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        p = k.get("pod", name)
+        notes = (p or {}).get("metadata", {}).get("annotations") or {}
+        if p and p["metadata"]["uid"] != old_uid and "criuctl.io/migrated-at" in notes:
+            assert p["spec"]["nodeName"] == node, f"restored on {p['spec']['nodeName']}, not {node}"
+            assert notes["criuctl.io/migrated-from"].startswith(f"default/{name}@")
+            return p
+        time.sleep(0.5)
+    moves = k("-n", SYSTEM_NS, "get", "cm", "-l", "criuctl.io/move", "-o", "yaml", check=False).stdout
+    raise AssertionError(f"pod {name} was not restored on {node} within {timeout}s; records: {moves[-1500:]}")
+
+
+def _follow_to_the_end(k: Kubectl, followers: list[LogFollower], ref, name: str) -> None:
+    """The job's steps over its pods' logs are the reference's, resumed (not restarted), and its
+    final weights the reference's."""
+    for f in followers:
+        f.join(400)
+    parts = [steps(f.text) for f in followers]
+    assert all(parts), f"a pod's log showed no step: {[f.text[-300:] for f in followers]}"
+    assert min(parts[-1]) > 0, "the job started over in the new pod"
+    assert combined_steps(parts) == ref.steps
+    assert final(followers[-1].text) == [ref.final], "final weights differ from an uninterrupted run"
+    events = k("get", "events", "--field-selector", f"involvedObject.name={name}", "-o", "json").stdout
+    assert "Migrated" in events
+    assert not k("-n", SYSTEM_NS, "get", "cm", "-l", "criuctl.io/move", "-o", "name").stdout.strip(), (
+        "a finished move left its record"
+    )
+
+
+def _move_with_cli(lay, k: Kubectl, name: str, node: str) -> dict:
+    import subprocess
+
+    env = {**os.environ, "KUBECONFIG": str(lay.kubeconfig)}
+    r = subprocess.run([*CRIUCTL, "migrate", name, node, "-o", "json"], env=env, capture_output=True,
+                       text=True, timeout=900)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["new_pod"] == name and out["target"] == node, out
+    return out
+
+
+def _succeeded(job: dict) -> bool:
+    return any(c["type"] == "Succeeded" and c["status"] == "True" for c in job.get("status", {}).get("conditions", []))
+
+
+@pytest.fixture
+def ref(reference):
+    return reference(os.path.basename(JOB), "--steps", str(STEPS), "--workers", "2", "--log", "/dev/null")
+
+
+def test_statefulset_pod_moves_keeping_its_name(local_cluster, ref) -> None:
+    """`criuctl migrate st-0 b`: the StatefulSet controller (the real one) recreates st-0, the
+    webhook pins it to b as the placeholder, b's agent restores the bundle its preStop kept."""
+    lay, k = local_cluster
+    k.apply(_statefulset("st", "a"))
+    try:
+        first = k.wait_running("st-0")
+        follow = [LogFollower(k, "st-0")]
+        follow[0].start()
+        wait_step(k, "st-0", 40)
+        _move_with_cli(lay, k, "st-0", "b")
+        _successor(k, "st-0", first["metadata"]["uid"], "b")
+        follow.append(LogFollower(k, "st-0"))
+        follow[-1].start()
+        _follow_to_the_end(k, follow, ref, "st-0")
+    finally:
+        k("delete", "statefulset", "st", "--wait=false")
+
+
+def test_pytorchjob_worker_moves_keeping_its_name(local_cluster, ref) -> None:
+    """A single-replica PyTorchJob's pod (the stand-in operator makes it and makes it again under
+    its name), moved with `criuctl migrate`: same name, same rank env, bit-identical."""
+    lay, k = local_cluster
+    _apply_retrying(k, _pytorchjob("mnist", "a"))
+    try:
+        first = k.wait_running("mnist-master-0", timeout=120)
+        follow = [LogFollower(k, "mnist-master-0")]
+        follow[0].start()
+        wait_step(k, "mnist-master-0", 40)
+        _move_with_cli(lay, k, "mnist-master-0", "b")
+        new = _successor(k, "mnist-master-0", first["metadata"]["uid"], "b")
+        env = {e["name"]: e.get("value") for e in new["spec"]["containers"][0]["env"]}
+        assert (env["RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"]) == ("0", "1", "mnist-master-0")
+        follow.append(LogFollower(k, "mnist-master-0"))
+        follow[-1].start()
+        _follow_to_the_end(k, follow, ref, "mnist-master-0")
+        deadline = time.monotonic() + 60
+        while not _succeeded(k.get("pytorchjob", "mnist") or {}):
+            assert time.monotonic() < deadline, "the PyTorchJob did not succeed"
+            time.sleep(1)
+    finally:
+        k("delete", "pytorchjob", "mnist", "--wait=false")
+
+
+def test_drain_moves_the_pod_without_loss(local_cluster, ref) -> None:
+    """`kubectl drain a`: the eviction deletes the pod, its preStop hook (the kubelet's own call)
+    checkpoints the job into a bundle kept on b, the StatefulSet recreates it, and it continues."""
+    _, k = local_cluster
+    k.apply(_statefulset("dr", "a"))
+    try:
+        first = k.wait_running("dr-0")
+        follow = [LogFollower(k, "dr-0")]
+        follow[0].start()
+        wait_step(k, "dr-0", 40)
+        r = k("drain", "a", "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=300s", check=False)
+        assert r.returncode == 0, r.stderr[-2000:]
+        _successor(k, "dr-0", first["metadata"]["uid"], "b")
+        follow.append(LogFollower(k, "dr-0"))
+        follow[-1].start()
+        _follow_to_the_end(k, follow, ref, "dr-0")
+    finally:
+        k("uncordon", "a", check=False)
+        k("delete", "statefulset", "dr", "--wait=false")
