@@ -98,7 +98,8 @@ def _move_with_cli(lay, k: Kubectl, name: str, node: str) -> dict:
 
 
 def _succeeded(job: dict) -> bool:
-    return any(c["type"] == "Succeeded" and c["status"] == "True" for c in job.get("status", {}).get("conditions", []))
+    conditions = job.get("status", {}).get("conditions", [])
+    return any(c["type"] == "Succeeded" and c["status"] == "True" for c in conditions)
 
 
 @pytest.fixture
