@@ -1,9 +1,11 @@
 """`scripts/local-cluster demo` (the end of `make demo`): the Kubernetes flow on the local cluster.
 
-A training pod (the demo's job: DataLoader workers, AdamW, OneCycle) labelled migratable starts on
-node a — the API server has the webhook wrap it — while the same job runs uninterrupted in a plain
-pod on node b as the reference. Mid-training, `criuctl migrate train b` moves the pod; the moved
-job's losses and final weights are compared with the reference's, and both curves are drawn.
+A single-worker PyTorchJob (the demo's job: DataLoader workers, AdamW, OneCycle; the stand-in
+operator makes its pod `train-master-0`, labelled migratable, so the API server has the webhook wrap
+it) starts on node a, while the same job runs uninterrupted in a plain pod on node b as the
+reference. Mid-training, `criuctl migrate train-master-0 b` moves the worker: checkpointed by its
+preStop hook, recreated under its name by the operator, restored on b. The moved job's losses and
+final weights are compared with the reference's, and both curves are drawn.
 """
 
 from __future__ import annotations
@@ -41,6 +43,18 @@ def pod(name: str, steps: int, node: str, migratable: bool) -> dict:
     }  # fmt: skip
 
 
+def pytorchjob(name: str, steps: int, node: str) -> dict:
+    """A one-replica PyTorchJob whose pod is `pod(...)`'s, started on `node` by a node selector."""
+    template = pod(name, steps, node, True)
+    spec = {k: v for k, v in template["spec"].items() if k not in ("nodeName", "restartPolicy")}
+    spec["nodeSelector"] = {"kubernetes.io/hostname": node}
+    master = {"replicas": 1, "restartPolicy": "OnFailure",
+              "template": {"metadata": {k: template["metadata"][k] for k in ("labels", "annotations")},
+                           "spec": spec}}  # fmt: skip
+    return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": name},
+            "spec": {"pytorchReplicaSpecs": {"Master": master}}}  # fmt: skip
+
+
 class Follow(threading.Thread):
     """`kubectl logs -f` of one pod, parsed as it comes."""
 
@@ -66,25 +80,30 @@ class Follow(threading.Thread):
 def run(lay: Layout, out: Path, steps: int = 300, move_at: int = 100) -> int:
     kubectl = ["kubectl", "--kubeconfig", str(lay.kubeconfig)]
     env = {**os.environ, "KUBECONFIG": str(lay.kubeconfig)}
-    for p in (pod("train", steps, "a", True), pod("reference", steps, "b", False)):
-        subprocess.run(
-            [*kubectl, "apply", "-f", "-"], input=json.dumps(p), check=True, capture_output=True, text=True
-        )
-    ref, before = Follow(kubectl, "reference"), Follow(kubectl, "train")
+    for p in (pytorchjob("train", steps, "a"), pod("reference", steps, "b", False)):
+        deadline = time.monotonic() + 60  # the stand-in operator's CRD may still be settling
+        while subprocess.run([*kubectl, "apply", "-f", "-"], input=json.dumps(p), capture_output=True,
+                             text=True).returncode != 0:  # fmt: skip
+            if time.monotonic() > deadline:
+                print(f"criuctl demo: the cluster refused the {p['kind']}; see `kubectl get crd`")
+                return 1
+            time.sleep(1)
+    worker = "train-master-0"
+    ref, before = Follow(kubectl, "reference"), Follow(kubectl, worker)
     ref.start()
     before.start()
-    print(f"criuctl demo: pod train on node a (wrapped by the webhook), pod reference on node b; moving "
-          f"train to node b after step {move_at}")  # fmt: skip
+    print(f"criuctl demo: PyTorchJob train's worker {worker} on node a (wrapped by the webhook), pod "
+          f"reference on node b; moving the worker to node b after step {move_at}")  # fmt: skip
     deadline = time.monotonic() + 600
     while max(before.steps, default=-1) < move_at:
         if time.monotonic() > deadline or not before.is_alive():
-            print("criuctl demo: the training pod did not get going; see `kubectl describe pod train`")
+            print(f"criuctl demo: the worker did not get going; see `kubectl describe pod {worker}`")
             return 1
         time.sleep(0.2)
-    r = subprocess.run([str(REPO / ".venv" / "bin" / "criuctl"), "migrate", "train", "b", "-o", "json"],
+    r = subprocess.run([str(REPO / ".venv" / "bin" / "criuctl"), "migrate", worker, "b", "-o", "json"],
                        env=env, stdout=subprocess.PIPE, text=True)  # fmt: skip
     if r.returncode != 0:
-        print("criuctl demo: the migration failed (above); the pod keeps running on node a")
+        print("criuctl demo: the migration failed (above)")
         return 1
     moved = json.loads(r.stdout.strip().splitlines()[-1])
     after = Follow(kubectl, moved["new_pod"])
@@ -97,11 +116,12 @@ def run(lay: Layout, out: Path, steps: int = 300, move_at: int = 100) -> int:
     ) and set({**before.steps, **after.steps}) == set(ref.steps)  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     plot = demo._plot(out / "criuctl-kube-demo.png", ref.steps, before.steps, after.steps, frozen_after,
-                      labels=("pod train on node a", f"pod {moved['new_pod']} on node b",
-                              f"criuctl migrate train b ({moved['mode']}, "
-                              f"{moved['downtime_seconds']:.2f} s)"),
-                      title="A pod moved between kubelet nodes mid-training: identical losses")  # fmt: skip
-    print(f"criuctl demo: moved after step {frozen_after}, downtime {moved['downtime_seconds']:.2f} s, "
+                      labels=(f"{worker} on node a", f"{moved['new_pod']} on node b (same name)",
+                              f"criuctl migrate {worker} b ({moved['downtime_seconds']:.1f} s "
+                              "from delete to running again)"),
+                      title="A PyTorchJob worker moved to another kubelet node mid-training")  # fmt: skip
+    print(f"criuctl demo: moved after step {frozen_after}, {moved['downtime_seconds']:.1f} s from the "
+          f"delete to the job running again, "
           f"{len(after.steps)} steps on node b; losses and final weights "
           f"{'bit-identical to' if identical else 'DIFFERENT from'} the uninterrupted pod; "
           f"plot: {plot}")  # fmt: skip
