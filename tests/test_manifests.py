@@ -193,7 +193,9 @@ def test_every_manifest_file_validates_strictly(version: str) -> None:
 def test_what_kubectl_apply_k_sends_validates_strictly(objects: list[Obj], version: str) -> None:
     kinds = sorted(o["kind"] for o in objects)
     expected = ["Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Secret", "Secret"]
+    expected += ["Role", "RoleBinding"]  # the agent's, in criuctl-system: move records, its Secrets
     expected += ["DaemonSet", "Deployment", "Service", "MutatingWebhookConfiguration"]  # agent, webhook
+    expected += ["ServiceAccount", "Role", "RoleBinding"]  # the webhook's: reads move records
     assert kinds == sorted(expected)
     for obj in objects:
         validate(obj, version)
@@ -234,7 +236,7 @@ def test_the_daemonset_runs_privileged_in_the_hosts_pid_namespace_and_network(ob
     assert pod["hostNetwork"] is True
     assert pod["dnsPolicy"] == "ClusterFirstWithHostNet"
     assert agent_container(objects)["securityContext"]["privileged"] is True
-    assert pod["serviceAccountName"] == one(objects, "ServiceAccount")["metadata"]["name"]
+    assert pod["serviceAccountName"] == one(objects, "ServiceAccount", "criuctl-agent")["metadata"]["name"]
     assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == 1
 
 
@@ -379,11 +381,15 @@ def test_everything_namespaced_is_in_criuctl_system(objects: list[Obj]) -> None:
 # ---------------------------------------------------------------------------------------- RBAC
 
 AGENT_RULES = {
-    ("", "pods"): {"get", "list", "watch"},
+    ("", "pods"): {"get", "list", "watch", "patch", "delete"},
     ("", "nodes"): {"get", "list", "watch"},
     ("", "events"): {"create", "patch"},
     ("", "nodes/checkpoint"): {"create"},
+    ("apps", "statefulsets"): {"get"},
+    ("kubeflow.org", "pytorchjobs"): {"get"},
 }
+# in criuctl-system only: the move records, and criuctl's own two Secrets by name
+AGENT_NS_RULES = {("", "configmaps"): {"get", "list", "create", "update", "delete"}, ("", "secrets"): {"get"}}
 
 
 def rules(objs: list[Obj]) -> Iterator[tuple[Obj, Obj]]:
@@ -408,26 +414,41 @@ def test_no_cluster_role_reads_secrets(objects: list[Obj]) -> None:
             assert "secrets" not in r.get("resources", []), f"ClusterRole/{role['metadata']['name']}: {r}"
 
 
-def test_the_agent_role_is_exactly_the_minimal_one(objects: list[Obj]) -> None:
-    """pods and nodes read, Events recorded, the kubelet checkpoint API: nothing more (the migrate
-    controller's pod writes belong to its own role)."""
-    role = one(objects, "ClusterRole", "criuctl-agent")
+def _granted(role: Obj) -> dict[tuple[str, str], set[str]]:
     granted: dict[tuple[str, str], set[str]] = {}
     for r in role["rules"]:
         for group in r["apiGroups"]:
             for res in r["resources"]:
                 granted.setdefault((group, res), set()).update(r["verbs"])
-    assert granted == AGENT_RULES
-    binding = one(objects, "ClusterRoleBinding", "criuctl-agent")
-    assert binding["roleRef"] == {
-        "apiGroup": "rbac.authorization.k8s.io",
-        "kind": "ClusterRole",
-        "name": "criuctl-agent",
-    }
-    sa = one(objects, "ServiceAccount")["metadata"]
-    assert binding["subjects"] == [
-        {"kind": "ServiceAccount", "name": sa["name"], "namespace": sa["namespace"]}
-    ]
+    return granted
+
+
+def test_the_agent_role_is_exactly_the_minimal_one(objects: list[Obj]) -> None:
+    """pods and nodes read, Events recorded, the kubelet checkpoint API, and what a controller-owned
+    pod's move needs (its successor annotated, an empty placeholder deleted, its owner read); in
+    criuctl-system only, the move records and criuctl's two Secrets by name: nothing more."""
+    assert _granted(one(objects, "ClusterRole", "criuctl-agent")) == AGENT_RULES
+    ns_role = one(objects, "Role", "criuctl-agent")
+    assert ns_role["metadata"]["namespace"] == "criuctl-system"
+    assert _granted(ns_role) == AGENT_NS_RULES
+    (secrets,) = [r for r in ns_role["rules"] if "secrets" in r["resources"]]
+    assert sorted(secrets["resourceNames"]) == ["criuctl-agent", "criuctl-agent-tls"]
+    sa = one(objects, "ServiceAccount", "criuctl-agent")["metadata"]
+    subject = [{"kind": "ServiceAccount", "name": sa["name"], "namespace": sa["namespace"]}]
+    for kind in ("ClusterRoleBinding", "RoleBinding"):
+        binding = one(objects, kind, "criuctl-agent")
+        role_kind = kind.removesuffix("Binding")
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": role_kind,
+                                      "name": "criuctl-agent"}  # fmt: skip
+        assert binding["subjects"] == subject
+
+
+def test_the_webhook_reads_move_records_and_nothing_else(objects: list[Obj]) -> None:
+    role = one(objects, "Role", "criuctl-webhook")
+    assert role["metadata"]["namespace"] == "criuctl-system"
+    assert _granted(role) == {("", "configmaps"): {"get"}}
+    pod = one(objects, "Deployment", "criuctl-webhook")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "criuctl-webhook"
 
 
 def test_every_rule_says_why() -> None:

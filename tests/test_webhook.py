@@ -642,3 +642,79 @@ def test_the_manifest_agrees_with_the_code_and_the_script(certs: Path) -> None:
         pod_spec["securityContext"]["runAsNonRoot"] is True and pod_spec["securityContext"]["runAsUser"] > 0
     )
     assert volume["secret"]["defaultMode"] & 0o040 and pod_spec["securityContext"]["fsGroup"] > 0
+
+
+# ------------------------------------------------------------------ preStop and successors
+
+
+def named(p: Obj, name: str = "st-0") -> Obj:
+    p = copy.deepcopy(p)
+    del p["metadata"]["generateName"]
+    p["metadata"]["name"] = name
+    return p
+
+
+def test_a_named_pod_gets_the_prestop_hook_and_time_for_it() -> None:
+    new = mutate.wrap(named(pod(TRAIN, terminationGracePeriodSeconds=30)), prestop_port=7071)
+    train = containers_by_name(new)["train"]
+    get = train["lifecycle"]["preStop"]["httpGet"]
+    assert (get["host"], get["port"], get["path"]) == ("127.0.0.1", 7071, "/v1/prestop/ml/st-0")
+    assert mutate.has_prestop(train)
+    assert new["spec"]["terminationGracePeriodSeconds"] == mutate.PRESTOP_GRACE
+    longer = mutate.wrap(named(pod(TRAIN, terminationGracePeriodSeconds=900)), prestop_port=7071)
+    assert longer["spec"]["terminationGracePeriodSeconds"] == 900, "a longer grace period is the user's"
+
+
+def test_no_prestop_for_a_generated_name_or_a_users_own_hook() -> None:
+    generated = mutate.wrap(pod(TRAIN), prestop_port=7071)  # its successor gets another name
+    assert "lifecycle" not in containers_by_name(generated)["train"]
+    own = {**TRAIN, "lifecycle": {"preStop": {"exec": {"command": ["flush"]}}}}
+    kept = containers_by_name(mutate.wrap(named(pod(own)), prestop_port=7071))["train"]
+    assert kept["lifecycle"] == own["lifecycle"] and not mutate.has_prestop(kept)
+
+
+def test_a_successor_is_pinned_where_the_bundle_is_and_keeps_its_identity() -> None:
+    src = named(pod(TRAIN, nodeSelector={"kubernetes.io/hostname": "a"},
+                    affinity={"nodeAffinity": {"x": 1}, "podAntiAffinity": {"y": 2}}))  # fmt: skip
+    src["metadata"]["ownerReferences"] = [{"kind": "StatefulSet", "name": "st", "controller": True}]
+    wrapped = mutate.wrap(src, prestop_port=7071)
+    new = mutate.successor(wrapped, "b", "ml/st-0@a")
+    assert new["spec"]["nodeName"] == "b" and "nodeSelector" not in new["spec"]
+    assert new["spec"]["affinity"] == {"podAntiAffinity": {"y": 2}}
+    assert (
+        new["metadata"]["name"] == "st-0"
+        and new["metadata"]["ownerReferences"] == src["metadata"]["ownerReferences"]
+    )
+    assert mutate.is_placeholder(new)
+    train = containers_by_name(new)["train"]
+    assert train["command"][-1] == "--placeholder" and "args" not in train
+    assert mutate.has_prestop(train), "once the job runs in it, a delete must checkpoint it again"
+    assert apply_patch(src, mutate.patch(src, new)) == new
+
+
+def test_the_webhook_turns_a_pending_moves_pod_into_its_placeholder() -> None:
+    from criuctl.kube import moves, webhook
+
+    m = moves.Move(
+        "ml", "st-0", "uid-1", "a", "train", moves.Phase.KEPT, target="b", holder="b", bundle="0" * 32
+    )
+    opts = webhook.Options(
+        prestop_port=7071, pending=lambda ns, name: m if (ns, name) == ("ml", "st-0") else None
+    )
+    src = named(pod(TRAIN))
+    out = webhook.review(admission(src), opts)["response"]
+    new = apply_patch(src, json.loads(base64.b64decode(out["patch"])))
+    assert new["spec"]["nodeName"] == "b" and mutate.is_placeholder(new)
+    m.phase = moves.Phase.FAILED  # a failed move's pod is an ordinary pod again
+    plain = apply_patch(
+        src, json.loads(base64.b64decode(webhook.review(admission(src), opts)["response"]["patch"]))
+    )
+    assert "nodeName" not in plain["spec"] and not mutate.is_placeholder(plain)
+
+
+def test_a_move_record_name_is_unambiguous_and_fits() -> None:
+    from criuctl.kube import moves
+
+    assert moves.record_name("ml", "st-0") == "move.ml.st-0"
+    long = moves.record_name("n" * 63, "p" * 253)
+    assert len(long) <= 253 and long.startswith("move.")
