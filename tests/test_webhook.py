@@ -587,8 +587,11 @@ def test_the_manifest_agrees_with_the_code_and_the_script(certs: Path) -> None:
     hooks = {h["name"]: h for h in objs["MutatingWebhookConfiguration"]["webhooks"]}
     assert set(hooks) == {"pods.criuctl.io", "namespaces.criuctl.io"}
     svc = objs["Service"]
+    # a pod labelled itself must not be admitted unwrapped; a namespace's every pod must not be blocked
+    assert hooks["pods.criuctl.io"]["failurePolicy"] == "Fail"
+    assert hooks["namespaces.criuctl.io"]["failurePolicy"] == "Ignore"
     for h in hooks.values():
-        assert h["failurePolicy"] == "Ignore" and h["sideEffects"] == "None"
+        assert h["sideEffects"] == "None"
         assert h["admissionReviewVersions"] == ["v1"] and "caBundle" not in h["clientConfig"]
         assert h["clientConfig"]["service"] == {
             "namespace": svc["metadata"]["namespace"],
