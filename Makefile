@@ -1,6 +1,6 @@
 # The two commands a new user runs, as root, on a fresh Debian 12 machine:
 #   make demo   install everything, then freeze and restore a real training job, then move a training
-#               pod between the kubelet nodes of a local Kubernetes (scripts/local-cluster demo)
+#               PyTorchJob worker between the kubelet nodes of a local Kubernetes (scripts/local-cluster demo)
 #   make test   install everything, then run the whole test suite
 VENV := .venv
 
