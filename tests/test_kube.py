@@ -87,7 +87,8 @@ def test_webhook_down_blocks_only_labelled_pods(local_cluster) -> None:
     finally:
         lc.start_webhook(lay)
         deadline = time.monotonic() + 20
-        while "injected" not in json.dumps(_dry_run(k, training_pod("d3"))["metadata"]):
+        while "injected" not in k("create", "--dry-run=server", "-o", "json", "-f", "-",
+                                  input=json.dumps(training_pod("d3")), check=False).stdout:  # fmt: skip
             assert time.monotonic() < deadline, "the webhook did not come back"
             time.sleep(0.5)
 

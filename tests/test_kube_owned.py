@@ -170,3 +170,48 @@ def test_drain_moves_the_pod_without_loss(local_cluster, ref) -> None:
     finally:
         k("uncordon", "a", check=False)
         k("delete", "statefulset", "dr", "--wait=false")
+
+
+def _phase(k: Kubectl, pod: str) -> str | None:
+    cm = k.get("configmap", f"move.default.{pod}", SYSTEM_NS)
+    return (cm or {}).get("data", {}).get("phase")
+
+
+def test_target_agent_killed_mid_move_loses_nothing(local_cluster, ref) -> None:
+    """Node b's agent pod is killed while the preStop checkpoints the job for it: the bundle's copy
+    to b fails (the source's own copy is then the one kept, and the job comes back on a) or reaches
+    b's restarted agent. Either way the job resumes once, bit-identical, and no record is left."""
+    import subprocess
+
+    from criuctl.localcluster import __main__ as lc
+
+    lay, k = local_cluster
+    k.apply(_statefulset("ka", "a"))
+    try:
+        first = k.wait_running("ka-0")
+        follow = [LogFollower(k, "ka-0")]
+        follow[0].start()
+        wait_step(k, "ka-0", 40)
+        env = {**os.environ, "KUBECONFIG": str(lay.kubeconfig)}
+        cli = subprocess.Popen([*CRIUCTL, "migrate", "ka-0", "b", "-o", "json"], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        deadline = time.monotonic() + 120
+        while _phase(k, "ka-0") != "dumping":
+            assert cli.poll() is None and time.monotonic() < deadline, "the move never reached its dump"
+            time.sleep(0.05)
+        agents = k.pods(SYSTEM_NS, "app.kubernetes.io/name=criuctl-agent")
+        (agent,) = [p["metadata"]["name"] for p in agents if p["spec"]["nodeName"] == "b"]
+        k("-n", SYSTEM_NS, "delete", "pod", agent, "--grace-period=0", "--force")
+        out, err = cli.communicate(timeout=900)
+        assert cli.returncode == 0, err[-3000:]
+        where = json.loads(out.strip().splitlines()[-1])["target"]
+        _successor(k, "ka-0", first["metadata"]["uid"], where)
+        follow.append(LogFollower(k, "ka-0"))
+        follow[-1].start()
+        _follow_to_the_end(k, follow, ref, "ka-0")
+    finally:
+        k("delete", "statefulset", "ka", "--wait=false")
+        deadline = time.monotonic() + 120
+        while not lc._agents_ready(lay):  # the next test needs b's agent again
+            assert time.monotonic() < deadline, "b's agent did not come back"
+            time.sleep(1)

@@ -56,10 +56,19 @@ def _pod(c: Cluster, m: moves.Move) -> dict | None:
 
 
 def _fail(c: Cluster, m: moves.Move, why: str, pod: dict | None) -> None:
+    """Nothing more will be tried. A successor left an empty placeholder is deleted, so that its
+    controller makes an ordinary pod (the webhook ignores a failed move) and the job starts over:
+    progress lost, but never a pod waiting forever for a restore that will not come."""
     m.phase, m.note = moves.Phase.FAILED, why
     moves.save(c, m)
     if pod is not None:
         events.record(c, pod, events.Reason.FAILED, why)
+        if mutate.is_placeholder(pod) and pod["metadata"]["uid"] != m.uid:
+            ctr = next((x for x in pod["spec"]["containers"] if mutate.is_wrapped(x)), None)
+            cid = container_id(pod, ctr["name"]) if ctr else None
+            node = pod["spec"].get("nodeName")
+            if cid is None or not node or not _holds_job(c, node, cid):
+                _delete_pod(c, pod)
     log.warning("move failed", extra={"pod": f"{m.namespace}/{m.pod}", "why": why})
 
 
