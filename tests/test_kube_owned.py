@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 
 import pytest
 
+from criuctl.localcluster import __main__ as lc
 from tests.conftest import needs_criu
 from tests.jobs import CRIUCTL
 from tests.kube import JOB, Kubectl, LogFollower, combined_steps, final, steps, training_pod, wait_step
@@ -86,8 +88,6 @@ def _follow_to_the_end(k: Kubectl, followers: list[LogFollower], ref, name: str)
 
 
 def _move_with_cli(lay, k: Kubectl, name: str, node: str) -> dict:
-    import subprocess
-
     env = {**os.environ, "KUBECONFIG": str(lay.kubeconfig)}
     r = subprocess.run([*CRIUCTL, "migrate", name, node, "-o", "json"], env=env, capture_output=True,
                        text=True, timeout=900)  # fmt: skip
@@ -107,21 +107,28 @@ def ref(reference):
     return reference(os.path.basename(JOB), "--steps", str(STEPS), "--workers", "2", "--log", "/dev/null")
 
 
+def _moved_mid_training(k: Kubectl, name: str, ref, move) -> dict:
+    """Pod `name` (its controller just created) trains past step 40; `move()` moves it and returns
+    the node it should come back on; the successor runs there under the same name, and the job's
+    log over both pods is the uninterrupted run's."""
+    first = k.wait_running(name, timeout=120)
+    follow = [LogFollower(k, name)]
+    follow[0].start()
+    wait_step(k, name, 40)
+    new = _successor(k, name, first["metadata"]["uid"], move())
+    follow.append(LogFollower(k, name))
+    follow[-1].start()
+    _follow_to_the_end(k, follow, ref, name)
+    return new
+
+
 def test_statefulset_pod_moves_keeping_its_name(local_cluster, ref) -> None:
     """`criuctl migrate st-0 b`: the StatefulSet controller (the real one) recreates st-0, the
     webhook pins it to b as the placeholder, b's agent restores the bundle its preStop kept."""
     lay, k = local_cluster
     k.apply(_statefulset("st", "a"))
     try:
-        first = k.wait_running("st-0")
-        follow = [LogFollower(k, "st-0")]
-        follow[0].start()
-        wait_step(k, "st-0", 40)
-        _move_with_cli(lay, k, "st-0", "b")
-        _successor(k, "st-0", first["metadata"]["uid"], "b")
-        follow.append(LogFollower(k, "st-0"))
-        follow[-1].start()
-        _follow_to_the_end(k, follow, ref, "st-0")
+        _moved_mid_training(k, "st-0", ref, lambda: _move_with_cli(lay, k, "st-0", "b")["target"])
     finally:
         k("delete", "statefulset", "st", "--wait=false")
 
@@ -132,17 +139,11 @@ def test_pytorchjob_worker_moves_keeping_its_name(local_cluster, ref) -> None:
     lay, k = local_cluster
     _apply_retrying(k, _pytorchjob("mnist", "a"))
     try:
-        first = k.wait_running("mnist-master-0", timeout=120)
-        follow = [LogFollower(k, "mnist-master-0")]
-        follow[0].start()
-        wait_step(k, "mnist-master-0", 40)
-        _move_with_cli(lay, k, "mnist-master-0", "b")
-        new = _successor(k, "mnist-master-0", first["metadata"]["uid"], "b")
+        new = _moved_mid_training(
+            k, "mnist-master-0", ref, lambda: _move_with_cli(lay, k, "mnist-master-0", "b")["target"]
+        )
         env = {e["name"]: e.get("value") for e in new["spec"]["containers"][0]["env"]}
         assert (env["RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"]) == ("0", "1", "mnist-master-0")
-        follow.append(LogFollower(k, "mnist-master-0"))
-        follow[-1].start()
-        _follow_to_the_end(k, follow, ref, "mnist-master-0")
         deadline = time.monotonic() + 60
         while not _succeeded(k.get("pytorchjob", "mnist") or {}):
             assert time.monotonic() < deadline, "the PyTorchJob did not succeed"
@@ -156,17 +157,14 @@ def test_drain_moves_the_pod_without_loss(local_cluster, ref) -> None:
     checkpoints the job into a bundle kept on b, the StatefulSet recreates it, and it continues."""
     _, k = local_cluster
     k.apply(_statefulset("dr", "a"))
-    try:
-        first = k.wait_running("dr-0")
-        follow = [LogFollower(k, "dr-0")]
-        follow[0].start()
-        wait_step(k, "dr-0", 40)
+
+    def drain() -> str:
         r = k("drain", "a", "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=300s", check=False)
         assert r.returncode == 0, r.stderr[-2000:]
-        _successor(k, "dr-0", first["metadata"]["uid"], "b")
-        follow.append(LogFollower(k, "dr-0"))
-        follow[-1].start()
-        _follow_to_the_end(k, follow, ref, "dr-0")
+        return "b"
+
+    try:
+        _moved_mid_training(k, "dr-0", ref, drain)
     finally:
         k("uncordon", "a", check=False)
         k("delete", "statefulset", "dr", "--wait=false")
@@ -181,17 +179,10 @@ def test_target_agent_killed_mid_move_loses_nothing(local_cluster, ref) -> None:
     """Node b's agent pod is killed while the preStop checkpoints the job for it: the bundle's copy
     to b fails (the source's own copy is then the one kept, and the job comes back on a) or reaches
     b's restarted agent. Either way the job resumes once, bit-identical, and no record is left."""
-    import subprocess
-
-    from criuctl.localcluster import __main__ as lc
-
     lay, k = local_cluster
     k.apply(_statefulset("ka", "a"))
-    try:
-        first = k.wait_running("ka-0")
-        follow = [LogFollower(k, "ka-0")]
-        follow[0].start()
-        wait_step(k, "ka-0", 40)
+
+    def move_and_kill_bs_agent() -> str:
         env = {**os.environ, "KUBECONFIG": str(lay.kubeconfig)}
         cli = subprocess.Popen([*CRIUCTL, "migrate", "ka-0", "b", "-o", "json"], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -204,11 +195,10 @@ def test_target_agent_killed_mid_move_loses_nothing(local_cluster, ref) -> None:
         k("-n", SYSTEM_NS, "delete", "pod", agent, "--grace-period=0", "--force")
         out, err = cli.communicate(timeout=900)
         assert cli.returncode == 0, err[-3000:]
-        where = json.loads(out.strip().splitlines()[-1])["target"]
-        _successor(k, "ka-0", first["metadata"]["uid"], where)
-        follow.append(LogFollower(k, "ka-0"))
-        follow[-1].start()
-        _follow_to_the_end(k, follow, ref, "ka-0")
+        return json.loads(out.strip().splitlines()[-1])["target"]
+
+    try:
+        _moved_mid_training(k, "ka-0", ref, move_and_kill_bs_agent)
     finally:
         k("delete", "statefulset", "ka", "--wait=false")
         deadline = time.monotonic() + 120
