@@ -94,15 +94,15 @@ def _owned(c: Cluster, pod: dict, ctr: dict) -> owners.Owner | None:
             f"nothing was changed; criuctl moves bare pods and the pods of {' and '.join(owners.SAME_NAME)}s",
         )
     o = owners.owner(c, pod)
-    if o is None or not o.wants_back:
-        raise NotMigratable(f"pod {meta['name']}: {o.why if o else 'no owner'}", "nothing was changed")
-    if o.kind == "PyTorchJob" and o.replicas > 1:
+    if o is not None and o.kind == "PyTorchJob" and o.replicas > 1:
         raise NotMigratable(
             f"pod {meta['name']} is one of {o.replicas} replicas of PyTorchJob {o.name}: it holds TCP "
             "connections to its peers, which move only with the coordinated multi-node migration "
             "(not on main yet)",
             "nothing was changed; a single-replica job's pod moves",
         )
+    if o is None or not o.wants_back:
+        raise NotMigratable(f"pod {meta['name']}: {o.why if o else 'no owner'}", "nothing was changed")
     if not mutate.has_prestop(ctr):
         raise NotMigratable(
             f"pod {meta['name']} of {o.kind} {o.name} has no criuctl preStop hook (it was created before "
