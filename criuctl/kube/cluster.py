@@ -182,3 +182,18 @@ def container_id(pod: dict, container: str) -> str | None:
         if s["name"] == container and "running" in (s.get("state") or {}):
             return (s.get("containerID") or "").partition("://")[2] or None
     return None
+
+
+def delete_now(c: Cluster, pod: dict) -> None:
+    """Delete this very pod (a UID precondition: never its successor) without a grace period: for
+    a pod whose container runs no job any more (an empty placeholder, a source whose job lives in a
+    kept bundle), so that its controller recreates it at once."""
+    import contextlib
+
+    from kubernetes import client
+
+    meta = pod["metadata"]
+    only = client.V1Preconditions(uid=meta["uid"])
+    opts = client.V1DeleteOptions(grace_period_seconds=0, preconditions=only)
+    with contextlib.suppress(NotFound):
+        call(f"pod {meta['name']}", c.core.delete_namespaced_pod, meta["name"], meta["namespace"], body=opts)

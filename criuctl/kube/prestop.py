@@ -28,7 +28,7 @@ import uuid
 from criuctl.agent.client import AgentClient
 from criuctl.errors import CriuctlError
 from criuctl.kube import events, moves, mutate, owners, podplan
-from criuctl.kube.cluster import Cluster, NotFound, agent_for, call, container_id, workload_row
+from criuctl.kube.cluster import Cluster, NotFound, agent_for, call, container_id, delete_now, workload_row
 
 log = logging.getLogger("criuctl.kube")
 
@@ -130,4 +130,8 @@ def leaving(c: Cluster, namespace: str, name: str, node: str) -> str:
     m.phase = moves.Phase.KEPT
     moves.save(c, m)
     log.info("kept", extra={"pod": f"{namespace}/{name}", "bundle": m.bundle, "holder": m.holder})
+    # Its job's tree has ended: nothing runs in the pod. Kubernetes 1.20's kubelet, finding the
+    # container gone when its preStop returns, fails the kill and retries a minute later; the pod
+    # would stay Terminating, its successor waiting, all that time.
+    delete_now(c, pod)
     return f"checkpointed into bundle {m.bundle}, kept on node {m.holder}"

@@ -29,7 +29,7 @@ import time
 from criuctl.agent.client import AgentClient
 from criuctl.errors import CriuctlError
 from criuctl.kube import events, moves, mutate
-from criuctl.kube.cluster import Cluster, NotFound, agent_for, call, container_id, workload_row
+from criuctl.kube.cluster import Cluster, NotFound, agent_for, call, container_id, delete_now, workload_row
 
 log = logging.getLogger("criuctl.kube")
 
@@ -68,18 +68,8 @@ def _fail(c: Cluster, m: moves.Move, why: str, pod: dict | None) -> None:
             cid = container_id(pod, ctr["name"]) if ctr else None
             node = pod["spec"].get("nodeName")
             if cid is None or not node or not _holds_job(c, node, cid):
-                _delete_pod(c, pod)
+                delete_now(c, pod)
     log.warning("move failed", extra={"pod": f"{m.namespace}/{m.pod}", "why": why})
-
-
-def _delete_pod(c: Cluster, pod: dict) -> None:
-    from kubernetes import client
-
-    meta = pod["metadata"]
-    only = client.V1Preconditions(uid=meta["uid"])  # never its successor's successor
-    opts = client.V1DeleteOptions(grace_period_seconds=0, preconditions=only)
-    with contextlib.suppress(NotFound):
-        call(f"pod {meta['name']}", c.core.delete_namespaced_pod, meta["name"], meta["namespace"], body=opts)
 
 
 def _finish(c: Cluster, m: moves.Move, pod: dict, node: str) -> None:
@@ -146,7 +136,7 @@ def step(c: Cluster, m: moves.Move, node: str) -> None:
     if pod["spec"].get("nodeName") != node:
         cid = container_id(pod, ctr["name"]) if ctr else None
         if cid is None or not _holds_job(c, pod["spec"]["nodeName"], cid):
-            _delete_pod(c, pod)  # empty: its controller recreates it, pinned here by the webhook
+            delete_now(c, pod)  # empty: its controller recreates it, pinned here by the webhook
         return
     cid = container_id(pod, ctr["name"]) if ctr else None
     if cid is None:
@@ -166,7 +156,7 @@ def step(c: Cluster, m: moves.Move, node: str) -> None:
         m.holder, m.note = others[0], why
         moves.save(c, m)
         events.record(c, pod, events.Reason.FAILED, f"{why}: it is restored on node {others[0]} instead")
-        _delete_pod(c, pod)
+        delete_now(c, pod)
         return
     _finish(c, m, pod, node)
 
