@@ -118,6 +118,13 @@ def migration_progress() -> Iterator[callable]:
 
 
 def migration_summary(r) -> None:
+    if r.via_successor:  # only the freeze and the whole are measured on that path
+        err.print(
+            f"migrated {r.workload!r} {r.source} → {r.target} {r.mode}: the job stopped "
+            f"{r.downtime_seconds:.2f} s from the delete to running again (frozen {r.freeze_seconds:.2f} s "
+            f"for the dump), {human_bytes(r.bytes_moved)} kept on {r.target}"
+        )
+        return
     pages = (
         f", all pages pulled {r.pages_seconds:.2f} s after the commit" if r.pages_seconds is not None else ""
     )

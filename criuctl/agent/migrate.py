@@ -62,6 +62,9 @@ class MigrationResult:
     restore_seconds: float
     pages_seconds: float | None = None  # post-copy: commit → last page pulled
     source_confirmed: bool = True  # False: the source agent did not confirm that its copy ended
+    # a controller's pod moved through a kept bundle into its recreated pod (criuctl.kube.podmigrate):
+    # downtime and total are then the delete → running again, and only the freeze is known apart
+    via_successor: bool = False
 
 
 def _quiet(_phase: str, **_facts: object) -> None:

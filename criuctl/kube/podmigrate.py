@@ -161,8 +161,8 @@ def _owned_result(
 ) -> agent_migrate.MigrationResult:
     took = time.monotonic() - started
     size, freeze = (m.size, m.freeze) if m else (0, 0.0)
-    return agent_migrate.MigrationResult(p.workload, p.source, where, "stop-and-copy (preStop)", took, took,
-                                         size, freeze, 0.0, 0.0)  # fmt: skip
+    return agent_migrate.MigrationResult(p.workload, p.source, where, "through its successor", took, took,
+                                         size, freeze, 0.0, 0.0, via_successor=True)  # fmt: skip
 
 
 def execute_owned(c: Cluster, p: PodPlan, progress) -> agent_migrate.MigrationResult:
