@@ -175,21 +175,32 @@ def _phase(k: Kubectl, pod: str) -> str | None:
     return (cm or {}).get("data", {}).get("phase")
 
 
-def test_target_agent_killed_mid_move_loses_nothing(local_cluster, ref) -> None:
-    """Node b's agent pod is killed while the preStop checkpoints the job for it: the bundle's copy
-    to b fails (the source's own copy is then the one kept, and the job comes back on a) or reaches
-    b's restarted agent. Either way the job resumes once, bit-identical, and no record is left."""
-    lay, k = local_cluster
-    k.apply(_statefulset("ka", "a"))
+@pytest.mark.parametrize("victim", ["target agent", "client"])
+def test_killed_mid_move_loses_nothing(local_cluster, ref, victim: str) -> None:
+    """While the pod's preStop checkpoints the job for node b:
 
-    def move_and_kill_bs_agent() -> str:
+    - b's agent pod is killed: the bundle's copy to b fails (the source's own copy is then the one
+      kept, and the job comes back on a) or reaches b's restarted agent;
+    - `criuctl migrate` is killed: nothing needs it any more, the agents finish the move.
+
+    Either way the job resumes once, bit-identical, and no move record is left."""
+    lay, k = local_cluster
+    name = {"target agent": "ka", "client": "kc"}[victim]
+    pod = f"{name}-0"
+    k.apply(_statefulset(name, "a"))
+
+    def move_and_kill() -> str:
         env = {**os.environ, "KUBECONFIG": str(lay.kubeconfig)}
-        cli = subprocess.Popen([*CRIUCTL, "migrate", "ka-0", "b", "-o", "json"], env=env,
+        cli = subprocess.Popen([*CRIUCTL, "migrate", pod, "b", "-o", "json"], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
         deadline = time.monotonic() + 120
-        while _phase(k, "ka-0") != "dumping":
+        while _phase(k, pod) != "dumping":
             assert cli.poll() is None and time.monotonic() < deadline, "the move never reached its dump"
             time.sleep(0.05)
+        if victim == "client":
+            cli.kill()
+            cli.communicate()
+            return "b"
         agents = k.pods(SYSTEM_NS, "app.kubernetes.io/name=criuctl-agent")
         (agent,) = [p["metadata"]["name"] for p in agents if p["spec"]["nodeName"] == "b"]
         k("-n", SYSTEM_NS, "delete", "pod", agent, "--grace-period=0", "--force")
@@ -198,9 +209,9 @@ def test_target_agent_killed_mid_move_loses_nothing(local_cluster, ref) -> None:
         return json.loads(out.strip().splitlines()[-1])["target"]
 
     try:
-        _moved_mid_training(k, "ka-0", ref, move_and_kill_bs_agent)
+        _moved_mid_training(k, pod, ref, move_and_kill)
     finally:
-        k("delete", "statefulset", "ka", "--wait=false")
+        k("delete", "statefulset", name, "--wait=false")
         deadline = time.monotonic() + 120
         while not lc._agents_ready(lay):  # the next test needs b's agent again
             assert time.monotonic() < deadline, "b's agent did not come back"
