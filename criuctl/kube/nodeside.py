@@ -47,7 +47,13 @@ def extension(port: int, kubeconfig: str | None) -> Callable[[Agent, web.Applica
                 hook.router.add_get(prefix + "v1/prestop/{namespace}/{pod}", handle)
             r = web.AppRunner(hook, access_log=None)
             await r.setup()
-            await web.TCPSite(r, "127.0.0.1", port).start()
+            try:
+                await web.TCPSite(r, "127.0.0.1", port).start()
+            except OSError as exc:
+                raise CriuctlError(
+                    f"the agent could not serve its preStop hook on 127.0.0.1:{port}: {exc.strerror or exc}",
+                    "free that port or pass another --prestop-port (and the webhook's to match)",
+                ) from exc
             runner.append(r)
             agent.spawn(_loop(c, agent.name))
             log.info("kubernetes side", extra={"prestop": f"127.0.0.1:{port}", "node": agent.name})
