@@ -193,7 +193,7 @@ def execute_owned(c: Cluster, p: PodPlan, progress) -> agent_migrate.MigrationRe
             progress(
                 {moves.Phase.DUMPING: "checkpoint", moves.Phase.KEPT: "restore"}.get(m.phase, str(m.phase))
             )
-        if m is None and seen is not None and successor is not None:
+        if m is None and successor is not None:  # a pod made after our delete, restored
             notes = successor["metadata"].get("annotations") or {}
             if events.MIGRATED_AT in notes:
                 return _owned_result(p, seen, successor["spec"]["nodeName"], started)
