@@ -34,7 +34,10 @@ def _armed(point: Point) -> Path | None:
     if str(point) not in armed:
         return None
     here = Path(folder or "/tmp")
-    (here / str(point)).write_text(str(os.getpid()))
+    # whole or absent: a test that sees the file reads the PID, never an empty file being written
+    tmp = here / f".{point}.{os.getpid()}"
+    tmp.write_text(str(os.getpid()))
+    os.replace(tmp, here / str(point))
     return here / f"{point}.go"
 
 
