@@ -427,7 +427,7 @@ def test_points_cost_nothing_unless_armed_and_pause_where_armed(tmp_path, monkey
     monkeypatch.setenv(points.ENV_PAUSE_DIR, str(tmp_path))
     (tmp_path / points.ARMED).write_text("client.restored\n")
     points.reach(Point.CLIENT_SENT)  # another point is armed: returns at once
-    t = threading.Thread(target=points.reach, args=(Point.CLIENT_RESTORED,))
+    t = threading.Thread(target=points.reach, args=(Point.CLIENT_RESTORED,), daemon=True)
     t.start()
     deadline = time.monotonic() + 5
     while not (tmp_path / "client.restored").exists():
