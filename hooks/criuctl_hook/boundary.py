@@ -1,0 +1,243 @@
+"""Step boundaries: where criuctl stops a trainer without cutting a step in half.
+
+Installed once torch is imported (`postimport`), as three global hooks that PyTorch offers:
+
+- an optimizer step post-hook: a step has ended. Every 50 ms at most it looks for criuctl's
+  request in the control directory (one `stat`); that is the whole idle cost.
+- a module forward pre-hook: the next step is starting. A pending capture happens at the first
+  *training* forward (grad enabled, module in train mode) after a step, once the script's
+  registered position records (the `migrator` API's dicts) have moved on since that step: then
+  the model, the optimizer, the scheduler and those records all describe the same instant.
+- `DataLoader.__iter__`: the RNG state just before an epoch's iterator draws its seeds, so that a
+  resumed script that builds its iterator again draws the same shuffle.
+
+HOLD (the CRIU path): at the step's end, synchronise CUDA, empty the caching allocator so less
+device memory must be copied, report, and wait until criuctl removes the request (the dump is
+done: the source ends, or it thawed) or until the request is gone because this is the restored
+copy on another node. SAVE (the CUDA-aware pre-dump): the capture writes the state and then holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from criuctl_hook import contract
+
+_CHECK_EVERY = 0.05  # seconds between looks at the control directory while training
+_HOLD_POLL = 0.005
+
+
+def _write_json(path: str, data: dict) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def _same(a: dict, b: dict) -> bool:
+    """Two snapshots of a position record hold the same values (a tensor compares by identity)."""
+    if a.keys() != b.keys():
+        return False
+    for k, v in a.items():
+        w = b[k]
+        if v is w:
+            continue
+        if not isinstance(v, (int, float, str, bool, type(None))) or v != w:
+            return False
+    return True
+
+
+@dataclass
+class Capture:
+    """A capture that waits for a consistent instant, then runs with the boundary."""
+
+    run: Callable[[Boundary], None]
+    request_id: str = ""
+
+
+@dataclass
+class Boundary:
+    control: str | None
+    torch: Any
+    steps: int = 0
+    positions: list[dict] = field(default_factory=list)  # the migrator's registered dicts
+    epoch_rng: dict | None = None  # RNG state before the latest DataLoader iterator was made
+    on_first_forward: list[Callable[[], None]] = field(default_factory=list)
+    _capture: Capture | None = None
+    _snapshot: list[dict] = field(default_factory=list)
+    _next_check: float = 0.0
+    _registered: bool = False
+    _handled: str = ""
+
+    # -- the three hooks ---------------------------------------------------------------------
+    def after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.steps += 1
+        if self.positions:
+            self._snapshot = [dict(d) for d in self.positions]
+        if self.control is None:
+            return
+        if not self._registered:
+            self._register()
+        now = time.monotonic()
+        if now >= self._next_check:
+            self._next_check = now + _CHECK_EVERY
+            self._poll()
+
+    def before_forward(self, module: Any, args: Any) -> None:
+        if not (self.torch.is_grad_enabled() and module.training):
+            return
+        if self.on_first_forward:
+            todo, self.on_first_forward = self.on_first_forward, []
+            for fn in todo:
+                fn()
+        cap = self._capture
+        if cap is None or self.steps == 0:
+            return
+        if self.positions and self._snapshot and all(map(_same, self.positions, self._snapshot)):
+            return  # the script has not yet recorded where it stands after this step
+        self._capture = None
+        cap.run(self)
+
+    def before_epoch(self) -> None:
+        from criuctl_hook import state
+
+        self.epoch_rng = state.rng_state()
+
+    # -- requests ----------------------------------------------------------------------------
+    def request_capture(self, cap: Capture) -> None:
+        self._capture = cap
+
+    def _path(self, *parts: str) -> str:
+        return os.path.join(self.control or "", *parts)
+
+    def _register(self) -> None:
+        try:
+            os.makedirs(self._path(contract.TRAINERS), exist_ok=True)
+            _write_json(
+                self._path(contract.TRAINERS, str(os.getpid())), {"rank": rank(), "steps": self.steps}
+            )
+            self._registered = True
+        except OSError:
+            self.control = None  # no control directory here: nothing can ask us anything
+
+    def _read_request(self) -> dict | None:
+        try:
+            with open(self._path(contract.REQUEST)) as f:
+                req = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return req if isinstance(req, dict) and isinstance(req.get("id"), str) else None
+
+    def _poll(self) -> None:
+        req = self._read_request()
+        if req is None or req["id"] == self._handled:
+            return
+        self._handled = req["id"]
+        if req.get("mode") == contract.SAVE and isinstance(req.get("out"), str):
+            self.request_capture(Capture(lambda b: b._save_and_hold(req), req["id"]))
+        else:
+            self.hold(req["id"], {})
+
+    def hold(self, request_id: str, report: dict) -> None:
+        """Stop here until criuctl is done with the request; report what this process holds."""
+        torch = self.torch
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        held = {
+            "id": request_id,
+            "pid": os.getpid(),
+            "rank": rank(),
+            "step": self.steps,
+            "cuda_allocated": torch.cuda.memory_allocated() if cuda else 0,
+            "cuda_reserved": torch.cuda.memory_reserved() if cuda else 0,
+            "at": time.time(),
+            **report,
+        }
+        os.makedirs(self._path(contract.HELD), exist_ok=True)
+        mine = self._path(contract.HELD, str(os.getpid()))
+        _write_json(mine, held)
+        while (req := self._read_request()) is not None and req["id"] == request_id:
+            time.sleep(_HOLD_POLL)
+        # Released: criuctl thawed us, or this is the restored copy and the request stayed behind.
+        with contextlib.suppress(OSError):
+            os.unlink(mine)
+        self._register()
+
+    def _save_and_hold(self, req: dict) -> None:
+        from criuctl_hook import state
+
+        saved, found = state.capture(self.steps, epoch_rng=self.epoch_rng)
+        r = rank()
+        path = os.path.join(req["out"], contract.STATE_FILE.format(rank=r))
+        size = state.write(saved, path)
+        index = {
+            "format": contract.STATE_FORMAT,
+            "step": self.steps,
+            "rank": r,
+            "bytes": size,
+            "objects": [{"key": f.key, "kind": f.kind, "class": type(f.obj).__qualname__} for f in found],
+        }
+        _write_json(os.path.join(req["out"], contract.STATE_INDEX.format(rank=r)), index)
+        self.hold(req["id"], {"saved": os.path.basename(path), "bytes": size})
+
+
+def rank() -> str:
+    """Which trainer of a job this process is: its RANK, else "0"."""
+    value = os.environ.get("RANK", "0")
+    return value if value.isdigit() else "0"
+
+
+_current: Boundary | None = None
+
+
+def current() -> Boundary | None:
+    return _current
+
+
+def install(torch: Any) -> Boundary:
+    """Register the hooks with torch (once per process) and return the boundary."""
+    global _current
+    if _current is not None:
+        return _current
+    # torch.optim hides its submodules' names: import the functions, not attributes
+    from torch.nn.modules.module import register_module_forward_pre_hook
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.utils.data import DataLoader as loader
+
+    b = Boundary(os.environ.get(contract.ENV_CONTROL_DIR) or None, torch)
+    register_optimizer_step_post_hook(b.after_step)
+    register_module_forward_pre_hook(b.before_forward)
+    make_iter = loader.__iter__
+
+    def __iter__(self: Any) -> Any:
+        b.before_epoch()
+        return make_iter(self)
+
+    loader.__iter__ = __iter__
+    _current = b
+    resume_dir = os.environ.get(contract.ENV_RESUME_STATE)
+    if resume_dir:
+        from criuctl_hook import resume
+
+        resume.arm(b, resume_dir)
+    return b
+
+
+def installed_with_torch() -> Boundary:
+    """The boundary, installing it now if torch is imported but the hook was not on the path."""
+    import torch
+
+    return install(torch)
+
+
+def log(msg: str) -> None:
+    print(f"criuctl: {msg}", file=sys.stderr, flush=True)
