@@ -75,6 +75,49 @@ class ContainerFacts:
 
 
 @dataclass
+class StepBoundary:
+    """Where the trainers stood when frozen (`criuctl.stepboundary`): at a step's end, or not."""
+
+    request_id: str
+    trainers: int  # processes that had run optimizer steps
+    held: int  # of them, those stopped at a step boundary (the rest were caught inside a step)
+    step: int | None  # optimizer steps done by the first trainer
+    waited_s: float
+    cuda_bytes: int = 0  # device memory the held trainers still had allocated
+    why: str = ""  # why not every trainer stopped at a boundary
+
+
+@dataclass
+class GpuDevice:
+    index: int
+    uuid: str  # "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"
+    name: str  # the model, e.g. "NVIDIA H200"
+    memory_total: int  # bytes
+
+
+@dataclass
+class GpuFacts:
+    """The GPUs the job used, for the target's check and the driver's UUID map (`criuctl.gpus`)."""
+
+    driver: str  # e.g. "580.65.06"
+    devices: list[GpuDevice]  # every GPU of the node the job could see
+    pids: list[int]  # host PIDs whose CUDA state the driver checkpointed
+    ns_pids: list[int]  # the same processes' PIDs in the job's namespace (stable across restore)
+    checkpoint_s: float = 0.0  # lock + checkpoint (device memory to host)
+
+
+@dataclass
+class StateFacts:
+    """A state bundle (the CUDA-aware pre-dump): no CRIU images; the command starts again and loads these."""
+
+    files: dict[str, str]  # rank -> state file in the bundle
+    bytes: int
+    step: int | None
+    env: dict[str, str]  # the job's environment, to start it again the same way
+    cwd: str
+
+
+@dataclass
 class Manifest:
     """Everything a reader (inspect, restore, an agent) needs to know before touching the images."""
 
@@ -88,6 +131,10 @@ class Manifest:
     freeze_seconds: float = 0.0
     lazy_pages: bool = False  # post-copy: memory pages are not in the bundle, a page server has them
     container: ContainerFacts | None = None  # a container's tree: restore only into a placeholder
+    control_dir: str = ""  # where the job's hook looks for criuctl's requests (its environment says)
+    boundary: StepBoundary | None = None  # None: no step boundary was asked for
+    gpu: GpuFacts | None = None  # set when the driver checkpointed CUDA state
+    state: StateFacts | None = None  # set for a state bundle (no CRIU images)
     format_version: int = FORMAT_VERSION
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: float = field(default_factory=time.time)

@@ -34,7 +34,19 @@ from pathlib import Path
 
 import psutil
 
-from criuctl import bundle, containers, criu, locks, netlock, procinfo, rootfsdiff, tcprepair, workloads
+from criuctl import (
+    bundle,
+    containers,
+    criu,
+    gpustate,
+    locks,
+    netlock,
+    procinfo,
+    rootfsdiff,
+    stepboundary,
+    tcprepair,
+    workloads,
+)
 from criuctl.errors import CriuctlError
 from criuctl.restoring import Restored, restore, restore_stopped  # noqa: F401 - callers use checkpoint.*
 
@@ -118,6 +130,8 @@ class Frozen:
     lazy: bool = False
     lock: locks.WorkloadLock | None = None  # held from before the freeze until commit or thaw ends
     netlock_table: str | None = None  # CRIU's lock table for this dump, once CRIU has dumped
+    boundary: stepboundary.Reached | None = None  # the trainers held at a step boundary
+    gpu: bundle.GpuFacts | None = None  # CUDA state the driver moved to host memory
     _criu: threading.Thread | None = None
     _session: criu.Session | None = None
     _error: list[BaseException] = field(default_factory=list)
@@ -137,6 +151,8 @@ class Frozen:
                 self._session.kill()  # stop serving pages; CRIU's death releases the tree
                 self._criu.join()
             thaw_tree(self.workload.root_pid, self.images_dir)
+            gpustate.release(self.gpu)  # the tree runs again: its GPUs come back (restore + unlock)
+            stepboundary.release(self.workload, self.boundary)
             if remove_bundle:
                 shutil.rmtree(self.bundle_dir, ignore_errors=True)
         finally:
@@ -172,6 +188,7 @@ class Frozen:
             procinfo.send_signal(w.root_pid, signal.SIGKILL)  # PID 1 of the namespace: takes the whole tree
             if self.netlock_table:
                 netlock.lift(self.netlock_table)  # the tree is gone: its lock would only outlive it
+            stepboundary.release(w, self.boundary)  # the request would only outlive it too
         finally:
             self.release()
 
@@ -244,8 +261,13 @@ def _freeze_locked(
         **_COMMON,
     )
     frozen = Frozen(w, staging, None, 0.0, lazy=lazy_port is not None, lock=lock)  # type: ignore[arg-type]
-    progress("freezing")
     try:
+        if w.control:
+            progress("step boundary")
+            frozen.boundary = stepboundary.reach(w)
+            started = time.monotonic()  # the job ran on while it finished its step: not frozen time
+        progress("freezing")
+        frozen.gpu = gpustate.suspend(pids, stepboundary.timeout())
         with locks.host_dump_slot():
             _run_dump(frozen, options)
         frozen.netlock_table = netlock.table_for_images(images)
@@ -257,11 +279,14 @@ def _freeze_locked(
             command=w.command,
             processes=processes,
             open_files=procinfo.open_files(pids),
-            uses_gpu=procinfo.uses_gpu(pids),
+            uses_gpu=frozen.gpu is not None or procinfo.uses_gpu(pids),
             criu_version=".".join(map(str, criu.version())),
             stdio_pipes=w.stdio_pipes,
             lazy_pages=frozen.lazy,
             container=plan.facts if plan else None,
+            control_dir=w.control or "",
+            boundary=_boundary_facts(frozen.boundary),
+            gpu=frozen.gpu,
         )
         manifest.freeze_seconds = time.monotonic() - started
         frozen.manifest = bundle.seal(staging, manifest, key)
@@ -283,6 +308,12 @@ def _freeze_locked(
             ) from exc
         raise
     return frozen
+
+
+def _boundary_facts(r: stepboundary.Reached | None) -> bundle.StepBoundary | None:
+    if r is None:
+        return None
+    return bundle.StepBoundary(r.request_id, r.trainers, r.held, r.step, r.waited_s, r.cuda_bytes, r.why)
 
 
 def _carry_files(staging: Path, plan: containers.DumpPlan) -> None:

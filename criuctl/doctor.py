@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from criuctl import criu, cuda
+from criuctl import criu, cuda, gpus
 from criuctl.errors import CriuctlError
 
 CAP_CHECKPOINT_RESTORE = 40
@@ -144,18 +144,28 @@ def _cuda() -> Check:
         return Check(
             "CUDA checkpoint API",
             False,
-            "no CUDA driver (libcuda.so.1) on this host",
+            f"no CUDA driver ({cuda.library_path()}) on this host",
             "GPU jobs cannot be checkpointed here; CPU jobs are unaffected",
             required=False,
         )
+    try:
+        nvidia = gpus.driver_version()
+    except CriuctlError:
+        nvidia = None
+    api = f"CUDA {cuda.version_text(info.driver_version)}" if info.driver_version else "CUDA ?"
+    driver = f"driver {nvidia} ({api})" if nvidia else f"driver {api}"
     if info.has_checkpoint_api:
-        return Check(
-            "CUDA checkpoint API", True, f"driver {info.driver_version} exports cuCheckpointProcess*"
+        remap = (
+            "restore onto other GPUs (UUID remap) available"
+            if info.supports_remap
+            else "restore only onto the same GPUs: remapping them needs driver r580+ (CUDA 13.0)"
         )
+        return Check("CUDA checkpoint API", True, f"{driver} exports cuCheckpointProcess*; {remap}")
+    missing = [s for s in cuda.CHECKPOINT_SYMBOLS if s not in info.checkpoint_symbols]
     return Check(
         "CUDA checkpoint API",
         False,
-        f"driver {info.driver_version} lacks cuCheckpointProcess*",
+        f"{driver} lacks {', '.join(missing)}",
         "upgrade to driver r570+; until then GPU jobs fall back to the hook's host copy",
         required=False,
     )

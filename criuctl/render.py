@@ -200,6 +200,15 @@ def inspect(root: Path, as_json: bool) -> int:
         f"memory: {human_bytes(m.rss_bytes)} RSS in {len(m.processes)} processes; "
         f"bundle {human_bytes(bundle.size_bytes(root))}; GPU: {'yes' if m.uses_gpu else 'no'}"
     )
+    out.print(escape(_boundary_line(m)))
+    if m.gpu is not None:
+        names = ", ".join(sorted({d.name for d in m.gpu.devices})) or "unknown"
+        out.print(
+            escape(
+                f"GPU state: {len(m.gpu.pids)} processes checkpointed by driver {m.gpu.driver} in "
+                f"{m.gpu.checkpoint_s:.2f} s; node had {len(m.gpu.devices)} × {names}"
+            )
+        )
     by_pid = {p.pid: p for p in m.processes}
     nodes: dict[int, Tree] = {}
     tree = Tree("processes")
@@ -226,6 +235,23 @@ def inspect(root: Path, as_json: bool) -> int:
         for b in bad:
             out.print(f"  [red]{b}[/]")
     return 0 if sig_ok is not False and not bad else 1
+
+
+def _boundary_line(m: bundle.Manifest) -> str:
+    """Whether the checkpoint cut a training step in half, in one line."""
+    if m.state is not None:
+        return f"state bundle (CUDA-aware pre-dump): taken at a step boundary, step {m.state.step}"
+    b = m.boundary
+    if b is None:
+        return "step boundary: not asked (the job was not started by `criuctl run`)"
+    if b.trainers == 0:
+        return f"step boundary: none ({b.why})"
+    if b.held == b.trainers:
+        return (
+            f"step boundary: yes, after optimizer step {b.step} ({b.trainers} trainer(s) held; "
+            f"waited {b.waited_s:.2f} s); no step was cut in half"
+        )
+    return f"step boundary: {b.held} of {b.trainers} trainers ({b.why}); CRIU's image is exact regardless"
 
 
 def doctor(checks) -> None:

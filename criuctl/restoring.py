@@ -17,12 +17,22 @@ import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
-from criuctl import bundle, criu, interrupts, placeholder, procinfo, supervisor, workloads
+from criuctl import (
+    bundle,
+    criu,
+    gpustate,
+    interrupts,
+    placeholder,
+    procinfo,
+    stepboundary,
+    supervisor,
+    workloads,
+)
 from criuctl.errors import CriuctlError
 
 
@@ -39,6 +49,9 @@ class Restored:
     criu_seconds: float
     lazy_daemon: subprocess.Popen | None = None
     into: placeholder.Placeholder | None = None
+    manifest: bundle.Manifest | None = None
+    gpu_map: dict[str, str] = field(default_factory=dict)  # old -> new GPU UUIDs (gpustate.plan)
+    gpu_seconds: float = 0.0
 
     def start(self, **record: object) -> None:
         w = self.workload
@@ -50,8 +63,13 @@ class Restored:
         if self.into is not None:
             self.into.close_fds()
             self.into.tell(f"running {w.name} (host PID {w.root_pid})")
+        m = self.manifest
+        if m is not None and m.boundary is not None:  # a trainer held at its step boundary goes on
+            stepboundary.released_on_target(m.control_dir, m.boundary.request_id)
         for pid in procinfo.tree_pids(w.root_pid):  # CRIU's restore lifted its lock and repair mode
             procinfo.send_signal(pid, signal.SIGCONT)
+        if m is not None and m.gpu is not None:  # running: the driver's restore thread can work
+            self.gpu_seconds = gpustate.resume(m.gpu, w.root_pid, self.gpu_map)
 
     def abort(self, why: str = "the migration did not commit") -> None:
         _kill_and_reap(self.workload.root_pid)
@@ -123,6 +141,7 @@ def restore_stopped(
             "it can only be restored by `criuctl migrate --mode post-copy`",
         )
     name = workloads.unique_name(name or manifest.workload)
+    gpu_map = gpustate.plan(manifest.gpu)  # a node without the GPUs is refused before CRIU runs
     images = bundle_dir / bundle.IMAGES_DIR
     work = Path(tempfile.mkdtemp(prefix=f"restore-{name}-", dir=workloads.logs_dir("restores")))
     stdio, inherit, into_options = _destination(bundle_dir, manifest, into)
@@ -167,8 +186,9 @@ def restore_stopped(
         container=into.container.id if into else None,
         pod_uid=(into.container.pod_uid or None) if into else None,
         runtime=into.container.runtime if into else None,
+        control=manifest.control_dir or None,
     )
-    return Restored(w, stdio, result.seconds, lazy, into)
+    return Restored(w, stdio, result.seconds, lazy, into, manifest, gpu_map)
 
 
 def _placeholder_pipes(into: placeholder.Placeholder | None, manifest: bundle.Manifest) -> dict[str, str]:

@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import BinaryIO
 
 import criuctl_hook
-from criuctl import procinfo, workloads
+from criuctl import procinfo, stepboundary, workloads
 from criuctl.errors import CriuctlError
 from criuctl.nsinit import ENV_ALLOW_IO_URING, ENV_REPORT_FD, exit_code
-from criuctl_hook.contract import ENV_HOOKS_DIR, ENV_WORKLOAD
+from criuctl_hook.contract import ENV_CONTROL_DIR, ENV_HOOKS_DIR, ENV_RESUME_STATE, ENV_WORKLOAD
 
 _CLONE_NEWPID = 0x20000000
 _PR_SET_CHILD_SUBREAPER = 36
@@ -68,9 +68,13 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
-def workload_env(name: str, allow_io_uring: bool) -> dict[str, str]:
-    env = dict(os.environ)
+def workload_env(
+    name: str, allow_io_uring: bool, control: Path | None = None, base: dict[str, str] | None = None
+) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
     env[ENV_WORKLOAD] = name
+    if control is not None:
+        env[ENV_CONTROL_DIR] = str(control)
     env[ENV_HOOKS_DIR] = str(HOOKS_DIR)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HOOKS_DIR), env.get("PYTHONPATH")]))
     if allow_io_uring:
@@ -116,7 +120,9 @@ class CannotStart(CriuctlError):
 _MAX_ARG_STRLEN = 32 * 4096  # linux/binfmts.h: the longest single argument or environment string
 
 
-def _spawn_in_new_pidns(argv: list[str], env: dict[str, str], stdio: Stdio) -> tuple[int, int]:
+def _spawn_in_new_pidns(
+    argv: list[str], env: dict[str, str], stdio: Stdio, cwd: str | None = None
+) -> tuple[int, int]:
     """Fork a child that is PID 1 of a new PID namespace; return its host PID and exec-report fd.
 
     unshare(CLONE_NEWPID) only affects the caller's *next* child, so an intermediate process does
@@ -144,6 +150,8 @@ def _spawn_in_new_pidns(argv: list[str], env: dict[str, str], stdio: Stdio) -> t
                     os.dup2(stdio.err_w, 2)
                     os.dup2(high, _REPORT_FD)  # inheritable: nsinit makes it close-on-exec
                     os.closerange(_REPORT_FD + 1, 65536)
+                    if cwd:
+                        os.chdir(cwd)
                     os.execve(sys.executable, argv, {**env, ENV_REPORT_FD: str(_REPORT_FD)})
                 except OSError as exc:  # the init itself cannot start (an argument list too long)
                     os.write(_REPORT_FD, str(exc.errno or 0).encode())
@@ -180,9 +188,17 @@ def _await_exec(init: int, exec_r: int, command: list[str]) -> None:
 
 
 def start(
-    command: list[str], name: str | None, allow_io_uring: bool = False
+    command: list[str],
+    name: str | None,
+    allow_io_uring: bool = False,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+    resume_state: Path | None = None,
 ) -> tuple[workloads.Workload, Stdio]:
     """Start `command` as a checkpointable workload and register it.
+
+    `env` and `cwd` replace ours (a state bundle starts its job again as it first ran), and
+    `resume_state` puts the hook in resume mode with that state directory.
 
     Everything that can be refused is refused before anything runs (the name, the state dir), and
     a command that cannot be executed is reported, not registered: a workload either runs
@@ -200,11 +216,21 @@ def start(
     workloads.log_path(name)  # the logs folder exists (or the state dir said why not) before the job
     stdio = Stdio.create()
     argv = [sys.executable, "-I", "-m", "criuctl.nsinit", "--", *command]
-    root, exec_r = _spawn_in_new_pidns(argv, workload_env(name, allow_io_uring), stdio)
+    control = stepboundary.control_dir(name)
+    stepboundary.prepare(control)
+    job_env = workload_env(name, allow_io_uring, control, env)
+    if resume_state is not None:
+        job_env[ENV_RESUME_STATE] = str(resume_state)
+    root, exec_r = _spawn_in_new_pidns(argv, job_env, stdio, cwd)
     try:
         _await_exec(root, exec_r, command)
         w = workloads.Workload(
-            name=name, command=command, root_pid=root, supervisor_pid=os.getpid(), stdio_pipes=stdio.keys()
+            name=name,
+            command=command,
+            root_pid=root,
+            supervisor_pid=os.getpid(),
+            stdio_pipes=stdio.keys(),
+            control=str(control),
         )
         workloads.save(w)
     except BaseException:

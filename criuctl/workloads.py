@@ -125,6 +125,9 @@ class Workload:
     pod_uid: str | None = None  # its pod's UID (Kubernetes), for the moved marker (containers.mark_moved)
     runtime: str | None = None  # the runtime endpoint that runs that container
     pod: str | None = None  # "namespace/pod/container" when the runtime's labels name them
+    control: str | None = (
+        None  # the hook's control directory (criuctl.stepboundary), as the job's env names it
+    )
 
     def alive(self) -> bool:
         try:

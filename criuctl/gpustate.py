@@ -1,0 +1,80 @@
+"""A GPU job's device state around a CRIU dump and restore, through the driver's checkpoint API.
+
+CRIU cannot dump a process that holds a CUDA context. The driver can move that context's device
+memory into the process's host memory and close its device handles (lock, checkpoint), after
+which CRIU dumps an ordinary process; on the target, after CRIU's restore, the driver puts the
+memory back on a GPU (restore, with old -> new GPU UUIDs from r580) and lets CUDA calls run again
+(unlock). Every step that fails puts the source back the way it was: restore + unlock, so the job
+keeps training there.
+"""
+
+from __future__ import annotations
+
+import time
+
+from criuctl import bundle, cuda, gpus, procinfo
+from criuctl.errors import CriuctlError
+
+
+def _driver() -> cuda.Driver:
+    try:
+        return cuda.Driver.load()
+    except cuda.CudaError as exc:
+        raise CriuctlError(
+            f"this job uses a GPU but the CUDA driver's checkpoint API is not usable here: {exc}",
+            "upgrade the driver to r570+ or move it with `criuctl dump --state` (the hook's host copy); "
+            "nothing was frozen, the job keeps running",
+        ) from exc
+
+
+def _facts() -> list[bundle.GpuDevice]:
+    return [bundle.GpuDevice(g.index, g.uuid, g.name, g.memory_total) for g in gpus.list_gpus()]
+
+
+def suspend(pids: list[int], timeout_s: float) -> bundle.GpuFacts | None:
+    """Move the CUDA state of every GPU process in `pids` to host memory; None if none uses a GPU."""
+    users = gpus.gpu_pids(pids)
+    if not users:
+        return None
+    driver = _driver()
+    started = time.monotonic()
+    cuda.suspend(driver, users, timeout_s)  # rolls back what it did before raising
+    return bundle.GpuFacts(
+        driver=gpus.driver_version() or str(driver.version),
+        devices=_facts(),
+        pids=users,
+        ns_pids=[procinfo.ns_pid(p) for p in users],
+        checkpoint_s=round(time.monotonic() - started, 3),
+    )
+
+
+def release(facts: bundle.GpuFacts | None) -> None:
+    """The dump did not commit: give the source's processes their GPUs back (restore + unlock)."""
+    if facts is not None:
+        cuda.release(_driver(), facts.pids)
+
+
+def plan(facts: bundle.GpuFacts | None) -> dict[str, str]:
+    """The old -> new GPU UUID map for this node; GpuMismatch (one line) if its GPUs cannot hold the job."""
+    if facts is None:
+        return {}
+    recorded = [gpus.GpuInfo(d.index, d.uuid, d.name, d.memory_total) for d in facts.devices]
+    return gpus.plan_gpu_map(recorded, gpus.list_gpus())
+
+
+def resume(facts: bundle.GpuFacts | None, root_pid: int, gpu_map: dict[str, str]) -> float:
+    """After CRIU's restore: the restored processes (by namespace PID) get their GPU state back."""
+    if facts is None:
+        return 0.0
+    started = time.monotonic()
+    by_ns = {procinfo.ns_pid(p): p for p in procinfo.tree_pids(root_pid)}
+    missing = [n for n in facts.ns_pids if n not in by_ns]
+    if missing:
+        raise CriuctlError(
+            f"the restored job has no process with namespace PID {missing[0]}, "
+            "whose GPU state the bundle holds",
+            "the bundle does not match its images; dump the job again",
+        )
+    remap = {old: new for old, new in gpu_map.items() if old != new}
+    cuda.resume(_driver(), [by_ns[n] for n in facts.ns_pids], remap or None)
+    return round(time.monotonic() - started, 3)
