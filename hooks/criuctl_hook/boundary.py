@@ -165,9 +165,13 @@ class Boundary:
         os.makedirs(self._path(contract.HELD), exist_ok=True)
         mine = self._path(contract.HELD, str(os.getpid()))
         _write_json(mine, held)
+        released = self._path(contract.RELEASED, request_id)
         while (req := self._read_request()) is not None and req["id"] == request_id:
+            if os.path.exists(released):
+                break
             time.sleep(_HOLD_POLL)
-        # Released: criuctl thawed us, or this is the restored copy and the request stayed behind.
+        # Released: criuctl thawed us (the request is gone), or this is the restored copy (the
+        # target wrote RELEASED; the request may still be there if the source shares this path).
         with contextlib.suppress(OSError):
             os.unlink(mine)
         self._register()

@@ -12,6 +12,7 @@ ENV_HOOKED_PID = "CRIUCTL_HOOKED_PID"
 REQUEST = "request"  # JSON {"id": str, "mode": HOLD | SAVE, "out": state directory (SAVE)}
 TRAINERS = "trainers"  # one file per process that has run an optimizer step, named by its PID
 HELD = "held"  # one JSON report per trainer, named by its PID, written at the boundary
+RELEASED = "released"  # a file per request id, written by the node that restored the held copy
 HOLD = "hold"  # stop at the next step boundary, synchronise CUDA, and wait there
 SAVE = "save"  # also write the training state into "out" (the CUDA-aware pre-dump)
 
