@@ -363,12 +363,19 @@ def _run_dump(frozen: Frozen, options: criu.DumpOptions) -> None:
         raise frozen._error[0]
 
 
-def dump(target: str, out: Path, leave_running: bool = False, progress: Progress = _quiet) -> DumpOutcome:
-    """Checkpoint workload `target` (name or PID) into bundle directory `out`."""
+def dump(
+    target: str,
+    out: Path,
+    leave_running: bool = False,
+    progress: Progress = _quiet,
+    freezer: Callable[..., Frozen] | None = None,
+) -> DumpOutcome:
+    """Checkpoint workload `target` (name or PID) into bundle directory `out` (`freezer`: how;
+    CRIU by default, `predump.freeze_state` for the state pre-dump)."""
     started = time.monotonic()
     out = out.absolute()
     _check_out_dir(out)
-    frozen = freeze(target, out.parent, progress=progress)
+    frozen = (freezer or freeze)(target, out.parent, progress=progress)
     try:
         if out.exists():
             out.rmdir()

@@ -146,8 +146,15 @@ def _cmd_dump(a: argparse.Namespace) -> int:
         return _dump_via_runtime(a)
     containers.resolve(a.target)  # a container is registered as a workload here
 
+    freezer = None
+    if a.state:
+        from criuctl import predump
+
+        freezer = predump.freeze_state
     with render.phase_progress() as progress:
-        outcome = checkpoint.dump(a.target, Path(a.output), leave_running=a.leave_running, progress=progress)
+        outcome = checkpoint.dump(
+            a.target, Path(a.output), leave_running=a.leave_running, progress=progress, freezer=freezer
+        )
     render.dump_summary(outcome, a.leave_running)
     return 0
 
@@ -191,6 +198,13 @@ def _cmd_restore(a: argparse.Namespace) -> int:
 
     path = Path(a.bundle)
     if not archive.is_archive(path):
+        from criuctl import bundle
+
+        if path.is_dir() and (m := bundle.read_manifest(path)).state is not None:
+            from criuctl import predump
+
+            m = bundle.verify(path, bundle.load_key(workloads.key_path(), create=False))
+            return predump.restart(path.absolute(), m, a.name)
         return checkpoint.restore(path, a.name, into=into)
     if into is None:
         raise CriuctlError(

@@ -171,6 +171,13 @@ VERBS: dict[str, Verb] = {
             opt("-o", "--output", required=True, metavar="DIR", help="new bundle directory"),
             opt("--leave-running", action="store_true", help="snapshot only: the workload keeps running"),
             opt(
+                "--state",
+                action="store_true",
+                help="no CRIU: the hook saves models, optimizers, schedulers and RNG at a step boundary "
+                "(the CUDA-aware pre-dump, for GPUs without the driver's checkpoint API); "
+                "restore starts the command again and loads them (docs/gpu.md)",
+            ),
+            opt(
                 "--via-runtime",
                 action="store_true",
                 help="a container: checkpoint it with the runtime's CRI CheckpointContainer (what the "

@@ -80,6 +80,19 @@ class Migrator:
         self.migrations: dict[str, Any] = {}
         self._listener: threading.Thread | None = None
         self._saving = threading.Event()
+        self._from_criuctl = self._criuctl_state()  # a state bundle criuctl restarts us from
+
+    def _criuctl_state(self) -> Path | None:
+        """The state file of this rank in the bundle criuctl restarted the job from, if it is ours."""
+        directory = os.environ.get("CRIUCTL_RESUME_STATE")
+        if not directory:
+            return None
+        from criuctl_hook import contract, resume
+        from criuctl_hook.boundary import rank
+
+        if resume.index(directory).get("kind") != "migrator":
+            return None
+        return Path(directory) / contract.STATE_FILE.format(rank=rank())
 
     # -- the signal --------------------------------------------------------------------------
     @property
@@ -89,7 +102,7 @@ class Migrator:
     @property
     def resume(self) -> bool:
         """True when the previous run of this job saved a migration checkpoint for this one."""
-        return self.signal == RESUME
+        return self._from_criuctl is not None or self.signal == RESUME
 
     def write_signal(self, signal: str) -> None:
         if signal not in SIGNALS:
@@ -112,10 +125,11 @@ class Migrator:
                 stacklevel=2,
             )
         self.migrations[key] = val
-        if isinstance(val, dict):
-            b = self._boundary()
-            if b is not None and not any(d is val for d in b.positions):
-                b.positions.append(val)
+        b = self._boundary()
+        if b is not None:
+            if isinstance(val, dict) and not any(d is val for d in b.positions):
+                b.positions.append(val)  # the script's record of where it stands
+            b.saver = self._save_for_criuctl  # `criuctl dump --state` saves what is registered
         return val
 
     def _boundary(self) -> Any:
@@ -154,22 +168,34 @@ class Migrator:
 
         self.save_ckpt(rng=state.rng_state(), epoch_rng=b.epoch_rng, step=b.steps)
 
+    def _payload(self, rng: dict | None, epoch_rng: dict | None, step: int | None) -> dict:
+        from criuctl_hook import state
+
+        objects = {k: (v.state_dict() if hasattr(v, "state_dict") else v) for k, v in self.migrations.items()}
+        return {"objects": objects, "rng": rng or state.rng_state(), "epoch_rng": epoch_rng, "step": step}
+
+    def _save_for_criuctl(self, b: Any, req: dict) -> None:
+        """`criuctl dump --state`: the registered objects into criuctl's bundle; criuctl signs it."""
+        from criuctl_hook import contract, state
+        from criuctl_hook.boundary import rank
+
+        path = os.path.join(req["out"], contract.STATE_FILE.format(rank=rank()))
+        payload = self._payload(None, b.epoch_rng, b.steps)
+        saved = state.Saved(b.steps, payload["objects"], payload["rng"], {"epoch_rng": b.epoch_rng})
+        size = state.write(saved, path)
+        objects = [
+            {"key": k, "kind": "registered", "class": type(v).__name__} for k, v in self.migrations.items()
+        ]
+        index = {"kind": "migrator", "format": contract.STATE_FORMAT, "step": b.steps, "rank": rank()}
+        b.saved(req, path, size, {**index, "bytes": size, "objects": objects})
+
     def save_ckpt(
         self, rng: dict | None = None, epoch_rng: dict | None = None, step: int | None = None
     ) -> None:
         """Save every registered object now, sign it, and answer `resume`."""
         import torch
 
-        from criuctl_hook import state
-
-        payload = {
-            "objects": {
-                k: (v.state_dict() if hasattr(v, "state_dict") else v) for k, v in self.migrations.items()
-            },
-            "rng": rng or state.rng_state(),
-            "epoch_rng": epoch_rng,
-            "step": step,
-        }
+        payload = self._payload(rng, epoch_rng, step)
         tmp = self.ckpt_path.with_name(f".{self.ckpt_path.name}.partial")
         torch.save(payload, tmp)
         with open(tmp, "rb+") as f:
@@ -231,8 +257,12 @@ class Migrator:
 
         from criuctl_hook import state
 
-        self.verify()
-        ckpt = torch.load(self.ckpt_path, map_location=map_location, weights_only=True)
+        if self._from_criuctl is not None:  # criuctl verified the whole bundle before the restart
+            path, self._from_criuctl = self._from_criuctl, None
+        else:
+            self.verify()
+            path = self.ckpt_path
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
         for k, v in self.migrations.items():
             if k not in ckpt["objects"]:
                 warnings.warn(f"migrator: {k!r} is not in {self.ckpt_path}; it starts afresh", stacklevel=2)

@@ -70,6 +70,7 @@ class Boundary:
     positions: list[dict] = field(default_factory=list)  # the migrator's registered dicts
     epoch_rng: dict | None = None  # RNG state before the latest DataLoader iterator was made
     on_first_forward: list[Callable[[], None]] = field(default_factory=list)
+    saver: Callable[[Boundary, dict], None] | None = None  # the migrator's, when the script uses it
     _capture: Capture | None = None
     _snapshot: list[dict] = field(default_factory=list)
     _next_check: float = 0.0
@@ -141,7 +142,8 @@ class Boundary:
             return
         self._handled = req["id"]
         if req.get("mode") == contract.SAVE and isinstance(req.get("out"), str):
-            self.request_capture(Capture(lambda b: b._save_and_hold(req), req["id"]))
+            save = self.saver or Boundary._save_and_hold
+            self.request_capture(Capture(lambda b: save(b, req), req["id"]))
         else:
             self.hold(req["id"], {})
 
@@ -184,13 +186,18 @@ class Boundary:
         path = os.path.join(req["out"], contract.STATE_FILE.format(rank=r))
         size = state.write(saved, path)
         index = {
+            "kind": "discovered",
             "format": contract.STATE_FORMAT,
             "step": self.steps,
             "rank": r,
             "bytes": size,
             "objects": [{"key": f.key, "kind": f.kind, "class": type(f.obj).__qualname__} for f in found],
         }
-        _write_json(os.path.join(req["out"], contract.STATE_INDEX.format(rank=r)), index)
+        self.saved(req, path, size, index)
+
+    def saved(self, req: dict, path: str, size: int, index: dict) -> None:
+        """Describe the state file beside it, report it to criuctl, and hold until released."""
+        _write_json(os.path.join(req["out"], contract.STATE_INDEX.format(rank=rank())), index)
         self.hold(req["id"], {"saved": os.path.basename(path), "bytes": size})
 
 

@@ -9,6 +9,7 @@ What is not restored, and why, is in docs/gpu.md: the script's own loop variable
 
 from __future__ import annotations
 
+import json
 import os
 
 from criuctl_hook import contract, state
@@ -20,7 +21,17 @@ def arm(b: Boundary, directory: str) -> None:
     if not os.path.exists(path):
         log(f"resume: no saved state for rank {rank()} in {directory}; starting from scratch")
         return
+    if index(directory).get("kind") == "migrator":
+        return  # the script's own `migrator.load_ckpt` loads it (criuctl.migration)
     b.on_first_forward.append(lambda: _load(b, path))
+
+
+def index(directory: str) -> dict:
+    try:
+        with open(os.path.join(directory, contract.STATE_INDEX.format(rank=rank()))) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
 
 
 def _load(b: Boundary, path: str) -> None:
