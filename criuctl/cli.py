@@ -235,6 +235,12 @@ def _cmd_doctor(a: argparse.Namespace) -> int:
     return 0 if all(c.ok or not c.required for c in checks) else 1
 
 
+def _cmd_prestop(a: argparse.Namespace) -> int:
+    from criuctl import migsignal
+
+    return migsignal.prestop(a.signal, a.timeout)
+
+
 def _cmd_demo(a: argparse.Namespace) -> int:
     from criuctl import demo
 
@@ -264,6 +270,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "restore": _cmd_restore,
     "inspect": _cmd_inspect,
     "doctor": _cmd_doctor,
+    "prestop": _cmd_prestop,
     "webhook": _cmd_webhook,
     "demo": _cmd_demo,
 }

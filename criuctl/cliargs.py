@@ -206,6 +206,17 @@ VERBS: dict[str, Verb] = {
         ),
     ),
     "doctor": Verb("check CRIU and the kernel features criuctl needs"),
+    "prestop": Verb(
+        "a pod's preStop command for the migrator API: ask the job to save, wait until it has",
+        (
+            opt(
+                "--signal",
+                metavar="FILE",
+                help="the migrator's signal file (default: $MIGRATION_SIGNAL_PATH, else ./ckpts/signal)",
+            ),
+            opt("--timeout", type=float, default=270.0, metavar="SECONDS", help="give up after this long"),
+        ),
+    ),
     "webhook": Verb(
         "serve the admission webhook that makes labelled pods migratable (manifests/webhook.yaml)",
         (

@@ -36,24 +36,13 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from criuctl import migsignal
 from criuctl.errors import CriuctlError
-
-INIT, SAVE, RESUME = "init", "save", "resume"
-SIGNALS = (INIT, SAVE, RESUME)
+from criuctl.migsignal import INIT, RESUME, SAVE
 
 
 class MigrationCheckpointError(CriuctlError):
     """The migration checkpoint is missing, altered, or signed with another key."""
-
-
-def _atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _sha256(path: Path) -> str:
@@ -69,7 +58,7 @@ class Migrator:
 
     def __init__(self) -> None:
         self.ckpt_path = Path(os.environ.get("MIGRATION_CKPT_PATH", "./ckpts/migration.pth"))
-        self.signal_path = Path(os.environ.get("MIGRATION_SIGNAL_PATH", "./ckpts/signal"))
+        self.signal_path = migsignal.default_path()
         self.key_path = Path(
             os.environ.get("MIGRATION_KEY_PATH", str(self.ckpt_path.parent / ".migration.key"))
         )
@@ -105,15 +94,10 @@ class Migrator:
         return self._from_criuctl is not None or self.signal == RESUME
 
     def write_signal(self, signal: str) -> None:
-        if signal not in SIGNALS:
-            raise ValueError(f"a migration signal is one of {', '.join(SIGNALS)}, not {signal!r}")
-        _atomic_write(self.signal_path, signal.encode())
+        migsignal.write(self.signal_path, signal)
 
     def read_signal(self) -> str:
-        try:
-            return self.signal_path.read_text().strip()
-        except FileNotFoundError:
-            return INIT
+        return migsignal.read(self.signal_path)
 
     # -- what travels ------------------------------------------------------------------------
     def register(self, key: str, val: Any) -> Any:
@@ -212,7 +196,7 @@ class Migrator:
             return self.key_path.read_bytes()
         except FileNotFoundError:
             key = secrets.token_bytes(32)
-            _atomic_write(self.key_path, key, 0o600)
+            migsignal.atomic_write(self.key_path, key, 0o600)
             return key
 
     def _sig_path(self) -> Path:
@@ -222,7 +206,7 @@ class Migrator:
         body = {"file": self.ckpt_path.name, "sha256": _sha256(self.ckpt_path), "created": time.time()}
         raw = json.dumps(body, sort_keys=True)
         mac = hmac.new(self._key(), raw.encode(), hashlib.sha256).hexdigest()
-        _atomic_write(self._sig_path(), json.dumps({"body": raw, "hmac": mac}).encode())
+        migsignal.atomic_write(self._sig_path(), json.dumps({"body": raw, "hmac": mac}).encode())
 
     def verify(self) -> None:
         """Refuse a checkpoint that is missing, altered, or signed with another key."""

@@ -16,6 +16,7 @@ p.add_argument("--workers", type=int, default=2)
 p.add_argument("--log", required=True)
 p.add_argument("--read-latency", type=float, default=0.004, help="simulated seconds per sample read")
 p.add_argument("--scratch", help="a folder (an emptyDir in a pod) to keep a progress file open in")
+p.add_argument("--show-state", action="store_true", help="print Adam's step count and the LR after each step")
 a = p.parse_args()
 
 
@@ -83,6 +84,9 @@ while step < a.steps:
         beat.step = step
         log.write(f"step {step} loss {loss.item():.6f} lr {sched.get_last_lr()[0]:.6f}\n")
         _report.step(step, loss.item())
+        if a.show_state:
+            first = next(iter(opt.state.values()))
+            print(f"state adam {int(first['step'])} lr {sched.get_last_lr()[0]!r}", flush=True)
         if progress:
             progress.write(f"{step}\n")
             progress.flush()

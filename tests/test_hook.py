@@ -1,0 +1,221 @@
+"""The in-process hook on real jobs: step boundaries, the state pre-dump, the `migrator` API.
+
+CPU only (no GPU here): the boundary's CUDA synchronisation is a no-op on CPU, everything else is
+the same code a GPU job runs. tests/gpu/check.sh runs the GPU side on a GPU host.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.conftest import needs_criu
+from tests.jobs import CRIUCTL, WORKLOADS, Job, Reference, assert_continues_exactly, criuctl
+
+pytestmark = [needs_criu, pytest.mark.slow]
+
+
+def test_a_dump_during_a_long_step_lands_after_it(tmp_path):
+    """The request comes 1 s into a 4 s step: the dump waits for the step's end, says so, and the
+    restored job finishes that step's bookkeeping and continues bit-identically."""
+    args = ("--steps", "6", "--step-time", "0")
+    ref = Reference("ref", "train_long_step.py", *args)
+    job = Job.run("long", "train_long_step.py", "--steps", "6", "--step-time", "4")
+    job.wait_for(r"^step 2 started")
+    time.sleep(1)
+    started = time.monotonic()
+    r = criuctl("dump", "long", "-o", str(tmp_path / "b"))
+    waited = time.monotonic() - started
+    assert r.returncode == 0, r.stderr
+    assert job.wait() == 0
+    assert waited > 2, f"the dump did not wait for the step to end ({waited:.1f} s)"
+    assert not any(line.startswith("step 2 loss") for line in job.out), "step 2 ended before the dump?"
+    shown = criuctl("inspect", str(tmp_path / "b")).stdout
+    assert re.search(r"step boundary: yes, after optimizer step 3 \(1 trainer", shown), shown
+    restored = Job.restore(tmp_path / "b")
+    assert restored.wait() == 0, restored.err
+    assert_continues_exactly(ref, job.steps, restored)
+
+
+def test_a_job_without_optimizer_steps_is_dumped_at_once(tmp_path):
+    sleeper = Job(
+        [*CRIUCTL, "run", "--name", "nap", "--", sys.executable, "-c", "import time; time.sleep(60)"]
+    )
+    time.sleep(1.5)
+    r = criuctl("dump", "nap", "-o", str(tmp_path / "b"))
+    assert r.returncode == 0, r.stderr
+    shown = criuctl("inspect", str(tmp_path / "b")).stdout
+    assert "step boundary: none (no process of it has run an optimizer step" in shown, shown
+    sleeper.wait()
+
+
+def _state_file(bundle) -> dict:
+    return torch.load(bundle / "state" / "state-0.pt", weights_only=True)
+
+
+def test_state_predump_of_a_plain_script_carries_model_optimizer_scheduler(tmp_path):
+    """No code change: the hook finds the CNN, Adam and the cosine schedule by itself, saves them at
+    a step boundary (DataLoader workers and a logging thread running), the job ends; restore starts
+    it again and the hook loads them at its first training forward: Adam's step count and the LR
+    go on from the saved step instead of starting over."""
+    log = tmp_path / "train.log"
+    args = ("--steps", "60", "--workers", "2", "--log", str(log), "--show-state")
+    job = Job.run("cnn", "train_cnn_loader.py", *args)
+    job.wait_for_step(12)
+    r = criuctl("dump", "cnn", "--state", "-o", str(tmp_path / "b"))
+    assert r.returncode == 0, r.stderr
+    assert job.wait() == 0
+    saved = _state_file(tmp_path / "b")
+    step = saved["step"]
+    kinds = sorted(k.split(":")[0] for k in saved["objects"])
+    assert kinds == ["module", "optimizer", "scheduler"], kinds
+    shown = criuctl("inspect", str(tmp_path / "b")).stdout
+    assert f"state bundle (CUDA-aware pre-dump): taken at a step boundary, step {step}" in shown, shown
+    last_lr = [line for line in job.out if line.startswith("state adam")][-1]
+    assert last_lr.startswith(f"state adam {step} "), (last_lr, step)
+
+    restored = Job.restore(tmp_path / "b")
+    assert restored.wait() == 0, restored.err
+    assert any(f"resumed 3 objects at step {step}" in line for line in restored.err), restored.err
+    first = next(line for line in restored.out if line.startswith("state adam"))
+    assert first.startswith(f"state adam {step + 1} "), first  # a fresh Adam would say 1
+    fresh = Job.run(
+        "fresh", "train_cnn_loader.py", "--steps", "1", "--workers", "0", "--log", str(log), "--show-state"
+    )
+    assert fresh.wait() == 0
+    assert next(line for line in fresh.out if line.startswith("state adam")).startswith("state adam 1 ")
+
+
+def test_state_predump_of_a_migrator_script_is_exact(tmp_path, monkeypatch):
+    """A script written for the migrator API, moved by `criuctl dump --state`: its final weights are
+    those of an uninterrupted run (its registered position says where to go on)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(WORKLOADS), os.environ.get("PYTHONPATH", "")]))
+    args = ("--epochs", "6", "--style", "step")
+    ref = Reference("ref", "train_migrator.py", *args, "--step-time", "0")
+    (tmp_path / "ckpts").mkdir(exist_ok=True)
+    for f in (tmp_path / "ckpts").iterdir():
+        f.unlink()
+    job = Job.run("mig", "train_migrator.py", *args, "--step-time", "0.03")
+    job.wait_for_step(40)
+    r = criuctl("dump", "mig", "--state", "-o", str(tmp_path / "b"))
+    assert r.returncode == 0, r.stderr
+    assert job.wait() == 0
+    restored = Job.restore(tmp_path / "b")
+    assert restored.wait() == 0, restored.err
+    assert any(line.startswith("load migration ckpt") for line in restored.out), restored.out[:3]
+    assert_continues_exactly(ref, job.steps, restored)
+
+
+def test_state_predump_refused_for_a_job_that_does_not_train(tmp_path):
+    sleeper = Job(
+        [*CRIUCTL, "run", "--name", "nap", "--", sys.executable, "-c", "import time; time.sleep(60)"]
+    )
+    time.sleep(1.5)
+    r = criuctl("dump", "nap", "--state", "-o", str(tmp_path / "b"))
+    assert r.returncode != 0
+    assert "its state could not be saved at a step boundary" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "b").exists()
+    assert criuctl("ps").stdout.count("nap") == 1  # still running, once
+    sleeper.kill()
+
+
+# -- the migrator API on its own, as pytorchjob-migration's README uses it -------------------------
+
+
+def _migrator_job(tmp_path, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(WORKLOADS)}
+    env.pop("CRIUCTL_WORKLOAD", None)
+    return subprocess.Popen(
+        [sys.executable, str(WORKLOADS / "train_migrator.py"), *args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for_step(job: subprocess.Popen, n: int) -> None:
+    for line in job.stdout:
+        if line.startswith(f"step {n} "):
+            return
+    raise AssertionError(f"the job ended before step {n}: {job.stderr.read()[-2000:]}")
+
+
+def _steps(text: str) -> dict[int, str]:
+    return {int(m[1]): m[2] for m in re.finditer(r"^step (\d+) loss (\S+)$", text, re.M)}
+
+
+@pytest.mark.parametrize("style", ["epoch", "step"])
+def test_migrator_prestop_kill_resume_is_exact(tmp_path, style):
+    """The pod's life: training; the preStop (`criuctl prestop`) asks for a save and returns once
+    saved; the pod is killed (SIGKILL); the recreated pod sees `resume`, loads, and finishes with the
+    weights of an uninterrupted run. No root, no criuctl run: only the changed import."""
+    (tmp_path / "ref").mkdir()
+    ref = _migrator_job(tmp_path / "ref", "--style", style, "--step-time", "0", "--epochs", "10")
+    ref_out, ref_err = ref.communicate(timeout=300)
+    assert ref.returncode == 0, ref_err
+    job = _migrator_job(tmp_path, "--style", style, "--step-time", "0.03", "--epochs", "10")
+    _wait_for_step(job, 30)
+    signal_file = tmp_path / "ckpts" / "signal"
+    stop = subprocess.run(
+        [*CRIUCTL, "prestop", "--signal", str(signal_file), "--timeout", "60"], capture_output=True, text=True
+    )
+    assert stop.returncode == 0, stop.stderr
+    assert signal_file.read_text() == "resume"
+    job.send_signal(signal.SIGKILL)
+    job.communicate()
+    again = _migrator_job(tmp_path, "--style", style, "--step-time", "0", "--epochs", "10")
+    out, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err
+    assert "load migration ckpt from epoch" in out
+    assert signal_file.read_text() == "init"
+    resumed = _steps(out)
+    assert resumed and min(resumed) > 0
+    for i, loss in resumed.items():
+        assert loss == _steps(ref_out)[i], f"step {i}: {loss} != {_steps(ref_out)[i]}"
+    assert out.strip().splitlines()[-1] == ref_out.strip().splitlines()[-1]  # final weights
+
+
+def test_migrator_refuses_an_altered_checkpoint(tmp_path):
+    job = _migrator_job(tmp_path, "--style", "step", "--step-time", "0.03", "--epochs", "10")
+    _wait_for_step(job, 5)
+    signal_file = tmp_path / "ckpts" / "signal"
+    stop = subprocess.run([*CRIUCTL, "prestop", "--signal", str(signal_file)], capture_output=True, text=True)
+    assert stop.returncode == 0, stop.stderr
+    job.kill()
+    job.communicate()
+    ckpt = tmp_path / "ckpts" / "migration.pth"
+    data = bytearray(ckpt.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    ckpt.write_bytes(bytes(data))
+    again = _migrator_job(tmp_path, "--style", "step")
+    _, err = again.communicate(timeout=120)
+    assert again.returncode != 0
+    assert "migration.pth is missing or was altered since it was saved" in err, err
+
+
+def test_prestop_without_a_job_gives_up_in_one_line(tmp_path):
+    (tmp_path / "ckpts").mkdir()
+    r = subprocess.run(
+        [*CRIUCTL, "prestop", "--signal", str(tmp_path / "ckpts" / "signal"), "--timeout", "1"],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 1
+    assert "did not save within 1 s" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run(
+        [*CRIUCTL, "prestop", "--signal", str(tmp_path / "nowhere" / "signal")],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 1 and "is not mounted here" in r.stderr
