@@ -162,8 +162,13 @@ def test_drain_moves_the_pod_without_loss(local_cluster, ref) -> None:
         # only this test's pods: a pod another failed test left on a (bare pods make drain refuse)
         # must not decide this test
         r = k(
-            "drain", "a", "--pod-selector=app=dr", "--ignore-daemonsets", "--delete-emptydir-data",
-            "--timeout=300s", check=False,
+            "drain",
+            "a",
+            "--pod-selector=app=dr",
+            "--ignore-daemonsets",
+            "--delete-emptydir-data",
+            "--timeout=300s",
+            check=False,
         )
         assert r.returncode == 0, r.stderr[-2000:]
         return "b"
