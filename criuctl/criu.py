@@ -31,7 +31,14 @@ LOG_LEVEL_DEBUG = 4
 # GiB sizes (measured in bench/dump_restore.py). CRIUCTL_CRIU_LOG_LEVEL=4 for a full trace.
 LOG_LEVEL = int(os.environ.get("CRIUCTL_CRIU_LOG_LEVEL", "2"))
 # The options dump and restore agree on: a training tree holds TCP (DDP), unix sockets, file locks.
-TREE_OPTIONS: dict = dict(tcp_established=True, ext_unix_sk=True, file_locks=True, network_lock="nftables")
+# CRIUCTL_NETWORK_LOCK=skip: a node whose kernel has no nf_tables (the GPU check host may not), for
+# jobs without TCP connections to lock
+TREE_OPTIONS: dict = dict(
+    tcp_established=True,
+    ext_unix_sk=True,
+    file_locks=True,
+    network_lock=os.environ.get("CRIUCTL_NETWORK_LOCK", "nftables"),
+)
 
 
 class CriuError(CriuctlError):

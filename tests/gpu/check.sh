@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The GPU check, one prepared run on an NVIDIA host (driver r580+, Python with torch + CUDA, root):
+#   here:  scripts/gpu-carry.sh                       # criu, its libraries, pycriu -> .gpu-carry/
+#   there: bash tests/gpu/check.sh                    # device tool: carry [".gpu-carry"]
+# Runs tests/gpu/check.py (driver API + CRIU dump/restore of a training job, with and without the
+# GPU UUID map; the state pre-dump; device-to-host copy time) in under 5 minutes, and prints a
+# Markdown table for docs/benchmarks.md. Exits non-zero if any check failed.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+repo=$PWD
+carry=${CRIUCTL_GPU_CARRY:-$repo/.gpu-carry}
+py=${PYTHON:-python3}
+if [ ! -x "$carry/bin/criu" ]; then
+  echo "check.sh: no CRIU at $carry/bin/criu: run scripts/gpu-carry.sh where CRIU is, and carry .gpu-carry" >&2
+  exit 2
+fi
+export PATH="$carry/bin:$PATH"
+export LD_LIBRARY_PATH="$carry/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export CRIUCTL_CRIU="$carry/bin/criu"
+export PYTHONPATH="$repo:$repo/hooks:$carry/site${PYTHONPATH:+:$PYTHONPATH}"
+export CRIUCTL_STATE_DIR=${CRIUCTL_STATE_DIR:-/tmp/criuctl-gpu-state}
+export PYTHONUNBUFFERED=1
+# CRIU locks the network with nf_tables; a kernel without it gets no lock (the job has no TCP peer)
+if ! [ -d /sys/module/nf_tables ] && ! grep -qw nf_tables /proc/modules 2>/dev/null; then
+  export CRIUCTL_NETWORK_LOCK=skip
+fi
+echo "== host: $(uname -r); $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -2)"
+echo "== criu: $("$CRIUCTL_CRIU" --version 2>&1 | head -1); python: $($py -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1)"
+echo "== network lock: ${CRIUCTL_NETWORK_LOCK:-nftables}"
+"$CRIUCTL_CRIU" check 2>&1 | tail -3
+timeout 290 "$py" tests/gpu/check.py
+rc=$?
+if [ -n "${OUT:-}" ] && [ -d "$CRIUCTL_STATE_DIR/logs" ]; then  # the device tool brings $OUT back
+  tar czf "$OUT/criuctl-logs.tgz" -C "$CRIUCTL_STATE_DIR" logs 2>/dev/null
+fi
+exit $rc
