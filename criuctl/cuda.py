@@ -9,7 +9,8 @@ module works on hosts without a GPU; tests point CRIUCTL_LIBCUDA at a compiled s
 
 Layouts and values follow NVIDIA's cuda.h (the CUDA Checkpointing group of the driver API reference, 12.8
 and 13.0). Every argument struct is 64 bytes; a wrong size or offset would have the driver read or write
-past our buffer, so tests/test_cuda.py asserts them.
+past our buffer, so tests/test_cuda.py asserts them. The codes the hints below explain are the ones
+driver 580.159.04 returned on an H200 for each case; the stand-in returns the same.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from criuctl.errors import CriuctlError
 
 ENV_LIBCUDA = "CRIUCTL_LIBCUDA"
 LIBCUDA = "libcuda.so.1"
-API_VERSION = 12080  # cuDriverGetVersion of r570, the first driver with the checkpoint API
 REMAP_VERSION = 13000  # r580 (CUDA 13.0): CUcheckpointRestoreArgs.gpuPairs, restore onto other GPUs
 CHECKPOINT_SYMBOLS = (
     "cuCheckpointProcessLock",
@@ -44,6 +44,7 @@ class CUresult(enum.IntEnum):
     OUT_OF_MEMORY = 2
     NOT_INITIALIZED = 3
     NO_DEVICE = 100
+    OPERATING_SYSTEM = 304
     ILLEGAL_STATE = 401
     NOT_READY = 600
     NOT_SUPPORTED = 801
@@ -94,13 +95,16 @@ class CUcheckpointUnlockArgs(ctypes.Structure):  # CUDA 12.8
 
 
 _NEEDS = "NVIDIA driver r570+ (CUDA 12.8)"
+_BUSY = "the job kept CUDA busy past the lock timeout; retry, or allow a longer timeout"
+# What r580 (580.159) was seen to mean by each code for these calls, as the user can act on it.
 _HINTS = {
     CUresult.ILLEGAL_STATE: "the process is not in the CUDA state this step needs (another tool may hold it)",
-    CUresult.INVALID_VALUE: "the process is gone, has no CUDA state, or a GPU in the map is wrong",
-    CUresult.TIMEOUT: "the job kept CUDA busy past the lock timeout; retry, or allow a longer timeout",
-    CUresult.NOT_READY: "the job kept CUDA busy past the lock timeout; retry, or allow a longer timeout",
+    CUresult.INVALID_VALUE: "the GPU map is wrong: one pair per GPU the process used, onto GPUs of this node",
+    CUresult.NOT_INITIALIZED: "the process has not started CUDA, so it has no GPU state to move",
+    CUresult.OPERATING_SYSTEM: "the process is gone, or the driver cannot reach it",
+    CUresult.NOT_READY: _BUSY,
+    CUresult.TIMEOUT: _BUSY,
     CUresult.NOT_SUPPORTED: "the driver cannot checkpoint this process (UVM or IPC memory, or this GPU)",
-    CUresult.NOT_INITIALIZED: "restore needs the driver initialized here: enable persistence mode",
     CUresult.OUT_OF_MEMORY: "the target GPU has too little free memory for the job's device memory",
 }
 
@@ -124,7 +128,7 @@ class CudaError(CriuctlError):
 
     @property
     def timed_out(self) -> bool:
-        """The lock gave up (the reference lists NOT_READY for Lock; TIMEOUT is the generic code)."""
+        """The lock gave up: r580 says NOT_READY (and leaves the process RUNNING); TIMEOUT just in case."""
         return self.code in (CUresult.TIMEOUT, CUresult.NOT_READY)
 
 
@@ -198,7 +202,10 @@ class Driver:
         self._checkpoint_call("cuCheckpointProcessCheckpoint", pid, CUcheckpointCheckpointArgs())
 
     def restore(self, pid: int, gpu_map: dict[str, str] | None = None) -> None:
-        """Bring device memory back, onto gpu_map's new GPUs (old UUID -> new); no map: the same GPUs."""
+        """Bring device memory back, onto gpu_map's GPUs (old UUID -> new); no map: the same GPUs.
+
+        The driver wants exactly one pair per GPU the process used: r580 refuses a pair for any other.
+        """
         pairs = list((gpu_map or {}).items())
         if not self.supports_remap and all(a.lower() == b.lower() for a, b in pairs):
             pairs = []  # nothing moves, and before 13.0 the pair fields are reserved and must be zero
@@ -328,6 +335,24 @@ def suspend(driver: Driver, pids: list[int], timeout_s: float) -> list[int]:
             exc.detail = "\n".join(e.line() for e in exc.rollback.errors)
         raise
     return list(pids)
+
+
+def cuda_processes(driver: Driver, pids: list[int]) -> list[int]:
+    """The pids the driver holds CUDA state for, in order: the ones `suspend` may be given.
+
+    /dev/nvidia* in a process's maps is not enough: a child forked after CUDA started (a DataLoader
+    worker) inherits the mappings, and the driver answers NOT_INITIALIZED for a process without CUDA.
+    """
+    out = []
+    for pid in pids:
+        try:
+            driver.state(pid)
+        except CudaError as exc:
+            if exc.code in (CUresult.NOT_INITIALIZED, CUresult.OPERATING_SYSTEM, CUresult.INVALID_VALUE):
+                continue
+            raise
+        out.append(pid)
+    return out
 
 
 def _state_or_none(driver: Driver, pid: int) -> ProcessState | None:

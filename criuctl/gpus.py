@@ -9,8 +9,10 @@ compiled stand-in (tests/fakes/fake_nvml.c).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import re
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -152,8 +154,9 @@ def _fds_use_gpu(pid: int) -> bool:
 def gpu_pids(pids: Iterable[int]) -> list[int]:
     """The processes of a tree that use a GPU, in the given order; vanished ones are skipped.
 
-    A process forked after CUDA started (a DataLoader worker) inherits the mappings without a context
-    of its own; the driver's lock refuses it, so callers may still need the driver's word per pid.
+    A child forked after CUDA started (a DataLoader worker) inherits the mappings and the open device
+    files but has no CUDA state, and the driver refuses to lock it (NOT_INITIALIZED, seen on r580): pass
+    the result through cuda.cuda_processes before cuda.suspend.
     """
     out = []
     for pid in pids:
@@ -192,3 +195,24 @@ def plan_gpu_map(recorded: list[GpuInfo], present: list[GpuInfo]) -> dict[str, s
         free.remove(new)
         mapping[old.uuid] = new.uuid
     return {g.uuid: mapping[g.uuid] for g in recorded}
+
+
+_DEVICE_NODE = re.compile(r"^/dev/nvidia(\d+)$")
+
+
+def used_gpus(pids: Iterable[int], present: list[GpuInfo]) -> list[GpuInfo]:
+    """Of `present`, the GPUs whose device node (/dev/nvidiaN) the processes hold open.
+
+    CUDA opens the node of every GPU it uses; N is the device's minor number, which NVML's index
+    follows on the nodes we know (PCI order). A process with no such node open (an unusual driver
+    layout) is taken to use every GPU present.
+    """
+    minors: set[int] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    if m := _DEVICE_NODE.match(os.readlink(fd)):
+                        minors.add(int(m[1]))
+    chosen = [g for g in present if g.index in minors]
+    return chosen or list(present)

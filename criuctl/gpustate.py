@@ -30,21 +30,27 @@ def _driver() -> cuda.Driver:
         ) from exc
 
 
-def _facts() -> list[bundle.GpuDevice]:
-    return [bundle.GpuDevice(g.index, g.uuid, g.name, g.memory_total) for g in gpus.list_gpus()]
+def _facts(pids: list[int]) -> list[bundle.GpuDevice]:
+    """The GPUs the job's processes hold open (the driver refuses a restore pair for another one)."""
+    used = gpus.used_gpus(pids, gpus.list_gpus())
+    return [bundle.GpuDevice(g.index, g.uuid, g.name, g.memory_total) for g in used]
 
 
 def suspend(pids: list[int], timeout_s: float) -> bundle.GpuFacts | None:
     """Move the CUDA state of every GPU process in `pids` to host memory; None if none uses a GPU."""
-    users = gpus.gpu_pids(pids)
-    if not users:
+    mapped = gpus.gpu_pids(pids)
+    if not mapped:
         return None
     driver = _driver()
+    users = cuda.cuda_processes(driver, mapped)  # a forked DataLoader worker maps /dev/nvidia* too
+    if not users:
+        return None
+    devices = _facts(users)  # before the checkpoint closes their device files
     started = time.monotonic()
     cuda.suspend(driver, users, timeout_s)  # rolls back what it did before raising
     return bundle.GpuFacts(
         driver=gpus.driver_version() or str(driver.version),
-        devices=_facts(),
+        devices=devices,
         pids=users,
         ns_pids=[procinfo.ns_pid(p) for p in users],
         checkpoint_s=round(time.monotonic() - started, 3),

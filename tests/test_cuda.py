@@ -1,0 +1,450 @@
+"""criuctl.cuda and criuctl.gpus against compiled stand-ins for libcuda and NVML (tests/fakes/*.c).
+
+The stand-ins keep the driver's per-process state machine in files and log every call, so these tests
+check the ctypes binding's struct layouts, the order of driver calls, the error lines, and the rollback,
+on hosts without a GPU. Real child processes give the PIDs: the stand-in refuses PIDs that do not exist.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from criuctl import cuda, doctor, gpus
+from criuctl.cuda import CudaError, ProcessState
+from criuctl.gpus import GpuInfo, GpuMismatch
+
+FAKES = Path(__file__).parent / "fakes"
+A = "GPU-aaaaaaaa-0000-1111-2222-000000000001"
+B = "GPU-bbbbbbbb-0000-1111-2222-000000000002"
+C = "GPU-cccccccc-0000-1111-2222-000000000003"
+MUTATING = ("lock", "checkpoint", "restore", "unlock")
+ILLEGAL = "CUDA_ERROR_ILLEGAL_STATE: the operation cannot be performed in the present state"
+H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
+
+
+@pytest.fixture(scope="session")
+def fake_libs(tmp_path_factory) -> dict[str, Path]:
+    """The stand-ins, compiled once per session with the host's C compiler."""
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler (cc or gcc) to build the stand-in libcuda and NVML")
+    out = tmp_path_factory.mktemp("fakes")
+    builds = {
+        "cuda": ("fake_libcuda.c", []),
+        "cuda_r550": ("fake_libcuda.c", ["-DFAKE_CUDA_NO_CHECKPOINT_API", "-Wno-unused-function"]),
+        "nvml": ("fake_nvml.c", []),
+    }
+    libs = {}
+    for key, (source, flags) in builds.items():
+        libs[key] = out / f"{key}.so"
+        cmd = [cc, "-shared", "-fPIC", "-O1", "-Wall", *flags, "-o", str(libs[key]), str(FAKES / source)]
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return libs
+
+
+class Fake:
+    def __init__(self, state_dir: Path) -> None:
+        self.dir = state_dir
+
+    def calls(self, kinds: tuple[str, ...] = MUTATING) -> list[str]:
+        log = self.dir / "calls.log"
+        lines = log.read_text().splitlines() if log.exists() else []
+        return [line for line in lines if line.split()[0] in kinds]
+
+
+@pytest.fixture
+def fake(fake_libs, tmp_path, monkeypatch) -> Fake:
+    for var in [v for v in os.environ if v.startswith(("FAKE_CUDA_", "FAKE_NVML_"))]:
+        monkeypatch.delenv(var)
+    state = tmp_path / "fake-cuda"
+    state.mkdir()
+    monkeypatch.setenv("FAKE_CUDA_STATE_DIR", str(state))
+    monkeypatch.setenv(cuda.ENV_LIBCUDA, str(fake_libs["cuda"]))
+    monkeypatch.setenv(gpus.ENV_LIBNVML, str(fake_libs["nvml"]))
+    return Fake(state)
+
+
+@pytest.fixture
+def driver(fake) -> cuda.Driver:
+    return cuda.Driver.load()
+
+
+@pytest.fixture
+def spawn():
+    """spawn(n): n live PIDs (sleep processes), killed after the test."""
+    procs: list[subprocess.Popen] = []
+
+    def start(n: int = 1) -> list[int]:
+        new = [subprocess.Popen(["sleep", "60"]) for _ in range(n)]
+        procs.extend(new)
+        return [p.pid for p in new]
+
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def test_struct_layouts_match_cuda_h():
+    """Sizes and offsets from cuda.h: a wrong one has the real driver write past criuctl's buffer."""
+    assert ctypes.sizeof(cuda.CUuuid) == 16
+    assert ctypes.sizeof(cuda.CUcheckpointLockArgs) == 64
+    assert ctypes.sizeof(cuda.CUcheckpointCheckpointArgs) == 64
+    assert ctypes.sizeof(cuda.CUcheckpointUnlockArgs) == 64
+    assert ctypes.sizeof(cuda.CUcheckpointGpuPair) == 32
+    assert ctypes.sizeof(cuda.CUcheckpointRestoreArgs) == 64
+    assert cuda.CUcheckpointLockArgs.timeoutMs.offset == 0
+    assert cuda.CUcheckpointLockArgs.reserved1.offset == 8
+    assert cuda.CUcheckpointGpuPair.newUuid.offset == 16
+    assert cuda.CUcheckpointRestoreArgs.gpuPairs.offset == 0
+    assert cuda.CUcheckpointRestoreArgs.gpuPairsCount.offset == ctypes.sizeof(ctypes.c_void_p)
+    assert cuda.CUcheckpointRestoreArgs.reserved1.offset == 56
+    assert [s.value for s in ProcessState] == [0, 1, 2, 3]
+
+
+def test_uuid_round_trip():
+    assert cuda.uuid_text(cuda.uuid_bytes(A)) == A
+    with pytest.raises(CudaError, match="not a GPU UUID: 'GPU-1234'"):
+        cuda.uuid_bytes("GPU-1234")
+
+
+def test_full_cycle_in_driver_order(driver, fake, spawn, monkeypatch):
+    (pid,) = spawn()
+    monkeypatch.setenv("FAKE_CUDA_DEVICES", A)
+    monkeypatch.setenv("FAKE_CUDA_PRESENT", B)
+    assert driver.version == 13000 and driver.supports_remap
+    assert driver.restore_thread_id(pid) == pid
+    assert driver.state(pid) is ProcessState.RUNNING
+    driver.lock(pid, 2.5)
+    assert driver.state(pid) is ProcessState.LOCKED
+    driver.checkpoint(pid)
+    assert driver.state(pid) is ProcessState.CHECKPOINTED
+    driver.restore(pid, {A: B})
+    assert driver.state(pid) is ProcessState.LOCKED
+    driver.unlock(pid)
+    assert driver.state(pid) is ProcessState.RUNNING
+    assert fake.calls() == [
+        f"lock {pid} timeout=2500",
+        f"checkpoint {pid}",
+        f"restore {pid} pairs={A}>{B}",
+        f"unlock {pid}",
+    ]
+
+
+def _bring(driver: cuda.Driver, pid: int, state: ProcessState) -> None:
+    steps = {ProcessState.LOCKED: 1, ProcessState.CHECKPOINTED: 2}.get(state, 0)
+    for step in [lambda: driver.lock(pid, 1), lambda: driver.checkpoint(pid)][:steps]:
+        step()
+
+
+@pytest.mark.parametrize(
+    "state, op",
+    [
+        (ProcessState.RUNNING, "checkpoint"),
+        (ProcessState.RUNNING, "restore"),
+        (ProcessState.RUNNING, "unlock"),
+        (ProcessState.LOCKED, "lock"),
+        (ProcessState.LOCKED, "restore"),
+        (ProcessState.CHECKPOINTED, "lock"),
+        (ProcessState.CHECKPOINTED, "checkpoint"),
+        (ProcessState.CHECKPOINTED, "unlock"),
+    ],
+)
+def test_wrong_state_is_the_drivers_error(driver, spawn, state, op):
+    (pid,) = spawn()
+    _bring(driver, pid, state)
+    call = {"lock": lambda: driver.lock(pid, 1)}.get(op, lambda: getattr(driver, op)(pid))
+    with pytest.raises(CudaError) as err:
+        call()
+    function = f"cuCheckpointProcess{op.capitalize()}"
+    assert err.value.what == f"{function}(pid {pid}): {ILLEGAL}"
+    assert (err.value.function, err.value.pid, err.value.code) == (function, pid, 401)
+    assert "not in the CUDA state" in err.value.hint
+    assert driver.state(pid) is state
+
+
+@pytest.mark.parametrize("op", ["lock", "checkpoint", "restore", "unlock", "state", "restore_thread_id"])
+def test_a_vanished_pid_is_an_os_error(driver, op):
+    """What r580 (580.159) answered for a PID that does not exist."""
+    pid = dead_pid()
+    call = {"lock": lambda: driver.lock(pid, 1)}.get(op, lambda: getattr(driver, op)(pid))
+    with pytest.raises(CudaError) as err:
+        call()
+    assert err.value.what.endswith(
+        f"(pid {pid}): CUDA_ERROR_OPERATING_SYSTEM: OS call failed or operation not supported on this OS"
+    )
+    assert err.value.hint == "the process is gone, or the driver cannot reach it"
+
+
+def test_a_process_without_cuda_is_not_initialized_and_filtered_out(driver, spawn, monkeypatch):
+    """r580 answers NOT_INITIALIZED for a live process that never started CUDA (a forked worker)."""
+    cuda_pid, plain = spawn(2)
+    monkeypatch.setenv("FAKE_CUDA_PIDS", str(cuda_pid))
+    with pytest.raises(CudaError) as err:
+        driver.lock(plain, 1)
+    assert (
+        err.value.what
+        == f"cuCheckpointProcessLock(pid {plain}): CUDA_ERROR_NOT_INITIALIZED: initialization error"
+    )
+    assert err.value.hint == "the process has not started CUDA, so it has no GPU state to move"
+    assert cuda.cuda_processes(driver, [plain, cuda_pid, dead_pid()]) == [cuda_pid]
+
+
+def test_lock_timeout_leaves_the_process_running(driver, fake, spawn, monkeypatch):
+    (pid,) = spawn()
+    monkeypatch.setenv("FAKE_CUDA_LOCK_DELAY_MS", "10000")
+    start = time.monotonic()
+    with pytest.raises(CudaError) as err:
+        driver.lock(pid, 0.05)
+    assert 0.04 < time.monotonic() - start < 2
+    assert err.value.what == f"cuCheckpointProcessLock(pid {pid}): CUDA_ERROR_NOT_READY: device not ready"
+    assert err.value.timed_out and "longer timeout" in err.value.hint
+    assert driver.state(pid) is ProcessState.RUNNING
+    monkeypatch.setenv("FAKE_CUDA_LOCK_DELAY_MS", "20")
+    driver.lock(pid, 1)
+    assert fake.calls() == [f"lock {pid} timeout=50", f"lock {pid} timeout=1000"]
+
+
+def test_an_unknown_code_is_named_by_number(driver, spawn, monkeypatch):
+    (pid,) = spawn()
+    monkeypatch.setenv("FAKE_CUDA_FAIL", "lock:12345")
+    with pytest.raises(CudaError, match=rf"^cuCheckpointProcessLock\(pid {pid}\): CUresult 12345$"):
+        driver.lock(pid, 1)
+
+
+def test_suspend_checkpoints_every_pid(driver, fake, spawn):
+    pids = spawn(2)
+    assert cuda.suspend(driver, pids, 5) == pids
+    assert [driver.state(p) for p in pids] == [ProcessState.CHECKPOINTED] * 2
+    p1, p2 = pids
+    assert fake.calls() == [
+        f"lock {p1} timeout=5000",
+        f"lock {p2} timeout=5000",
+        f"checkpoint {p1}",
+        f"checkpoint {p2}",
+    ]
+
+
+def test_suspend_rolls_back_when_the_second_checkpoint_fails(driver, fake, spawn, monkeypatch):
+    p1, p2, p3 = pids = spawn(3)
+    monkeypatch.setenv("FAKE_CUDA_FAIL", f"checkpoint@{p2}")
+    with pytest.raises(CudaError) as err:
+        cuda.suspend(driver, pids, 5)
+    assert err.value.what == f"cuCheckpointProcessCheckpoint(pid {p2}): CUDA_ERROR_UNKNOWN: unknown error"
+    assert err.value.pid == p2 and err.value.hint == "the job was left running"
+    assert [driver.state(p) for p in pids] == [ProcessState.RUNNING] * 3
+    assert err.value.rollback is not None and err.value.rollback.ok
+    assert (err.value.rollback.restored, err.value.rollback.unlocked) == ([p1], [p3, p2, p1])
+    assert fake.calls() == [
+        *(f"lock {p} timeout=5000" for p in pids),
+        f"checkpoint {p1}",
+        f"checkpoint {p2}",
+        f"restore {p1} pairs=",
+        f"unlock {p3}",
+        f"unlock {p2}",
+        f"unlock {p1}",
+    ]
+
+
+def test_suspend_unlocks_what_it_locked_when_a_lock_times_out(driver, fake, spawn, monkeypatch):
+    p1, p2, _ = pids = spawn(3)
+    monkeypatch.setenv("FAKE_CUDA_FAIL", f"lock@{p2}:600")
+    with pytest.raises(CudaError) as err:
+        cuda.suspend(driver, pids, 5)
+    assert err.value.timed_out and err.value.pid == p2
+    assert err.value.line().endswith("retry, or allow a longer timeout; the job was left running")
+    assert [driver.state(p) for p in pids] == [ProcessState.RUNNING] * 3
+    assert fake.calls() == [f"lock {p1} timeout=5000", f"lock {p2} timeout=5000", f"unlock {p1}"]
+
+
+def test_suspend_says_so_when_the_rollback_fails_too(driver, spawn, monkeypatch):
+    p1, p2 = pids = spawn(2)
+    monkeypatch.setenv("FAKE_CUDA_FAIL", f"checkpoint@{p2},restore@{p1}")
+    with pytest.raises(CudaError) as err:
+        cuda.suspend(driver, pids, 5)
+    assert err.value.pid == p2
+    assert err.value.hint == f"rolling back failed too: pids {p1} may stay frozen on the GPU"
+    assert f"cuCheckpointProcessRestore(pid {p1}): CUDA_ERROR_UNKNOWN" in err.value.detail
+    assert driver.state(p1) is ProcessState.CHECKPOINTED and driver.state(p2) is ProcessState.RUNNING
+
+
+def test_release_after_a_failed_dump_restores_and_unlocks(driver, fake, spawn):
+    p1, p2 = pids = spawn(2)
+    cuda.suspend(driver, pids, 5)
+    done = cuda.release(driver, pids)  # as if CRIU's dump failed next
+    assert done.ok and (done.restored, done.unlocked, done.already_running) == ([p2, p1], [p2, p1], [])
+    assert [driver.state(p) for p in pids] == [ProcessState.RUNNING] * 2
+    assert fake.calls()[-4:] == [
+        f"restore {p2} pairs=",
+        f"restore {p1} pairs=",
+        f"unlock {p2}",
+        f"unlock {p1}",
+    ]
+    again = cuda.release(driver, pids)
+    assert again.ok and again.already_running == [p2, p1] and len(fake.calls()) == 8
+
+
+def test_release_goes_on_past_a_vanished_pid(driver, spawn):
+    p1, p2 = spawn(2)
+    gone = dead_pid()
+    cuda.suspend(driver, [p1, p2], 5)
+    done = cuda.release(driver, [p1, gone, p2])
+    assert not done.ok and [e.pid for e in done.errors] == [gone]
+    assert done.unlocked == [p2, p1] and driver.state(p1) is ProcessState.RUNNING
+
+
+def test_resume_in_another_process_with_a_gpu_map(driver, fake, spawn, monkeypatch):
+    """The dump and the restore run in different criuctl processes: the state must carry over."""
+    p1, p2 = pids = spawn(2)
+    monkeypatch.setenv("FAKE_CUDA_DEVICES", f"{A},{B}")
+    cuda.suspend(driver, pids, 5)
+    monkeypatch.setenv("FAKE_CUDA_PRESENT", f"{B},{C}")
+    script = (
+        f"from criuctl import cuda; cuda.resume(cuda.Driver.load(), {pids!r}, {{{A!r}: {B!r}, {B!r}: {C!r}}})"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=Path(__file__).parent.parent)
+    assert [driver.state(p) for p in pids] == [ProcessState.RUNNING] * 2
+    pairs = f"pairs={A}>{B},{B}>{C}"
+    assert fake.calls()[-4:] == [
+        f"restore {p1} {pairs}",
+        f"restore {p2} {pairs}",
+        f"unlock {p1}",
+        f"unlock {p2}",
+    ]
+    cuda.resume(driver, pids, {A: B, B: C})  # a retry finds nothing left to do
+    assert len(fake.calls()) == 8
+
+
+def test_resume_refuses_a_map_that_misses_a_gpu(driver, spawn, monkeypatch):
+    (pid,) = spawn()
+    monkeypatch.setenv("FAKE_CUDA_DEVICES", f"{A},{B}")
+    cuda.suspend(driver, [pid], 5)
+    monkeypatch.setenv("FAKE_CUDA_PRESENT", f"{B},{C}")
+    # a GPU left out, a target not on this node, a GPU the process did not use, none (A is not here)
+    for gpu_map in ({A: C}, {A: C, B: A}, {A: C, B: B, C: B}, None):
+        with pytest.raises(CudaError) as err:
+            cuda.resume(driver, [pid], gpu_map)
+        assert err.value.what.endswith("CUDA_ERROR_INVALID_VALUE: invalid argument")
+        assert err.value.hint.startswith("the GPU map is wrong")
+    assert driver.state(pid) is ProcessState.CHECKPOINTED
+
+
+def test_remap_needs_r580(driver, fake, spawn, monkeypatch):
+    (pid,) = spawn()
+    monkeypatch.setenv("FAKE_CUDA_VERSION", "12080")
+    old = cuda.Driver.load()
+    assert old.version == 12080 and not old.supports_remap
+    _bring(old, pid, ProcessState.CHECKPOINTED)
+    with pytest.raises(
+        CudaError, match=r"needs NVIDIA driver r580\+ \(CUDA 13.0\); this driver is CUDA 12.8"
+    ):
+        old.restore(pid, {A: B})
+    old.restore(pid, {A: A})  # the same GPUs: nothing to remap, so no pairs for the old layout
+    assert fake.calls()[-1] == f"restore {pid} pairs="
+
+
+def test_a_driver_without_the_api_names_the_version_needed(fake_libs, fake, spawn):
+    (pid,) = spawn()
+    old = cuda.Driver.load(str(fake_libs["cuda_r550"]))
+    with pytest.raises(CudaError) as err:
+        old.lock(pid, 1)
+    assert err.value.what == f"{fake_libs['cuda_r550']} has no cuCheckpointProcessLock"
+    assert (
+        err.value.hint
+        == "checkpointing GPU jobs needs the NVIDIA driver r570+ (CUDA 12.8); this one is CUDA 13.0"
+    )
+    info = cuda.probe(str(fake_libs["cuda_r550"]))
+    assert info.loaded and not info.has_checkpoint_api and info.checkpoint_symbols == ()
+
+
+def test_no_driver_at_all(tmp_path):
+    with pytest.raises(CudaError, match=r"^cannot load the CUDA driver .*/libcuda\.so\.1$"):
+        cuda.Driver.load(str(tmp_path / "libcuda.so.1"))
+    assert not cuda.probe(str(tmp_path / "libcuda.so.1")).loaded
+
+
+def test_doctor_reports_version_api_and_remap(fake_libs, fake, monkeypatch):
+    monkeypatch.setenv("FAKE_NVML_GPUS", f"{H200}={A}")
+    check = doctor._cuda()
+    assert check.ok and check.detail == (
+        "driver 580.95.05 (CUDA 13.0) exports cuCheckpointProcess*; "
+        "restore onto other GPUs (UUID remap) available"
+    )
+    monkeypatch.setenv("FAKE_CUDA_VERSION", "12090")
+    assert doctor._cuda().detail.endswith(
+        "restore only onto the same GPUs: remapping them needs driver r580+ (CUDA 13.0)"
+    )
+    monkeypatch.setenv(cuda.ENV_LIBCUDA, str(fake_libs["cuda_r550"]))
+    check = doctor._cuda()
+    assert not check.ok and check.detail.startswith(
+        "driver 580.95.05 (CUDA 12.9) lacks cuCheckpointProcessLock, "
+    )
+    monkeypatch.setenv(cuda.ENV_LIBCUDA, "/nonexistent/libcuda.so.1")
+    assert doctor._cuda().detail == "no CUDA driver (/nonexistent/libcuda.so.1) on this host"
+
+
+def gpu(index: int, uuid: str, name: str = H200) -> GpuInfo:
+    return GpuInfo(index, uuid, name, 150_754_820_096)
+
+
+def test_plan_keeps_gpus_that_are_still_there():
+    assert gpus.plan_gpu_map([gpu(0, A), gpu(1, B)], [gpu(0, B), gpu(1, A)]) == {A: A, B: B}
+
+
+def test_plan_pairs_other_gpus_by_model_in_index_order():
+    recorded = [gpu(0, A), gpu(1, B, H100)]
+    present = [gpu(2, C, H200), gpu(0, "GPU-0", H100), gpu(1, "GPU-1", H200)]
+    assert gpus.plan_gpu_map(recorded, present) == {A: "GPU-1", B: "GPU-0"}
+    assert gpus.plan_gpu_map([gpu(0, A), gpu(1, B)], [gpu(0, B), gpu(1, C)]) == {A: C, B: B}
+
+
+@pytest.mark.parametrize(
+    "present, has",
+    [([gpu(0, C, H100)], f"1 × {H100}"), ([gpu(0, C)], f"1 × {H200}"), ([], "no GPU")],
+)
+def test_plan_refuses_other_models_or_fewer_gpus(present, has):
+    with pytest.raises(GpuMismatch) as err:
+        gpus.plan_gpu_map([gpu(0, A), gpu(1, B)], present)
+    assert err.value.line() == (
+        f"the bundle needs 2 × {H200} but this node has {has}: "
+        "restore it on a node with the same GPU model and at least as many GPUs"
+    )
+
+
+def test_list_gpus_and_driver_version_through_nvml(fake, monkeypatch):
+    monkeypatch.setenv("FAKE_NVML_GPUS", f"{H200}={A},{H200}={B}:1000")
+    found = gpus.list_gpus()
+    assert found == [GpuInfo(0, A, H200, 150_754_820_096), GpuInfo(1, B, H200, 1000)]
+    assert [GpuInfo.from_dict(g.to_dict()) for g in found] == found
+    assert gpus.driver_version() == "580.95.05"
+    with pytest.raises(ValueError, match="not a GPU record"):
+        GpuInfo.from_dict({**found[0].to_dict(), "index": True})
+    monkeypatch.delenv("FAKE_NVML_GPUS")  # NVML refuses to start, as without the driver
+    assert gpus.list_gpus() == [] and gpus.driver_version() is None
+    monkeypatch.setenv(gpus.ENV_LIBNVML, "/nonexistent/libnvidia-ml.so.1")
+    assert gpus.list_gpus() == []
+
+
+def test_gpu_pids_reads_maps_and_tolerates_vanished_pids(spawn):
+    (pid,) = spawn()
+    assert gpus.gpu_pids([pid, dead_pid(), os.getpid()]) == []
+    maps = (
+        "7f0000000000-7f0000001000 rw-s 00000000 00:05 1038 /dev/nvidiactl\n"
+        "7f0000002000-7f0000003000 r--p 00000000 08:01 42 /usr/lib/libc.so.6\n"
+    )
+    assert gpus.maps_use_gpu(maps)
+    assert not gpus.maps_use_gpu(maps.splitlines()[1] + "\n7f00-7f01 rw-p 00000000 00:00 0 \n")
