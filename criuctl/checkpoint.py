@@ -185,7 +185,8 @@ class Frozen:
                 for pid in self.pids:
                     procinfo.send_signal(pid, signal.SIGSTOP)
                 self._criu.join()
-            procinfo.send_signal(w.root_pid, signal.SIGKILL)  # PID 1 of the namespace: takes the whole tree
+            own_ns = procinfo.ns_pid(w.root_pid) == 1 if procinfo.pid_exists(w.root_pid) else True
+            procinfo.kill_tree(w.root_pid, wait=0.0 if own_ns else 5.0)  # PIDs kept: free them first
             if self.netlock_table:
                 netlock.lift(self.netlock_table)  # the tree is gone: its lock would only outlive it
             stepboundary.release(w, self.boundary)  # the request would only outlive it too

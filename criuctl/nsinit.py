@@ -195,8 +195,8 @@ def main(argv: list[str]) -> int:
         print("criuctl-init: no command", file=sys.stderr)
         return 2
     report = _report_fd()
-    if os.getpid() == 1 and os.getsid(0) != 1:
-        os.setsid()  # the session must start inside the namespace, or CRIU cannot dump it
+    if os.getsid(0) != os.getpid():
+        os.setsid()  # the session must start inside the tree, or CRIU cannot dump it
     _hooks_env()
     if os.environ.get(ENV_ALLOW_IO_URING) != "1" and not block_io_uring():
         print("criuctl-init: warning: could not block io_uring; CRIU may fail to dump", file=sys.stderr)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import time
 from pathlib import Path
 
 import psutil
@@ -18,6 +20,25 @@ def tree_pids(root_pid: int) -> list[int]:
         return [root_pid, *(p.pid for p in root.children(recursive=True))]
     except psutil.NoSuchProcess:
         return []
+
+
+def pid_exists(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}")
+
+
+def kill_tree(root_pid: int, wait: float = 0.0) -> None:
+    """SIGKILL a workload's tree: its root, then every descendant.
+
+    Killing the root suffices when it is PID 1 of the tree's namespace; a tree started without one
+    (`criuctl run` on a GPU node) would leave its children running beside their copy.
+    """
+    pids = tree_pids(root_pid) or [root_pid]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
+        time.sleep(0.01)  # until reaped: a restore on this node needs these PIDs free
 
 
 def ns_pid(pid: int) -> int:

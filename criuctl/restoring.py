@@ -106,8 +106,7 @@ def _close(stdio: supervisor.Stdio | None, into: placeholder.Placeholder | None,
 
 def _kill_and_reap(pid: int) -> None:
     """SIGKILL a restored namespace init (the namespace goes with it) and reap it (it is our child)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
+    procinfo.kill_tree(pid)
     with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, 0)
 

@@ -117,11 +117,29 @@ class CannotStart(CriuctlError):
         self.exit_code = 127 if err == errno.ENOENT else 126
 
 
+ENV_PID_NAMESPACE = "CRIUCTL_PID_NAMESPACE"
+
+
+def pid_namespace() -> bool:
+    """Whether `run` gives the job its own PID namespace: yes, except on an NVIDIA GPU node.
+
+    CUDA reads /proc/<its own PID>; without a mount namespace the job sees the node's /proc, where
+    a namespace PID names another process, and CUDA's initialisation fails ("OS call failed", error
+    304; seen on the H200 check host). There the job keeps the node's PIDs, which CRIU restores as
+    they were: they must be free on the target (they are, once the source's tree is gone).
+    CRIUCTL_PID_NAMESPACE=1 or 0 decides instead.
+    """
+    forced = os.environ.get(ENV_PID_NAMESPACE)
+    if forced in ("0", "1"):
+        return forced == "1"
+    return not os.path.exists("/dev/nvidiactl")
+
+
 _MAX_ARG_STRLEN = 32 * 4096  # linux/binfmts.h: the longest single argument or environment string
 
 
 def _spawn_in_new_pidns(
-    argv: list[str], env: dict[str, str], stdio: Stdio, cwd: str | None = None
+    argv: list[str], env: dict[str, str], stdio: Stdio, cwd: str | None = None, new_pidns: bool = True
 ) -> tuple[int, int]:
     """Fork a child that is PID 1 of a new PID namespace; return its host PID and exec-report fd.
 
@@ -137,7 +155,7 @@ def _spawn_in_new_pidns(
     if middle == 0:
         try:
             os.close(exec_r)
-            if _libc().unshare(_CLONE_NEWPID) != 0:
+            if new_pidns and _libc().unshare(_CLONE_NEWPID) != 0:
                 os.write(report_w, f"E{ctypes.get_errno()}".encode())
                 os._exit(1)
             init = os.fork()
@@ -221,7 +239,7 @@ def start(
     job_env = workload_env(name, allow_io_uring, control, env)
     if resume_state is not None:
         job_env[ENV_RESUME_STATE] = str(resume_state)
-    root, exec_r = _spawn_in_new_pidns(argv, job_env, stdio, cwd)
+    root, exec_r = _spawn_in_new_pidns(argv, job_env, stdio, cwd, pid_namespace())
     try:
         _await_exec(root, exec_r, command)
         w = workloads.Workload(

@@ -12,9 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import shutil
-import signal
 import socket
 import uuid
 from pathlib import Path
@@ -23,7 +21,7 @@ from typing import TYPE_CHECKING
 import psutil
 from aiohttp import web
 
-from criuctl import bundle, checkpoint, containers, criu, netlock, workloads
+from criuctl import bundle, checkpoint, containers, criu, netlock, procinfo, workloads
 from criuctl.agent import records, transfer, verdicts
 from criuctl.agent.handoffs import Handoff
 from criuctl.agent.protocol import SOURCE_FINAL, Mode, SourceRecord, SourceSpec, SourceState, Ticket, Verdict
@@ -225,8 +223,7 @@ def _end(root_pid: int, rec: SourceRecord) -> None:
         w.state, w.moved_to = workloads.MIGRATED, rec.ticket.node
         workloads.save(w)
         containers.mark_moved(w, rec.ticket.node)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(root_pid, signal.SIGKILL)
+    procinfo.kill_tree(root_pid)
     if rec.netlock_table:  # the tree is gone: its lock would only outlive it
         netlock.lift(rec.netlock_table)
 

@@ -12,19 +12,16 @@ never run is killed; a copy that runs (or ran) is never touched.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import os
 import shutil
-import signal
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import psutil
 
-from criuctl import placeholder
+from criuctl import placeholder, procinfo
 from criuctl.agent import points, records
 from criuctl.agent.handoffs import HandoffFailed, HandoffLike
 from criuctl.agent.protocol import (
@@ -196,8 +193,7 @@ class TargetMachine:
         """Kill a restored copy that never ran (its handoff is gone); True once none is left."""
         pid, same_boot = self.rec.root_pid, self.rec.boot_id == records.boot_id()
         if self.state in (TargetState.RESTORED, TargetState.RESTORING) and pid and same_boot:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+            procinfo.kill_tree(pid)
             deadline = time.monotonic() + 10
             while _alive(pid):
                 if time.monotonic() > deadline:
