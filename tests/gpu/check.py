@@ -82,7 +82,7 @@ def moved_through_driver(ref: Reference, tag: str, env: dict[str, str]) -> dict 
 
 
 def state_predump() -> None:
-    bundle = Path("/tmp/criuctl-gpu-state")
+    bundle = Path("/tmp/criuctl-gpu-predump")
     subprocess.run(["rm", "-rf", str(bundle)], check=False)
     job = Job.run("gpu-state", "train_gpu.py", *ARGS, "--step-time", "0.05", "--show-state")
     try:
