@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import shutil
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ class Reached:
     why: str = ""  # why not every trainer stopped
     saved: dict[str, str] = field(default_factory=dict)  # rank -> state file (SAVE)
     state_bytes: int = 0
+    beating: threading.Event = field(default_factory=threading.Event, repr=False)  # cleared by release
 
     @property
     def complete(self) -> bool:
@@ -100,6 +102,9 @@ def reach(
     tmp = control / f".{contract.REQUEST}.tmp"
     tmp.write_text(json.dumps(request))
     os.replace(tmp, control / contract.REQUEST)
+    beating = threading.Event()
+    beating.set()
+    threading.Thread(target=_heartbeat, args=(control / contract.REQUEST, beating), daemon=True).start()
     deadline = started + (timeout() if wait is None else wait)
     reports: dict[str, dict] = {}
     first_seen: float | None = None
@@ -128,7 +133,19 @@ def reach(
         why,
         {r["rank"]: r["saved"] for r in reports.values() if "saved" in r},
         sum(int(r.get("bytes", 0)) for r in reports.values()),
+        beating,
     )
+
+
+def _heartbeat(request: Path, beating: threading.Event) -> None:
+    """Touch the request while this process holds the trainers: if it dies, they go on by themselves
+    once the request is older than the hook's STALE_AFTER (a held job is never left held)."""
+    while beating.is_set():
+        try:
+            os.utime(request)
+        except FileNotFoundError:
+            return
+        time.sleep(contract.HEARTBEAT)
 
 
 def _why_not(missing: int, timed_out: bool) -> str:
@@ -141,6 +158,7 @@ def release(w: workloads.Workload, reached: Reached | None) -> None:
     """Let the held trainers go on (the dump failed, or thawed): remove the request."""
     if reached is None or not w.control:
         return
+    reached.beating.clear()
     with contextlib.suppress(FileNotFoundError):
         req = json.loads((Path(w.control) / contract.REQUEST).read_text())
         if req.get("id") == reached.request_id:

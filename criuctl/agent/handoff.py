@@ -35,12 +35,13 @@ import time
 from pathlib import Path
 
 from criuctl import bundle, checkpoint, placeholder, runtime, workloads
-from criuctl.agent import records, verdicts
+from criuctl.agent import points, records, verdicts
 from criuctl.agent.protocol import (
     TIMEOUTS,
     BadTransition,
     Command,
     Event,
+    Point,
     SourceRecord,
     SourceSpec,
     SourceState,
@@ -71,6 +72,12 @@ def _command() -> str:
 
 
 # ------------------------------------------------------------------------------------------ source
+
+
+def _held_point(phase: str) -> None:
+    """`freeze` says "freezing" once the trainers stopped at their step boundary, before CRIU."""
+    if phase == "freezing":
+        points.reach(Point.SOURCE_HELD)
 
 
 class _Source:
@@ -104,7 +111,9 @@ class _Source:
         )  # fmt: skip
         records.write(self.path, self.rec.to_json())  # before CRIU freezes anything
         try:
-            self.frozen = checkpoint.freeze(w.name, Path(spec.parent), lazy_port=spec.lazy_port)
+            self.frozen = checkpoint.freeze(
+                w.name, Path(spec.parent), lazy_port=spec.lazy_port, progress=_held_point
+            )
         except CriuctlError as exc:
             self._advance(SourceState.FAILED)
             _error(exc)

@@ -320,6 +320,7 @@ class Point(enum.StrEnum):
     CLIENT_RESTORED = "client.restored"  # target RESTORED (stopped), source SENT
     CLIENT_TARGET_COMMITTED = "client.target-committed"  # target RUNNING, source SENT
     CLIENT_SOURCE_COMMITTED = "client.source-committed"  # target RUNNING, source COMMITTED
+    SOURCE_HELD = "source.held"  # source handoff: trainers held at a step boundary, nothing frozen
     SOURCE_FROZEN = "source.frozen"  # source agent: FROZEN, before streaming
     SOURCE_SENT_RECORDED = "source.sent-recorded"  # source agent: SENT recorded, client not told
     TARGET_RECEIVED = "target.received"  # target agent: RECEIVED recorded, source not answered

@@ -141,6 +141,8 @@ class Boundary:
         if req is None or req["id"] == self._handled:
             return
         self._handled = req["id"]
+        if self._stale():
+            return  # its requester is gone
         if req.get("mode") == contract.SAVE and isinstance(req.get("out"), str):
             save = self.saver or Boundary._save_and_hold
             self.request_capture(Capture(lambda b: save(b, req), req["id"]))
@@ -171,12 +173,22 @@ class Boundary:
         while (req := self._read_request()) is not None and req["id"] == request_id:
             if os.path.exists(released):
                 break
+            if self._stale():
+                log(f"the request {request_id} is no longer kept alive (criuctl died?): training on")
+                break
             time.sleep(_HOLD_POLL)
         # Released: criuctl thawed us (the request is gone), or this is the restored copy (the
         # target wrote RELEASED; the request may still be there if the source shares this path).
         with contextlib.suppress(OSError):
             os.unlink(mine)
         self._register()
+
+    def _stale(self) -> bool:
+        try:
+            age = time.time() - os.stat(self._path(contract.REQUEST)).st_mtime
+        except OSError:
+            return False
+        return age > contract.STALE_AFTER
 
     def _save_and_hold(self, req: dict) -> None:
         from criuctl_hook import state
