@@ -84,12 +84,14 @@ def thaw_tree(root_pid: int, images_dir: Path | None = None, table: str | None =
     SIGCONT. `table` (`Frozen.netlock_table`, kept in a record) names the table when the images
     are gone. With neither, a tree with no TCP connection may leave an (empty, harmless) table
     behind. Idempotent; acts in the caller's network namespace (a workload shares the host's).
+    Last, processes whose CUDA state the driver holds (a dump that got that far) get it back.
     """
     pids = procinfo.tree_pids(root_pid)
     lift_network_lock(pids, images_dir, table)
     tcprepair.release(pids, tcprepair.reuseaddr_from_images(images_dir) if images_dir else None)
     for pid in pids:
         procinfo.send_signal(pid, signal.SIGCONT)
+    gpustate.release_tree(pids)  # running again: GPU state the driver holds goes back (GPU nodes)
 
 
 def lift_network_lock(pids: list[int], images_dir: Path | None = None, table: str | None = None) -> list[str]:
@@ -150,8 +152,7 @@ class Frozen:
             if self._criu is not None:
                 self._session.kill()  # stop serving pages; CRIU's death releases the tree
                 self._criu.join()
-            thaw_tree(self.workload.root_pid, self.images_dir)
-            gpustate.release(self.gpu)  # the tree runs again: its GPUs come back (restore + unlock)
+            thaw_tree(self.workload.root_pid, self.images_dir)  # its GPUs come back too
             stepboundary.release(self.workload, self.boundary)
             if remove_bundle:
                 shutil.rmtree(self.bundle_dir, ignore_errors=True)

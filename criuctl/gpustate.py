@@ -57,10 +57,19 @@ def suspend(pids: list[int], timeout_s: float) -> bundle.GpuFacts | None:
     )
 
 
-def release(facts: bundle.GpuFacts | None) -> None:
-    """The dump did not commit: give the source's processes their GPUs back (restore + unlock)."""
-    if facts is not None:
-        cuda.release(_driver(), facts.pids)
+def release_tree(pids: list[int]) -> None:
+    """A thawed tree's processes get back the CUDA state the driver holds for them (restore + unlock).
+
+    Asks the driver itself, not a record: whoever locked them may have died between the lock and
+    CRIU (the agent's recovery thaws such a tree). A node without the driver has nothing to undo.
+    """
+    try:
+        driver = cuda.Driver.load()
+        held = [p for p in cuda.cuda_processes(driver, pids) if driver.state(p) != cuda.ProcessState.RUNNING]
+    except cuda.CudaError:
+        return  # no driver here, or a process gone meanwhile: nothing this thaw can do
+    if held:
+        cuda.release(driver, held)
 
 
 def plan(facts: bundle.GpuFacts | None) -> dict[str, str]:

@@ -448,3 +448,23 @@ def test_gpu_pids_reads_maps_and_tolerates_vanished_pids(spawn):
     )
     assert gpus.maps_use_gpu(maps)
     assert not gpus.maps_use_gpu(maps.splitlines()[1] + "\n7f00-7f01 rw-p 00000000 00:00 0 \n")
+
+
+def test_a_thawed_tree_gets_its_gpu_state_back_whoever_locked_it(driver, fake, spawn):
+    """The dumping process died between the driver's checkpoint and CRIU (its agent thaws the tree
+    from its record): the thaw asks the driver which processes it holds and gives them back."""
+    from criuctl import gpustate
+
+    pids = spawn(2)
+    cuda.suspend(driver, pids, 5)  # ... and the process that did this is gone
+    gpustate.release_tree(pids)
+    assert [driver.state(p) for p in pids] == [ProcessState.RUNNING] * 2
+    gpustate.release_tree(pids)  # a second thaw finds nothing to do
+    assert len(fake.calls(("restore",))) == 2 and len(fake.calls(("unlock",))) == 2
+
+
+def test_no_driver_means_nothing_to_give_back(monkeypatch, tmp_path, spawn):
+    from criuctl import gpustate
+
+    monkeypatch.setenv(cuda.ENV_LIBCUDA, str(tmp_path / "no-libcuda.so.1"))
+    gpustate.release_tree(spawn(1))  # returns quietly: a CPU node's thaw is unchanged

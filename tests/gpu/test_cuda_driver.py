@@ -1,4 +1,4 @@
-"""The real CUDA driver's checkpoint API (needs an NVIDIA GPU host; run by bench/gpu_check.sh there).
+"""The real CUDA driver's checkpoint API (needs an NVIDIA GPU host; run by tests/gpu/check.sh there).
 
 Skipped with the reason on hosts without libcuda.so.1 (development and CI machines have no GPU).
 """
