@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 
-from criuctl import bundle, cuda, gpus, procinfo
+from criuctl import bundle, cuda, cudasteps, gpus, procinfo
 from criuctl.errors import CriuctlError
 
 ENV_REMAP = "CRIUCTL_CUDA_REMAP"
@@ -42,12 +42,12 @@ def suspend(pids: list[int], timeout_s: float) -> bundle.GpuFacts | None:
     if not mapped:
         return None
     driver = _driver()
-    users = cuda.cuda_processes(driver, mapped)  # a forked DataLoader worker maps /dev/nvidia* too
+    users = cudasteps.cuda_processes(driver, mapped)  # a forked DataLoader worker maps /dev/nvidia* too
     if not users:
         return None
     devices = _facts(users)  # before the checkpoint closes their device files
     started = time.monotonic()
-    cuda.suspend(driver, users, timeout_s)  # rolls back what it did before raising
+    cudasteps.suspend(driver, users, timeout_s)  # rolls back what it did before raising
     return bundle.GpuFacts(
         driver=gpus.driver_version() or str(driver.version),
         devices=devices,
@@ -65,11 +65,13 @@ def release_tree(pids: list[int]) -> None:
     """
     try:
         driver = cuda.Driver.load()
-        held = [p for p in cuda.cuda_processes(driver, pids) if driver.state(p) != cuda.ProcessState.RUNNING]
+        held = [
+            p for p in cudasteps.cuda_processes(driver, pids) if driver.state(p) != cuda.ProcessState.RUNNING
+        ]
     except cuda.CudaError:
         return  # no driver here, or a process gone meanwhile: nothing this thaw can do
     if held:
-        cuda.release(driver, held)
+        cudasteps.release(driver, held)
 
 
 def plan(facts: bundle.GpuFacts | None) -> dict[str, str]:
@@ -96,5 +98,5 @@ def resume(facts: bundle.GpuFacts | None, root_pid: int, gpu_map: dict[str, str]
     # r580+ takes the pairs for every checkpointed GPU, moved or not; CRIUCTL_CUDA_REMAP=0 passes
     # none (the same GPUs), which tests/gpu/check.sh uses to try both paths of the driver
     pairs = gpu_map if os.environ.get(ENV_REMAP, "1") != "0" else {}
-    cuda.resume(_driver(), [by_ns[n] for n in facts.ns_pids], pairs or None)
+    cudasteps.resume(_driver(), [by_ns[n] for n in facts.ns_pids], pairs or None)
     return round(time.monotonic() - started, 3)

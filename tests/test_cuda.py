@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from criuctl import cuda, doctor, gpus
+from criuctl import cuda, cudasteps, doctor, gpus
 from criuctl.cuda import CudaError, ProcessState
 from criuctl.gpus import GpuInfo, GpuMismatch
 
@@ -201,7 +201,7 @@ def test_a_process_without_cuda_is_not_initialized_and_filtered_out(driver, spaw
         == f"cuCheckpointProcessLock(pid {plain}): CUDA_ERROR_NOT_INITIALIZED: initialization error"
     )
     assert err.value.hint == "the process has not started CUDA, so it has no GPU state to move"
-    assert cuda.cuda_processes(driver, [plain, cuda_pid, dead_pid()]) == [cuda_pid]
+    assert cudasteps.cuda_processes(driver, [plain, cuda_pid, dead_pid()]) == [cuda_pid]
 
 
 def test_lock_timeout_leaves_the_process_running(driver, fake, spawn, monkeypatch):
@@ -228,7 +228,7 @@ def test_an_unknown_code_is_named_by_number(driver, spawn, monkeypatch):
 
 def test_suspend_checkpoints_every_pid(driver, fake, spawn):
     pids = spawn(2)
-    assert cuda.suspend(driver, pids, 5) == pids
+    assert cudasteps.suspend(driver, pids, 5) == pids
     assert [driver.state(p) for p in pids] == [ProcessState.CHECKPOINTED] * 2
     p1, p2 = pids
     assert fake.calls() == [
@@ -243,7 +243,7 @@ def test_suspend_rolls_back_when_the_second_checkpoint_fails(driver, fake, spawn
     p1, p2, p3 = pids = spawn(3)
     monkeypatch.setenv("FAKE_CUDA_FAIL", f"checkpoint@{p2}")
     with pytest.raises(CudaError) as err:
-        cuda.suspend(driver, pids, 5)
+        cudasteps.suspend(driver, pids, 5)
     assert err.value.what == f"cuCheckpointProcessCheckpoint(pid {p2}): CUDA_ERROR_UNKNOWN: unknown error"
     assert err.value.pid == p2 and err.value.hint == "the job was left running"
     assert [driver.state(p) for p in pids] == [ProcessState.RUNNING] * 3
@@ -264,7 +264,7 @@ def test_suspend_unlocks_what_it_locked_when_a_lock_times_out(driver, fake, spaw
     p1, p2, _ = pids = spawn(3)
     monkeypatch.setenv("FAKE_CUDA_FAIL", f"lock@{p2}:600")
     with pytest.raises(CudaError) as err:
-        cuda.suspend(driver, pids, 5)
+        cudasteps.suspend(driver, pids, 5)
     assert err.value.timed_out and err.value.pid == p2
     assert err.value.line().endswith("retry, or allow a longer timeout; the job was left running")
     assert [driver.state(p) for p in pids] == [ProcessState.RUNNING] * 3
@@ -275,7 +275,7 @@ def test_suspend_says_so_when_the_rollback_fails_too(driver, spawn, monkeypatch)
     p1, p2 = pids = spawn(2)
     monkeypatch.setenv("FAKE_CUDA_FAIL", f"checkpoint@{p2},restore@{p1}")
     with pytest.raises(CudaError) as err:
-        cuda.suspend(driver, pids, 5)
+        cudasteps.suspend(driver, pids, 5)
     assert err.value.pid == p2
     assert err.value.hint == f"rolling back failed too: pids {p1} may stay frozen on the GPU"
     assert f"cuCheckpointProcessRestore(pid {p1}): CUDA_ERROR_UNKNOWN" in err.value.detail
@@ -284,8 +284,8 @@ def test_suspend_says_so_when_the_rollback_fails_too(driver, spawn, monkeypatch)
 
 def test_release_after_a_failed_dump_restores_and_unlocks(driver, fake, spawn):
     p1, p2 = pids = spawn(2)
-    cuda.suspend(driver, pids, 5)
-    done = cuda.release(driver, pids)  # as if CRIU's dump failed next
+    cudasteps.suspend(driver, pids, 5)
+    done = cudasteps.release(driver, pids)  # as if CRIU's dump failed next
     assert done.ok and (done.restored, done.unlocked, done.already_running) == ([p2, p1], [p2, p1], [])
     assert [driver.state(p) for p in pids] == [ProcessState.RUNNING] * 2
     assert fake.calls()[-4:] == [
@@ -294,15 +294,15 @@ def test_release_after_a_failed_dump_restores_and_unlocks(driver, fake, spawn):
         f"unlock {p2}",
         f"unlock {p1}",
     ]
-    again = cuda.release(driver, pids)
+    again = cudasteps.release(driver, pids)
     assert again.ok and again.already_running == [p2, p1] and len(fake.calls()) == 8
 
 
 def test_release_goes_on_past_a_vanished_pid(driver, spawn):
     p1, p2 = spawn(2)
     gone = dead_pid()
-    cuda.suspend(driver, [p1, p2], 5)
-    done = cuda.release(driver, [p1, gone, p2])
+    cudasteps.suspend(driver, [p1, p2], 5)
+    done = cudasteps.release(driver, [p1, gone, p2])
     assert not done.ok and [e.pid for e in done.errors] == [gone]
     assert done.unlocked == [p2, p1] and driver.state(p1) is ProcessState.RUNNING
 
@@ -311,10 +311,11 @@ def test_resume_in_another_process_with_a_gpu_map(driver, fake, spawn, monkeypat
     """The dump and the restore run in different criuctl processes: the state must carry over."""
     p1, p2 = pids = spawn(2)
     monkeypatch.setenv("FAKE_CUDA_DEVICES", f"{A},{B}")
-    cuda.suspend(driver, pids, 5)
+    cudasteps.suspend(driver, pids, 5)
     monkeypatch.setenv("FAKE_CUDA_PRESENT", f"{B},{C}")
+    gpu_map = {A: B, B: C}
     script = (
-        f"from criuctl import cuda; cuda.resume(cuda.Driver.load(), {pids!r}, {{{A!r}: {B!r}, {B!r}: {C!r}}})"
+        f"from criuctl import cuda, cudasteps; cudasteps.resume(cuda.Driver.load(), {pids!r}, {gpu_map!r})"
     )
     subprocess.run([sys.executable, "-c", script], check=True, cwd=Path(__file__).parent.parent)
     assert [driver.state(p) for p in pids] == [ProcessState.RUNNING] * 2
@@ -325,19 +326,19 @@ def test_resume_in_another_process_with_a_gpu_map(driver, fake, spawn, monkeypat
         f"unlock {p1}",
         f"unlock {p2}",
     ]
-    cuda.resume(driver, pids, {A: B, B: C})  # a retry finds nothing left to do
+    cudasteps.resume(driver, pids, {A: B, B: C})  # a retry finds nothing left to do
     assert len(fake.calls()) == 8
 
 
 def test_resume_refuses_a_map_that_misses_a_gpu(driver, spawn, monkeypatch):
     (pid,) = spawn()
     monkeypatch.setenv("FAKE_CUDA_DEVICES", f"{A},{B}")
-    cuda.suspend(driver, [pid], 5)
+    cudasteps.suspend(driver, [pid], 5)
     monkeypatch.setenv("FAKE_CUDA_PRESENT", f"{B},{C}")
     # a GPU left out, a target not on this node, a GPU the process did not use, none (A is not here)
     for gpu_map in ({A: C}, {A: C, B: A}, {A: C, B: B, C: B}, None):
         with pytest.raises(CudaError) as err:
-            cuda.resume(driver, [pid], gpu_map)
+            cudasteps.resume(driver, [pid], gpu_map)
         assert err.value.what.endswith("CUDA_ERROR_INVALID_VALUE: invalid argument")
         assert err.value.hint.startswith("the GPU map is wrong")
     assert driver.state(pid) is ProcessState.CHECKPOINTED
@@ -456,7 +457,7 @@ def test_a_thawed_tree_gets_its_gpu_state_back_whoever_locked_it(driver, fake, s
     from criuctl import gpustate
 
     pids = spawn(2)
-    cuda.suspend(driver, pids, 5)  # ... and the process that did this is gone
+    cudasteps.suspend(driver, pids, 5)  # ... and the process that did this is gone
     gpustate.release_tree(pids)
     assert [driver.state(p) for p in pids] == [ProcessState.RUNNING] * 2
     gpustate.release_tree(pids)  # a second thaw finds nothing to do

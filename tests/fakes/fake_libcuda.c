@@ -302,6 +302,29 @@ CUresult cuGetErrorString(CUresult code, const char **string)
 
 #ifndef FAKE_CUDA_NO_CHECKPOINT_API
 
+/* The checks every transition makes, in the driver's order: the arguments, the pid, its state. */
+static CUresult enter(int pid, struct pstate *ps, int bad_args, int from)
+{
+	CUresult rc;
+
+	if (bad_args)
+		return CUDA_ERROR_INVALID_VALUE;
+	if ((rc = check_pid(pid, ps)))
+		return rc;
+	return ps->state == from ? CUDA_SUCCESS : CUDA_ERROR_ILLEGAL_STATE;
+}
+
+/* The transition once every check passed: an injected failure, or the new state saved. */
+static CUresult leave(int pid, struct pstate *ps, const char *op, int to)
+{
+	CUresult rc;
+
+	if ((rc = injected(op, pid)))
+		return rc;
+	ps->state = to;
+	return save(pid, ps) ? CUDA_ERROR_UNKNOWN : CUDA_SUCCESS;
+}
+
 CUresult cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args)
 {
 	unsigned int timeout = args ? args->timeoutMs : 0;
@@ -310,21 +333,16 @@ CUresult cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args)
 	CUresult rc;
 
 	log_call("lock %d timeout=%u", pid, timeout);
-	if (args && (args->reserved0 || !all_zero(args->reserved1, sizeof(args->reserved1))))
-		return CUDA_ERROR_INVALID_VALUE;
-	if ((rc = check_pid(pid, &ps)))
-		return rc;
-	if (ps.state != STATE_RUNNING)
-		return CUDA_ERROR_ILLEGAL_STATE;
-	if ((rc = injected("lock", pid)))
+	rc = enter(pid, &ps, args && (args->reserved0 || !all_zero(args->reserved1, sizeof(args->reserved1))),
+		   STATE_RUNNING);
+	if (rc)
 		return rc;
 	if (timeout && delay > timeout) {
 		sleep_ms(timeout);
 		return CUDA_ERROR_NOT_READY; /* what r580 returns when the lock times out */
 	}
 	sleep_ms(delay);
-	ps.state = STATE_LOCKED;
-	return save(pid, &ps) ? CUDA_ERROR_UNKNOWN : CUDA_SUCCESS;
+	return leave(pid, &ps, "lock", STATE_LOCKED);
 }
 
 CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args)
@@ -333,17 +351,10 @@ CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args
 	CUresult rc;
 
 	log_call("checkpoint %d", pid);
-	if (args && !all_zero(args, sizeof(*args)))
-		return CUDA_ERROR_INVALID_VALUE;
-	if ((rc = check_pid(pid, &ps)))
+	if ((rc = enter(pid, &ps, args && !all_zero(args, sizeof(*args)), STATE_LOCKED)))
 		return rc;
-	if (ps.state != STATE_LOCKED)
-		return CUDA_ERROR_ILLEGAL_STATE;
-	if ((rc = injected("checkpoint", pid)))
-		return rc;
-	ps.state = STATE_CHECKPOINTED;
 	snprintf(ps.devices, sizeof(ps.devices), "%s", env("FAKE_CUDA_DEVICES", ""));
-	return save(pid, &ps) ? CUDA_ERROR_UNKNOWN : CUDA_SUCCESS;
+	return leave(pid, &ps, "checkpoint", STATE_CHECKPOINTED);
 }
 
 /*
@@ -398,18 +409,11 @@ CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args)
 	log_call("restore %d pairs=%s", pid, pairs);
 	if (!initialized)
 		return CUDA_ERROR_NOT_INITIALIZED; /* without persistence mode the caller must cuInit */
-	if (args && (!all_zero(args->reserved, sizeof(args->reserved)) || args->reserved1))
-		return CUDA_ERROR_INVALID_VALUE;
-	if ((rc = check_pid(pid, &ps)))
+	rc = enter(pid, &ps, args && (!all_zero(args->reserved, sizeof(args->reserved)) || args->reserved1),
+		   STATE_CHECKPOINTED);
+	if (rc || (rc = check_pairs(&ps, args)))
 		return rc;
-	if (ps.state != STATE_CHECKPOINTED)
-		return CUDA_ERROR_ILLEGAL_STATE;
-	if ((rc = check_pairs(&ps, args)))
-		return rc;
-	if ((rc = injected("restore", pid)))
-		return rc;
-	ps.state = STATE_LOCKED;
-	return save(pid, &ps) ? CUDA_ERROR_UNKNOWN : CUDA_SUCCESS;
+	return leave(pid, &ps, "restore", STATE_LOCKED);
 }
 
 CUresult cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs *args)
@@ -418,16 +422,9 @@ CUresult cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs *args)
 	CUresult rc;
 
 	log_call("unlock %d", pid);
-	if (args && !all_zero(args, sizeof(*args)))
-		return CUDA_ERROR_INVALID_VALUE;
-	if ((rc = check_pid(pid, &ps)))
+	if ((rc = enter(pid, &ps, args && !all_zero(args, sizeof(*args)), STATE_LOCKED)))
 		return rc;
-	if (ps.state != STATE_LOCKED)
-		return CUDA_ERROR_ILLEGAL_STATE;
-	if ((rc = injected("unlock", pid)))
-		return rc;
-	ps.state = STATE_RUNNING;
-	return save(pid, &ps) ? CUDA_ERROR_UNKNOWN : CUDA_SUCCESS;
+	return leave(pid, &ps, "unlock", STATE_RUNNING);
 }
 
 CUresult cuCheckpointProcessGetState(int pid, CUprocessState *state)
