@@ -263,7 +263,7 @@ class Migrator:
         state.set_rng_state(ckpt["epoch_rng"] or ckpt["rng"])
         b = self._boundary()
         if b is not None:
-            b.on_first_forward.append(lambda: state.set_rng_state(ckpt["rng"]))
+            b.at_first_forward(lambda: state.set_rng_state(ckpt["rng"]))
             if ckpt.get("step") is not None:
                 b.steps = int(ckpt["step"])
         self.write_signal(INIT)

@@ -72,6 +72,7 @@ class Boundary:
     on_first_forward: list[Callable[[], None]] = field(default_factory=list)
     saver: Callable[[Boundary, dict], None] | None = None  # the migrator's, when the script uses it
     _capture: Capture | None = None
+    _forward_hook: Any = None  # the forward pre-hook's handle, while something waits for a forward
     _snapshot: list[dict] = field(default_factory=list)
     _next_check: float = 0.0
     _registered: bool = False
@@ -80,6 +81,9 @@ class Boundary:
     # -- the three hooks ---------------------------------------------------------------------
     def after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.steps += 1
+        if self._forward_hook is not None and self._capture is None and not self.on_first_forward:
+            self._forward_hook.remove()  # nothing waits for a forward: idle steps skip the hook
+            self._forward_hook = None
         if self.positions:
             self._snapshot = [dict(d) for d in self.positions]
         if self.control is None:
@@ -114,6 +118,18 @@ class Boundary:
     # -- requests ----------------------------------------------------------------------------
     def request_capture(self, cap: Capture) -> None:
         self._capture = cap
+        self._want_forwards()
+
+    def at_first_forward(self, fn: Callable[[], None]) -> None:
+        """Run `fn` at the next training forward (resume: once the script's objects exist)."""
+        self.on_first_forward.append(fn)
+        self._want_forwards()
+
+    def _want_forwards(self) -> None:
+        if self._forward_hook is None:
+            from torch.nn.modules.module import register_module_forward_pre_hook
+
+            self._forward_hook = register_module_forward_pre_hook(self.before_forward)
 
     def _path(self, *parts: str) -> str:
         return os.path.join(self.control or "", *parts)
@@ -232,13 +248,11 @@ def install(torch: Any) -> Boundary:
     if _current is not None:
         return _current
     # torch.optim hides its submodules' names: import the functions, not attributes
-    from torch.nn.modules.module import register_module_forward_pre_hook
     from torch.optim.optimizer import register_optimizer_step_post_hook
     from torch.utils.data import DataLoader as loader
 
     b = Boundary(os.environ.get(contract.ENV_CONTROL_DIR) or None, torch)
-    register_optimizer_step_post_hook(b.after_step)
-    register_module_forward_pre_hook(b.before_forward)
+    register_optimizer_step_post_hook(b.after_step)  # the forward pre-hook only when needed
     make_iter = loader.__iter__
 
     def __iter__(self: Any) -> Any:

@@ -23,7 +23,7 @@ def arm(b: Boundary, directory: str) -> None:
         return
     if index(directory).get("kind") == "migrator":
         return  # the script's own `migrator.load_ckpt` loads it (criuctl.migration)
-    b.on_first_forward.append(lambda: _load(b, path))
+    b.at_first_forward(lambda: _load(b, path))
 
 
 def index(directory: str) -> dict:
