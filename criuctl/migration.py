@@ -123,7 +123,9 @@ class Migrator:
             return None
         from criuctl_hook import boundary
 
-        return boundary.installed_with_torch()
+        b = boundary.installed_with_torch()
+        b.track_epochs()
+        return b
 
     # -- saving ------------------------------------------------------------------------------
     def listening(self, interval: float = 1) -> None:

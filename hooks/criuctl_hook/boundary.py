@@ -1,15 +1,17 @@
 """Step boundaries: where criuctl stops a trainer without cutting a step in half.
 
-Installed once torch is imported (`postimport`), as three global hooks that PyTorch offers:
+Installed once torch is imported (`postimport`), through hooks that PyTorch offers:
 
 - an optimizer step post-hook: a step has ended. Every 50 ms at most it looks for criuctl's
   request in the control directory (one `stat`); that is the whole idle cost.
-- a module forward pre-hook: the next step is starting. A pending capture happens at the first
+- a module forward pre-hook, only while a capture or a resume waits for it (`_want_forwards`):
+  the next step is starting. A pending capture happens at the first
   *training* forward (grad enabled, module in train mode) after a step, once the script's
   registered position records (the `migrator` API's dicts) have moved on since that step: then
   the model, the optimizer, the scheduler and those records all describe the same instant.
-- `DataLoader.__iter__`: the RNG state just before an epoch's iterator draws its seeds, so that a
-  resumed script that builds its iterator again draws the same shuffle.
+- `DataLoader.__iter__`, only for a script that uses the `migrator` API (`track_epochs`): the RNG
+  state just before an epoch's iterator draws its seeds, so that a resumed script that builds its
+  iterator again draws the same shuffle.
 
 HOLD (the CRIU path): at the step's end, synchronise CUDA, empty the caching allocator so less
 device memory must be copied, report, and wait until criuctl removes the request (the dump is
@@ -72,6 +74,7 @@ class Boundary:
     on_first_forward: list[Callable[[], None]] = field(default_factory=list)
     saver: Callable[[Boundary, dict], None] | None = None  # the migrator's, when the script uses it
     _capture: Capture | None = None
+    _tracking_epochs: bool = False
     _forward_hook: Any = None  # the forward pre-hook's handle, while something waits for a forward
     _snapshot: list[dict] = field(default_factory=list)
     _next_check: float = 0.0
@@ -114,6 +117,21 @@ class Boundary:
         from criuctl_hook import state
 
         self.epoch_rng = state.rng_state()
+
+    def track_epochs(self) -> None:
+        """Keep the RNG of each epoch's start (80 µs an epoch): the migrator's resume needs it."""
+        if self._tracking_epochs:
+            return
+        from torch.utils.data import DataLoader
+
+        make_iter = DataLoader.__iter__
+
+        def __iter__(loader: Any) -> Any:
+            self.before_epoch()
+            return make_iter(loader)
+
+        DataLoader.__iter__ = __iter__
+        self._tracking_epochs = True
 
     # -- requests ----------------------------------------------------------------------------
     def request_capture(self, cap: Capture) -> None:
@@ -249,17 +267,9 @@ def install(torch: Any) -> Boundary:
         return _current
     # torch.optim hides its submodules' names: import the functions, not attributes
     from torch.optim.optimizer import register_optimizer_step_post_hook
-    from torch.utils.data import DataLoader as loader
 
     b = Boundary(os.environ.get(contract.ENV_CONTROL_DIR) or None, torch)
     register_optimizer_step_post_hook(b.after_step)  # the forward pre-hook only when needed
-    make_iter = loader.__iter__
-
-    def __iter__(self: Any) -> Any:
-        b.before_epoch()
-        return make_iter(self)
-
-    loader.__iter__ = __iter__
     _current = b
     resume_dir = os.environ.get(contract.ENV_RESUME_STATE)
     if resume_dir:
