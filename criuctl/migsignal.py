@@ -41,7 +41,7 @@ def write(path: Path, signal: str) -> None:
 
 def read(path: Path) -> str:
     try:
-        return path.read_text().strip()
+        return path.read_text(errors="replace")[:64].strip()
     except FileNotFoundError:
         return INIT
 
@@ -56,6 +56,13 @@ def prestop(path: str | None, timeout: float) -> int:
             file=sys.stderr,
         )
         return 1
+    if signal.is_dir() or (signal.exists() and read(signal) not in SIGNALS):
+        print(
+            f"criuctl prestop: {signal} is not a migration signal file (one of {', '.join(SIGNALS)}); "
+            "nothing was written: pass the job's signal file",
+            file=sys.stderr,
+        )
+        return 2
     write(signal, SAVE)
     print(
         f"{time.strftime('%Y-%m-%d %H:%M:%S')} criuctl prestop: asked the job to save ({signal})", flush=True

@@ -219,3 +219,30 @@ def test_prestop_without_a_job_gives_up_in_one_line(tmp_path):
         text=True,
     )
     assert r.returncode == 1 and "is not mounted here" in r.stderr
+
+
+def test_prestop_never_overwrites_a_file_that_is_not_a_signal(tmp_path):
+    precious = tmp_path / "passwd"
+    precious.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    r = subprocess.run([*CRIUCTL, "prestop", "--signal", str(precious)], capture_output=True, text=True)
+    assert r.returncode == 2 and "is not a migration signal file" in r.stderr, r.stderr
+    assert precious.read_text().startswith("root:x:0:0")
+    r = subprocess.run([*CRIUCTL, "prestop", "--signal", str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test_an_altered_state_bundle_is_refused_and_nothing_starts(tmp_path):
+    log = tmp_path / "train.log"
+    job = Job.run("cnn", "train_cnn_loader.py", "--steps", "400", "--workers", "0", "--log", str(log))
+    job.wait_for_step(5)
+    r = criuctl("dump", "cnn", "--state", "-o", str(tmp_path / "b"))
+    assert r.returncode == 0, r.stderr
+    assert job.wait() == 0
+    state = tmp_path / "b" / "state" / "state-0.pt"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    state.write_bytes(bytes(data))
+    r = criuctl("restore", str(tmp_path / "b"))
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "state/state-0.pt" in r.stderr, r.stderr
+    assert "cnn" not in criuctl("ps").stdout
