@@ -37,14 +37,30 @@ def _facts(pids: list[int]) -> list[bundle.GpuDevice]:
 
 
 def suspend(pids: list[int], timeout_s: float) -> bundle.GpuFacts | None:
-    """Move the CUDA state of every GPU process in `pids` to host memory; None if none uses a GPU."""
+    """Move the CUDA state of every GPU process in `pids` to host memory; None if none uses a GPU.
+
+    The driver is asked about every process, not only those mapping /dev/nvidia*: a forked
+    DataLoader worker maps them without a context, and a process a dead dumper left checkpointed
+    maps none. Such leftovers (no other dump can run: the caller holds the workload's lock) are
+    given their GPU state back first.
+    """
     mapped = gpus.gpu_pids(pids)
-    if not mapped:
+    try:
+        driver = cuda.Driver.load()
+    except cuda.CudaError:
+        if mapped:
+            _driver()  # raises the one-line refusal
         return None
-    driver = _driver()
-    users = cudasteps.cuda_processes(driver, mapped)  # a forked DataLoader worker maps /dev/nvidia* too
+    try:
+        users = cudasteps.cuda_processes(driver, pids)
+    except cuda.CudaError:
+        if mapped:
+            raise
+        return None  # a driver without a GPU (a toolkit-only node): no process can hold CUDA state
     if not users:
         return None
+    if stale := [p for p in users if driver.state(p) != cuda.ProcessState.RUNNING]:
+        cudasteps.release(driver, stale)
     devices = _facts(users)  # before the checkpoint closes their device files
     started = time.monotonic()
     cudasteps.suspend(driver, users, timeout_s)  # rolls back what it did before raising

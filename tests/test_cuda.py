@@ -469,3 +469,23 @@ def test_no_driver_means_nothing_to_give_back(monkeypatch, tmp_path, spawn):
 
     monkeypatch.setenv(cuda.ENV_LIBCUDA, str(tmp_path / "no-libcuda.so.1"))
     gpustate.release_tree(spawn(1))  # returns quietly: a CPU node's thaw is unchanged
+
+
+def test_gpustate_suspends_what_the_driver_holds_and_undoes_a_dead_dumpers_lock(
+    driver, fake, spawn, monkeypatch
+):
+    """`gpustate.suspend` asks the driver about every process of the tree (a process without CUDA
+    is left out), first gives back a lock a dead dumper left, records the node's GPUs."""
+    from criuctl import gpustate
+
+    monkeypatch.setenv("FAKE_NVML_GPUS", f"NVIDIA H200={A}")
+    cpu_only, locked, fresh = spawn(3)
+    monkeypatch.setenv("FAKE_CUDA_PIDS", f"{locked},{fresh}")
+    driver.lock(locked, 5)  # ... by a dumper that died before CRIU
+    facts = gpustate.suspend([cpu_only, locked, fresh], 5)
+    assert facts is not None and facts.pids == [locked, fresh]
+    assert [d.uuid for d in facts.devices] == [A]
+    assert [driver.state(p) for p in (locked, fresh)] == [ProcessState.CHECKPOINTED] * 2
+    assert fake.calls(("unlock",)) == [f"unlock {locked}"]  # the leftover lock was undone first
+    gpustate.release_tree([cpu_only, locked, fresh])
+    assert [driver.state(p) for p in (locked, fresh)] == [ProcessState.RUNNING] * 2
