@@ -186,7 +186,9 @@ class Frozen:
                 for pid in self.pids:
                     procinfo.send_signal(pid, signal.SIGSTOP)
                 self._criu.join()
-            own_ns = procinfo.ns_pid(w.root_pid) == 1 if procinfo.pid_exists(w.root_pid) else True
+            own_ns = True  # PID 1 of its namespace (unless on a GPU node, `supervisor.pid_namespace`)
+            with contextlib.suppress(OSError):
+                own_ns = procinfo.ns_pid(w.root_pid) == 1
             procinfo.kill_tree(w.root_pid, wait=0.0 if own_ns else 5.0)  # PIDs kept: free them first
             if self.netlock_table:
                 netlock.lift(self.netlock_table)  # the tree is gone: its lock would only outlive it

@@ -22,10 +22,6 @@ def tree_pids(root_pid: int) -> list[int]:
         return []
 
 
-def pid_exists(pid: int) -> bool:
-    return os.path.exists(f"/proc/{pid}")
-
-
 def kill_tree(root_pid: int, wait: float = 0.0) -> None:
     """SIGKILL a workload's tree: its root, then every descendant.
 
