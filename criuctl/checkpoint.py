@@ -289,7 +289,7 @@ def _freeze_locked(
             lazy_pages=frozen.lazy,
             container=plan.facts if plan else None,
             control_dir=w.control or "",
-            boundary=_boundary_facts(frozen.boundary),
+            boundary=frozen.boundary.facts() if frozen.boundary else None,
             gpu=frozen.gpu,
         )
         manifest.freeze_seconds = time.monotonic() - started
@@ -312,12 +312,6 @@ def _freeze_locked(
             ) from exc
         raise
     return frozen
-
-
-def _boundary_facts(r: stepboundary.Reached | None) -> bundle.StepBoundary | None:
-    if r is None:
-        return None
-    return bundle.StepBoundary(r.request_id, r.trainers, r.held, r.step, r.waited_s, r.cuda_bytes, r.why)
 
 
 def _carry_files(staging: Path, plan: containers.DumpPlan) -> None:

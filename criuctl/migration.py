@@ -150,43 +150,27 @@ class Migrator:
             time.sleep(interval)
 
     def _save_at(self, b: Any) -> None:
-        from criuctl_hook import state
+        self.save_ckpt(epoch_rng=b.epoch_rng, step=b.steps)
 
-        self.save_ckpt(rng=state.rng_state(), epoch_rng=b.epoch_rng, step=b.steps)
-
-    def _payload(self, rng: dict | None, epoch_rng: dict | None, step: int | None) -> dict:
+    def _saved(self, epoch_rng: dict | None, step: int | None) -> Any:
+        """What is registered, now, with the RNG: a `criuctl_hook.state.Saved`."""
         from criuctl_hook import state
 
         objects = {k: (v.state_dict() if hasattr(v, "state_dict") else v) for k, v in self.migrations.items()}
-        return {"objects": objects, "rng": rng or state.rng_state(), "epoch_rng": epoch_rng, "step": step}
+        return state.Saved(step, objects, state.rng_state(), {"epoch_rng": epoch_rng})
 
     def _save_for_criuctl(self, b: Any, req: dict) -> None:
         """`criuctl dump --state`: the registered objects into criuctl's bundle; criuctl signs it."""
-        from criuctl_hook import contract, state
-        from criuctl_hook.boundary import rank
-
-        path = os.path.join(req["out"], contract.STATE_FILE.format(rank=rank()))
-        payload = self._payload(None, b.epoch_rng, b.steps)
-        saved = state.Saved(b.steps, payload["objects"], payload["rng"], {"epoch_rng": b.epoch_rng})
-        size = state.write(saved, path)
         objects = [
             {"key": k, "kind": "registered", "class": type(v).__name__} for k, v in self.migrations.items()
         ]
-        index = {"kind": "migrator", "format": contract.STATE_FORMAT, "step": b.steps, "rank": rank()}
-        b.saved(req, path, size, {**index, "bytes": size, "objects": objects})
+        b.save_and_hold(req, self._saved(b.epoch_rng, b.steps), "migrator", objects)
 
-    def save_ckpt(
-        self, rng: dict | None = None, epoch_rng: dict | None = None, step: int | None = None
-    ) -> None:
-        """Save every registered object now, sign it, and answer `resume`."""
-        import torch
+    def save_ckpt(self, epoch_rng: dict | None = None, step: int | None = None) -> None:
+        """Save every registered object now (whole or not at all), sign it, and answer `resume`."""
+        from criuctl_hook import state
 
-        payload = self._payload(rng, epoch_rng, step)
-        tmp = self.ckpt_path.with_name(f".{self.ckpt_path.name}.partial")
-        torch.save(payload, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, self.ckpt_path)
+        state.write(self._saved(epoch_rng, step), str(self.ckpt_path))
         self._sign()
         self.write_signal(RESUME)
         print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} criuctl migrator: saved {self.ckpt_path}", flush=True)

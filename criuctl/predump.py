@@ -52,7 +52,7 @@ def _environment(p: psutil.Process) -> tuple[dict[str, str], str]:
 
 
 def freeze_state(
-    target: str, parent: Path, progress: checkpoint.Progress = checkpoint._quiet
+    target: str, parent: Path, progress: checkpoint.Progress = lambda _phase: None
 ) -> checkpoint.Frozen:
     """Have every trainer of `target` save its state at a step boundary and hold; seal the bundle.
 
@@ -92,7 +92,7 @@ def freeze_state(
             uses_gpu=procinfo.uses_gpu([p.pid for p in processes]),
             criu_version="",
             control_dir=w.control,
-            boundary=checkpoint._boundary_facts(reached),
+            boundary=reached.facts(),
             state=bundle.StateFacts(
                 {rank: f"{STATE_DIR}/{name}" for rank, name in reached.saved.items()},
                 reached.state_bytes,

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import psutil
 
-from criuctl import procinfo, workloads
+from criuctl import bundle, procinfo, workloads
 from criuctl_hook import contract
 
 ENV_TIMEOUT = "CRIUCTL_BOUNDARY_TIMEOUT"
@@ -48,6 +48,12 @@ class Reached:
     saved: dict[str, str] = field(default_factory=dict)  # rank -> state file (SAVE)
     state_bytes: int = 0
     beating: threading.Event = field(default_factory=threading.Event, repr=False)  # cleared by release
+
+    def facts(self) -> bundle.StepBoundary:
+        """What the manifest keeps of it."""
+        return bundle.StepBoundary(
+            self.request_id, self.trainers, self.held, self.step, self.waited_s, self.cuda_bytes, self.why
+        )
 
     @property
     def complete(self) -> bool:

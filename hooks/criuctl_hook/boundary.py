@@ -178,7 +178,7 @@ class Boundary:
         if self._stale():
             return  # its requester is gone
         if req.get("mode") == contract.SAVE and isinstance(req.get("out"), str):
-            save = self.saver or Boundary._save_and_hold
+            save = self.saver or Boundary._save_discovered
             self.request_capture(Capture(lambda b: save(b, req), req["id"]))
         else:
             self.hold(req["id"], {})
@@ -224,26 +224,26 @@ class Boundary:
             return False
         return age > contract.STALE_AFTER
 
-    def _save_and_hold(self, req: dict) -> None:
+    def _save_discovered(self, req: dict) -> None:
         from criuctl_hook import state
 
         saved, found = state.capture(self.steps, epoch_rng=self.epoch_rng)
+        objects = [{"key": f.key, "kind": f.kind, "class": type(f.obj).__qualname__} for f in found]
+        self.save_and_hold(req, saved, "discovered", objects)
+
+    def save_and_hold(self, req: dict, saved: Any, kind: str, objects: list[dict]) -> None:
+        """Write `saved` (a `state.Saved`) and what it holds into criuctl's state directory, report
+        it, and hold until released. `kind` says who loads it back: "discovered" (`resume`) or
+        "migrator" (the script's own `load_ckpt`)."""
+        from criuctl_hook import state
+
         r = rank()
         path = os.path.join(req["out"], contract.STATE_FILE.format(rank=r))
         size = state.write(saved, path)
-        index = {
-            "kind": "discovered",
-            "format": contract.STATE_FORMAT,
-            "step": self.steps,
-            "rank": r,
-            "bytes": size,
-            "objects": [{"key": f.key, "kind": f.kind, "class": type(f.obj).__qualname__} for f in found],
-        }
-        self.saved(req, path, size, index)
-
-    def saved(self, req: dict, path: str, size: int, index: dict) -> None:
-        """Describe the state file beside it, report it to criuctl, and hold until released."""
-        _write_json(os.path.join(req["out"], contract.STATE_INDEX.format(rank=rank())), index)
+        index = {"kind": kind, "format": contract.STATE_FORMAT, "step": saved.step, "rank": r, "bytes": size}
+        _write_json(
+            os.path.join(req["out"], contract.STATE_INDEX.format(rank=r)), {**index, "objects": objects}
+        )
         self.hold(req["id"], {"saved": os.path.basename(path), "bytes": size})
 
 

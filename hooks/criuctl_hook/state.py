@@ -61,37 +61,25 @@ def _scalers() -> tuple[type, ...]:
     )
 
 
-def _sort(
-    everything: list,
-    modules: list,
-    optimizers: list,
-    schedulers: list,
-    scalers: list,
-    sched_types: tuple,
-    scaler_types: tuple,
-) -> None:
-    for obj in everything:
-        if isinstance(obj, torch.nn.Module):
-            modules.append(obj)
-        elif isinstance(obj, torch.optim.Optimizer):
-            optimizers.append(obj)
-        elif sched_types and isinstance(obj, sched_types):
-            schedulers.append(obj)
-        elif scaler_types and isinstance(obj, scaler_types):
-            scalers.append(obj)
+def _by_kind() -> dict[str, list]:
+    """The live objects of each kind, in the collector's order (creation order, in CPython)."""
+    kinds = [(MODULE, (torch.nn.Module,)), (OPTIMIZER, (torch.optim.Optimizer,))]
+    kinds += [(SCHEDULER, _schedulers()), (SCALER, _scalers())]
+    out: dict[str, list] = {kind: [] for kind, _ in kinds}
+    with warnings.catch_warnings():  # isinstance wakes deprecated lazy objects, which warn
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            for kind, types in kinds:
+                if types and isinstance(obj, types):
+                    out[kind].append(obj)
+                    break
+    return out
 
 
 def discover() -> list[Found]:
     """Every stateful training object alive in this process, keyed so that a new run finds it again."""
-    modules: list[torch.nn.Module] = []
-    optimizers: list[torch.optim.Optimizer] = []
-    schedulers: list[Any] = []
-    scalers: list[Any] = []
-    sched_types, scaler_types = _schedulers(), _scalers()
-    with warnings.catch_warnings():  # isinstance wakes deprecated lazy objects, which warn
-        warnings.simplefilter("ignore")
-        everything = gc.get_objects()
-        _sort(everything, modules, optimizers, schedulers, scalers, sched_types, scaler_types)
+    live = _by_kind()
+    modules, optimizers, schedulers, scalers = (live[k] for k in (MODULE, OPTIMIZER, SCHEDULER, SCALER))
     children = {id(c) for m in modules for c in m.children()}
     found: list[Found] = []
     for m in modules:
@@ -148,7 +136,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 @dataclass
 class Saved:
-    step: int
+    step: int | None  # optimizer steps done (None: saved outside a step, `migrator.save_ckpt()`)
     objects: dict[str, dict]  # key -> state_dict
     rng: dict[str, Any]
     extra: dict[str, Any] = field(default_factory=dict)
