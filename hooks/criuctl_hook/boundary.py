@@ -256,10 +256,6 @@ def rank() -> str:
 _current: Boundary | None = None
 
 
-def current() -> Boundary | None:
-    return _current
-
-
 def install(torch: Any) -> Boundary:
     """Register the hooks with torch (once per process) and return the boundary."""
     global _current
