@@ -42,6 +42,7 @@ from criuctl import (
     locks,
     netlock,
     procinfo,
+    readdress,
     rootfsdiff,
     stepboundary,
     tcprepair,
@@ -197,11 +198,21 @@ class Frozen:
             self.release()
 
 
-def freeze(target: str, parent: Path, lazy_port: int | None = None, progress: Progress = _quiet) -> Frozen:
+def freeze(
+    target: str,
+    parent: Path,
+    lazy_port: int | None = None,
+    progress: Progress = _quiet,
+    endpoints: readdress.EndpointMap | None = None,
+    boundary: bool = True,
+) -> Frozen:
     """Freeze workload `target` (name or PID) and seal its bundle in a new directory under `parent`.
 
     With `lazy_port` (post-copy) memory pages stay out of the bundle: CRIU serves them on that port
-    once the bundle is sealed. On any failure the tree is thawed and nothing is left behind.
+    once the bundle is sealed. `endpoints` gives the images' TCP sockets new addresses before the
+    seal (a rank of a multi-node job that moves). Without `boundary` the trainers are frozen where
+    they are (ranks of one job frozen together would each wait at a boundary for the others). On
+    any failure the tree is thawed and nothing is left behind.
     """
     started = time.monotonic()
     criu.require_version()
@@ -209,7 +220,7 @@ def freeze(target: str, parent: Path, lazy_port: int | None = None, progress: Pr
     key = bundle.load_key(workloads.key_path())
     lock = locks.lock_workload(w.name, _purpose())
     try:
-        return _freeze_locked(w, key, lock, parent, lazy_port, progress, started)
+        return _freeze_locked(w, key, lock, parent, lazy_port, progress, started, endpoints, boundary)
     except BaseException:
         lock.release()
         raise
@@ -234,6 +245,8 @@ def _freeze_locked(
     lazy_port: int | None,
     progress: Progress,
     started: float,
+    endpoints: readdress.EndpointMap | None = None,
+    boundary: bool = True,
 ) -> Frozen:
     now = workloads.load(w.name)
     if now is None or now.root_pid != w.root_pid or now.state != workloads.RUNNING or not w.alive():
@@ -266,7 +279,7 @@ def _freeze_locked(
     )
     frozen = Frozen(w, staging, None, 0.0, lazy=lazy_port is not None, lock=lock)  # type: ignore[arg-type]
     try:
-        if w.control:
+        if w.control and boundary:
             progress("step boundary")
             frozen.boundary = stepboundary.reach(w)
             started = time.monotonic()  # the job ran on while it finished its step: not frozen time
@@ -275,6 +288,8 @@ def _freeze_locked(
         with locks.host_dump_slot():
             _run_dump(frozen, options)
         frozen.netlock_table = netlock.table_for_images(images)
+        if endpoints is not None:
+            readdress.apply(images, endpoints)  # before the seal: the digests cover the new addresses
         progress("sealing")
         if plan is not None:
             _carry_files(staging, plan)

@@ -127,7 +127,23 @@ VERBS: dict[str, Verb] = {
         "move a running workload, or a Kubernetes pod, to another node",
         (
             opt("name", metavar="NAME|POD"),
-            opt("node", nargs="?", metavar="NODE", help="the node to move it to (or --to NODE)"),
+            opt(
+                "node",
+                nargs="*",
+                metavar="NODE",
+                help="the node to move it to (or --to NODE); with --job: more RANK=NODE pairs",
+            ),
+            opt(
+                "--job",
+                metavar="JOB",
+                help="move ranks of a multi-node job together: criuctl migrate --job JOB RANK=NODE "
+                "[RANK=NODE...] (JOB: the job's name in `criuctl ps`, or any of its ranks)",
+            ),
+            opt(
+                "--break-connections",
+                action="store_true",
+                help="move it alone although its TCP connections to peers outside criuctl cannot follow",
+            ),
             opt("--to", metavar="NODE", help=argparse.SUPPRESS),
             opt(
                 "-n",

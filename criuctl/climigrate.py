@@ -88,6 +88,10 @@ def _source_node(name: str, to: str, given: str | None):
 
 
 def _target(a: argparse.Namespace) -> str:
+    if len(a.node) > 1:
+        raise CriuctlError(f"more than one node given: {' '.join(a.node)}",
+                           "criuctl migrate NAME NODE, or --job JOB RANK=NODE RANK=NODE")  # fmt: skip
+    a.node = a.node[0] if a.node else None
     if a.node and a.to and a.node != a.to:
         raise CriuctlError(f"two target nodes given: {a.node} and --to {a.to}", "give one")
     to = a.node or a.to
@@ -108,8 +112,10 @@ def cmd_migrate(a: argparse.Namespace) -> int:
     from criuctl.agent import client, migrate
     from criuctl.kube import cluster
 
-    to = _target(a)
     a.json = a.json or a.output == "json"
+    if a.job:
+        return _migrate_job(a, a.job, _pairs([a.name, *a.node]))
+    to = _target(a)
     if cluster.wanted(a.kubeconfig, a.namespace) and to not in client.all_nodes():
         return _migrate_pod(a, to)
     if a.dry_run:
@@ -122,6 +128,12 @@ def cmd_migrate(a: argparse.Namespace) -> int:
         from criuctl import runtime
 
         a.into = runtime.check_id(a.into)
+    if a.source is None and a.into is None and not a.break_connections:
+        from criuctl.agent import jobs
+
+        job = jobs.job_of(jobs.survey(), a.name)
+        if job is not None and (len(job.ranks) > 1 or job.foreign):
+            return _migrate_job(a, a.name, {a.name: to})
     source, target = _source_node(a.name, to, a.source)
     with render.migration_progress() as progress:
         result = migrate.migrate(a.name, source, target, a.mode, progress, into=a.into)
@@ -129,6 +141,43 @@ def cmd_migrate(a: argparse.Namespace) -> int:
     if a.json:
         _print_json(result)
     return 0 if result.source_confirmed else 6
+
+
+def _pairs(args: list[str]) -> dict[str, str]:
+    """RANK=NODE arguments as a dict; one line for anything else."""
+    from criuctl import workloads
+
+    out: dict[str, str] = {}
+    for arg in args:
+        rank, sep, node = arg.partition("=")
+        if not sep or not rank or not node:
+            raise CriuctlError(f"{arg!r} is not RANK=NODE", "criuctl migrate --job JOB RANK=NODE ...")
+        out[workloads.validate_name(rank)] = node
+    return out
+
+
+def _migrate_job(a: argparse.Namespace, name: str, wanted: dict[str, str]) -> int:
+    """Ranks of a multi-node job move together, their connections re-pointed (criuctl.agent.jobmove)."""
+    from criuctl import render
+    from criuctl.agent import jobmove, jobs
+
+    if a.mode not in (None, "stop-and-copy"):
+        raise CriuctlError(f"{a.mode} is not available for ranks of a multi-node job yet",
+                           "use --mode stop-and-copy (the default for jobs); nothing was frozen")  # fmt: skip
+    found = jobs.survey()
+    job = jobs.job_of(found, name)
+    if job is None:
+        silent = f" (no answer from node {', '.join(found.silent)})" if found.silent else ""
+        raise CriuctlError(f"no job or workload named {name!r} runs on any node{silent}",
+                           "see `criuctl ps` for the jobs and their ranks")  # fmt: skip
+    plan = jobmove.plan(job, wanted)
+    moved = ", ".join(f"{m.rank.label} → {m.target.name}" for m in plan.moves)
+    print(f"criuctl: job {job.name} ({len(job.ranks)} ranks): moving {moved}", file=sys.stderr)
+    result = jobmove.execute(plan, render.job_progress())
+    render.job_summary(result)
+    if a.json:
+        _print_json(result)
+    return 0 if all(r.source_confirmed for r in result.ranks) else 6
 
 
 def _migrate_pod(a: argparse.Namespace, to: str) -> int:

@@ -39,7 +39,7 @@ class NetlockError(CriuctlError):
     """libnftables is missing or refused a command."""
 
 
-class _Nft:
+class Nft:
     """One libnftables context with buffered output and errors."""
 
     def __init__(self) -> None:
@@ -61,7 +61,7 @@ class _Nft:
     def close(self) -> None:
         self.lib.nft_ctx_free(self.ctx)
 
-    def __enter__(self) -> _Nft:
+    def __enter__(self) -> Nft:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -111,7 +111,7 @@ def table_for_images(images_dir: Path) -> str | None:
 
 def tables() -> list[str]:
     """The names of CRIU's lock tables in this network namespace."""
-    with _Nft() as nft:
+    with Nft() as nft:
         ok, out, err = nft.run(f"list tables {FAMILY}")
     if not ok:
         raise NetlockError(f"cannot list nftables tables: {err.strip()}", "run criuctl as root")
@@ -120,7 +120,7 @@ def tables() -> list[str]:
 
 def connections(table: str) -> set[Connection]:
     """The connections `table` drops (both directions of each); empty if the table is gone."""
-    with _Nft() as nft:
+    with Nft() as nft:
         ok, out, _ = nft.run(f"list table {FAMILY} {table}")
     if not ok:
         return set()
@@ -131,7 +131,7 @@ def lift(table: str) -> bool:
     """Delete lock table `table`; True if it was there. Idempotent: a missing table is fine."""
     if not table.startswith(PREFIX):
         raise ValueError(f"{table!r} is not a CRIU lock table")
-    with _Nft() as nft:
+    with Nft() as nft:
         ok, _, err = nft.run(f"delete table {FAMILY} {table}")
     if ok:
         return True

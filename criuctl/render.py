@@ -117,6 +117,34 @@ def migration_progress() -> Iterator[callable]:
         bars.remove_task(tasks.pop(""))
 
 
+def job_progress() -> callable:
+    """One line on stderr each time a rank of a job's move enters a phase (ranks move at once)."""
+    import threading
+
+    seen: set[tuple[str, str]] = set()
+    lock = threading.Lock()
+    t0 = time.monotonic()
+
+    def update(phase: str, rank: str = "", **_facts: object) -> None:
+        with lock:
+            if (rank, phase) not in seen:
+                seen.add((rank, phase))
+                err.print(f"{time.monotonic() - t0:6.2f} s  {rank}: {phase}", markup=False)
+
+    return update
+
+
+def job_summary(r) -> None:
+    for m in r.ranks:
+        err.print(f"  {m.workload}: {m.source} → {m.target}, downtime {m.downtime_seconds:.2f} s, "
+                  f"{human_bytes(m.bytes_moved)} moved (freeze {m.freeze_seconds:.2f} s, "
+                  f"transfer {m.transfer_seconds:.2f} s, restore {m.restore_seconds:.2f} s)",
+                  markup=False)  # fmt: skip
+    err.print(f"moved {len(r.ranks)} rank(s) of job {r.job}: downtime {r.downtime_seconds:.2f} s, "
+              f"total {r.total_seconds:.2f} s; {r.redirects} connection redirect(s) on nodes of ranks "
+              f"that stayed", markup=False)  # fmt: skip
+
+
 def migration_summary(r) -> None:
     if r.via_successor:  # only the freeze and the whole are measured on that path
         err.print(

@@ -238,7 +238,7 @@ def test_interrupted_restore_leaves_no_copy(big_bundle, sig):
 def test_lift_removes_exactly_the_named_table_and_is_idempotent():
     mine, other = netlock.table_name("0badc0de-0000-4000-8000-000000000001"), "CRIU-0badc0de-other"
     assert mine == "CRIU-0badc0de-0000-4000-80"  # cut as CRIU cuts it (31 bytes with "inet ")
-    lib = netlock._Nft()
+    lib = netlock.Nft()
     try:
         for t in (mine, other):
             ok, _, err = lib.run(f"add table inet {t}")

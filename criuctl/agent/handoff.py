@@ -34,7 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-from criuctl import bundle, checkpoint, placeholder, runtime, workloads
+from criuctl import bundle, checkpoint, placeholder, readdress, runtime, workloads
 from criuctl.agent import points, records, verdicts
 from criuctl.agent.protocol import (
     TIMEOUTS,
@@ -111,9 +111,11 @@ class _Source:
         )  # fmt: skip
         records.write(self.path, self.rec.to_json())  # before CRIU freezes anything
         try:
+            endpoints = readdress.EndpointMap.from_json(spec.readdress) if spec.readdress else None
             self.frozen = checkpoint.freeze(
-                w.name, Path(spec.parent), lazy_port=spec.lazy_port, progress=_held_point
-            )
+                w.name, Path(spec.parent), lazy_port=spec.lazy_port, progress=_held_point,
+                endpoints=endpoints, boundary=spec.boundary,
+            )  # fmt: skip
         except CriuctlError as exc:
             self._advance(SourceState.FAILED)
             _error(exc)

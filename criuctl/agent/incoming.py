@@ -7,6 +7,8 @@ POST   /v1/incoming/{id}/commit    let it run (token)
 GET    /v1/incoming/{id}           its state (ticket or token)
 DELETE /v1/incoming/{id}           the verdict: abort unless it runs here (ticket or token);
                                    200 {"state": "aborted"} or 409 {"state": "running"}
+DELETE /v1/incoming/{id}/cut       a job's rank: lift its cut now (token; else at commit, or a
+                                   lease after an abort)
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import ipaddress
 import logging
 import secrets
 import time
@@ -23,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from criuctl import bundle, criu, workloads
+from criuctl import bundle, criu, netcut, workloads
 from criuctl.agent import records
 from criuctl.agent.handoffs import Handoff
 from criuctl.agent.protocol import (
@@ -66,6 +69,7 @@ class Incoming:
         r.add_post("/v1/incoming/{id}/commit", self.commit)
         r.add_get("/v1/incoming/{id}", self.status)
         r.add_delete("/v1/incoming/{id}", self.abort)
+        r.add_delete("/v1/incoming/{id}/cut", self.lift_cut)
 
     @property
     def spool(self) -> Path:
@@ -118,6 +122,10 @@ class Incoming:
         except CriuctlError as exc:
             return fail(400, exc.what, exc.hint)
         try:
+            cut = _tuples(body.get("cut"))
+        except ValueError as exc:
+            return fail(400, f"bad cut: {exc}", "use `criuctl migrate`")
+        try:
             await asyncio.to_thread(criu.require_version)
             if mode == Mode.POST_COPY:
                 await asyncio.to_thread(criu.ensure_lazy_pages)
@@ -142,6 +150,14 @@ class Incoming:
             runtime=self.agent.runtimes.endpoint,
         )
         self.machines[m.id] = m
+        if cut:  # before anything is frozen: no peer of the rank can reach this node's kernel first
+            try:
+                m.rec.cut = await asyncio.to_thread(netcut.cut, m.id, cut)
+            except CriuctlError as exc:
+                await m.verdict()
+                return fail(503, f"node {self.agent.name} cannot cut the job's connections: {exc.what}",
+                            exc.hint)  # fmt: skip
+            await asyncio.to_thread(records.write, m.record_path, m.rec.to_json())
         log.info("incoming", extra={"id": m.id, "workload": name, "mode": str(mode)})
         return web.json_response({"id": m.id, "ticket": secret})
 
@@ -176,6 +192,7 @@ class Incoming:
         out = await m.commit()
         if out.ok:
             self.agent.metrics.migrations.labels("target", m.rec.mode, "succeeded").inc()
+            await asyncio.to_thread(_lift_cut, m.rec)  # the rank runs here: its peers may reach it
         return outcome_response(out, {"state": str(m.state)})
 
     async def status(self, r: web.Request) -> web.Response:
@@ -194,6 +211,14 @@ class Incoming:
         self.agent.metrics.migrations.labels("target", m.rec.mode, "aborted").inc()
         self.machines.pop(m.id, None)
         return web.json_response({"state": "aborted"})
+
+    async def lift_cut(self, r: web.Request) -> web.Response:
+        m = self._get(r)
+        if m.state not in TARGET_FINAL:
+            return fail(409, f"migration {m.id} is {m.state}: its cut stays until it runs or is aborted",
+                        state=str(m.state))  # fmt: skip
+        await asyncio.to_thread(_lift_cut, m.rec)
+        return web.json_response({"state": str(m.state)})
 
     # ----------------------------------------------------------------------------------- upkeep
 
@@ -225,6 +250,46 @@ class Incoming:
                     await m.verdict()
                 self.machines.pop(m.id, None)
         await asyncio.to_thread(_forget_tombstones, self.spool, set(self.machines))
+        await asyncio.to_thread(self._lift_stale_cuts, stale_after)
+
+    def _lift_stale_cuts(self, linger: float) -> None:
+        """A cut outlives its migration only while a peer may still be re-pointed at this node."""
+        for table in netcut.tables(netcut.CUT):
+            m = self.lookup(table.removeprefix(netcut.CUT))
+            if (
+                m is None
+                or m.state == TargetState.RUNNING
+                or (
+                    m.state in (TargetState.ABORTED, TargetState.FAILED)
+                    and time.time() - m.rec.updated > linger
+                )
+            ):
+                netcut.remove(table)
+
+
+def _lift_cut(rec: TargetRecord) -> None:
+    if rec.cut:
+        netcut.remove(rec.cut)
+
+
+def _tuples(raw: object) -> list[netcut.Tuple]:
+    """A cut's connections: [[local address, port, remote address, port], ...] (IPv4)."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or len(raw) > 4096:
+        raise ValueError("cut must be a list of [local address, port, remote address, port]")
+    out = []
+    for item in raw:
+        if not (isinstance(item, list) and len(item) == 4):
+            raise ValueError(f"bad cut entry {str(item)[:80]}")
+        la, lp, ra, rp = item
+        for a in (la, ra):
+            if not isinstance(a, str) or not isinstance(ipaddress.ip_address(a), ipaddress.IPv4Address):
+                raise ValueError(f"bad cut address {str(a)[:80]} (IPv4 only)")
+        if not all(isinstance(p, int) and 0 < p < 65536 for p in (lp, rp)):
+            raise ValueError(f"bad cut port in {item}")
+        out.append((la, lp, ra, rp))
+    return out
 
 
 def _forget_tombstones(spool: Path, live: set[str]) -> None:

@@ -107,6 +107,141 @@ def _check_target(dst: AgentClient) -> dict:
     return info
 
 
+class Move:
+    """One workload's migration in phases: `migrate` runs them in a row; a job's move
+    (`criuctl.agent.jobmove`) runs each phase for every rank before the next.
+
+    Each phase raises `MigrationFailed`/`MigrationInDoubt` with the hint a user needs; `undo` turns
+    a failure after `prepare` into the error to raise once both sides are settled (target first).
+    """
+
+    def __init__(
+        self, name: str, source: Node, target: Node, mode: str | None = None, progress: Progress = _quiet,
+        into: str | None = None, readdress: list | None = None, boundary: bool = True,
+        cut: list | None = None,
+    ) -> None:  # fmt: skip
+        if source.name == target.name:
+            raise MigrationFailed(f"{name!r} already runs on node {target.name}", "pick another --to node")
+        self.name, self.source, self.target, self.mode = name, source, target, mode
+        self.progress, self.into, self.readdress, self.boundary, self.cut = (
+            progress, into, readdress, boundary, cut)  # fmt: skip
+        self.src, self.dst = AgentClient(source), AgentClient(target)
+        self.started = time.monotonic()
+        self.inc: dict = {}
+        self.ticket: Ticket | None = None
+        self.og_id: str | None = None
+        self.port: int | None = None
+        self.facts = {"bytes": 0, "freeze": 0.0, "transfer": 0.0, "restore": 0.0}
+        self.downtime: float | None = None
+        self.confirmed = True
+        self.pages: float | None = None
+
+    def _in_doubt(self, exc: MigrationInDoubt) -> MigrationInDoubt:
+        exc.ids = (self.og_id, self.inc.get("id", ""))
+        return exc
+
+    def prepare(self) -> None:
+        """The target makes room (and, for a job's rank, cuts its connections off); nothing frozen."""
+        self.progress("prepare")
+        try:
+            dst_info = _check_target(self.dst)
+            src_info = self.src.get("/v1/info", timeout=TIMEOUTS.info)
+            self.mode = choose_mode(self.mode, src_info, dst_info)
+            body = {"workload": self.name, "mode": self.mode, "into": self.into}
+            if self.cut:
+                body["cut"] = self.cut
+            self.inc = self.dst.post("/v1/incoming", body)
+        except CriuctlError as exc:
+            raise MigrationFailed(
+                exc.what, f"{exc.hint}; nothing was frozen, {self.name!r} runs on {self.source.name}"
+            ) from exc
+        points.reach(Point.CLIENT_PREPARED)
+        self.ticket = Ticket(self.target.url, self.inc["id"], self.inc["ticket"], self.target.name,
+                             self.target.ca_pem())  # fmt: skip
+
+    def send(self) -> None:
+        """Freeze on the source and stream the bundle; the source's word decides until "sent"."""
+        assert self.ticket is not None
+        phase_started = time.monotonic()
+        self.progress("freeze")
+        body: dict = {"workload": self.name, "mode": self.mode, "target": self.ticket.to_json()}
+        if self.readdress is not None:
+            body["readdress"] = self.readdress
+        if not self.boundary:
+            body["boundary"] = False
+        for ev in self.src.events("/v1/outgoing", body):
+            kind = ev["event"]
+            if kind == "started":
+                self.og_id = ev["id"]
+            elif kind == "frozen":
+                self.facts["freeze"], self.port = time.monotonic() - phase_started, ev["page_server_port"]
+                phase_started = time.monotonic()
+                self.progress("transfer", done=0, total=ev["bytes"])
+            elif kind == "transfer":
+                self.progress("transfer", done=ev["done"], total=ev["total"])
+            elif kind == "sent":
+                self.facts["bytes"], self.facts["transfer"] = ev["bytes"], time.monotonic() - phase_started
+                break
+            elif kind == "error":
+                if ev.get("thawed", True) is True:
+                    raise MigrationFailed(ev["what"], ev.get("hint", ""))
+                why = _frozen_hint(self.name, self.source.name, self.target.name, "thawed: unconfirmed")
+                raise self._in_doubt(MigrationInDoubt(ev["what"], why))
+        else:
+            raise NodeUnreachable(
+                f"node {self.source.name}'s agent stopped answering mid-migration",
+                "its handoff process settles the job with the target by itself",
+            )
+        points.reach(Point.CLIENT_SENT)
+
+    def restore(self) -> None:
+        """The target restores the tree stopped: it has not run yet."""
+        phase_started = time.monotonic()
+        self.progress("restore")
+        body = {"page_server": f"{self.source.host}:{self.port}"} if self.mode == POST_COPY else {}
+        self.dst.post(f"/v1/incoming/{self.inc['id']}/restore", body, timeout=TIMEOUTS.restore)
+        self.facts["restore"] = time.monotonic() - phase_started
+        points.reach(Point.CLIENT_RESTORED)
+
+    def undo(self, exc: CriuctlError) -> CriuctlError:
+        """A phase failed: abort both sides (target first); the error to raise."""
+        if isinstance(exc, MigrationInDoubt):
+            return self._in_doubt(exc)
+        err = _aborted(self.src, self.dst, self.og_id, self.inc["id"], exc, self.name, self.source.name)
+        return self._in_doubt(err) if isinstance(err, MigrationInDoubt) else err
+
+    def commit_target(self) -> None:
+        """Let the restored tree run: from here on the job runs on the target."""
+        self.progress("commit")
+        try:
+            _commit_target(self.src, self.dst, self.og_id, self.inc["id"], self.name, self.source.name)
+        except MigrationInDoubt as exc:
+            raise self._in_doubt(exc) from None
+        points.reach(Point.CLIENT_TARGET_COMMITTED)
+
+    def commit_source(self) -> None:
+        """The source ends its tree (it checks with the target first)."""
+        try:
+            answer = self.src.post(f"/v1/outgoing/{self.og_id}/commit", timeout=TIMEOUTS.source_commit)
+        except CriuctlError:  # the job runs on the target; the source's handoff ends its copy on its word
+            answer, self.confirmed = {}, False
+        self.downtime = answer.get("downtime_seconds") or time.monotonic() - self.started
+        points.reach(Point.CLIENT_SOURCE_COMMITTED)
+
+    def wait_pages(self) -> None:
+        if self.mode == POST_COPY and self.confirmed:
+            self.progress("pages")
+            self.pages = _wait_pages(self.src, self.og_id)
+
+    def result(self) -> MigrationResult:
+        f = self.facts
+        return MigrationResult(
+            self.name, self.source.name, self.target.name, str(self.mode), self.downtime or 0.0,
+            time.monotonic() - self.started, f["bytes"], f["freeze"], f["transfer"], f["restore"],
+            self.pages, self.confirmed,
+        )  # fmt: skip
+
+
 def migrate(
     name: str,
     source: Node,
@@ -121,92 +256,19 @@ def migrate(
     `target_committed` runs once the job runs on the target and before the source's copy ends:
     where something must learn of the move before the source tree dies (Kubernetes deletes the
     source pod there, so that its kubelet does not restart the container it sees die)."""
-    started = time.monotonic()
-    if source.name == target.name:
-        raise MigrationFailed(f"{name!r} already runs on node {target.name}", "pick another --to node")
-    src, dst = AgentClient(source), AgentClient(target)
-    progress("prepare")
+    move = Move(name, source, target, mode, progress, into)
+    move.prepare()
     try:
-        dst_info = _check_target(dst)
-        src_info = src.get("/v1/info", timeout=TIMEOUTS.info)
-        mode = choose_mode(mode, src_info, dst_info)
-        inc = dst.post("/v1/incoming", {"workload": name, "mode": mode, "into": into})
+        move.send()
+        move.restore()
     except CriuctlError as exc:
-        raise MigrationFailed(
-            exc.what, f"{exc.hint}; nothing was frozen, {name!r} runs on {source.name}"
-        ) from exc
-    points.reach(Point.CLIENT_PREPARED)
-    ticket = Ticket(target.url, inc["id"], inc["ticket"], target.name, target.ca_pem())
-    og_id, port, facts = None, None, {"bytes": 0, "freeze": 0.0, "transfer": 0.0, "restore": 0.0}
-    try:
-        phase_started = time.monotonic()
-        progress("freeze")
-        for ev in src.events("/v1/outgoing", {"workload": name, "mode": mode, "target": ticket.to_json()}):
-            kind = ev["event"]
-            if kind == "started":
-                og_id = ev["id"]
-            elif kind == "frozen":
-                facts["freeze"], port = time.monotonic() - phase_started, ev["page_server_port"]
-                phase_started = time.monotonic()
-                progress("transfer", done=0, total=ev["bytes"])
-            elif kind == "transfer":
-                progress("transfer", done=ev["done"], total=ev["total"])
-            elif kind == "sent":
-                facts["bytes"], facts["transfer"] = ev["bytes"], time.monotonic() - phase_started
-                break
-            elif kind == "error":
-                thawed = ev.get("thawed", True) is True
-                raise (
-                    MigrationFailed(ev["what"], ev.get("hint", ""))
-                    if thawed
-                    else MigrationInDoubt(
-                        ev["what"], _frozen_hint(name, source.name, target.name, "thawed: unconfirmed")
-                    )
-                )
-        else:
-            raise NodeUnreachable(
-                f"node {source.name}'s agent stopped answering mid-migration",
-                "its handoff process settles the job with the target by itself",
-            )
-        points.reach(Point.CLIENT_SENT)
-        phase_started = time.monotonic()
-        progress("restore")
-        body = {"page_server": f"{source.host}:{port}"} if mode == POST_COPY else {}
-        dst.post(f"/v1/incoming/{inc['id']}/restore", body, timeout=TIMEOUTS.restore)
-        facts["restore"] = time.monotonic() - phase_started
-        points.reach(Point.CLIENT_RESTORED)
-    except MigrationInDoubt as exc:
-        exc.ids = (og_id, inc["id"])
-        raise
-    except CriuctlError as exc:
-        err = _aborted(src, dst, og_id, inc["id"], exc, name, source.name)
-        if isinstance(err, MigrationInDoubt):
-            err.ids = (og_id, inc["id"])
-        raise err from exc
-    progress("commit")
-    try:
-        _commit_target(src, dst, og_id, inc["id"], name, source.name)
-    except MigrationInDoubt as exc:
-        exc.ids = (og_id, inc["id"])
-        raise
-    points.reach(Point.CLIENT_TARGET_COMMITTED)
+        raise move.undo(exc) from exc
+    move.commit_target()
     if target_committed is not None:
         target_committed()
-    confirmed = True
-    try:
-        answer = src.post(f"/v1/outgoing/{og_id}/commit", timeout=TIMEOUTS.source_commit)
-    except CriuctlError:  # the job runs on the target; the source's handoff ends its copy on its word
-        answer, confirmed = {}, False
-    downtime = answer.get("downtime_seconds") or time.monotonic() - started
-    points.reach(Point.CLIENT_SOURCE_COMMITTED)
-    pages = None
-    if mode == POST_COPY and confirmed:
-        progress("pages")
-        pages = _wait_pages(src, og_id)
-    return MigrationResult(
-        name, source.name, target.name, mode, downtime, time.monotonic() - started, facts["bytes"],
-        facts["freeze"], facts["transfer"], facts["restore"], pages, confirmed,
-    )  # fmt: skip
+    move.commit_source()
+    move.wait_pages()
+    return move.result()
 
 
 def _frozen_hint(name: str, source: str, target: str, why: str) -> str:

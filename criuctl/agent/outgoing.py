@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import psutil
 from aiohttp import web
 
-from criuctl import bundle, checkpoint, containers, criu, netlock, procinfo, workloads
+from criuctl import bundle, checkpoint, containers, criu, netlock, procinfo, readdress, workloads
 from criuctl.agent import records, transfer, verdicts
 from criuctl.agent.handoffs import Handoff
 from criuctl.agent.protocol import SOURCE_FINAL, Mode, SourceRecord, SourceSpec, SourceState, Ticket, Verdict
@@ -77,6 +77,11 @@ class Outgoing:
             name = workloads.validate_name(str(body.get("workload", "")))
             mode = Mode(body.get("mode", Mode.STOP_AND_COPY))
             ticket = Ticket.from_json(body.get("target"))
+            moves = body.get("readdress")
+            endpoints = readdress.EndpointMap.from_json(moves).to_json() if moves is not None else None
+            boundary = body.get("boundary", True)
+            if not isinstance(boundary, bool):
+                raise ValueError("boundary must be true or false")
         except CriuctlError as exc:
             return fail(400, exc.what, exc.hint)
         except (ValueError, TypeError) as exc:
@@ -91,7 +96,8 @@ class Outgoing:
         folder = self.spool / mid
         folder.mkdir(mode=0o700)
         spec = SourceSpec(mid, w.name, str(mode), str(self.spool / f"{mid}.json"), str(folder), ticket.node,
-                          ticket, _free_port() if mode == Mode.POST_COPY else None)  # fmt: skip
+                          ticket, _free_port() if mode == Mode.POST_COPY else None, endpoints,
+                          boundary)  # fmt: skip
 
         def send(bdir: Path, counter: transfer.Counter):
             url = f"{ticket.base()}/bundle"

@@ -220,6 +220,10 @@ class SourceSpec:
     to_node: str
     ticket: Ticket
     lazy_port: int | None = None  # post-copy: serve pages here
+    # a rank of a multi-node job: its images' endpoints that move ([[old, port, new], ...],
+    # `readdress.EndpointMap`), and whether its trainers are first held at a step boundary
+    readdress: list | None = None
+    boundary: bool = True
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -296,6 +300,7 @@ class TargetRecord:
     placeholder: str | None = None  # container ID the client named (None: the target picks one)
     runtime: str | None = None
     placeholder_pid: int | None = None  # host PID of the placeholder's init, once restored into it
+    cut: str | None = None  # a job's rank: the nftables table dropping its connections until it runs
 
     def to_json(self) -> dict:
         return {**asdict(self), "state": str(self.state)}

@@ -8,6 +8,7 @@
     …      /v1/bundles/{id}[/restore]        stream out, receive, restore   ┘
     …      /v1/incoming…                     the target side of a migration   criuctl.agent.incoming
     …      /v1/outgoing…                     the source side of a migration   criuctl.agent.outgoing
+    …      /v1/redirects…                    a staying rank's re-pointed peers criuctl.agent.redirects
     GET    /metrics                          Prometheus: migrations by result, bytes, downtime
 
 Freezing and restoring happen in handoff processes (`criuctl.agent.handoff`) leased to this one;
@@ -34,11 +35,12 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
-from criuctl import bundle, containers, criu, runtime, workloads
+from criuctl import bundle, containers, criu, peers, runtime, workloads
 from criuctl.agent import transfer
 from criuctl.agent.bundles import Bundles
 from criuctl.agent.incoming import Incoming
 from criuctl.agent.outgoing import Outgoing
+from criuctl.agent.redirects import Redirects
 from criuctl.agent.runtimes import Runtimes
 from criuctl.agent.web import fail
 from criuctl.errors import CriuctlError
@@ -101,6 +103,7 @@ class Agent:
         self.outgoing = Outgoing(self)
         self.bundles = Bundles(self)
         self.runtimes = Runtimes(self)
+        self.redirects = Redirects(self)
         self.tasks: set[asyncio.Task] = set()
 
     @property
@@ -125,6 +128,7 @@ class Agent:
         self.incoming.routes(r)
         self.outgoing.routes(r)
         self.runtimes.routes(r)
+        self.redirects.routes(r)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         for extend in self.opts.extensions:
@@ -143,6 +147,8 @@ class Agent:
         await asyncio.to_thread(self.runtimes.prepare_inject_dir)
         for rec, _path in await asyncio.to_thread(self.outgoing.recover):
             self.spawn(self.outgoing.settle_orphan(rec))
+        for rid in await asyncio.to_thread(self.redirects.pending):
+            self.spawn(self.redirects.settle(rid, 0.0))
         self.spawn(self._janitor())
 
     async def _stop(self, _app: web.Application) -> None:
@@ -155,6 +161,7 @@ class Agent:
             await asyncio.sleep(min(30.0, self.opts.lease_seconds))
             try:
                 await self.incoming.tidy(stale_after=2 * self.opts.lease_seconds)
+                await asyncio.to_thread(self.redirects.tidy)
             except Exception:  # upkeep must never stop
                 log.exception("janitor")
 
@@ -251,7 +258,17 @@ class Agent:
 
     async def list_workloads(self, _r: web.Request) -> web.Response:
         others = await asyncio.to_thread(self.runtimes.register_all)  # containers become workloads here
-        return web.json_response(await asyncio.to_thread(workloads.rows) + others)
+        return web.json_response(await asyncio.to_thread(self._rows) + others)
+
+    def _rows(self) -> list[dict]:
+        """Every workload here; a running one with its TCP endpoints (what joins ranks into jobs)."""
+        out = workloads.rows()
+        for row in out:
+            if row["alive"] and row["state"] == workloads.RUNNING and not row.get("container"):
+                ends = peers.of_tree(row["root_pid"])
+                ends.connections = self.redirects.translate(ends.connections)
+                row["tcp"] = ends.to_json()
+        return out
 
     async def workload_logs(self, r: web.Request) -> web.Response:
         try:

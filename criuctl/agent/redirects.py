@@ -1,0 +1,205 @@
+"""HTTP routes and records of the redirects a node keeps for ranks that stay while a peer moves.
+
+POST   /v1/redirects             install one (token): the rules, and the moved rank's upload ticket
+POST   /v1/redirects/{id}/keep   the moved rank runs on its new node: keep it for the job's life
+DELETE /v1/redirects/{id}        remove it (the move was aborted)
+
+A redirect (`criuctl.netcut`) is right exactly when the moved rank runs on its new node, so it
+follows that rank's migration, never the client: one the client neither kept nor removed within
+the lease (the client died) asks the moved rank's target, with the ticket, what became of it —
+running: keep; aborted: remove; no answer: ask again. A restarted agent asks the same for every
+record it finds pending. A kept redirect goes once its connections are gone (the job ended), and
+the listing of workloads shows each connection through the kept ones: the peer's true address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import psutil
+from aiohttp import web
+
+from criuctl import netcut, workloads
+from criuctl.agent import records, verdicts
+from criuctl.agent.protocol import TIMEOUTS, TargetState, Ticket
+from criuctl.agent.web import body_json, error, fail, valid_id
+from criuctl.errors import CriuctlError
+from criuctl.readdress import canonical
+
+if TYPE_CHECKING:
+    from criuctl.agent.server import Agent
+
+log = logging.getLogger("criuctl.agent")
+
+PENDING, KEPT = "pending", "kept"
+
+
+@dataclass
+class RedirectRecord:
+    id: str
+    rules: list[list]  # [[local, port, old remote, port, new remote], ...]
+    ticket: Ticket  # the moved rank's migration on its target: its outcome decides
+    table: str
+    state: str = PENDING
+    created: float = field(default_factory=time.time)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "ticket": self.ticket.to_json()}
+
+    @classmethod
+    def from_json(cls, d: Any) -> RedirectRecord:
+        if not isinstance(d, dict):
+            raise ValueError("not an object")
+        return cls(**{**d, "ticket": Ticket.from_json(d["ticket"])})
+
+
+def parse_rules(raw: object) -> list[netcut.Redirect]:
+    """[[local, port, old remote, port, new remote], ...] with IPv4 addresses; ValueError otherwise."""
+    import ipaddress
+
+    if not isinstance(raw, list) or not 0 < len(raw) <= 4096:
+        raise ValueError("rules must be a non-empty list of [local, port, old remote, port, new remote]")
+    out = []
+    for item in raw:
+        if not (isinstance(item, list) and len(item) == 5):
+            raise ValueError(f"bad rule {str(item)[:80]}")
+        la, lp, old, rp, new = item
+        for a in (la, old, new):
+            if not isinstance(a, str) or not isinstance(ipaddress.ip_address(a), ipaddress.IPv4Address):
+                raise ValueError(f"bad address {str(a)[:80]} (IPv4 only)")
+        if not all(isinstance(p, int) and 0 < p < 65536 for p in (lp, rp)):
+            raise ValueError(f"bad port in {item}")
+        out.append((la, lp, old, rp, new))
+    return out
+
+
+class Redirects:
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+
+    def routes(self, r: web.UrlDispatcher) -> None:
+        r.add_post("/v1/redirects", self.new)
+        r.add_post("/v1/redirects/{id}/keep", self.keep)
+        r.add_delete("/v1/redirects/{id}", self.remove)
+
+    @property
+    def folder(self) -> Path:
+        return workloads.spool_dir("redirects")
+
+    def _path(self, rid: str) -> Path:
+        return self.folder / f"{rid}.json"
+
+    def _load(self, rid: str) -> RedirectRecord | None:
+        if not valid_id(rid):
+            return None
+        rec = records.read(self._path(rid), RedirectRecord.from_json)
+        return rec if isinstance(rec, RedirectRecord) else None
+
+    def _get(self, r: web.Request) -> RedirectRecord:
+        rec = self._load(r.match_info["id"])
+        if rec is None:
+            raise error(404, f"no redirect {r.match_info['id']} on node {self.agent.name}")
+        return rec
+
+    # ----------------------------------------------------------------------------------- routes
+
+    async def new(self, r: web.Request) -> web.Response:
+        body = await body_json(r)
+        try:
+            rules = parse_rules(body.get("rules"))
+            ticket = Ticket.from_json(body.get("ticket"))
+        except (ValueError, TypeError) as exc:
+            return fail(400, f"bad redirect: {exc}", "use `criuctl migrate`")
+        rid = uuid.uuid4().hex
+        rec = RedirectRecord(rid, [list(x) for x in rules], ticket, netcut.NAT + rid)
+        await asyncio.to_thread(records.write, self._path(rid), rec.to_json())  # before the rules
+        try:
+            await asyncio.to_thread(netcut.redirect, rid, rules)
+        except CriuctlError as exc:
+            await asyncio.to_thread(self._drop, rec)
+            return fail(503, f"node {self.agent.name} cannot redirect the job's connections: {exc.what}",
+                        exc.hint)  # fmt: skip
+        self.agent.spawn(self.settle(rid, self.agent.opts.lease_seconds))
+        log.info("redirect", extra={"id": rid, "rules": len(rules), "target": ticket.node})
+        return web.json_response({"id": rid})
+
+    async def keep(self, r: web.Request) -> web.Response:
+        rec = self._get(r)
+        rec.state = KEPT
+        await asyncio.to_thread(records.write, self._path(rec.id), rec.to_json())
+        return web.json_response({"state": KEPT})
+
+    async def remove(self, r: web.Request) -> web.Response:
+        rec = self._get(r)
+        if rec.state == KEPT:
+            return fail(409, f"redirect {rec.id} is kept: the rank it follows runs on its new node",
+                        state=KEPT)  # fmt: skip
+        await asyncio.to_thread(self._drop, rec)
+        return web.json_response({"state": "removed"})
+
+    # ----------------------------------------------------------------------------------- upkeep
+
+    def _drop(self, rec: RedirectRecord) -> None:
+        netcut.remove(rec.table)
+        self._path(rec.id).unlink(missing_ok=True)
+
+    async def settle(self, rid: str, seconds: float) -> None:
+        """The client did not settle it in time: the moved rank's target says what is true."""
+        await asyncio.sleep(seconds)
+        backoff = 1.0
+        while (rec := await asyncio.to_thread(self._load, rid)) is not None and rec.state == PENDING:
+            state = await asyncio.to_thread(verdicts.ask_state, rec.ticket)
+            log.warning("redirect lease expired", extra={"id": rid, "target_state": state})
+            if state == TargetState.RUNNING:
+                rec.state = KEPT
+                await asyncio.to_thread(records.write, self._path(rid), rec.to_json())
+            elif state in (TargetState.ABORTED, TargetState.FAILED):
+                await asyncio.to_thread(self._drop, rec)
+            else:
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, TIMEOUTS.ask_backoff_max)
+
+    def pending(self) -> list[str]:
+        """At start-up: the redirects a previous agent left unsettled."""
+        return [
+            rec.id
+            for _, rec in records.scan(self.folder, "*.json", RedirectRecord.from_json)
+            if isinstance(rec, RedirectRecord) and rec.state == PENDING
+        ]
+
+    def tidy(self) -> None:
+        """Kept redirects whose connections are all gone (the job ended) go too."""
+        live = {(canonical(c.laddr.ip), c.laddr.port) for c in _tcp() if c.laddr}
+        for _, rec in records.scan(self.folder, "*.json", RedirectRecord.from_json):
+            kept = isinstance(rec, RedirectRecord) and rec.state == KEPT
+            if kept and not any((la, lp) in live for la, lp, *_ in rec.rules):
+                self._drop(rec)
+
+    def translate(self, conns: list[tuple[str, int, str, int]]) -> list[tuple[str, int, str, int]]:
+        """Each connection with its remote as the kept redirects make it (stacked, oldest first)."""
+        kept = sorted(
+            (rec for _, rec in records.scan(self.folder, "*.json", RedirectRecord.from_json)
+             if isinstance(rec, RedirectRecord) and rec.state == KEPT),
+            key=lambda rec: rec.created,
+        )  # fmt: skip
+        out = []
+        for la, lp, ra, rp in conns:
+            for rec in kept:
+                for a, p, old, q, new in rec.rules:
+                    if (a, p, old, q) == (la, lp, ra, rp):
+                        ra = new
+            out.append((la, lp, ra, rp))
+        return out
+
+
+def _tcp() -> list:
+    with contextlib.suppress(psutil.Error, OSError):
+        return psutil.net_connections(kind="tcp")
+    return []
