@@ -32,6 +32,14 @@ def _cmd_run(a: argparse.Namespace) -> int:
 def _cmd_ps(a: argparse.Namespace) -> int:
     from criuctl import render
 
+    if a.jobs:
+        from criuctl.agent import jobs
+
+        found = jobs.survey()
+        render.jobs_table(found.jobs)
+        if found.silent:
+            print(f"criuctl: no answer from node {', '.join(found.silent)}", file=sys.stderr)
+        return 0
     if a.node:
         from criuctl.agent.client import AgentClient, get_node
 

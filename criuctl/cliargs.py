@@ -51,6 +51,11 @@ VERBS: dict[str, Verb] = {
         (
             opt("-a", "--all", action="store_true", help="also show exited, moved and checkpointed ones"),
             opt("--node", help="ask this node's agent instead of reading this host's registry"),
+            opt(
+                "--jobs",
+                action="store_true",
+                help="ask every node and show workloads joined by TCP connections as jobs, rank by rank",
+            ),
         ),
     ),
     "logs": Verb(

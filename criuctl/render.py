@@ -117,6 +117,21 @@ def migration_progress() -> Iterator[callable]:
         bars.remove_task(tasks.pop(""))
 
 
+def jobs_table(jobs: list) -> None:
+    """One row per rank, grouped by job: where each runs and which ranks it talks to."""
+    from rich.table import Table
+
+    t = Table(box=None)
+    for col in ("JOB", "RANK", "NODE", "CONNECTED TO"):
+        t.add_column(col)
+    for job in sorted(jobs, key=lambda j: j.name):
+        for r in sorted(job.ranks, key=lambda r: r.workload):
+            peers = sorted({link.peer.label if link.peer else f"{link.conn[2]}:{link.conn[3]} (not criuctl's)"
+                            for link in job.links if link.rank is r and link.peer is not r})  # fmt: skip
+            t.add_row(job.name, r.workload, r.node, ", ".join(peers) or "-")
+    out.print(t)
+
+
 def job_progress() -> callable:
     """One line on stderr each time a rank of a job's move enters a phase (ranks move at once)."""
     import threading

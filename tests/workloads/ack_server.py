@@ -7,7 +7,9 @@ each line, so a test can tell that one connection carried every step, in order.
 import socket
 import sys
 
-srv = socket.create_server(("127.0.0.1", 0))
+srv = socket.create_server(
+    (sys.argv[sys.argv.index("--listen") + 1] if "--listen" in sys.argv else "127.0.0.1", 0)
+)
 print(f"listening {srv.getsockname()[1]}", flush=True)
 n = 0
 while True:
