@@ -37,6 +37,10 @@ ROUTES = [
     ("DELETE", "/v1/outgoing/{x}"),
     ("POST", "/v1/outgoing"),
     ("POST", "/v1/incoming"),
+    ("DELETE", "/v1/incoming/{x}/cut"),
+    ("POST", "/v1/redirects"),
+    ("POST", "/v1/redirects/{x}/keep"),
+    ("DELETE", "/v1/redirects/{x}"),
 ]
 
 HOSTILE = st.sampled_from([
@@ -58,7 +62,8 @@ BODY = st.one_of(
         "target": st.one_of(JSONISH, st.fixed_dictionaries({
             "url": st.sampled_from(["http://127.0.0.1:9", "file:///etc/passwd", ""]),
             "incoming": SEGMENT, "secret": st.text(max_size=10), "node": SEGMENT})),
-        "page_server": JSONISH, "name": SEGMENT, "leave_running": JSONISH,
+        "page_server": JSONISH, "name": SEGMENT, "leave_running": JSONISH, "cut": JSONISH,
+        "readdress": JSONISH, "boundary": JSONISH, "rules": JSONISH, "ticket": JSONISH,
     }).map(lambda v: json.dumps(v).encode()),
 )  # fmt: skip
 
