@@ -161,9 +161,6 @@ def _migrate_job(a: argparse.Namespace, name: str, wanted: dict[str, str]) -> in
     from criuctl import render
     from criuctl.agent import jobmove, jobs
 
-    if a.mode not in (None, "stop-and-copy"):
-        raise CriuctlError(f"{a.mode} is not available for ranks of a multi-node job yet",
-                           "use --mode stop-and-copy (the default for jobs); nothing was frozen")  # fmt: skip
     found = jobs.survey()
     job = jobs.job_of(found, name)
     if job is None:
@@ -173,7 +170,7 @@ def _migrate_job(a: argparse.Namespace, name: str, wanted: dict[str, str]) -> in
     plan = jobmove.plan(job, wanted)
     moved = ", ".join(f"{m.rank.label} → {m.target.name}" for m in plan.moves)
     print(f"criuctl: job {job.name} ({len(job.ranks)} ranks): moving {moved}", file=sys.stderr)
-    result = jobmove.execute(plan, render.job_progress())
+    result = jobmove.execute(plan, render.job_progress(), a.mode)
     render.job_summary(result)
     if a.json:
         _print_json(result)

@@ -235,3 +235,29 @@ def test_a_connection_to_something_not_criuctl_refuses(tmp_path):
             assert c.running("talker") == ["a"]
         finally:
             server.kill()
+
+
+def test_client_killed_between_the_ranks_commits(tmp_path, monkeypatch):
+    """Two ranks move; the client dies once the first runs on its new node and before it told the
+    second. The first rank's commit decided the move: the second's target, asked by its source's
+    lease, sees the first running and runs its copy too (it never aborts what the job's peers now
+    point at), its source ends, and the redirects stay. The job finishes on a, d, e."""
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    point = Point.CLIENT_TARGET_COMMITTED
+    with Cluster(tmp_path / "c", names=("a", "b", "c", "d", "e"), lease=3) as c:
+        start(c, ["a", "b", "c"])
+        env = {**os.environ, "CRIUCTL_STATE_DIR": str(c.client_state), ENV_PAUSE_AT: str(point),
+               ENV_PAUSE_DIR: str(pause)}  # fmt: skip
+        p = subprocess.Popen([*CRIUCTL, "migrate", "--job", "ddp", "ddp-1=d", "ddp-2=e"], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        _wait_paused(pause, point, p)
+        p.kill()
+        p.wait()
+        deadline = time.monotonic() + 90
+        while [c.running(f"ddp-{r}") for r in range(3)] != [["a"], ["d"], ["e"]]:
+            assert time.monotonic() < deadline, [c.running(f"ddp-{r}") for r in range(3)]
+            for r in range(3):
+                assert len(c.running(f"ddp-{r}")) <= 1, f"rank {r} runs twice"
+            time.sleep(0.3)
+        finishes_exactly(c, 3)

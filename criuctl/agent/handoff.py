@@ -48,6 +48,7 @@ from criuctl.agent.protocol import (
     TargetRecord,
     TargetSpec,
     TargetState,
+    Ticket,
     Verdict,
     check_transition,
 )
@@ -222,7 +223,10 @@ def target(spec_file: Path) -> int:
         _emit(Event.ABORTED)
         return 0
     _emit(Event.RESTORED, pid=restored.workload.root_pid, criu_seconds=restored.criu_seconds)
-    if _command() != Command.COMMIT:
+    cmd = _command()
+    if not cmd and spec.follow:  # the lease broke: a job's rank does what the first moved rank did
+        cmd = _follow(Ticket.from_json(spec.follow))
+    if cmd != Command.COMMIT:
         restored.abort()  # it never ran: the source cannot have been told to end
         _advance_target(spec, TargetState.ABORTED)
         _emit(Event.ABORTED)
@@ -246,6 +250,19 @@ def target(spec_file: Path) -> int:
     if restored.lazy_daemon is not None:  # the images are read until the last page is in
         threading.Thread(target=_collect, args=(restored.lazy_daemon, Path(spec.bundle)), daemon=True).start()
     return restored.supervise(echo=False, keeper=True)
+
+
+def _follow(leader: Ticket) -> str:
+    """COMMIT once the job's first moved rank runs on its target, ABORT once it never will."""
+    backoff = 1.0
+    while True:
+        state = verdicts.ask_state(leader)
+        if state == TargetState.RUNNING:
+            return Command.COMMIT
+        if state in (TargetState.ABORTED, TargetState.FAILED):
+            return Command.ABORT
+        time.sleep(backoff)  # stopped, never ran: it waits for the word, as a frozen source does
+        backoff = min(backoff * 2, TIMEOUTS.ask_backoff_max)
 
 
 def _placeholder(spec: TargetSpec) -> placeholder.Placeholder | None:

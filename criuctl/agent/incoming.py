@@ -36,6 +36,7 @@ from criuctl.agent.protocol import (
     TargetRecord,
     TargetSpec,
     TargetState,
+    Ticket,
     Verdict,
     secret_digest,
 )
@@ -123,8 +124,9 @@ class Incoming:
             return fail(400, exc.what, exc.hint)
         try:
             cut = _tuples(body.get("cut"))
-        except ValueError as exc:
-            return fail(400, f"bad cut: {exc}", "use `criuctl migrate`")
+            follow = Ticket.from_json(body["follow"]) if body.get("follow") is not None else None
+        except (ValueError, TypeError) as exc:
+            return fail(400, f"bad job move: {exc}", "use `criuctl migrate`")
         try:
             await asyncio.to_thread(criu.require_version)
             if mode == Mode.POST_COPY:
@@ -150,6 +152,9 @@ class Incoming:
             runtime=self.agent.runtimes.endpoint,
         )
         self.machines[m.id] = m
+        if follow is not None:
+            m.rec.follow = follow
+            await asyncio.to_thread(records.write, m.record_path, m.rec.to_json())
         if cut:  # before anything is frozen: no peer of the rank can reach this node's kernel first
             try:
                 m.rec.cut = await asyncio.to_thread(netcut.cut, m.id, cut)

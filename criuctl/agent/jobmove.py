@@ -175,23 +175,24 @@ def _each(fn: Callable[[Move], None], moves: list[Move]) -> dict[str, CriuctlErr
     return {m.name: e for m, e in zip(moves, errors, strict=True) if e is not None}
 
 
-def execute(p: JobPlan, progress: Progress = _quiet) -> JobMoveResult:
+def execute(p: JobPlan, progress: Progress = _quiet, mode: str | None = STOP_AND_COPY) -> JobMoveResult:
     """Move every rank of the plan, or none: on any failure before the commit the job runs on as before."""
     started = time.monotonic()
     table = p.endpoints.to_json()
     moves: list[Move] = []
     installed: list[tuple[Redirect, str]] = []
+    for rm in p.moves:  # prepare: nothing is frozen yet
+        name = rm.rank.workload
+        leader = moves[0].ticket if moves else None  # committed first: it decides for the others
+        m = Move(name, rm.source, rm.target, mode, _for_rank(progress, name), readdress=table,
+                 boundary=False, cut=rm.cut, follow=leader)  # fmt: skip
+        try:
+            m.prepare()
+        except CriuctlError as exc:
+            raise _roll_back(p, moves, [], {f"rank {name}": exc}) from exc
+        moves.append(m)
     try:
-        for rm in p.moves:  # prepare: nothing is frozen yet
-            name = rm.rank.workload
-            m = Move(name, rm.source, rm.target, STOP_AND_COPY, _for_rank(progress, name), readdress=table,
-                     boundary=False, cut=rm.cut)  # fmt: skip
-            try:
-                m.prepare()
-            except CriuctlError as exc:
-                raise _roll_back(p, moves, [], {name: exc}) from exc
-            moves.append(m)
-        failed = _each(Move.send, moves)
+        failed = {f"rank {k}": v for k, v in _each(Move.send, moves).items()}
         if not failed:
             for r in p.redirects:
                 m = next(m for m in moves if m.name == r.rank)
@@ -199,13 +200,13 @@ def execute(p: JobPlan, progress: Progress = _quiet) -> JobMoveResult:
                 body = {"rules": r.rules, "ticket": m.ticket.to_json()}
                 answer = AgentClient(r.node).post("/v1/redirects", body)
                 installed.append((r, answer["id"]))
-            failed = _each(Move.restore, moves)
-    except CriuctlError as exc:
-        failed = {"(all)": exc}
+            failed = {f"rank {k}": v for k, v in _each(Move.restore, moves).items()}
+    except CriuctlError as exc:  # a redirect could not be installed
+        failed = {"the redirect of a rank that stays": exc}
     if failed:
         raise _roll_back(p, moves, installed, failed)
-    for m in moves:
-        m.commit_target()  # every rank has been restored, stopped: now they run
+    for m in moves:  # every rank has been restored, stopped: now they run, the first one first
+        m.commit_target()
     for m in moves:
         with contextlib.suppress(CriuctlError):  # its target lifted it on commit; this is a retry
             m.dst.delete(f"/v1/incoming/{m.inc['id']}/cut")
@@ -227,7 +228,7 @@ def _roll_back(
     """Every moved rank back where it was (targets first), then the redirects, then the cuts."""
     doubt: list[str] = []
     for m in moves:
-        err = m.undo(failed.get(m.name) or CriuctlError("another rank failed"))
+        err = m.undo(failed.get(f"rank {m.name}") or CriuctlError("another rank failed"))
         if isinstance(err, MigrationInDoubt):
             doubt.append(m.name)
     for r, rid in installed:
@@ -236,13 +237,12 @@ def _roll_back(
     for m in moves:
         with contextlib.suppress(CriuctlError):  # else the target lifts it after a lease
             m.dst.delete(f"/v1/incoming/{m.inc['id']}/cut")
-    name, exc = next(iter(failed.items()))
-    where = f"rank {name}: " if name != "(all)" else ""
+    where, exc = next(iter(failed.items()))
     if doubt:
         return MigrationInDoubt(
-            f"{where}{exc.what}",
+            f"{where}: {exc.what}",
             f"ranks {', '.join(doubt)} stay frozen until their agents hear from the targets; "
             f"see `criuctl ps`",
         )
     back = f"every rank of job {p.job.name} runs on its old node"
-    return MigrationFailed(f"{where}{exc.what}", f"{exc.hint}; {back}" if exc.hint else back)
+    return MigrationFailed(f"{where}: {exc.what}", f"{exc.hint}; {back}" if exc.hint else back)

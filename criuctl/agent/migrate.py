@@ -118,13 +118,14 @@ class Move:
     def __init__(
         self, name: str, source: Node, target: Node, mode: str | None = None, progress: Progress = _quiet,
         into: str | None = None, readdress: list | None = None, boundary: bool = True,
-        cut: list | None = None,
+        cut: list | None = None, follow: Ticket | None = None,
     ) -> None:  # fmt: skip
         if source.name == target.name:
             raise MigrationFailed(f"{name!r} already runs on node {target.name}", "pick another --to node")
         self.name, self.source, self.target, self.mode = name, source, target, mode
         self.progress, self.into, self.readdress, self.boundary, self.cut = (
             progress, into, readdress, boundary, cut)  # fmt: skip
+        self.follow = follow
         self.src, self.dst = AgentClient(source), AgentClient(target)
         self.started = time.monotonic()
         self.inc: dict = {}
@@ -150,6 +151,8 @@ class Move:
             body = {"workload": self.name, "mode": self.mode, "into": self.into}
             if self.cut:
                 body["cut"] = self.cut
+            if self.follow is not None:
+                body["follow"] = self.follow.to_json()
             self.inc = self.dst.post("/v1/incoming", body)
         except CriuctlError as exc:
             raise MigrationFailed(

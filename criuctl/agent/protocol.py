@@ -250,6 +250,7 @@ class TargetSpec:
     digests: dict[str, str] | None = None  # sha256s computed as the bundle arrived
     placeholder: str | None = None  # a container's bundle: the placeholder container (ID) to restore into
     runtime: str | None = None  # the runtime endpoint that runs the placeholder
+    follow: dict | None = None  # `TargetRecord.follow` as JSON: asked when the lease breaks
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -301,13 +302,19 @@ class TargetRecord:
     runtime: str | None = None
     placeholder_pid: int | None = None  # host PID of the placeholder's init, once restored into it
     cut: str | None = None  # a job's rank: the nftables table dropping its connections until it runs
+    # a job's rank after the first: the first moved rank's migration, whose commit decides this one
+    # too (the client commits that one first; a target left undecided follows it, see `verdict`)
+    follow: Ticket | None = None
 
     def to_json(self) -> dict:
         return {**asdict(self), "state": str(self.state)}
 
     @classmethod
     def from_json(cls, d: Any) -> TargetRecord:
-        return cls(**_object(d, state=TargetState))
+        rec = cls(**_object(d, state=TargetState))
+        if isinstance(rec.follow, dict):
+            rec.follow = Ticket.from_json(rec.follow)
+        return rec
 
 
 def _object(d: Any, **convert: Any) -> dict:

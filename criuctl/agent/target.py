@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 
 from criuctl import placeholder, procinfo
-from criuctl.agent import points, records
+from criuctl.agent import points, records, verdicts
 from criuctl.agent.handoffs import HandoffFailed, HandoffLike
 from criuctl.agent.protocol import (
     TARGET_FINAL,
@@ -125,8 +125,10 @@ class TargetMachine:
                 return Outcome(self.state, False, f"migration {self.id} is {self.state}, not received")
             await asyncio.to_thread(self._write, TargetState.RESTORING)
             digests = json.loads((self.dir / "digests.json").read_text())
+            follow = self.rec.follow.to_json() if self.rec.follow else None
             spec = TargetSpec(self.id, str(self.bundle_dir), node, str(self.record_path), self.rec.workload,
-                              page_server, digests, self.rec.placeholder, self.rec.runtime)  # fmt: skip
+                              page_server, digests, self.rec.placeholder, self.rec.runtime,
+                              follow)  # fmt: skip
             try:
                 self.handoff = await self._spawn(spec, self.dir)
                 ev = await self.handoff.until({Event.RESTORED}, self.t.restore)
@@ -143,30 +145,54 @@ class TargetMachine:
 
     async def commit(self) -> Outcome:
         async with self.lock:
-            self._reload()
-            if self.state == TargetState.RUNNING:
-                return Outcome(self.state, True)
-            if self.state != TargetState.RESTORED or self.handoff is None:
-                return Outcome(self.state, False, f"migration {self.id} is {self.state}, not restored")
-            try:
-                ev = await self.handoff.ask(Command.COMMIT, {Event.RUNNING}, self.t.target_commit)
-            except (HandoffFailed, TimeoutError) as exc:
-                self._reload()  # RUNNING is written before the tree runs: the record says what happened
-                return Outcome(self.state, self.state == TargetState.RUNNING, f"commit failed: {exc}")
-            self._reload()
-            await self.handoff.close()
-            if self.rec.mode != Mode.POST_COPY:  # post-copy: the lazy-pages daemon still reads the images
-                await asyncio.to_thread(shutil.rmtree, self.bundle_dir, True)
-        await points.areach(Point.TARGET_RUNNING)
-        return Outcome(self.state, True, facts={"pid": ev["pid"]})
+            out, now = await self._commit_locked()
+        if now:
+            await points.areach(Point.TARGET_RUNNING)
+        return out
+
+    async def _commit_locked(self) -> tuple[Outcome, bool]:
+        """Let the restored tree run; (the outcome, whether this call made it run)."""
+        self._reload()
+        if self.state == TargetState.RUNNING:
+            return Outcome(self.state, True), False
+        if self.state != TargetState.RESTORED or self.handoff is None:
+            return Outcome(self.state, False, f"migration {self.id} is {self.state}, not restored"), False
+        try:
+            ev = await self.handoff.ask(Command.COMMIT, {Event.RUNNING}, self.t.target_commit)
+        except (HandoffFailed, TimeoutError) as exc:
+            self._reload()  # RUNNING is written before the tree runs: the record says what happened
+            return Outcome(self.state, self.state == TargetState.RUNNING, f"commit failed: {exc}"), False
+        self._reload()
+        await self.handoff.close()
+        if self.rec.mode != Mode.POST_COPY:  # post-copy: the lazy-pages daemon still reads the images
+            await asyncio.to_thread(shutil.rmtree, self.bundle_dir, True)
+        return Outcome(self.state, True, facts={"pid": ev["pid"]}), True
 
     async def verdict(self) -> Verdict:
-        """Abort unless the job runs here; the answer a source acts on."""
+        """Abort unless the job runs here; the answer a source acts on.
+
+        A rank that follows another (`TargetRecord.follow`) and waits restored is not this agent's
+        to abort alone: the client commits the first moved rank of a job first, so that one running
+        means the whole move was decided — this rank runs too — and that one undecided means ask
+        again (the ranks' connections already point at each other's new nodes).
+        """
         async with self.lock:
             self._reload()
             if self.state == TargetState.RUNNING:
                 return Verdict.RUNNING
             h = self.handoff
+            if (
+                self.rec.follow is not None
+                and self.state == TargetState.RESTORED
+                and h is not None
+                and h.alive
+            ):
+                leader = await asyncio.to_thread(verdicts.ask_state, self.rec.follow)
+                if leader == TargetState.RUNNING:
+                    out, _ = await self._commit_locked()
+                    return Verdict.RUNNING if out.ok else Verdict.UNKNOWN
+                if leader not in (TargetState.ABORTED, TargetState.FAILED):
+                    return Verdict.UNKNOWN
             if h is not None and h.alive:
                 try:
                     await h.ask(Command.ABORT, {Event.ABORTED}, self.t.handoff_settle)

@@ -1,0 +1,195 @@
+"""Multi-node jobs without running one: re-addressing real image files, joining ranks into jobs,
+planning a move (maps, cuts, redirects, refusals), the agent's redirect bookkeeping, and the
+nftables rule sets in a network namespace of their own."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from criuctl import readdress
+from criuctl.agent import client, jobmove, jobs
+from criuctl.agent.redirects import parse_rules
+from criuctl.peers import Endpoints
+
+A, B, C = "10.9.0.2", "10.9.0.3", "10.9.0.4"
+
+
+def _files_img(path, sockets: list[tuple[int, str, int, str, int]]) -> None:
+    """A files.img with one inet socket per (family, src, sport, dst, dport), as CRIU writes it."""
+    import pycriu
+
+    entries = []
+    for i, (family, src, sport, dst, dport) in enumerate(sockets, 1):
+        isk = {"id": i, "ino": 1000 + i, "family": family, "type": 1, "proto": 6, "state": 1,
+               "src_port": sport, "dst_port": dport, "flags": 2, "backlog": 0,
+               "src_addr": readdress._encode(src), "dst_addr": readdress._encode(dst),
+               "fown": {"uid": 0, "euid": 0, "signum": 0, "pid_type": 0, "pid": 0},
+               "opts": {"so_sndbuf": 1, "so_rcvbuf": 1, "so_snd_tmo_sec": 0, "so_snd_tmo_usec": 0,
+                        "so_rcv_tmo_sec": 0, "so_rcv_tmo_usec": 0}}  # fmt: skip
+        entries.append({"type": "INETSK", "id": i, "isk": isk})
+    with open(path, "wb") as f:
+        pycriu.images.dump({"magic": "FILES", "entries": entries}, f)
+
+
+def _sockets(path) -> list[tuple[str, int, str, int]]:
+    import pycriu
+
+    with open(path, "rb") as f:
+        img = pycriu.images.load(f)
+    isks = [e["isk"] for e in img["entries"]]
+    return [(readdress._decode(k["src_addr"]), k["src_port"], readdress._decode(k["dst_addr"]), k["dst_port"])
+            for k in isks]  # fmt: skip
+
+
+def test_readdress_moves_only_the_moved_endpoints(tmp_path):
+    pytest.importorskip("pycriu")
+    img = tmp_path / "files.img"
+    _files_img(img, [
+        (2, B, 40000, A, 29500),  # the moved rank's connection to the store on a
+        (10, f"::ffff:{B}", 41000, f"::ffff:{C}", 50000),  # a dual-stack socket, v4-mapped
+        (2, "0.0.0.0", 45000, "0.0.0.0", 0),  # a wildcard listener: stays
+        (2, A, 29500, B, 40000),  # the store's side of the same connection (its rank stays)
+    ])  # fmt: skip
+    moves = readdress.EndpointMap.from_json([[B, 40000, C], [B, 41000, C]])
+    assert readdress.apply(tmp_path, moves) == 3
+    got = _sockets(img)
+    assert got[0] == (C, 40000, A, 29500)
+    assert (
+        readdress.canonical(got[1][0]) == C
+        and got[1][0].startswith("::ffff:")
+        and readdress.canonical(got[1][2]) == C
+    )
+    assert got[2] == ("0.0.0.0", 45000, "0.0.0.0", 0)
+    assert got[3] == (A, 29500, C, 40000)
+    assert readdress.apply(tmp_path, moves) == 0  # idempotent: nothing left at the old address
+
+
+@pytest.mark.parametrize("raw", [{}, [["x", 1, C]], [[B, 0, C]], [[B, "1", C]], [[B, 1]], [[B, 1, "host"]]])
+def test_endpoint_map_refuses_anything_else(raw):
+    with pytest.raises(ValueError):
+        readdress.EndpointMap.from_json(raw)
+
+
+def _rank(node: str, name: str, conns, listening=()) -> jobs.Rank:
+    return jobs.Rank(node, name, Endpoints(list(listening), list(conns)))
+
+
+def _ddp() -> list[jobs.Rank]:
+    """rank 0 on a (store on 29500, its own client), rank 1 on b, rank 2 on c; gloo pairs."""
+    return [
+        _rank("a", "ddp-0", [(A, 29500, B, 40001), (A, 29500, C, 40002), (A, 40000, A, 29500),
+                             (A, 29500, A, 40000), (A, 50000, B, 51000), (A, 50001, C, 52000)],
+              [("0.0.0.0", 29500), (A, 49000)]),
+        _rank("b", "ddp-1", [(B, 40001, A, 29500), (B, 51000, A, 50000), (B, 51001, C, 52001)], [(B, 49001)]),
+        _rank("c", "ddp-2", [(C, 40002, A, 29500), (C, 52000, A, 50001), (C, 52001, B, 51001)], [(C, 49002)]),
+        _rank("a", "other", []),
+    ]  # fmt: skip
+
+
+def test_ranks_join_into_jobs_by_their_connections():
+    found = jobs.group(_ddp())
+    ddp = next(j for j in found if len(j.ranks) > 1)
+    assert ddp.name == "ddp" and sorted(r.workload for r in ddp.ranks) == ["ddp-0", "ddp-1", "ddp-2"]
+    assert not ddp.foreign
+    assert [j.name for j in found if len(j.ranks) == 1] == ["other"]
+    lone = jobs.group([_rank("a", "talker", [(A, 1234, "10.9.9.9", 5432)])])[0]
+    assert [link.conn[2] for link in lone.foreign] == ["10.9.9.9"]
+
+
+def test_loopback_endpoints_are_per_node():
+    """127.0.0.1:5000 on node a is not 127.0.0.1:5000 on node b."""
+    found = jobs.group([_rank("a", "x", [("127.0.0.1", 6000, "127.0.0.1", 5000)]),
+                        _rank("b", "y", [("127.0.0.1", 5000, "127.0.0.1", 6000)])])  # fmt: skip
+    assert len(found) == 2 and all(j.foreign for j in found)
+
+
+@pytest.fixture
+def nodes(state_dir):
+    state_dir.mkdir(parents=True, exist_ok=True)
+    token = state_dir / "t"
+    token.write_text("x" * 32)
+    token.chmod(0o600)
+    for name, addr in (("a", A), ("b", B), ("c", C), ("d", "10.9.0.5")):
+        client.add_node(client.Node(name, f"http://{addr}:7070", str(token)))
+
+
+def test_plan_maps_cuts_and_redirects(nodes):
+    job = next(j for j in jobs.group(_ddp()) if len(j.ranks) > 1)
+    p = jobmove.plan(job, {"ddp-1": "d"})
+    d = "10.9.0.5"
+    assert p.endpoints.moves == {(B, 40001): d, (B, 51000): d, (B, 51001): d, (B, 49001): d}
+    (move,) = p.moves
+    assert move.old == B and move.new == d
+    assert sorted(map(tuple, move.cut)) == [(d, 40001, A, 29500), (d, 51000, A, 50000), (d, 51001, C, 52001)]
+    rules = {r.node.name: sorted(map(tuple, r.rules)) for r in p.redirects}
+    assert rules == {"a": [(A, 29500, B, 40001, d), (A, 50000, B, 51000, d)], "c": [(C, 52001, B, 51001, d)]}
+    both = jobmove.plan(job, {"ddp-1": "d", "ddp-2": "b"})  # a connection between two moved ranks
+    m2 = next(m for m in both.moves if m.rank.workload == "ddp-2")
+    assert [d, 51001, B, 52001] in both.moves[0].cut and [B, 52001, d, 51001] in m2.cut
+    assert {r.node.name for r in both.redirects} == {"a"}  # only rank 0 stays
+
+
+def test_plan_refusals_are_one_line(nodes):
+    job = next(j for j in jobs.group(_ddp()) if len(j.ranks) > 1)
+    with pytest.raises(jobmove.MigrationFailed, match="not a rank of job ddp"):
+        jobmove.plan(job, {"nosuch": "d"})
+    with pytest.raises(client.UnknownNode):
+        jobmove.plan(job, {"ddp-1": "zz"})
+    with pytest.raises(jobmove.MigrationFailed, match="already runs on node b"):
+        jobmove.plan(job, {"ddp-1": "b"})
+    foreign = jobs.group([_rank("a", "talker", [(A, 1234, "10.9.9.9", 5432)])])[0]
+    with pytest.raises(jobmove.MigrationFailed, match=r"10\.9\.9\.9:5432, which is not a criuctl workload"):
+        jobmove.plan(foreign, {"talker": "b"})
+    pair = jobs.group([_rank("a", "x", [("127.0.0.1", 6000, "127.0.0.1", 5000), (A, 1, B, 2)]),
+                       _rank("a", "y", [("127.0.0.1", 5000, "127.0.0.1", 6000)]),
+                       _rank("b", "z", [(B, 2, A, 1)])])  # fmt: skip
+    with pytest.raises(jobmove.MigrationFailed, match="talk over loopback"):
+        jobmove.plan(next(j for j in pair if len(j.ranks) == 3), {"x": "c"})
+
+
+@pytest.mark.parametrize("raw", [None, [], [[A, 1, B, 2]], [[A, 1, B, 2, "::1"]], [[A, 0, B, 2, C]], "x"])
+def test_redirect_rules_refuse_anything_else(raw):
+    with pytest.raises((ValueError, TypeError)):
+        parse_rules(raw)
+
+
+NETNS_SCRIPT = """
+import json, sys
+from criuctl import netcut
+netcut.cut("t1", [("10.9.0.4", 40001, "10.9.0.2", 29500)])
+netcut.redirect("r1", [("10.9.0.2", 29500, "10.9.0.3", 40001, "10.9.0.4")])
+netcut.redirect("r2", [("10.9.0.2", 29500, "10.9.0.4", 40001, "10.9.0.5")])
+out = {"cut": netcut.tables(netcut.CUT), "nat": netcut.tables(netcut.NAT)}
+from criuctl.netlock import Nft
+with Nft() as nft:
+    out["ruleset"] = nft.run("list ruleset")[1]
+out["removed"] = [netcut.remove(t) for t in ("criuctl-cut-t1", "criuctl-nat-r1", "criuctl-nat-r1")]
+out["left"] = netcut.tables(netcut.NAT)
+print(json.dumps(out))
+"""
+
+
+def test_rule_sets_in_a_network_namespace_of_their_own():
+    if not shutil.which("unshare"):
+        pytest.skip("needs unshare(1) (util-linux), which `make test` installs")
+    r = subprocess.run(
+        ["unshare", "--net", sys.executable, "-c", NETNS_SCRIPT], capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["cut"] == ["criuctl-cut-t1"] and out["nat"] == ["criuctl-nat-r1", "criuctl-nat-r2"]
+    rules = out["ruleset"]
+    assert "ip daddr set 10.9.0.4" in rules and "ip saddr set 10.9.0.3" in rules
+    # the second redirect acts after the first on the way out, before it on the way in
+    assert "type route hook output priority mangle + 1" in rules and "mangle + 2" in rules
+    assert "priority raw - 1" in rules and "priority raw - 2" in rules
+    assert out["removed"] == [True, True, False] and out["left"] == ["criuctl-nat-r2"]
+    with pytest.raises(ValueError):
+        from criuctl import netcut
+
+        netcut.remove("CRIU-123")
