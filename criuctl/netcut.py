@@ -23,6 +23,7 @@ IPv4 on the wire (v4-mapped IPv6 sockets send IPv4). Below the agent; talks to t
 
 from __future__ import annotations
 
+import ipaddress
 import re
 
 from criuctl.netlock import FAMILY, NetlockError, Nft
@@ -33,6 +34,28 @@ _PRIO_ROUTE_OUT, _PRIO_PRE = -150, -300  # mangle (route) and raw priorities
 
 Tuple = tuple[str, int, str, int]  # (local address, port, remote address, port)
 Redirect = tuple[str, int, str, int, str]  # (local, port, old remote, port, new remote)
+
+
+def parse(raw: object, shape: str) -> list[tuple]:
+    """Rows of addresses and ports from a request, checked: `shape` says each row's fields ("a"
+    an IPv4 address, "p" a port), e.g. "apap" for a `Tuple`, "apapa" for a `Redirect`."""
+    if not isinstance(raw, list) or len(raw) > 4096:
+        raise ValueError(
+            f"expected a list of [{', '.join('address' if c == 'a' else 'port' for c in shape)}]"
+        )
+    out = []
+    for row in raw:
+        if not (isinstance(row, list) and len(row) == len(shape)):
+            raise ValueError(f"bad entry {str(row)[:80]}")
+        for kind, v in zip(shape, row, strict=True):
+            if kind == "p" and not (type(v) is int and 0 < v < 65536):
+                raise ValueError(f"bad port {str(v)[:20]} in {str(row)[:80]}")
+            if kind == "a" and not (
+                isinstance(v, str) and isinstance(ipaddress.ip_address(v), ipaddress.IPv4Address)
+            ):
+                raise ValueError(f"bad address {str(v)[:80]} (IPv4 only)")
+        out.append(tuple(row))
+    return out
 
 
 def _match(src: str, sport: int, dst: str, dport: int) -> str:

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import ipaddress
 import re
 from functools import cache
 from pathlib import Path
 
 from criuctl.errors import CriuctlError
+from criuctl.readdress import canonical as _addr
 
 PREFIX = "CRIU-"
 FAMILY = "inet"
@@ -149,14 +149,3 @@ def tables_holding(conns: set[Connection]) -> list[str]:
         return []
     wanted = {(_addr(a), p, _addr(b), q) for a, p, b, q in conns}
     return [t for t in tables() if connections(t) & wanted]
-
-
-def _addr(text: str) -> str:
-    """One spelling per address: IPv4-mapped IPv6 as IPv4 (CRIU locks those as IPv4, too)."""
-    try:
-        ip = ipaddress.ip_address(text)
-    except ValueError:
-        return text
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return str(ip.ipv4_mapped)
-    return str(ip)

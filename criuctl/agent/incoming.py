@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import ipaddress
 import logging
 import secrets
 import time
@@ -123,7 +122,7 @@ class Incoming:
         except CriuctlError as exc:
             return fail(400, exc.what, exc.hint)
         try:
-            cut = _tuples(body.get("cut"))
+            cut = netcut.parse(body.get("cut") or [], "apap")
             follow = Ticket.from_json(body["follow"]) if body.get("follow") is not None else None
         except (ValueError, TypeError) as exc:
             return fail(400, f"bad job move: {exc}", "use `criuctl migrate`")
@@ -275,26 +274,6 @@ class Incoming:
 def _lift_cut(rec: TargetRecord) -> None:
     if rec.cut:
         netcut.remove(rec.cut)
-
-
-def _tuples(raw: object) -> list[netcut.Tuple]:
-    """A cut's connections: [[local address, port, remote address, port], ...] (IPv4)."""
-    if raw is None:
-        return []
-    if not isinstance(raw, list) or len(raw) > 4096:
-        raise ValueError("cut must be a list of [local address, port, remote address, port]")
-    out = []
-    for item in raw:
-        if not (isinstance(item, list) and len(item) == 4):
-            raise ValueError(f"bad cut entry {str(item)[:80]}")
-        la, lp, ra, rp = item
-        for a in (la, ra):
-            if not isinstance(a, str) or not isinstance(ipaddress.ip_address(a), ipaddress.IPv4Address):
-                raise ValueError(f"bad cut address {str(a)[:80]} (IPv4 only)")
-        if not all(isinstance(p, int) and 0 < p < 65536 for p in (lp, rp)):
-            raise ValueError(f"bad cut port in {item}")
-        out.append((la, lp, ra, rp))
-    return out
 
 
 def _forget_tombstones(spool: Path, live: set[str]) -> None:

@@ -62,22 +62,9 @@ class RedirectRecord:
 
 def parse_rules(raw: object) -> list[netcut.Redirect]:
     """[[local, port, old remote, port, new remote], ...] with IPv4 addresses; ValueError otherwise."""
-    import ipaddress
-
-    if not isinstance(raw, list) or not 0 < len(raw) <= 4096:
-        raise ValueError("rules must be a non-empty list of [local, port, old remote, port, new remote]")
-    out = []
-    for item in raw:
-        if not (isinstance(item, list) and len(item) == 5):
-            raise ValueError(f"bad rule {str(item)[:80]}")
-        la, lp, old, rp, new = item
-        for a in (la, old, new):
-            if not isinstance(a, str) or not isinstance(ipaddress.ip_address(a), ipaddress.IPv4Address):
-                raise ValueError(f"bad address {str(a)[:80]} (IPv4 only)")
-        if not all(isinstance(p, int) and 0 < p < 65536 for p in (lp, rp)):
-            raise ValueError(f"bad port in {item}")
-        out.append((la, lp, old, rp, new))
-    return out
+    if not raw:
+        raise ValueError("a redirect needs at least one rule")
+    return netcut.parse(raw, "apapa")
 
 
 class Redirects:
