@@ -151,7 +151,13 @@ class Frozen:
         """Let the tree run on where it was, connections working; remove the bundle (unless told not to)."""
         try:
             if self._criu is not None:
-                self._session.kill()  # stop serving pages; CRIU's death releases the tree
+                # post-copy: CRIU still holds the tree (ptrace) to serve its pages, and its death
+                # lets every process run at once — with its TCP sockets still in repair mode
+                # (a read fails with EPERM, and the job dies). A SIGSTOP queued first makes them
+                # stop instead, until thaw_tree has released the sockets and sends SIGCONT.
+                for pid in self.pids:
+                    procinfo.send_signal(pid, signal.SIGSTOP)
+                self._session.kill()
                 self._criu.join()
             thaw_tree(self.workload.root_pid, self.images_dir)  # its GPUs come back too
             stepboundary.release(self.workload, self.boundary)

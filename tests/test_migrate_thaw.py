@@ -39,9 +39,13 @@ def _tables(c: Cluster, node: str) -> list[str]:
     return json.loads(r.stdout)
 
 
-@pytest.mark.parametrize("path", ["abort", "lease", "restart"])
-@pytest.mark.parametrize("kind", ["ddp", "tcp"])
-def test_failed_migration_thaws_with_connections_intact(tmp_path, monkeypatch, reference, kind, path):
+@pytest.mark.parametrize(("kind", "path", "mode"), [
+    *((kind, path, "stop-and-copy") for kind in ("ddp", "tcp") for path in ("abort", "lease", "restart")),
+    # post-copy: CRIU still holds the frozen tree to serve pages; its end must not let the tree
+    # run before its sockets leave repair mode (it did: a read failed with EPERM, the job died)
+    ("ddp", "lease", "post-copy"),
+])  # fmt: skip
+def test_failed_migration_thaws_with_connections_intact(tmp_path, monkeypatch, reference, kind, path, mode):
     script = "train_ddp.py" if kind == "ddp" else "train_tcp_client.py"
     ref = reference(script, *STEPS)
     pause = tmp_path / "pause"
@@ -60,7 +64,7 @@ def test_failed_migration_thaws_with_connections_intact(tmp_path, monkeypatch, r
             c.run("a", "job", script, *args)
             c.wait_step("job", 5)
             env = {**os.environ, "CRIUCTL_STATE_DIR": str(c.client_state)}
-            argv = [*CRIUCTL, "migrate", "job", "--to", "b", "--mode", "stop-and-copy"]
+            argv = [*CRIUCTL, "migrate", "job", "--to", "b", "--mode", mode]
             if kind == "tcp":  # its server is not criuctl's: moved alone, on purpose (it fails anyway)
                 argv.append("--break-connections")
             p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

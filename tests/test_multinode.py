@@ -92,7 +92,8 @@ def failed(r: subprocess.CompletedProcess) -> str:
 
 
 def test_move_one_rank_then_again(tmp_path):
-    """2 ranks on a, b: rank 1 moves to c (found as a job by `migrate NAME NODE`), then to d."""
+    """2 ranks on a, b: rank 1 moves to c (found as a job by `migrate NAME NODE`, post-copy), then
+    to d (`--job`, stop-and-copy)."""
     with Cluster(tmp_path / "c", names=("a", "b", "c", "d")) as c:
         start(c, ["a", "b"])
         ps = c.client("ps", "--jobs")
@@ -103,18 +104,16 @@ def test_move_one_rank_then_again(tmp_path):
         assert "no node named 'nosuch'" in failed(c.client("migrate", "--job", "ddp", "ddp-1=nosuch"))
         assert "is not a rank of job ddp" in failed(c.client("migrate", "--job", "ddp", "ddp-7=c"))
         assert "is not RANK=NODE" in failed(c.client("migrate", "--job", "ddp", "ddp-1"))
-        assert "post-copy is not available" in failed(
-            c.client("migrate", "ddp-1", "c", "--mode", "post-copy")
-        )
         assert where(c, 2) == ["a", "b"]
-        first = moved(c.client("migrate", "ddp-1", "c", "--json"))
-        assert [r["target"] for r in first["ranks"]] == ["c"] and first["redirects"] == 1
+        first = moved(c.client("migrate", "ddp-1", "c", "--mode", "post-copy", "--json"))
+        assert [(r["target"], r["mode"]) for r in first["ranks"]] == [("c", "post-copy")]
+        assert first["redirects"] == 1
         assert where(c, 2) == ["a", "c"]
         assert tables(c, "c", "criuctl-cut-") == []  # lifted once the rank ran
         assert len(tables(c, "a", "criuctl-nat-")) == 1  # rank 0 reaches rank 1 at c
         c.wait_step("ddp-0", max(c.steps("ddp-0")) + 5)
-        second = moved(c.client("migrate", "--job", "ddp", "ddp-1=d", "--json"))
-        assert second["ranks"][0]["source"] == "c"
+        second = moved(c.client("migrate", "--job", "ddp", "ddp-1=d", "--mode", "stop-and-copy", "--json"))
+        assert [(r["source"], r["mode"]) for r in second["ranks"]] == [("c", "stop-and-copy")]
         assert where(c, 2) == ["a", "d"]
         assert len(tables(c, "a", "criuctl-nat-")) == 2  # stacked: b → c, then c → d
         finishes_exactly(c, 2)
