@@ -176,7 +176,7 @@ def main() -> int:
         table.add_row(str(row["ranks"]), row["size"], what, _fmt([r["stall"] for r in runs]),
                       str(max(r["lost"] for r in runs)), _fmt([r["downtime"] for r in runs]),
                       f"{statistics.median(nbytes) / (1 << 20):.0f} MiB" if nbytes else "-")  # fmt: skip
-    Console().print(table)
+    Console(width=170).print(table)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"machine": platform.node(), "rows": rows}, indent=1))
     return 0
