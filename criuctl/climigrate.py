@@ -158,15 +158,15 @@ def _pairs(args: list[str]) -> dict[str, str]:
 
 def _migrate_job(a: argparse.Namespace, name: str, wanted: dict[str, str]) -> int:
     """Ranks of a multi-node job move together, their connections re-pointed (criuctl.agent.jobmove)."""
-    from criuctl import render
+    from criuctl import render, workloads
     from criuctl.agent import jobmove, jobs
 
     found = jobs.survey()
     job = jobs.job_of(found, name)
     if job is None:
         silent = f" (no answer from node {', '.join(found.silent)})" if found.silent else ""
-        raise CriuctlError(f"no job or workload named {name!r} runs on any node{silent}",
-                           "see `criuctl ps` for the jobs and their ranks")  # fmt: skip
+        raise workloads.UnknownWorkload(f"no job or workload named {name!r} runs on any node{silent}",
+                                        "see `criuctl ps --jobs` for the jobs and their ranks")  # fmt: skip
     plan = jobmove.plan(job, wanted)
     moved = ", ".join(f"{m.rank.label} → {m.target.name}" for m in plan.moves)
     print(f"criuctl: job {job.name} ({len(job.ranks)} ranks): moving {moved}", file=sys.stderr)

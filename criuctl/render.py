@@ -121,6 +121,9 @@ def jobs_table(jobs: list) -> None:
     """One row per rank, grouped by job: where each runs and which ranks it talks to."""
     from rich.table import Table
 
+    if not jobs:
+        out.print("No workloads on any node (see `criuctl node ls`). Start ranks with: criuctl run -- CMD")
+        return
     t = Table(box=None)
     for col in ("JOB", "RANK", "NODE", "CONNECTED TO"):
         t.add_column(col)
