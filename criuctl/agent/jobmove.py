@@ -34,9 +34,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from criuctl.agent import points
 from criuctl.agent.client import AgentClient, Node, get_node
 from criuctl.agent.jobs import Job, Rank
 from criuctl.agent.migrate import STOP_AND_COPY, MigrationFailed, MigrationInDoubt, MigrationResult, Move
+from criuctl.agent.protocol import Point
 from criuctl.errors import CriuctlError
 from criuctl.readdress import EndpointMap
 
@@ -200,6 +202,7 @@ def execute(p: JobPlan, progress: Progress = _quiet, mode: str | None = STOP_AND
                 body = {"rules": r.rules, "ticket": m.ticket.to_json()}
                 answer = AgentClient(r.node).post("/v1/redirects", body)
                 installed.append((r, answer["id"]))
+            points.reach(Point.CLIENT_REDIRECTED)
             failed = {f"rank {k}": v for k, v in _each(Move.restore, moves).items()}
     except CriuctlError as exc:  # a redirect could not be installed
         failed = {"the redirect of a rank that stays": exc}

@@ -332,6 +332,7 @@ class Point(enum.StrEnum):
     CLIENT_RESTORED = "client.restored"  # target RESTORED (stopped), source SENT
     CLIENT_TARGET_COMMITTED = "client.target-committed"  # target RUNNING, source SENT
     CLIENT_SOURCE_COMMITTED = "client.source-committed"  # target RUNNING, source COMMITTED
+    CLIENT_REDIRECTED = "client.redirected"  # a job's move: every rank sent, redirects PENDING
     SOURCE_HELD = "source.held"  # source handoff: trainers held at a step boundary, nothing frozen
     SOURCE_FROZEN = "source.frozen"  # source agent: FROZEN, before streaming
     SOURCE_SENT_RECORDED = "source.sent-recorded"  # source agent: SENT recorded, client not told
