@@ -165,7 +165,7 @@ def main() -> int:
                             results[contender].append(res)
                 for contender, runs in results.items():
                     rows.append(dict(ranks=world, size=size, contender=contender, runs=runs))
-    table = Table(title="moving rank 1 of a running multi-node gloo DDP job (median [min–max])")
+    table = Table(title="moving rank 1 of a running multi-node gloo DDP job (median \\[min–max])")
     for col in ("ranks", "state / rank", "contender", "job stall", "steps lost", "its downtime",
                 "bytes moved"):  # fmt: skip
         table.add_column(col)
