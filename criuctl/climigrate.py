@@ -128,11 +128,15 @@ def cmd_migrate(a: argparse.Namespace) -> int:
         from criuctl import runtime
 
         a.into = runtime.check_id(a.into)
-    if a.source is None and a.into is None and not a.break_connections:
+    if a.into is None and not a.break_connections:  # a rank of a job moves with its job, --from or not
         from criuctl.agent import jobs
 
         job = jobs.job_of(jobs.survey(), a.name)
         if job is not None and (len(job.ranks) > 1 or job.foreign):
+            rank = job.rank(a.name)
+            if a.source is not None and rank is not None and rank.node != a.source:
+                raise CriuctlError(f"workload {a.name!r} does not run on node {a.source}; it runs on node "
+                                   f"{rank.node}", f"pass --from {rank.node}")  # fmt: skip
             return _migrate_job(a, a.name, {a.name: to})
     source, target = _source_node(a.name, to, a.source)
     with render.migration_progress() as progress:
