@@ -234,11 +234,14 @@ def _roll_back(
         err = m.undo(failed.get(f"rank {m.name}") or CriuctlError("another rank failed"))
         if isinstance(err, MigrationInDoubt):
             doubt.append(m.name)
+    pointed = False  # a redirect may still send a staying rank's packets to a moved rank's new node
     for r, rid in installed:
-        with contextlib.suppress(CriuctlError):  # else it asks the rank's target after its lease
+        try:
             AgentClient(r.node).delete(f"/v1/redirects/{rid}")
-    for m in moves:
-        with contextlib.suppress(CriuctlError):  # else the target lifts it after a lease
+        except CriuctlError:  # its agent removes it once it hears the target aborted
+            pointed = True
+    for m in moves if not pointed else ():  # else the cut stays (2 leases) so nothing answers a reset
+        with contextlib.suppress(CriuctlError):
             m.dst.delete(f"/v1/incoming/{m.inc['id']}/cut")
     where, exc = next(iter(failed.items()))
     if doubt:
