@@ -98,8 +98,9 @@ def _owned(c: Cluster, pod: dict, ctr: dict) -> owners.Owner | None:
         raise NotMigratable(
             f"pod {meta['name']} is one of {o.replicas} replicas of PyTorchJob {o.name}: it holds TCP "
             "connections to its peers, which move only with the coordinated multi-node migration "
-            "(not on main yet)",
-            "nothing was changed; a single-replica job's pod moves",
+            "(built for `criuctl run` ranks on nodes, not yet for pods)",
+            "nothing was changed; a single-replica job's pod moves, and `criuctl migrate --job` moves "
+            "ranks run under `criuctl run`",
         )
     if o is None or not o.wants_back:
         raise NotMigratable(f"pod {meta['name']}: {o.why if o else 'no owner'}", "nothing was changed")
