@@ -41,6 +41,7 @@ from criuctl import (
     gpustate,
     locks,
     netlock,
+    peers,
     procinfo,
     readdress,
     rootfsdiff,
@@ -100,21 +101,9 @@ def lift_network_lock(pids: list[int], images_dir: Path | None = None, table: st
     found = [table] if table else []
     if images_dir is not None and (t := netlock.table_for_images(images_dir)):
         found.append(t)
-    found += netlock.tables_holding(_tcp_connections(pids))
+    found += netlock.tables_holding({(c.laddr.ip, c.laddr.port, c.raddr.ip, c.raddr.port)
+                                     for c in peers.sockets(pids) if c.laddr and c.raddr})  # fmt: skip
     return [t for t in dict.fromkeys(found) if netlock.lift(t)]
-
-
-def _tcp_connections(pids: list[int]) -> set[netlock.Connection]:
-    conns: set[netlock.Connection] = set()
-    for pid in pids:
-        try:
-            found = psutil.Process(pid).net_connections(kind="tcp")
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        for c in found:
-            if c.laddr and c.raddr:
-                conns.add((c.laddr.ip, c.laddr.port, c.raddr.ip, c.raddr.port))
-    return conns
 
 
 @dataclass

@@ -9,6 +9,7 @@ network namespace (an agent shares its node's with the workloads it runs).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import psutil
@@ -35,21 +36,23 @@ class Endpoints:
                    [(str(a), int(p), str(b), int(q)) for a, p, b, q in d.get("connections", [])])  # fmt: skip
 
 
+def sockets(pids: list[int]) -> Iterator:
+    """psutil's view of every TCP socket `pids` hold (a process gone meanwhile holds none)."""
+    for pid in pids:
+        try:
+            yield from psutil.Process(pid).net_connections(kind="tcp")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+
+
 def of_tree(root_pid: int) -> Endpoints:
     """Every TCP endpoint the processes of `root_pid`'s tree hold (each socket once)."""
     out = Endpoints()
-    for pid in procinfo.tree_pids(root_pid):
-        try:
-            conns = psutil.Process(pid).net_connections(kind="tcp")
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        for c in conns:
-            if c.status == psutil.CONN_LISTEN and c.laddr:
-                out.listening.append((canonical(c.laddr.ip), c.laddr.port))
-            elif c.status == psutil.CONN_ESTABLISHED and c.laddr and c.raddr:
-                out.connections.append(
-                    (canonical(c.laddr.ip), c.laddr.port, canonical(c.raddr.ip), c.raddr.port)
-                )
+    for c in sockets(procinfo.tree_pids(root_pid)):
+        if c.status == psutil.CONN_LISTEN and c.laddr:
+            out.listening.append((canonical(c.laddr.ip), c.laddr.port))
+        elif c.status == psutil.CONN_ESTABLISHED and c.laddr and c.raddr:
+            out.connections.append((canonical(c.laddr.ip), c.laddr.port, canonical(c.raddr.ip), c.raddr.port))
     out.listening = sorted(set(out.listening))
     out.connections = sorted(set(out.connections))
     return out

@@ -169,13 +169,19 @@ class Redirects:
             if kept and not any((la, lp) in live for la, lp, *_ in rec.rules):
                 self._drop(rec)
 
-    def translate(self, conns: list[tuple[str, int, str, int]]) -> list[tuple[str, int, str, int]]:
-        """Each connection with its remote as the kept redirects make it (stacked, oldest first)."""
-        kept = sorted(
+    def kept(self) -> list[RedirectRecord]:
+        """The kept redirects, oldest first (the order their rules act on the way out)."""
+        return sorted(
             (rec for _, rec in records.scan(self.folder, "*.json", RedirectRecord.from_json)
              if isinstance(rec, RedirectRecord) and rec.state == KEPT),
             key=lambda rec: rec.created,
         )  # fmt: skip
+
+    @staticmethod
+    def translate(
+        conns: list[tuple[str, int, str, int]], kept: list[RedirectRecord]
+    ) -> list[tuple[str, int, str, int]]:
+        """Each connection with its remote as the `kept` redirects make it (stacked, oldest first)."""
         out = []
         for la, lp, ra, rp in conns:
             for rec in kept:

@@ -263,10 +263,11 @@ class Agent:
     def _rows(self) -> list[dict]:
         """Every workload here; a running one with its TCP endpoints (what joins ranks into jobs)."""
         out = workloads.rows()
+        kept = self.redirects.kept()  # read once for the whole listing
         for row in out:
             if row["alive"] and row["state"] == workloads.RUNNING and not row.get("container"):
                 ends = peers.of_tree(row["root_pid"])
-                ends.connections = self.redirects.translate(ends.connections)
+                ends.connections = self.redirects.translate(ends.connections, kept)
                 row["tcp"] = ends.to_json()
         return out
 
