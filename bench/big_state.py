@@ -1,6 +1,6 @@
 """A job holding N GiB of model + Adam state (params, grads, exp_avg, exp_avg_sq: 16 bytes/param).
 
-Prints `ready` once the state exists, then keeps training slowly. With --save/--load it instead
+Prints `ready` once the state exists, then keeps training a small head (a step every 50 ms). With --save/--load it instead
 times torch.save / torch.load of the same state (the app-level checkpoint criuctl replaces).
 """
 
@@ -53,6 +53,14 @@ if a.save:
     size = os.path.getsize(a.save)
     print(f"save {t_save:.3f} load {t_load:.3f} bytes {size} tensors {len(loaded['model'])}", flush=True)
 else:
+    # Training goes on in a small head, a step every 50 ms, so that criuctl's step boundary comes at
+    # once (the hook holds a trainer at its next optimizer step), while the big state stays as it is.
+    head = torch.nn.Linear(64, 64)
+    head_opt = torch.optim.SGD(head.parameters(), lr=1e-3)
+    x = torch.randn(8, 64)
     print(f"ready {layers} layers", flush=True)
     while True:
-        time.sleep(0.5)
+        head_opt.zero_grad()
+        head(x).square().mean().backward()
+        head_opt.step()
+        time.sleep(0.05)

@@ -39,6 +39,7 @@ from criuctl import (
     containers,
     criu,
     gpustate,
+    imagetail,
     locks,
     netlock,
     peers,
@@ -68,6 +69,7 @@ class DumpOutcome:
     freeze_seconds: float  # CRIU dump, the tree frozen throughout
     total_seconds: float
     size_bytes: int
+    phases: dict[str, float] = field(default_factory=dict)  # criu_dump, seal (hash + fsync)
 
 
 def _check_out_dir(out: Path) -> None:
@@ -124,6 +126,7 @@ class Frozen:
     netlock_table: str | None = None  # CRIU's lock table for this dump, once CRIU has dumped
     boundary: stepboundary.Reached | None = None  # the trainers held at a step boundary
     gpu: bundle.GpuFacts | None = None  # CUDA state the driver moved to host memory
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per step of the freeze, for benchmarks
     _criu: threading.Thread | None = None
     _session: criu.Session | None = None
     _error: list[BaseException] = field(default_factory=list)
@@ -200,6 +203,7 @@ def freeze(
     progress: Progress = _quiet,
     endpoints: readdress.EndpointMap | None = None,
     boundary: bool = True,
+    durable: bool = True,
 ) -> Frozen:
     """Freeze workload `target` (name or PID) and seal its bundle in a new directory under `parent`.
 
@@ -207,7 +211,9 @@ def freeze(
     once the bundle is sealed. `endpoints` gives the images' TCP sockets new addresses before the
     seal (a rank of a multi-node job that moves). Without `boundary` the trainers are frozen where
     they are (ranks of one job frozen together would each wait at a boundary for the others). On
-    any failure the tree is thawed and nothing is left behind.
+    any failure the tree is thawed and nothing is left behind. `durable=False` skips the fsyncs of
+    the seal: a migration's source keeps its tree frozen in memory until the target decides, so its
+    bundle is only the stream's buffer and a power loss takes the tree with it either way.
     """
     started = time.monotonic()
     criu.require_version()
@@ -215,7 +221,9 @@ def freeze(
     key = bundle.load_key(workloads.key_path())
     lock = locks.lock_workload(w.name, _purpose())
     try:
-        return _freeze_locked(w, key, lock, parent, lazy_port, progress, started, endpoints, boundary)
+        return _freeze_locked(
+            w, key, lock, parent, lazy_port, progress, started, endpoints, boundary, durable
+        )
     except BaseException:
         lock.release()
         raise
@@ -242,6 +250,7 @@ def _freeze_locked(
     started: float,
     endpoints: readdress.EndpointMap | None = None,
     boundary: bool = True,
+    durable: bool = True,
 ) -> Frozen:
     now = workloads.load(w.name)
     if now is None or now.root_pid != w.root_pid or now.state != workloads.RUNNING or not w.alive():
@@ -281,7 +290,14 @@ def _freeze_locked(
         progress("freezing")
         frozen.gpu = gpustate.suspend(pids, stepboundary.timeout())
         with locks.host_dump_slot():
-            _run_dump(frozen, options)
+            t0 = time.monotonic()
+            tail = None if frozen.lazy else imagetail.Tail(images, writeback=durable).start()
+            try:
+                _run_dump(frozen, options)
+            finally:
+                known = tail.finish() if tail is not None else {}
+            frozen.phases["criu_dump"] = time.monotonic() - t0
+        t0 = time.monotonic()
         frozen.netlock_table = netlock.table_for_images(images)
         if endpoints is not None:
             readdress.apply(images, endpoints)  # before the seal: the digests cover the new addresses
@@ -303,8 +319,9 @@ def _freeze_locked(
             gpu=frozen.gpu,
         )
         manifest.freeze_seconds = time.monotonic() - started
-        frozen.manifest = bundle.seal(staging, manifest, key)
+        frozen.manifest = bundle.seal(staging, manifest, key, durable, known)
         frozen.freeze_seconds = manifest.freeze_seconds
+        frozen.phases["seal"] = time.monotonic() - t0
     except BaseException as exc:
         log = _keep_log(staging / bundle.DUMP_LOG, w.name)
         frozen.thaw()  # lifts the network lock CRIU left, if it got that far; releases the lock
@@ -383,7 +400,10 @@ def dump(
     started = time.monotonic()
     out = out.absolute()
     _check_out_dir(out)
-    frozen = (freezer or freeze)(target, out.parent, progress=progress)
+    if freezer is None:  # a snapshot leaves the tree running: its bundle needs no fsync to be safe
+        frozen = freeze(target, out.parent, progress=progress, durable=not leave_running)
+    else:
+        frozen = freezer(target, out.parent, progress=progress)
     try:
         if out.exists():
             out.rmdir()
@@ -405,7 +425,8 @@ def dump(
     else:
         frozen.commit(bundle=str(out))
     size = bundle.size_bytes(out)
-    return DumpOutcome(out, frozen.manifest, frozen.freeze_seconds, time.monotonic() - started, size)
+    took = time.monotonic() - started
+    return DumpOutcome(out, frozen.manifest, frozen.freeze_seconds, took, size, frozen.phases)
 
 
 def _keep_log(log: Path, name: str) -> Path | None:

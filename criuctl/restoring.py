@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,6 +53,7 @@ class Restored:
     manifest: bundle.Manifest | None = None
     gpu_map: dict[str, str] = field(default_factory=dict)  # old -> new GPU UUIDs (gpustate.plan)
     gpu_seconds: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per step, for benchmarks
 
     def start(self, **record: object) -> None:
         w = self.workload
@@ -132,7 +134,9 @@ def restore_stopped(
     container (`criuctl.placeholder`), which then holds the tree's files, namespaces and cgroups.
     """
     bundle_dir = bundle_dir.absolute()
+    t0 = time.monotonic()
     manifest = bundle.verify(bundle_dir, bundle.load_key(workloads.key_path(), create=False), digests)
+    verified = time.monotonic() - t0
     criu.require_version()
     if manifest.lazy_pages and page_server is None:
         raise CriuctlError(
@@ -187,7 +191,8 @@ def restore_stopped(
         runtime=into.container.runtime if into else None,
         control=manifest.control_dir or None,
     )
-    return Restored(w, stdio, result.seconds, lazy, into, manifest, gpu_map)
+    phases = {"verify": verified, "criu_restore": result.seconds}
+    return Restored(w, stdio, result.seconds, lazy, into, manifest, gpu_map, phases=phases)
 
 
 def _placeholder_pipes(into: placeholder.Placeholder | None, manifest: bundle.Manifest) -> dict[str, str]:
@@ -260,7 +265,7 @@ def restore(
         procinfo.send_signal(r.workload.root_pid, sig)
     print(
         f"criuctl: restored {r.workload.name!r} from {r.workload.restored_from} in {r.criu_seconds:.2f} s "
-        f"(PID {r.workload.root_pid})",
+        f"(PID {r.workload.root_pid}; verified in {r.phases.get('verify', 0.0):.2f} s)",
         file=sys.stderr,
         flush=True,
     )

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import stat
+from pathlib import Path
 
+import blake3
 import pytest
 
 from criuctl import bundle, cli, cliargs, criu
@@ -90,6 +94,47 @@ def test_seal_then_verify_and_what_is_refused(tmp_path):
         bundle.verify(root, bundle.load_key(tmp_path / "other-key"))
 
 
+def _format_1_bundle(root: Path, key: bytes) -> None:
+    """A bundle as criuctl wrote it before format 2: sha256 digests, an HMAC-SHA256 signature."""
+    (root / "images").mkdir(parents=True)
+    (root / "images" / "pages-1.img").write_bytes(os.urandom(8192))
+    m = _manifest()
+    m.format_version = 1
+    pages = (root / "images" / "pages-1.img").read_bytes()
+    m.files = {"images/pages-1.img": hashlib.sha256(pages).hexdigest()}
+    raw = m.to_json()
+    (root / bundle.MANIFEST).write_bytes(raw)
+    (root / bundle.SIGNATURE).write_text(hmac.new(key, raw, hashlib.sha256).hexdigest() + "\n")
+
+
+def test_format_1_bundles_still_verify_and_formats_do_not_mix(tmp_path):
+    key = bundle.load_key(tmp_path / "key")
+    old = tmp_path / "old"
+    _format_1_bundle(old, key)
+    assert bundle.verify(old, key).format_version == 1
+    # digests an agent computed with BLAKE3 as the stream arrived are not taken for sha256s
+    assert bundle.verify(old, key, {"images/pages-1.img": "0" * 64}).format_version == 1
+    with open(old / "images" / "pages-1.img", "r+b") as f:
+        f.write(b"\0")
+    with pytest.raises(bundle.BundleError, match=r"pages-1\.img: checksum mismatch"):
+        bundle.verify(old, key)
+
+    # a format-1 manifest under a format-2 MAC (or the reverse) is refused: the key fixes the format
+    new = tmp_path / "new"
+    (new / "images").mkdir(parents=True)
+    (new / "images" / "pages-1.img").write_bytes(os.urandom(8192))
+    sealed = bundle.seal(new, _manifest(), key)
+    assert sealed.format_version == 2 and len(sealed.files["images/pages-1.img"]) == 64
+    pages = (new / "images" / "pages-1.img").read_bytes()
+    assert sealed.files["images/pages-1.img"] == blake3.blake3(pages).hexdigest()
+    raw = (new / bundle.MANIFEST).read_bytes().replace(b'"format_version": 2', b'"format_version": 1')
+    (new / bundle.MANIFEST).write_bytes(raw)
+    (new / bundle.SIGNATURE).write_text(bundle._sign(key, raw, 2) + "\n")
+    with pytest.raises(bundle.BundleError, match="signature does not verify"):
+        bundle.verify(new, key)
+    assert not bundle.check(new, key).signature_ok
+
+
 def test_not_a_bundle_and_future_format(tmp_path):
     with pytest.raises(bundle.BundleError, match="no bundle at"):
         bundle.verify(tmp_path / "nope", b"k")
@@ -97,7 +142,7 @@ def test_not_a_bundle_and_future_format(tmp_path):
     with pytest.raises(bundle.BundleError, match="not a criuctl bundle"):
         bundle.read_manifest(tmp_path / "d")
     (tmp_path / "d" / bundle.MANIFEST).write_bytes(
-        _manifest().to_json().replace(b'"format_version": 1', b'"format_version": 99')
+        _manifest().to_json().replace(b'"format_version": 2', b'"format_version": 99')
     )
     with pytest.raises(bundle.BundleError, match="format 99 is not supported"):
         bundle.read_manifest(tmp_path / "d")

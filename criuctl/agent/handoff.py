@@ -115,7 +115,7 @@ class _Source:
             endpoints = readdress.EndpointMap.from_json(spec.readdress) if spec.readdress else None
             self.frozen = checkpoint.freeze(
                 w.name, Path(spec.parent), lazy_port=spec.lazy_port, progress=_held_point,
-                endpoints=endpoints, boundary=spec.boundary,
+                endpoints=endpoints, boundary=spec.boundary, durable=False,
             )  # fmt: skip
         except CriuctlError as exc:
             self._advance(SourceState.FAILED)
@@ -130,6 +130,7 @@ class _Source:
             freeze_seconds=self.frozen.freeze_seconds,
             started_ago=time.monotonic() - started,
             rss_bytes=self.frozen.manifest.rss_bytes,
+            phases=self.frozen.phases,
         )
         if _command() != Command.SENT:
             self._thaw()
@@ -222,7 +223,8 @@ def target(spec_file: Path) -> int:
         restored.abort()
         _emit(Event.ABORTED)
         return 0
-    _emit(Event.RESTORED, pid=restored.workload.root_pid, criu_seconds=restored.criu_seconds)
+    _emit(Event.RESTORED, pid=restored.workload.root_pid, criu_seconds=restored.criu_seconds,
+          phases=restored.phases)  # fmt: skip
     cmd = _command()
     if not cmd and spec.follow:  # the lease broke: a job's rank does what the first moved rank did
         cmd = _follow(Ticket.from_json(spec.follow))

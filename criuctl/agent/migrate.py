@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from criuctl.agent import points
 from criuctl.agent.client import AgentClient, Node, NodeUnreachable
@@ -65,6 +65,8 @@ class MigrationResult:
     # a controller's pod moved through a kept bundle into its recreated pod (criuctl.kube.podmigrate):
     # downtime and total are then the delete → running again, and only the freeze is known apart
     via_successor: bool = False
+    # seconds per step inside freeze and restore (criu_dump, seal, verify, criu_restore, handoff…)
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 def _quiet(_phase: str, **_facts: object) -> None:
@@ -133,6 +135,7 @@ class Move:
         self.og_id: str | None = None
         self.port: int | None = None
         self.facts = {"bytes": 0, "freeze": 0.0, "transfer": 0.0, "restore": 0.0}
+        self.phases: dict[str, float] = {}
         self.downtime: float | None = None
         self.confirmed = True
         self.pages: float | None = None
@@ -178,6 +181,7 @@ class Move:
                 self.og_id = ev["id"]
             elif kind == "frozen":
                 self.facts["freeze"], self.port = time.monotonic() - phase_started, ev["page_server_port"]
+                self.phases.update(ev.get("phases", {}))
                 phase_started = time.monotonic()
                 self.progress("transfer", done=0, total=ev["bytes"])
             elif kind == "transfer":
@@ -202,8 +206,9 @@ class Move:
         phase_started = time.monotonic()
         self.progress("restore")
         body = {"page_server": f"{self.source.host}:{self.port}"} if self.mode == POST_COPY else {}
-        self.dst.post(f"/v1/incoming/{self.inc['id']}/restore", body, timeout=TIMEOUTS.restore)
+        answer = self.dst.post(f"/v1/incoming/{self.inc['id']}/restore", body, timeout=TIMEOUTS.restore)
         self.facts["restore"] = time.monotonic() - phase_started
+        self.phases.update(answer.get("phases", {}) if isinstance(answer, dict) else {})
         points.reach(Point.CLIENT_RESTORED)
 
     def undo(self, exc: CriuctlError) -> CriuctlError:
@@ -241,7 +246,7 @@ class Move:
         return MigrationResult(
             self.name, self.source.name, self.target.name, str(self.mode), self.downtime or 0.0,
             time.monotonic() - self.started, f["bytes"], f["freeze"], f["transfer"], f["restore"],
-            self.pages, self.confirmed,
+            self.pages, self.confirmed, phases=self.phases,
         )  # fmt: skip
 
 

@@ -10,7 +10,6 @@ dictionary lookups.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import time
@@ -48,6 +47,8 @@ def reach(point: Point) -> None:
 
 
 async def areach(point: Point) -> None:
+    import asyncio  # here: handoffs, which start on a migration's clock, never wait asynchronously
+
     go = _armed(point)
     while go is not None and not go.exists():
         await asyncio.sleep(0.05)

@@ -39,7 +39,7 @@ class Mode(enum.StrEnum):
 
 class SourceState(enum.StrEnum):
     FREEZING = "freezing"  # handoff started; CRIU freezing and dumping (hold record written first)
-    FROZEN = "frozen"  # tree stopped, bundle sealed and fsynced
+    FROZEN = "frozen"  # tree stopped, bundle sealed (not fsynced: the frozen tree is the copy that counts)
     SENDING = "sending"  # bundle streaming to the target
     SENT = "sent"  # the target has the whole bundle: from here on the target decides
     COMMITTED = "committed"  # the target runs the job; the source tree is being ended
@@ -247,7 +247,7 @@ class TargetSpec:
     record: str | None = None  # the target's migration record, which the handoff advances
     name: str | None = None
     page_server: str | None = None  # post-copy: HOST:PORT of the source's page server
-    digests: dict[str, str] | None = None  # sha256s computed as the bundle arrived
+    digests: dict[str, str] | None = None  # the bundle format's digests, computed as it arrived
     placeholder: str | None = None  # a container's bundle: the placeholder container (ID) to restore into
     runtime: str | None = None  # the runtime endpoint that runs the placeholder
     follow: dict | None = None  # `TargetRecord.follow` as JSON: asked when the lease breaks

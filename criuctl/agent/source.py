@@ -93,7 +93,7 @@ class SourceMachine:
         bdir = Path(frozen["bundle"])
         total = await asyncio.to_thread(transfer.stream_size, bdir)
         await say("frozen", freeze_seconds=frozen["freeze_seconds"], bytes=total,
-                  page_server_port=self.spec.lazy_port)  # fmt: skip
+                  page_server_port=self.spec.lazy_port, phases=frozen.get("phases", {}))  # fmt: skip
         await points.areach(Point.SOURCE_FROZEN)
         self._to(SourceState.SENDING)
         counter = transfer.Counter(total=total, started=time.monotonic())

@@ -129,6 +129,7 @@ class TargetMachine:
             spec = TargetSpec(self.id, str(self.bundle_dir), node, str(self.record_path), self.rec.workload,
                               page_server, digests, self.rec.placeholder, self.rec.runtime,
                               follow)  # fmt: skip
+            t0 = time.monotonic()
             try:
                 self.handoff = await self._spawn(spec, self.dir)
                 ev = await self.handoff.until({Event.RESTORED}, self.t.restore)
@@ -141,7 +142,9 @@ class TargetMachine:
                 what = exc.what if isinstance(exc, HandoffFailed) else "the restore took too long"
                 return Outcome(self.state, False, what, getattr(exc, "hint", ""))
             self._reload()
-        return Outcome(self.state, True, facts={"pid": ev["pid"], "criu_seconds": ev["criu_seconds"]})
+        phases = {**ev.get("phases", {}), "handoff": time.monotonic() - t0}
+        return Outcome(self.state, True, facts={"pid": ev["pid"], "criu_seconds": ev["criu_seconds"],
+                                                "phases": phases})  # fmt: skip
 
     async def commit(self) -> Outcome:
         async with self.lock:

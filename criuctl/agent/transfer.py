@@ -7,7 +7,7 @@ link), hashes each file while writing it, and hands the digests to `bundle.verif
 read from the network once and never again before the restore.
 
 Both ends pipeline: the next piece is read from the file (or the socket) while the previous one is
-sent (or hashed and written) in a thread; hashlib and file I/O release the GIL on pieces this big.
+sent (or hashed and written) in a thread; BLAKE3 and file I/O release the GIL on pieces this big.
 Neither side trusts the network to say it broke: no progress for `TIMEOUTS.stall` seconds ends the transfer.
 """
 
@@ -16,14 +16,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import hashlib
+import http.client
+import json
 import os
+import socket
 import ssl
 import tarfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from urllib.parse import urlsplit
 
 from criuctl import bundle
 from criuctl.agent.protocol import TIMEOUTS
@@ -114,7 +117,7 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 async def receive(read: Read, dest: Path, counter: Counter | None = None) -> dict[str, str]:
-    """Write the tar stream `read` yields under `dest` (root-only); return each file's sha256."""
+    """Write the tar stream `read` yields under `dest` (root-only); return each file's digest."""
     dest.mkdir(mode=0o700, parents=True, exist_ok=True)
     digests: dict[str, str] = {}
     while True:
@@ -137,7 +140,7 @@ async def receive(read: Read, dest: Path, counter: Counter | None = None) -> dic
                 "the sender is not a criuctl agent",
             )
         target = dest / rel
-        h = hashlib.sha256()
+        h = bundle.hasher()
         try:  # a name twice, a file where a folder must go, a name too long: refused, not a crash
             target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -190,37 +193,92 @@ async def watchdog(counter: Counter, task: asyncio.Future, what: str) -> None:
             raise TransferError(stalled, "check the network")
 
 
+class _Put:
+    """One PUT of a bundle over a plain socket: headers, then each file with `sendfile` (no copy
+    through Python: the kernel moves page-cache pages to the socket), then the answer.
+
+    Blocking, in a thread: aiohttp's client copies every piece through Python and the event loop,
+    which capped the stream at a fraction of the wire. Over TLS `sendfile` falls back to reads
+    (`socket.sendfile` does that for an SSL socket by itself).
+    """
+
+    def __init__(self, root: Path, url: str, token: str, ca_pem: str | None, counter: Counter) -> None:
+        self.root, self.url, self.token, self.ca_pem, self.counter = root, url, token, ca_pem, counter
+        self.conn: http.client.HTTPConnection | None = None
+
+    def _connect(self) -> http.client.HTTPConnection:
+        u = urlsplit(self.url)
+        if u.scheme == "https":
+            ctx = (
+                ssl.create_default_context(cadata=self.ca_pem)
+                if self.ca_pem
+                else ssl.create_default_context()
+            )
+            return http.client.HTTPSConnection(u.hostname or "", u.port or 443, timeout=5, context=ctx)
+        return http.client.HTTPConnection(u.hostname or "", u.port or 80, timeout=5)
+
+    def run(self) -> tuple[int, dict]:
+        conn = self.conn = self._connect()
+        try:
+            conn.connect()  # within 5 s, as before
+            conn.sock.settimeout(TIMEOUTS.stall)  # a send or the answer that stalls this long fails
+            u = urlsplit(self.url)
+            conn.putrequest("PUT", u.path + (f"?{u.query}" if u.query else ""), skip_accept_encoding=True)
+            conn.putheader("Authorization", f"Bearer {self.token}")
+            conn.putheader("Content-Type", "application/x-tar")
+            conn.putheader("Content-Length", str(stream_size(self.root)))
+            conn.endheaders()
+            with contextlib.suppress(OSError):  # the target may have answered early (a refusal): read it
+                self._body(conn.sock)
+            resp = conn.getresponse()
+            raw = resp.read(1 << 20)
+            try:
+                return resp.status, json.loads(raw)
+            except ValueError:
+                return resp.status, {"what": raw[:200].decode(errors="replace")}
+        finally:
+            conn.close()
+
+    def _body(self, sock: socket.socket) -> None:
+        for path in _order(self.root):
+            sock.sendall(_header(self.root, path))
+            with path.open("rb") as f:
+                size, offset = os.fstat(f.fileno()).st_size, 0
+                while offset < size:
+                    sent = sock.sendfile(f, offset, min(4 * PIECE, size - offset))
+                    if not sent:
+                        raise TransferError(f"{path.name} shrank while it was sent", "retry the migration")
+                    offset += sent
+                    self.counter.done += sent
+            if _pad(size):
+                sock.sendall(bytes(_pad(size)))
+        sock.sendall(bytes(2 * _BLOCK))
+
+    def cut(self) -> None:
+        """From another thread: end a stalled transfer now (its blocked send returns an error)."""
+        with contextlib.suppress(OSError, AttributeError):
+            self.conn.sock.shutdown(socket.SHUT_RDWR)
+
+
 async def send(root: Path, url: str, token: str, ca_pem: str | None, counter: Counter, node: str) -> dict:
     """PUT the bundle at `root` to another agent as one tar stream; its JSON answer, or TransferError."""
-    import aiohttp  # the receiving side and the unit tests do not need a client
-
-    ctx = ssl.create_default_context(cadata=ca_pem) if ca_pem else None
-    headers = {"Authorization": f"Bearer {token}", "Content-Length": str(stream_size(root))}
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-
-        async def put() -> tuple[int, dict]:
-            async with session.put(url, data=tar_pieces(root, counter), headers=headers, ssl=ctx) as resp:
-                try:
-                    return resp.status, await resp.json(content_type=None)
-                except ValueError:
-                    return resp.status, {"what": (await resp.text())[:200]}
-
-        job = asyncio.ensure_future(put())
-        dog = asyncio.ensure_future(watchdog(counter, job, f"sending the bundle to node {node}"))
-        try:
-            status, answer = await job
-        except (aiohttp.ClientError, OSError, asyncio.CancelledError) as exc:
-            if dog.done() and dog.exception() is not None:
-                raise dog.exception() from exc
-            raise TransferError(
-                f"lost the connection to node {node} while sending the bundle ({exc.__class__.__name__})",
-                "check the network between the nodes",
-            ) from exc
-        finally:
-            dog.cancel()
-            with contextlib.suppress(asyncio.CancelledError, TransferError):
-                await dog
+    put = _Put(root, url, token, ca_pem, counter)
+    job = asyncio.ensure_future(asyncio.to_thread(put.run))
+    dog = asyncio.ensure_future(watchdog(counter, job, f"sending the bundle to node {node}"))
+    try:
+        status, answer = await asyncio.shield(job)
+    except (OSError, http.client.HTTPException, asyncio.CancelledError) as exc:
+        put.cut()
+        if dog.done() and dog.exception() is not None:
+            raise dog.exception() from exc
+        raise TransferError(
+            f"lost the connection to node {node} while sending the bundle ({exc.__class__.__name__})",
+            "check the network between the nodes",
+        ) from exc
+    finally:
+        dog.cancel()
+        with contextlib.suppress(asyncio.CancelledError, TransferError):
+            await dog
     if status >= 400:
         raise TransferError(answer.get("what", f"node {node} answered {status}"), answer.get("hint", ""))
     return answer
