@@ -1,7 +1,8 @@
 """A job holding N GiB of model + Adam state (params, grads, exp_avg, exp_avg_sq: 16 bytes/param).
 
-Prints `ready` once the state exists, then keeps training a small head (a step every 50 ms). With --save/--load it instead
-times torch.save / torch.load of the same state (the app-level checkpoint criuctl replaces).
+Prints `ready` once the state exists, then keeps training a small head (a step every 50 ms). With
+--save/--load it instead times torch.save / torch.load of the same state (the app-level checkpoint
+criuctl replaces).
 """
 
 import argparse

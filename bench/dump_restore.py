@@ -1,12 +1,16 @@
 """Benchmark: checkpoint and restore of jobs holding 0.5, 2 and 4 GiB of model + Adam state.
 
 Measured side by side in one run, on the same disk:
-  criuctl dump / restore    (CRIU + manifest with sha256 of every file + signature + verification)
+  criuctl dump / restore    (CRIU + BLAKE3 of every file + signature + fsync; verification)
   plain `criu dump` / `criu restore` of the same kind of job
   torch.save / torch.load   of the same state (the app-level way)
   dd                        writing as many bytes (page cache, and with fdatasync: the disk)
-Times are wall clock; files are written without fsync, as CRIU and torch.save do.
-Usage: python bench/dump_restore.py [--sizes 0.5 2 4] [--dir /var/tmp/criuctl-bench]
+
+Steady state (these are VMs: the first touch of guest memory costs several times a later one):
+guest memory is touched once before anything is timed, one untimed round warms every contender,
+then each size is measured `--reps` times with the contenders' order alternating, everything a
+contender left (bundle, restored job) removed before the next one. Medians, with min–max.
+Usage: python bench/dump_restore.py [--sizes 0.5 2 4] [--reps 3] [--dir /var/tmp/criuctl-bench]
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import platform
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -75,18 +80,12 @@ def drop(path: Path) -> None:
 
 
 def bench_criuctl(gib: float, work: Path) -> dict:
-    from criuctl import bundle
-
     job = start_job("bench-criuctl", gib)
     out = work / "criuctl-bundle"
     t_dump, r = timed([*CRIUCTL, "dump", "bench-criuctl", "-o", str(out)])
     job.wait(60)
-    freeze = float(re.search(r"frozen ([0-9.]+) s", r.stderr)[1])
-    size = bundle.size_bytes(out)
-    t0 = time.perf_counter()
-    for p in out.rglob("*.img"):
-        bundle.file_digest(p)
-    t_hash = time.perf_counter() - t0
+    phases = {k: float(v) for k, v in re.findall(r"(\w+) ([0-9.]+) s", re.search(r"\((.*?)\)", r.stderr)[1])}
+    size = bundle_bytes(out)
     t0 = time.perf_counter()
     rest = subprocess.Popen(
         [*CRIUCTL, "restore", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -94,12 +93,18 @@ def bench_criuctl(gib: float, work: Path) -> dict:
     line = wait_line(rest, r"restored .* in ([0-9.]+) s", stream="stderr")
     t_restore = time.perf_counter() - t0
     criu_restore = float(re.search(r" in ([0-9.]+) s", line)[1])
+    verify = float(re.search(r"verified in ([0-9.]+) s", line)[1])
     rest.send_signal(signal.SIGTERM)
     rest.wait(60)
     drop(out)
     return dict(
-        dump=t_dump, freeze=freeze, hash=t_hash, restore=t_restore, restore_criu=criu_restore, bytes=size
-    )
+        dump=t_dump, criu_dump=phases["criu_dump"], seal=phases["seal"], restore=t_restore,
+        restore_criu=criu_restore, verify=verify, bytes=size,
+    )  # fmt: skip
+
+
+def bundle_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
 def bench_plain_criu(gib: float, work: Path) -> dict:
@@ -137,9 +142,37 @@ def bench_dd(nbytes: int, work: Path) -> dict:
     return dict(cache=t_cache, sync=t_sync)
 
 
+def touch_memory(gib: float) -> None:
+    """Write `gib` GiB once, so that the VM has backed guest memory before anything is timed."""
+    subprocess.run(
+        [sys.executable, "-c", f"b = bytearray({int(gib * (1 << 30))}); b[::4096] = b'x' * len(b[::4096])"],
+        check=True,
+    )
+
+
+def free_gib() -> float:
+    line = next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemAvailable"))
+    return int(line.split()[1]) / (1 << 20)
+
+
+CONTENDERS = {
+    "criuctl": bench_criuctl,
+    "criu": bench_plain_criu,
+    "torch": bench_torch,
+}
+
+
+def one_round(gib: float, work: Path, flip: bool) -> dict:
+    names = list(CONTENDERS)[::-1] if flip else list(CONTENDERS)
+    out = {name: CONTENDERS[name](gib, work) for name in names}
+    out["dd"] = bench_dd(out["criuctl"]["bytes"], work)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", type=float, nargs="+", default=[0.5, 2, 4])
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default="/var/tmp/criuctl-bench")
     ap.add_argument("--json", default=str(HERE / "results" / "dump_restore.json"))
     a = ap.parse_args()
@@ -147,17 +180,16 @@ def main() -> int:
     drop(work)
     work.mkdir(parents=True)
     os.environ["CRIUCTL_STATE_DIR"] = str(work / "state")
+    console.print(f"touching {free_gib() - 2:.0f} GiB of guest memory, then one untimed round …")
+    touch_memory(free_gib() - 2)
+    one_round(min(a.sizes), work, False)
     rows = []
     for gib in a.sizes:
-        console.print(f"[bold]{gib} GiB[/]: criuctl …", end=" ")
-        c = bench_criuctl(gib, work)
-        console.print("plain criu …", end=" ")
-        p = bench_plain_criu(gib, work)
-        console.print("torch.save/load …", end=" ")
-        t = bench_torch(gib, work)
-        console.print("dd …")
-        d = bench_dd(c["bytes"], work)
-        rows.append(dict(gib=gib, criuctl=c, criu=p, torch=t, dd=d))
+        runs = []
+        for rep in range(a.reps):
+            console.print(f"[bold]{gib} GiB[/] round {rep + 1}/{a.reps}")
+            runs.append(one_round(gib, work, rep % 2 == 1))
+        rows.append(dict(gib=gib, runs=runs))
     drop(work)
     report(rows)
     Path(a.json).parent.mkdir(exist_ok=True)
@@ -173,77 +205,63 @@ def machine() -> str:
     return f"{platform.node()}: {cpus} cores, {mem:.0f} GiB, kernel {platform.release()}"
 
 
+def med(runs: list[dict], who: str, what: str) -> float:
+    return statistics.median(r[who][what] for r in runs)
+
+
+def spread(runs: list[dict], who: str, what: str) -> str:
+    vals = [r[who][what] for r in runs]
+    return f"{statistics.median(vals):.2f} ({min(vals):.2f}–{max(vals):.2f})"
+
+
+def ratio(runs: list[dict], a: tuple[str, str], b: tuple[str, str]) -> str:
+    """Median of the per-round ratios (each round's contenders ran side by side), with min–max."""
+    vals = [r[a[0]][a[1]] / r[b[0]][b[1]] for r in runs]
+    return f"{statistics.median(vals):.2f} ({min(vals):.2f}–{max(vals):.2f})"
+
+
 def report(rows: list[dict]) -> None:
-    t = Table(title=f"seconds — {machine()}, {time.strftime('%Y-%m-%d')}")
-    for col in (
-        "state",
-        "bundle",
-        "criuctl dump",
-        "(CRIU part)",
-        "plain criu dump",
-        "torch.save",
-        "dd",
-        "dd+fdatasync",
-        "criuctl restore",
-        "plain criu restore",
-        "torch.load",
-    ):
+    t = Table(title=f"seconds, median (min–max) — {machine()}, {time.strftime('%Y-%m-%d')}")
+    cols = ["state", "bundle", "criuctl dump", "plain criu dump", "torch.save", "dd", "dd+fdatasync",
+            "criuctl restore", "plain criu restore", "torch.load"]  # fmt: skip
+    for col in cols:
         t.add_column(col, justify="right")
     for r in rows:
-        c, p, tt, d = r["criuctl"], r["criu"], r["torch"], r["dd"]
+        runs = r["runs"]
         t.add_row(
-            f"{r['gib']} GiB",
-            f"{c['bytes'] / 2**30:.2f} GiB",
-            *(
-                f"{v:.2f}"
-                for v in (
-                    c["dump"],
-                    c["freeze"],
-                    p["dump"],
-                    tt["save"],
-                    d["cache"],
-                    d["sync"],
-                    c["restore"],
-                    p["restore"],
-                    tt["load"],
-                )
-            ),
-        )
+            f"{r['gib']} GiB", f"{med(runs, 'criuctl', 'bytes') / 2**30:.2f} GiB",
+            *(spread(runs, who, what) for who, what in (
+                ("criuctl", "dump"), ("criu", "dump"), ("torch", "save"), ("dd", "cache"), ("dd", "sync"),
+                ("criuctl", "restore"), ("criu", "restore"), ("torch", "load"))),
+        )  # fmt: skip
     console.print(t)
-    t = Table(title="ratios (measured side by side above)")
-    for col in (
-        "state",
-        "criuctl dump GB/s",
-        "dd GB/s",
-        "dump ÷ dd throughput",
-        "criuctl ÷ criu dump",
-        "criuctl ÷ criu restore",
-        "criuctl dump ÷ torch.save",
-        "criuctl restore ÷ torch.load",
-    ):
+    t = Table(title="ratios: median of each round's ratio (min–max)")
+    for col in ("state", "criuctl ÷ criu dump", "criuctl ÷ criu restore", "criuctl dump ÷ torch.save",
+                "criuctl restore ÷ torch.load"):  # fmt: skip
         t.add_column(col, justify="right")
     for r in rows:
-        c, p, tt, d = r["criuctl"], r["criu"], r["torch"], r["dd"]
-        n = c["bytes"]
+        runs = r["runs"]
         t.add_row(
             f"{r['gib']} GiB",
-            f"{n / c['dump'] / 1e9:.2f}",
-            f"{n / d['cache'] / 1e9:.2f}",
-            f"{d['cache'] / c['dump']:.2f}",
-            f"{c['dump'] / p['dump']:.2f}",
-            f"{c['restore'] / p['restore']:.2f}",
-            f"{c['dump'] / tt['save']:.2f}",
-            f"{c['restore'] / tt['load']:.2f}",
+            ratio(runs, ("criuctl", "dump"), ("criu", "dump")),
+            ratio(runs, ("criuctl", "restore"), ("criu", "restore")),
+            ratio(runs, ("criuctl", "dump"), ("torch", "save")),
+            ratio(runs, ("criuctl", "restore"), ("torch", "load")),
         )
     console.print(t)
+    t = Table(title="where criuctl's time goes, median seconds")
+    for col in ("state", "dump: CRIU", "seal (BLAKE3 rest + fsync)", "dump: the rest", "restore: verify",
+                "restore: CRIU", "restore: the rest"):  # fmt: skip
+        t.add_column(col, justify="right")
     for r in rows:
-        c = r["criuctl"]
-        other = c["dump"] - c["freeze"] - c["hash"]
-        console.print(
-            f"{r['gib']} GiB dump breakdown: CRIU {c['freeze']:.2f} s "
-            f"({c['bytes'] / c['freeze'] / 1e9:.2f} GB/s), sha256 of the images {c['hash']:.2f} s, "
-            f"the rest (Python start-up, process facts, manifest, kill) {max(0.0, other):.2f} s"
-        )
+        runs = r["runs"]
+        c = {k: med(runs, "criuctl", k) for k in runs[0]["criuctl"]}
+        t.add_row(
+            f"{r['gib']} GiB", f"{c['criu_dump']:.2f}", f"{c['seal']:.2f}",
+            f"{c['dump'] - c['criu_dump'] - c['seal']:.2f}", f"{c['verify']:.2f}", f"{c['restore_criu']:.2f}",
+            f"{c['restore'] - c['restore_criu'] - c['verify']:.2f}",
+        )  # fmt: skip
+    console.print(t)
 
 
 if __name__ == "__main__":

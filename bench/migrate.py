@@ -1,16 +1,21 @@
 """Migration between two nodes (network namespaces on this host), side by side in one run.
 
 For each state size: a job holding N GiB of model + Adam state is moved by
-  criuctl stop-and-copy      dump, stream the signed bundle, verify, restore
+  criuctl stop-and-copy      dump (pages hashed as CRIU writes them), sign, stream the bundle
+                             (sendfile; the target hashes as it receives), verify, restore
   criuctl post-copy          restore at once, pages pulled from the source's page server
   plain CRIU                 `criu dump --page-server` into `criu page-server` on the target,
                              the other images copied, `criu restore` (no checks, no signature)
   app-level                  torch.save on the source, then a new process: import torch,
                              torch.load, one optimizer step (the target's first resumed step)
-and the ceiling: raw TCP throughput between the two namespaces (Python sockets, 1 MiB sends).
+and the ceiling: raw TCP throughput between the two namespaces (Python sockets, 1 MiB sends),
+measured in every round, since the VM's network speed drifts.
 
-Downtime is freeze → running on the target. Run as root: `make bench-migrate` or
-`.venv/bin/python bench/migrate.py [--sizes 0.5 2 4]`.
+Steady state: guest memory is touched once first, one untimed round at the smallest size warms
+every contender, then each size runs `--reps` rounds with the contenders' order rotating; each
+contender's job and files are gone before the next starts. Medians, min–max. `--post-copy-only`
+sizes run post-copy alone (its downtime's growth with size). Downtime is freeze → running on the
+target. Run as root: `make bench-migrate` or `.venv/bin/python bench/migrate.py [--sizes 0.5 2 4]`.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import os
 import platform
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -66,29 +72,13 @@ def bench_criuctl(c: Cluster, gib: float, mode: str) -> dict:
     name = f"m{mode[:4]}"
     job = _start(c, name, gib)
     r = c.migrate(name, "b", "--mode", mode)
-    job.wait(120)
     if r.returncode != 0:
+        job.kill()
         raise SystemExit(f"criuctl migrate failed: {r.stderr[-2000:]}")
+    job.wait(120)
     res = json.loads(r.stdout)
     _kill_everywhere(c, name)
     return res
-
-
-def with_spool(c: Cluster, spool: Path | None) -> None:
-    """Restart both agents with bundles in flight spooled under `spool` (None: the state dir)."""
-    for node in c.nodes.values():
-        node.stop_agent()
-        node.start_agent(spool=spool / node.name if spool else None)
-
-
-def ram_for(gib: float) -> bool:
-    """Room for a RAM-spooled move: job + restored copy + a bundle on each side, with margin."""
-    avail = int(
-        next(
-            x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemAvailable")
-        ).split()[1]
-    )
-    return avail * 1024 > 4.5 * gib * (1 << 30)
 
 
 def _kill_everywhere(c: Cluster, name: str) -> None:
@@ -201,9 +191,39 @@ def machine() -> str:
     return f"{platform.node()}: {os.cpu_count()} cores, {mem:.0f} GiB, kernel {platform.release()}"
 
 
+def touch_memory() -> None:
+    """Write all but 2 GiB of free memory once, so that the VM has backed it before anything is timed."""
+    line = next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemAvailable"))
+    n = int(line.split()[1]) * 1024 - (2 << 30)
+    subprocess.run(
+        [sys.executable, "-c", f"b = bytearray({n}); b[::4096] = b'x' * len(b[::4096])"], check=True
+    )
+
+
+def one_round(c: Cluster, gib: float, work: Path, turn: int, only_post: bool = False) -> dict:
+    """Every contender once, in an order that rotates with `turn`; raw TCP measured in the same round."""
+    jobs = {
+        "stop-and-copy": lambda: bench_criuctl(c, gib, "stop-and-copy"),
+        "post-copy": lambda: bench_criuctl(c, gib, "post-copy"),
+        "plain": lambda: bench_plain_criu(c, gib, work / "plain"),
+        "app": lambda: bench_app_level(gib, work),
+    }
+    if only_post:
+        jobs = {"post-copy": jobs["post-copy"]}
+    names = list(jobs)
+    names = names[turn % len(names) :] + names[: turn % len(names)]
+    out: dict = {"tcp": bench_tcp(c)}
+    for name in names:
+        console.print(f"  {gib} GiB {name} …")
+        out[name] = jobs[name]()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", type=float, nargs="+", default=[0.5, 2, 4])
+    ap.add_argument("--post-copy-only", type=float, nargs="*", default=[8], help="sizes for post-copy alone")
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default="/var/tmp/criuctl-bench-migrate")
     ap.add_argument("--json", default=str(HERE / "results" / "migrate.json"))
     a = ap.parse_args()
@@ -211,75 +231,108 @@ def main() -> int:
     shutil.rmtree(work, ignore_errors=True)
     rows = []
     with Cluster(work / "cluster") as c:
-        tcp = bench_tcp(c)
-        console.print(f"raw TCP a→b: {tcp / 1e9:.2f} GB/s")
-        for gib in a.sizes:
-            row = {"gib": gib}
-            for mode in ("stop-and-copy", "post-copy"):
-                console.print(f"{gib} GiB criuctl {mode} …")
-                row[mode] = bench_criuctl(c, gib, mode)
-            if ram_for(gib):
-                console.print(f"{gib} GiB criuctl stop-and-copy, bundles spooled in tmpfs …")
-                with_spool(c, Path("/dev/shm/criuctl-bench"))
-                row["stop-ram"] = bench_criuctl(c, gib, "stop-and-copy")
-                with_spool(c, None)
-                shutil.rmtree("/dev/shm/criuctl-bench", ignore_errors=True)
-            console.print(f"{gib} GiB plain CRIU page server …")
-            row["plain"] = bench_plain_criu(c, gib, work / "plain")
-            console.print(f"{gib} GiB app-level torch.save → new process → torch.load …")
-            row["app"] = bench_app_level(gib, work)
-            rows.append(row)
-            console.print(row)
+        console.print("touching guest memory, then one untimed round …")
+        touch_memory()
+        one_round(c, min(a.sizes), work, 0)
+        for gib in [*a.sizes, *a.post_copy_only]:
+            only_post = gib in a.post_copy_only and gib not in a.sizes
+            runs = [one_round(c, gib, work, turn, only_post) for turn in range(1 if only_post else a.reps)]
+            rows.append({"gib": gib, "runs": runs})
     Path(a.json).parent.mkdir(exist_ok=True)
     Path(a.json).write_text(
-        json.dumps(
-            {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "tcp_bytes_per_s": tcp, "rows": rows},
-            indent=2,
-        )
+        json.dumps({"machine": machine(), "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=2)
     )
-    report(rows, tcp)
+    report(rows)
     return 0
 
 
-def report(rows: list[dict], tcp: float) -> None:
-    t = Table(title=f"migration a→b, seconds — {machine()}, {time.strftime('%Y-%m-%d')}")
-    cols = [
-        "state",
-        "stop&copy down",
-        "… RAM spool",
-        "post-copy down",
-        "post-copy total",
-        "plain CRIU down",
-        "app-level down",
-        "post ÷ stop",
-        "stop ÷ plain",
-        "stop ÷ app",
-        "stream GB/s disk / RAM",
-        "stream ÷ TCP",
-    ]
-    for col in cols:
+def _ph(x: dict, k: str) -> float:
+    return x["phases"].get(k, 0.0)
+
+
+def _vals(runs: list[dict], fn) -> str:
+    vals = [fn(r) for r in runs]
+    return f"{statistics.median(vals):.2f} ({min(vals):.2f}–{max(vals):.2f})"
+
+
+def _stream_rate(r: dict) -> float:
+    s = r["stop-and-copy"]
+    return s["bytes_moved"] / s["transfer_seconds"]
+
+
+def _pages_done(r: dict) -> float:
+    """Post-copy: the freeze until every page is on the target (downtime, then the pull)."""
+    p = r["post-copy"]
+    return p["downtime_seconds"] + (p["pages_seconds"] or 0.0)
+
+
+def report(rows: list[dict]) -> None:
+    out = Console(width=250)
+    full = [r for r in rows if "stop-and-copy" in r["runs"][0]]
+    t = Table(title=f"migration a→b, seconds, median (min–max) — {machine()}, {time.strftime('%Y-%m-%d')}")
+    for col in ("state", "stop&copy down", "post-copy down", "post-copy: all pages on b", "plain CRIU down",
+                "app-level down", "raw TCP GB/s", "stream GB/s"):  # fmt: skip
         t.add_column(col, justify="right")
     for r in rows:
-        s, p, pl, app, ram = r["stop-and-copy"], r["post-copy"], r["plain"], r["app"], r.get("stop-ram")
-        disk_rate = s["bytes_moved"] / s["transfer_seconds"]
-        ram_rate = ram["bytes_moved"] / ram["transfer_seconds"] if ram else None
-        best = max(disk_rate, ram_rate or 0)
+        runs = r["runs"]
+        has = "stop-and-copy" in runs[0]
+        dash = "-"
         t.add_row(
             f"{r['gib']} GiB",
-            f"{s['downtime_seconds']:.2f}",
-            f"{ram['downtime_seconds']:.2f}" if ram else "-",
-            f"{p['downtime_seconds']:.2f}",
-            f"{p['total_seconds']:.2f}",
-            f"{pl['downtime']:.2f}",
-            f"{app['downtime']:.2f}",
-            f"{p['downtime_seconds'] / s['downtime_seconds']:.3f}",
-            f"{s['downtime_seconds'] / pl['downtime']:.2f}",
-            f"{s['downtime_seconds'] / app['downtime']:.2f}",
-            f"{disk_rate / 1e9:.2f} / " + (f"{ram_rate / 1e9:.2f}" if ram_rate else "-"),
-            f"{best / tcp:.2f}",
+            _vals(runs, lambda x: x["stop-and-copy"]["downtime_seconds"]) if has else dash,
+            _vals(runs, lambda x: x["post-copy"]["downtime_seconds"]),
+            _vals(runs, _pages_done),
+            _vals(runs, lambda x: x["plain"]["downtime"]) if has else dash,
+            _vals(runs, lambda x: x["app"]["downtime"]) if has else dash,
+            _vals(runs, lambda x: x["tcp"] / 1e9),
+            _vals(runs, lambda x: _stream_rate(x) / 1e9) if has else dash,
         )
-    Console().print(t)
-    console.print(f"raw TCP between the namespaces: {tcp / 1e9:.2f} GB/s")
+    out.print(t)
+    t = Table(title="ratios: median of each round's ratio (min–max)")
+    for col in ("state", "stop&copy ÷ plain CRIU", "stream ÷ raw TCP", "post-copy pages done ÷ plain CRIU",
+                "post-copy ÷ stop&copy"):  # fmt: skip
+        t.add_column(col, justify="right")
+    for r in full:
+        runs = r["runs"]
+        t.add_row(
+            f"{r['gib']} GiB",
+            _vals(runs, lambda x: x["stop-and-copy"]["downtime_seconds"] / x["plain"]["downtime"]),
+            _vals(runs, lambda x: _stream_rate(x) / x["tcp"]),
+            _vals(runs, lambda x: _pages_done(x) / x["plain"]["downtime"]),
+            _vals(
+                runs, lambda x: x["post-copy"]["downtime_seconds"] / x["stop-and-copy"]["downtime_seconds"]
+            ),
+        )
+    out.print(t)
+    t = Table(title="where the time goes, median seconds (freeze and stream overlap in a live stream)")
+    cols = ("state / mode", "handoff spawn", "step boundary", "facts", "CRIU dump", "seal",
+            "stream after seal", "restore: handoff", "verify", "CRIU restore", "commit",
+            "downtime")  # fmt: skip
+    for col in cols:
+        t.add_column(col, justify="right")
+    inside = ("boundary", "prepare", "criu_dump", "seal")
+    for r in rows:
+        for mode in ("stop-and-copy", "post-copy"):
+            if mode not in r["runs"][0]:
+                continue
+            ms = [x[mode] for x in r["runs"]]
+
+            def m(fn, ms=ms) -> str:
+                return f"{statistics.median(fn(x) for x in ms):.2f}"
+
+            t.add_row(
+                f"{r['gib']} GiB {mode}",
+                m(lambda x: x["freeze_seconds"] - sum(_ph(x, k) for k in inside)),
+                *(m(lambda x, k=k: _ph(x, k)) for k in inside),
+                m(lambda x: x["transfer_seconds"]),
+                m(lambda x: x["restore_seconds"] - _ph(x, "verify") - _ph(x, "criu_restore")),
+                m(lambda x: _ph(x, "verify")),
+                m(lambda x: _ph(x, "criu_restore")),
+                m(lambda x: x["downtime_seconds"] - sum(_ph(x, k) for k in inside) - x["transfer_seconds"]
+                  - x["restore_seconds"]),
+                m(lambda x: x["downtime_seconds"]),
+            )  # fmt: skip
+    out.print(t)
 
 
 if __name__ == "__main__":

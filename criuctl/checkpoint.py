@@ -204,6 +204,7 @@ def freeze(
     endpoints: readdress.EndpointMap | None = None,
     boundary: bool = True,
     durable: bool = True,
+    on_dumping: Callable[[Path], None] | None = None,
 ) -> Frozen:
     """Freeze workload `target` (name or PID) and seal its bundle in a new directory under `parent`.
 
@@ -214,6 +215,7 @@ def freeze(
     any failure the tree is thawed and nothing is left behind. `durable=False` skips the fsyncs of
     the seal: a migration's source keeps its tree frozen in memory until the target decides, so its
     bundle is only the stream's buffer and a power loss takes the tree with it either way.
+    `on_dumping(folder)` is called as CRIU starts writing the bundle there (a migration streams it).
     """
     started = time.monotonic()
     criu.require_version()
@@ -222,7 +224,7 @@ def freeze(
     lock = locks.lock_workload(w.name, _purpose())
     try:
         return _freeze_locked(
-            w, key, lock, parent, lazy_port, progress, started, endpoints, boundary, durable
+            w, key, lock, parent, lazy_port, progress, started, endpoints, boundary, durable, on_dumping
         )
     except BaseException:
         lock.release()
@@ -251,6 +253,7 @@ def _freeze_locked(
     endpoints: readdress.EndpointMap | None = None,
     boundary: bool = True,
     durable: bool = True,
+    on_dumping: Callable[[Path], None] | None = None,
 ) -> Frozen:
     now = workloads.load(w.name)
     if now is None or now.root_pid != w.root_pid or now.state != workloads.RUNNING or not w.alive():
@@ -285,13 +288,18 @@ def _freeze_locked(
     try:
         if w.control and boundary:
             progress("step boundary")
+            t0 = time.monotonic()
             frozen.boundary = stepboundary.reach(w)
+            frozen.phases["boundary"] = time.monotonic() - t0
             started = time.monotonic()  # the job ran on while it finished its step: not frozen time
         progress("freezing")
         frozen.gpu = gpustate.suspend(pids, stepboundary.timeout())
         with locks.host_dump_slot():
             t0 = time.monotonic()
+            frozen.phases["prepare"] = t0 - started  # facts, GPU, the dump slot (not the boundary)
             tail = None if frozen.lazy else imagetail.Tail(images, writeback=durable).start()
+            if on_dumping is not None:
+                on_dumping(staging)
             try:
                 _run_dump(frozen, options)
             finally:

@@ -6,11 +6,14 @@ import asyncio
 import io
 import os
 import tarfile
+import threading
+import time
 
 import pytest
+from aiohttp import web
 
 from criuctl import bundle
-from criuctl.agent import client, migrate, transfer
+from criuctl.agent import client, livesend, migrate, receiver, transfer
 from criuctl.errors import CriuctlError
 from criuctl.tokens import read_token
 
@@ -41,7 +44,7 @@ def _receive(data: bytes, dest, piece: int = 65536):
     async def read(n: int) -> bytes:
         return stream.read(min(n, piece))
 
-    return asyncio.run(transfer.receive(read, dest))
+    return asyncio.run(receiver.receive(read, dest))
 
 
 def test_bundle_stream_round_trip_hashes_what_arrives(tmp_path):
@@ -93,6 +96,64 @@ def test_a_stream_with_a_symlink_is_refused(tmp_path):
         tar.addfile(info)
     with pytest.raises(transfer.TransferError, match="not a regular file"):
         _receive(buf.getvalue(), tmp_path / "in")
+
+
+def test_a_live_stream_sends_pages_as_they_are_written_and_the_bundle_verifies(tmp_path):
+    """The dump and the transfer overlap: page bytes leave while the "dump" still writes them, over a
+    real socket to the real receiver, and the bundle that arrives verifies against the manifest
+    sealed after the last page was written (and is refused if a sent byte changes afterwards)."""
+    key = os.urandom(32)
+    src, dest = tmp_path / "src", tmp_path / "in"
+    (src / "images").mkdir(parents=True)
+    live = livesend.Live(src)
+    before_seal: list[int] = []
+    got: dict = {}
+
+    async def put(r: web.Request) -> web.Response:
+        got["digests"] = await receiver.receive(r.content.read, dest)
+        return web.json_response({"ok": True})
+
+    def dump() -> None:  # a stand-in for CRIU: appends pages, then the rest, then the seal
+        with open(src / "images" / "pages-1.img", "wb", buffering=0) as f:
+            for _ in range(8):
+                f.write(os.urandom(1 << 20))
+                time.sleep(0.05)
+        deadline = time.monotonic() + 10
+        while counter.done < 8 << 20 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        before_seal.append(counter.done)
+        (src / "images" / "core-1.img").write_bytes(b"core")
+        (src / "images" / "empty.img").write_bytes(b"")
+        m = bundle.Manifest(workload="w", command=["x"], processes=[], open_files=[], uses_gpu=False,
+                            criu_version="4.1")  # fmt: skip
+        bundle.seal(src, m, key, durable=False)
+        live.sealed.set()
+
+    async def main() -> dict:
+        app = web.Application()
+        app.router.add_put("/b", put)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        writer = threading.Thread(target=dump)
+        writer.start()
+        try:
+            return await transfer.send(live, f"http://127.0.0.1:{port}/b", "t", None, counter, "b")
+        finally:
+            writer.join()
+            await runner.cleanup()
+
+    counter = transfer.Counter()
+    assert asyncio.run(main()) == {"ok": True}
+    assert before_seal == [8 << 20], "every page byte was sent before the bundle was sealed"
+    m = bundle.verify(dest, key, got["digests"])
+    assert set(m.files) == {"images/pages-1.img", "images/core-1.img", "images/empty.img"}
+    with open(dest / "images" / "pages-1.img", "r+b") as f:
+        f.write(b"\0")
+    with pytest.raises(bundle.BundleError, match=r"pages-1\.img"):
+        bundle.verify(dest, key)
 
 
 def test_mode_choice_follows_both_kernels():

@@ -39,6 +39,8 @@ CASES = [(p, f, STOP) for p in (
     Point.CLIENT_PREPARED, Point.CLIENT_SENT, Point.CLIENT_RESTORED, Point.CLIENT_TARGET_COMMITTED,
     Point.CLIENT_SOURCE_COMMITTED) for f in FAULTS] + [(p, f, STOP) for p, f in (
     (Point.SOURCE_HELD, "source-agent"), (Point.SOURCE_HELD, "client"),
+    (Point.SOURCE_STREAMING, "source-agent"), (Point.SOURCE_STREAMING, "client"),
+    (Point.SOURCE_STREAMING, "target-agent"), (Point.SOURCE_STREAMING, "link"),
     (Point.SOURCE_FROZEN, "source-agent"), (Point.SOURCE_FROZEN, "client"), (Point.SOURCE_FROZEN, "link"),
     (Point.SOURCE_SENT_RECORDED, "source-agent"), (Point.SOURCE_SENT_RECORDED, "client"),
     (Point.SOURCE_SENT_RECORDED, "target-agent"),

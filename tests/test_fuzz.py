@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from criuctl import bundle, render
-from criuctl.agent import transfer
+from criuctl.agent import receiver, transfer
 from criuctl.errors import CriuctlError
 
 FUZZ = settings(
@@ -312,7 +312,7 @@ def _receive(stream: bytes, dest: Path, piece: int) -> dict[str, str]:
         return src.read(min(n, piece))
 
     async def bounded() -> dict[str, str]:
-        return await asyncio.wait_for(transfer.receive(read, dest), 10)  # a loop that spins fails
+        return await asyncio.wait_for(receiver.receive(read, dest), 10)  # a loop that spins fails
 
     return asyncio.run(bounded())
 
@@ -338,6 +338,81 @@ def test_tar_stream_reader_on_hostile_streams(stream, piece):
             for rel, digest in digests.items():
                 assert not rel.startswith("/") and ".." not in rel.split("/")
                 assert bundle.file_digest(dest / rel) == digest
+
+
+_D = receiver.DATA
+
+
+def _rec(kind: bytes, name: str, offset: int, data: bytes, length: int | None = None) -> bytes:
+    """One record of a live (record) stream, as `livesend` frames it; `length` may lie."""
+    raw = name.encode()
+    return receiver.RECORD.pack(kind, len(raw), offset, len(data) if length is None else length) + raw + data
+
+
+@st.composite
+def record_streams(draw) -> bytes:
+    """A record stream: good appends, then hostile records (bad names, offsets, kinds, lengths)."""
+    stream = receiver.MAGIC
+    sizes: dict[str, int] = {}
+    for _ in range(draw(st.integers(0, 4))):
+        name = draw(st.sampled_from(["images/pages-1.img", "images/core-1.img", "manifest.json"]))
+        data = draw(st.binary(max_size=300))
+        stream += _rec(receiver.DATA, name, sizes.get(name, 0), data)
+        sizes[name] = sizes.get(name, 0) + len(data)
+    for _ in range(draw(st.integers(0, 3))):
+        kind = draw(st.sampled_from([receiver.DATA, receiver.KEEPALIVE, b"X", b"\0"]))
+        names = ["images/pages-1.img", "../evil", "/etc/evil", "", "a/../../b", "images"]
+        name = draw(st.sampled_from(names))
+        offset = draw(st.integers(0, 1 << 40))
+        length = draw(st.none() | st.integers(0, (1 << 32) - 1))
+        stream += _rec(kind, name, offset, draw(st.binary(max_size=50)), length)
+    if draw(st.booleans()):
+        stream += _rec(receiver.END, "", 0, b"")
+    cut = draw(st.none() | st.integers(0, len(stream)))
+    return stream if cut is None else stream[:cut]
+
+
+@FUZZ
+@given(record_streams(), st.sampled_from([1, 7, 512, 1 << 20]))
+def test_record_stream_reader_on_hostile_streams(stream, piece):
+    with _box() as (box, outside):
+        dest = box / "in"
+        try:
+            digests = _receive(stream, dest, piece)
+        except CriuctlError as exc:
+            assert isinstance(exc, transfer.TransferError), exc
+            assert "\n" not in exc.line(), exc.line()
+            digests = None
+        assert sorted(p.name for p in box.iterdir()) == ["in", "outside.txt"], "wrote outside its folder"
+        assert outside.read_text() == "secret\n"
+        for p in dest.rglob("*"):
+            assert not p.is_symlink() and (p.is_dir() or p.is_file()), p
+            assert p.resolve().is_relative_to(dest.resolve())
+        for rel, digest in (digests or {}).items():
+            assert bundle.file_digest(dest / rel) == digest
+
+
+@pytest.mark.parametrize(
+    ("records", "why"),
+    [
+        ([(_D, "images/a.img", 0, b"ab"), (_D, "images/a.img", 5, b"c")], "at offset 5"),
+        ([(_D, "images/a.img", 0, b"ab"), (_D, "images/a.img", 0, b"c")], "at offset 0"),
+        ([(receiver.DATA, "images/a.img", 3, b"x")], "at offset 3"),
+        ([(receiver.DATA, "../../outside.txt", 0, b"x")], "refused a bundle stream with the path"),
+        ([(b"X", "images/a.img", 0, b"x")], "unknown kind"),
+        ([(receiver.DATA, "images/a.img", 0, b"")], "broke off"),  # no END: the sender stopped midway
+    ],
+)
+def test_record_stream_cases(tmp_path, records, why):
+    stream = receiver.MAGIC + b"".join(_rec(*r) for r in records)
+    with pytest.raises(transfer.TransferError, match=why):
+        _receive(stream, tmp_path / "in", 4096)
+
+
+def test_a_record_larger_than_allowed_is_refused_before_reading_it(tmp_path):
+    stream = receiver.MAGIC + _rec(receiver.DATA, "images/a.img", 0, b"", receiver.MAX_RECORD + 1)
+    with pytest.raises(transfer.TransferError, match="unknown kind or size"):
+        _receive(stream, tmp_path / "in", 4096)
 
 
 @pytest.mark.parametrize(

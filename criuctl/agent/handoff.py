@@ -116,6 +116,7 @@ class _Source:
             self.frozen = checkpoint.freeze(
                 w.name, Path(spec.parent), lazy_port=spec.lazy_port, progress=_held_point,
                 endpoints=endpoints, boundary=spec.boundary, durable=False,
+                on_dumping=lambda folder: _emit(Event.DUMPING, bundle=str(folder)),
             )  # fmt: skip
         except CriuctlError as exc:
             self._advance(SourceState.FAILED)

@@ -22,6 +22,7 @@ agent keeps asking the target until it can tell which side should run.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ class MigrationInDoubt(CriuctlError):
     ids: tuple[str | None, str] | None = None
 
 
+ENV_STREAM = "CRIUCTL_STREAM"  # "sealed": stream the bundle only once sealed (default: while CRIU writes)
 STOP_AND_COPY, POST_COPY, PRE_COPY = Mode.STOP_AND_COPY, Mode.POST_COPY, Mode.PRE_COPY
 MODES = tuple(str(m) for m in Mode)
 
@@ -175,6 +177,8 @@ class Move:
             body["readdress"] = self.readdress
         if not self.boundary:
             body["boundary"] = False
+        if os.environ.get(ENV_STREAM) == "sealed":  # for comparisons: no overlap of dump and transfer
+            body["live"] = False
         for ev in self.src.events("/v1/outgoing", body):
             kind = ev["event"]
             if kind == "started":

@@ -79,9 +79,9 @@ class Outgoing:
             ticket = Ticket.from_json(body.get("target"))
             moves = body.get("readdress")
             endpoints = readdress.EndpointMap.from_json(moves).to_json() if moves is not None else None
-            boundary = body.get("boundary", True)
-            if not isinstance(boundary, bool):
-                raise ValueError("boundary must be true or false")
+            boundary, live = body.get("boundary", True), body.get("live", True)
+            if not isinstance(boundary, bool) or not isinstance(live, bool):
+                raise ValueError("boundary and live must be true or false")
         except CriuctlError as exc:
             return fail(400, exc.what, exc.hint)
         except (ValueError, TypeError) as exc:
@@ -97,11 +97,11 @@ class Outgoing:
         folder.mkdir(mode=0o700)
         spec = SourceSpec(mid, w.name, str(mode), str(self.spool / f"{mid}.json"), str(folder), ticket.node,
                           ticket, _free_port() if mode == Mode.POST_COPY else None, endpoints,
-                          boundary)  # fmt: skip
+                          boundary, live)  # fmt: skip
 
-        def send(bdir: Path, counter: transfer.Counter):
+        def send(source: Path | transfer.Source, counter: transfer.Counter):
             url = f"{ticket.base()}/bundle"
-            return transfer.send(bdir, url, ticket.secret, ticket.ca, counter, ticket.node)
+            return transfer.send(source, url, ticket.secret, ticket.ca, counter, ticket.node)
 
         m = SourceMachine(spec, spawn_source, send, _thaw)
         self.machines[mid] = m

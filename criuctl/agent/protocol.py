@@ -121,6 +121,7 @@ class Outcome:
 class Event(enum.StrEnum):
     """One JSON line on a handoff's stdout (the agent reads them)."""
 
+    DUMPING = "dumping"  # source: CRIU starts writing the bundle (the agent may stream it already)
     FROZEN = "frozen"
     SENT = "sent"  # source: SENT is recorded; from now on it settles only with the target
     COMMITTED = "committed"
@@ -224,6 +225,7 @@ class SourceSpec:
     # `readdress.EndpointMap`), and whether its trainers are first held at a step boundary
     readdress: list | None = None
     boundary: bool = True
+    live: bool = True  # stream page images while CRIU writes them (False: only once sealed)
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -334,7 +336,8 @@ class Point(enum.StrEnum):
     CLIENT_SOURCE_COMMITTED = "client.source-committed"  # target RUNNING, source COMMITTED
     CLIENT_REDIRECTED = "client.redirected"  # a job's move: every rank sent, redirects PENDING
     SOURCE_HELD = "source.held"  # source handoff: trainers held at a step boundary, nothing frozen
-    SOURCE_FROZEN = "source.frozen"  # source agent: FROZEN, before streaming
+    SOURCE_STREAMING = "source.streaming"  # source agent: FREEZING, CRIU dumping, pages streaming
+    SOURCE_FROZEN = "source.frozen"  # source agent: FROZEN, before the rest is streamed
     SOURCE_SENT_RECORDED = "source.sent-recorded"  # source agent: SENT recorded, client not told
     TARGET_RECEIVED = "target.received"  # target agent: RECEIVED recorded, source not answered
     TARGET_RUNNING = "target.running"  # target agent: RUNNING, client not answered

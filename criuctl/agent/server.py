@@ -36,7 +36,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 from criuctl import bundle, containers, criu, peers, runtime, workloads
-from criuctl.agent import transfer
+from criuctl.agent import receiver, transfer
 from criuctl.agent.bundles import Bundles
 from criuctl.agent.incoming import Incoming
 from criuctl.agent.outgoing import Outgoing
@@ -219,7 +219,7 @@ class Agent:
     async def receive(self, r: web.Request, dest: Path) -> dict[str, str]:
         """Stream the request body into `dest`, hashing as it comes; verify; return the digests."""
         counter = transfer.Counter(started=time.monotonic())
-        job = asyncio.ensure_future(transfer.receive(r.content.read, dest, counter))
+        job = asyncio.ensure_future(receiver.receive(r.content.read, dest, counter))
         dog = asyncio.ensure_future(transfer.watchdog(counter, job, "receiving the bundle"))
         try:
             digests = await job

@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from criuctl.agent import points, records, transfer
+from criuctl.agent import livesend, points, records, transfer
 from criuctl.agent.handoffs import HandoffFailed, HandoffLike
 from criuctl.agent.protocol import (
     SOURCE_FINAL,
@@ -39,7 +39,7 @@ log = logging.getLogger("criuctl.agent")
 
 
 Spawn = Callable[[SourceSpec, Path], Awaitable[HandoffLike]]
-Send = Callable[[Path, transfer.Counter], Awaitable[dict]]
+Send = Callable[[Path | transfer.Source, transfer.Counter], Awaitable[dict]]
 Say = Callable[..., Awaitable[None]]  # say(event, **fields): to the client's event stream
 
 
@@ -76,32 +76,54 @@ class SourceMachine:
     # ----------------------------------------------------------------------------------- run
 
     async def run(self, say: Say) -> Outcome:
-        """Freeze, stream the bundle to the target, and hand the tree to the target's verdict."""
+        """Freeze, stream the bundle to the target, and hand the tree to the target's verdict.
+
+        With `spec.live` the stream starts as CRIU starts writing (the handoff says DUMPING): page
+        images go out while the dump runs, the rest once the bundle is sealed. Nothing changes for
+        the protocol: the target can restore nothing before the signed manifest, which comes last,
+        and any failure before SENT thaws the tree here.
+        """
         started = time.monotonic()
+        counter = transfer.Counter(started=time.monotonic())
+        live: livesend.Live | None = None
+        job: asyncio.Future | None = None
         try:
             self.handoff = await self._spawn(self.spec, Path(self.spec.parent))
-            frozen = await self.handoff.until({Event.FROZEN}, self.t.freeze)
+            async with asyncio.timeout(self.t.freeze):
+                frozen = await self.handoff.until({Event.DUMPING, Event.FROZEN})
+                if frozen["event"] == Event.DUMPING and self.spec.live:
+                    live = livesend.Live(Path(frozen["bundle"]))
+                    job = asyncio.ensure_future(self._send(live, counter))
+                    await points.areach(Point.SOURCE_STREAMING)
+                if frozen["event"] == Event.DUMPING:
+                    frozen = await self.handoff.until({Event.FROZEN})
         except HandoffFailed as exc:
+            await self._stop_stream(live, job)
             self._to(SourceState.FAILED)
             return Outcome(self.state, False, exc.what, exc.hint, {"thawed": True})
         except TimeoutError:
+            await self._stop_stream(live, job)
             return await self._failed_before_sent(
                 CriuctlError("freezing took too long", f"more than {self.t.freeze:.0f} s"), kill=True
             )
         self.freeze_started = time.monotonic() - frozen["started_ago"]
         self._to(SourceState.FROZEN)
         bdir = Path(frozen["bundle"])
-        total = await asyncio.to_thread(transfer.stream_size, bdir)
-        await say("frozen", freeze_seconds=frozen["freeze_seconds"], bytes=total,
-                  page_server_port=self.spec.lazy_port, phases=frozen.get("phases", {}))  # fmt: skip
+        counter.total = await asyncio.to_thread(transfer.stream_size, bdir)
+        if live is not None:
+            live.sealed.set()
+        await say("frozen", freeze_seconds=frozen["freeze_seconds"], bytes=counter.total,
+                  page_server_port=self.spec.lazy_port, phases=frozen.get("phases", {}),
+                  streamed=counter.done)  # fmt: skip
         await points.areach(Point.SOURCE_FROZEN)
         self._to(SourceState.SENDING)
-        counter = transfer.Counter(total=total, started=time.monotonic())
-        job = asyncio.ensure_future(self._send(bdir, counter))
+        sending = time.monotonic()
+        if job is None:
+            job = asyncio.ensure_future(self._send(bdir, counter))
         try:
             while not job.done():
                 await asyncio.wait([job], timeout=0.25)
-                await say("transfer", done=counter.done, total=total)
+                await say("transfer", done=counter.done, total=counter.total)
             answer = job.result()
             if self.client_gone:  # nobody will restore or commit the target: keep the job here
                 raise CriuctlError("the client went away during the transfer", "nothing was committed")
@@ -112,9 +134,19 @@ class SourceMachine:
         self._to(SourceState.SENT)
         await points.areach(Point.SOURCE_SENT_RECORDED)
         return Outcome(self.state, True, facts={
-            "bytes": counter.done, "seconds": time.monotonic() - counter.started, "target": answer,
-            "started": started,
+            "bytes": counter.done, "seconds": time.monotonic() - sending, "target": answer,
+            "started": started, "stream_seconds": time.monotonic() - counter.started,
         })  # fmt: skip
+
+    @staticmethod
+    async def _stop_stream(live: livesend.Live | None, job: asyncio.Future | None) -> None:
+        """The freeze failed while its bundle was streaming: end the stream (the target drops it)."""
+        if live is not None:
+            live.stopped.set()
+        if job is not None:
+            job.cancel()
+            with contextlib.suppress(asyncio.CancelledError, CriuctlError, OSError):
+                await job
 
     async def _failed_before_sent(self, exc: CriuctlError, kill: bool) -> Outcome:
         """The target never had a whole bundle: the tree runs on here."""
