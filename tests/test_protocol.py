@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from criuctl.agent import handoff as handoff_mod
-from criuctl.agent import records
+from criuctl.agent import livesend, records
 from criuctl.agent.handoffs import HandoffFailed
 from criuctl.agent.protocol import (
     SOURCE_FINAL,
@@ -138,6 +138,7 @@ def _source(tmp_path: Path, h: ScriptedHandoff, send=None, thawed: list | None =
 
 
 FROZEN = {"event": "frozen", "bundle": "", "freeze_seconds": 0.1, "started_ago": 0.1}
+FIRST = frozenset({Event.DUMPING, Event.FROZEN})  # a source waits for either: the stream may start early
 
 
 async def _quiet_say(*_a, **_k) -> None:
@@ -147,7 +148,7 @@ async def _quiet_say(*_a, **_k) -> None:
 def test_source_happy_path_commits_only_through_the_handoff(tmp_path):
     async def go():
         h = ScriptedHandoff([
-            ("until", frozenset({Event.FROZEN}), {**FROZEN, "bundle": str(tmp_path / "bundle")}),
+            ("until", FIRST, {**FROZEN, "bundle": str(tmp_path / "bundle")}),
             ("ask", Command.SENT, {"event": "sent"}),
             ("ask", Command.COMMIT, {"event": "committed"}),
             ("until", frozenset({Event.DONE}), {"event": "done", "pages_seconds": 0.0}),
@@ -164,13 +165,65 @@ def test_source_happy_path_commits_only_through_the_handoff(tmp_path):
     asyncio.run(go())
 
 
+def test_source_streams_while_the_handoff_dumps_and_seals_the_stream_at_frozen(tmp_path):
+    """DUMPING starts the send with a live source at once; FROZEN seals it; SENT only after both."""
+
+    async def go():
+        seen: list = []
+        sealed_before_frozen: list[bool] = []
+
+        async def live_send(source, counter):
+            seen.append(source)
+            sealed_before_frozen.append(source.sealed.is_set())
+            await asyncio.to_thread(source.sealed.wait, 5)
+            counter.done = 9
+            return {"bytes": 9}
+
+        h = ScriptedHandoff([
+            ("until", FIRST, {"event": "dumping", "bundle": str(tmp_path / "bundle")}),
+            ("until", frozenset({Event.FROZEN}), {**FROZEN, "bundle": str(tmp_path / "bundle")}),
+            ("ask", Command.SENT, {"event": "sent"}),
+        ])  # fmt: skip
+        m = _source(tmp_path, h, send=live_send)
+        out = await m.run(_quiet_say)
+        assert out.ok and m.state == SourceState.SENT and out.facts["bytes"] == 9
+        assert isinstance(seen[0], livesend.Live) and seen[0].root == tmp_path / "bundle"
+        assert sealed_before_frozen == [False] and seen[0].sealed.is_set()
+        h.done()
+
+    asyncio.run(go())
+
+
+def test_a_freeze_that_fails_while_streaming_ends_the_stream(tmp_path):
+    async def go():
+        stopped: list[bool] = []
+
+        async def live_send(source, counter):
+            try:
+                await asyncio.sleep(30)
+            finally:
+                stopped.append(source.stopped.is_set())
+
+        h = ScriptedHandoff([
+            ("until", FIRST, {"event": "dumping", "bundle": str(tmp_path / "bundle")}),
+            ("until", frozenset({Event.FROZEN}), HandoffFailed("CRIU failed", "see the log")),
+        ])  # fmt: skip
+        m = _source(tmp_path, h, send=live_send)
+        out = await m.run(_quiet_say)
+        assert not out.ok and m.state == SourceState.FAILED and out.what == "CRIU failed"
+        assert stopped == [True], "the stream was not ended"
+        h.done()
+
+    asyncio.run(go())
+
+
 def test_source_transfer_failure_thaws_before_sent(tmp_path):
     async def go():
         async def broken_send(_bdir, _counter):
             raise OSError("link cut")
 
         h = ScriptedHandoff([
-            ("until", frozenset({Event.FROZEN}), {**FROZEN, "bundle": str(tmp_path / "bundle")}),
+            ("until", FIRST, {**FROZEN, "bundle": str(tmp_path / "bundle")}),
             ("ask", Command.ABORT, {"event": "thawed"}),
         ])  # fmt: skip
         m = _source(tmp_path, h, send=broken_send)
@@ -184,7 +237,7 @@ def test_source_transfer_failure_thaws_before_sent(tmp_path):
 
 def test_source_freeze_that_overruns_is_killed_and_thawed_from_its_record(tmp_path):
     async def go():
-        h = ScriptedHandoff([("until", frozenset({Event.FROZEN}), TimeoutError())])
+        h = ScriptedHandoff([("until", FIRST, TimeoutError())])
         thawed: list[int] = []
         m = _source(tmp_path, h, thawed=thawed)
         rec = SourceRecord(m.id, "w", "stop-and-copy", SourceState.FROZEN, TICKET, 1, "x", root_pid=4242)
@@ -207,7 +260,7 @@ def test_source_freeze_that_overruns_is_killed_and_thawed_from_its_record(tmp_pa
 def test_source_abort_after_sent_follows_the_handoffs_verdict(tmp_path, reply, state, thawed):
     async def go():
         script = [
-            ("until", frozenset({Event.FROZEN}), {**FROZEN, "bundle": str(tmp_path / "bundle")}),
+            ("until", FIRST, {**FROZEN, "bundle": str(tmp_path / "bundle")}),
             ("ask", Command.SENT, {"event": "sent"}),
             ("ask", Command.ABORT, reply),
         ]
@@ -228,7 +281,7 @@ def test_source_abort_after_sent_follows_the_handoffs_verdict(tmp_path, reply, s
 def test_source_commit_refused_by_the_target_stays_frozen(tmp_path):
     async def go():
         h = ScriptedHandoff([
-            ("until", frozenset({Event.FROZEN}), {**FROZEN, "bundle": str(tmp_path / "bundle")}),
+            ("until", FIRST, {**FROZEN, "bundle": str(tmp_path / "bundle")}),
             ("ask", Command.SENT, {"event": "sent"}),
             ("ask", Command.COMMIT, {"event": "refused", "target_state": "restored"}),
         ])  # fmt: skip

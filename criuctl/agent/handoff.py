@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from criuctl import bundle, checkpoint, placeholder, readdress, runtime, workloads
-from criuctl.agent import points, records, verdicts
+from criuctl.agent import points, records, verdicts, warmstart
 from criuctl.agent.protocol import (
     TIMEOUTS,
     BadTransition,
@@ -314,10 +314,16 @@ def dump(spec_file: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m criuctl.agent.handoff")
-    p.add_argument("role", choices=["source", "target", "dump"])
-    p.add_argument("spec", type=Path, help="JSON spec written by the agent")
+    p.add_argument("role", choices=["source", "target", "dump", warmstart.WARM])
+    p.add_argument("spec", type=Path, help="JSON spec written by the agent (warm: a blank)")
     a = p.parse_args(argv)
-    return {"source": source, "target": target, "dump": dump}[a.role](a.spec)
+    role, spec = a.role, a.spec
+    if role == warmstart.WARM:  # started ahead: the agent names the job on stdin when it has one
+        job = warmstart.take_job()
+        if job is None:
+            return 0
+        role, spec, _log = job
+    return {"source": source, "target": target, "dump": dump}[role](spec)
 
 
 if __name__ == "__main__":

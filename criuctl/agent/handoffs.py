@@ -9,8 +9,9 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Protocol
+from typing import IO, Protocol
 
+from criuctl.agent import warmstart
 from criuctl.agent.protocol import Command, Event
 from criuctl.errors import CriuctlError
 
@@ -40,20 +41,21 @@ class Handoff:
 
     @classmethod
     async def spawn(cls, role: str, spec_json: str, folder: Path, log: Path) -> Handoff:
-        """Write the spec (root-only: a source spec holds the upload ticket) and start the process."""
+        """Write the spec (root-only: a source spec holds the upload ticket) and start the process:
+        the warm one started ahead if there is one (`warmstart`), else a new one."""
         spec = folder / f"{role}-spec.json"
         fd = os.open(spec, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(spec_json)
-        with log.open("ab") as err:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "criuctl.agent.handoff", role, str(spec),
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=err,
-                start_new_session=True,  # a signal to the agent's group must not reach the workload
-                env=dict(os.environ),
-            )  # fmt: skip
+        proc = _WARM.take()
+        if proc is not None:
+            assert proc.stdin is not None
+            proc.stdin.write(f"{role} {spec} {log}\n".encode())
+            await proc.stdin.drain()
+        else:
+            with log.open("ab") as err:
+                proc = await _start(role, str(spec), err)
+        _WARM.refill()
         return cls(proc, log)
 
     @property
@@ -109,3 +111,49 @@ class Handoff:
             os.killpg(self.proc.pid, signal.SIGKILL)
         await self.proc.wait()
         await self.close()
+
+
+async def _start(role: str, spec: str, stderr: int | IO[bytes]) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "criuctl.agent.handoff", role, spec,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=stderr,
+        start_new_session=True,  # a signal to the agent's group must not reach the workload
+        env=dict(os.environ),
+    )  # fmt: skip
+
+
+ENV_NO_WARM = "CRIUCTL_NO_WARM_HANDOFF"  # set: every handoff starts cold (for comparisons)
+
+
+class _Warm:
+    """At most one handoff process started ahead, waiting for its role (`criuctl.agent.warmstart`)."""
+
+    def __init__(self) -> None:
+        self.proc: asyncio.subprocess.Process | None = None
+        self.starting: asyncio.Task | None = None
+
+    def take(self) -> asyncio.subprocess.Process | None:
+        """The warm process, if one is up (one still starting is left: a cold start is no slower)."""
+        proc, self.proc = self.proc, None
+        return proc if proc is not None and proc.returncode is None else None
+
+    def refill(self) -> None:
+        busy = self.starting is not None and not self.starting.done()
+        if os.environ.get(ENV_NO_WARM) or self.proc is not None or busy:
+            return
+
+        async def start() -> None:
+            with contextlib.suppress(OSError):
+                self.proc = await _start(warmstart.WARM, warmstart.blank(), asyncio.subprocess.DEVNULL)
+
+        self.starting = asyncio.ensure_future(start())
+
+
+_WARM = _Warm()
+
+
+def warm_up() -> None:
+    """Start the handoff process the next migration will take (from a running event loop)."""
+    _WARM.refill()

@@ -36,7 +36,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 from criuctl import bundle, containers, criu, peers, runtime, workloads
-from criuctl.agent import receiver, transfer
+from criuctl.agent import handoffs, receiver, transfer
 from criuctl.agent.bundles import Bundles
 from criuctl.agent.incoming import Incoming
 from criuctl.agent.outgoing import Outgoing
@@ -150,6 +150,7 @@ class Agent:
         for rid in await asyncio.to_thread(self.redirects.pending):
             self.spawn(self.redirects.settle(rid, 0.0))
         self.spawn(self._janitor())
+        handoffs.warm_up()  # the first migration's handoff need not start Python either
 
     async def _stop(self, _app: web.Application) -> None:
         for task in list(self.tasks):

@@ -138,12 +138,14 @@ class SourceMachine:
             "started": started, "stream_seconds": time.monotonic() - counter.started,
         })  # fmt: skip
 
-    @staticmethod
-    async def _stop_stream(live: livesend.Live | None, job: asyncio.Future | None) -> None:
-        """The freeze failed while its bundle was streaming: end the stream (the target drops it)."""
+    async def _stop_stream(self, live: livesend.Live | None, job: asyncio.Future | None) -> None:
+        """The freeze failed while its bundle was streaming: end the stream (the target drops the
+        partial bundle, which has no manifest). The sender sees `stopped` within ~10 ms; a sender
+        stuck on the network is cut."""
         if live is not None:
             live.stopped.set()
         if job is not None:
+            await asyncio.wait([job], timeout=self.t.handoff_settle)
             job.cancel()
             with contextlib.suppress(asyncio.CancelledError, CriuctlError, OSError):
                 await job
