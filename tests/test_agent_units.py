@@ -209,3 +209,26 @@ def test_an_unreachable_node_is_one_clear_error(tmp_path):
     node = client.Node("gone", "http://127.0.0.1:9", str(token))  # discard port: nothing listens
     with pytest.raises(client.NodeUnreachable, match=r"node gone .* did not answer"):
         client.AgentClient(node).get("/v1/info")
+
+
+def test_a_warm_handoff_exits_when_its_agent_closes_the_lease_and_takes_its_title_with_its_job(tmp_path):
+    """The handoff started ahead (`warmstart`): gone with its agent's pipe; once it has a job, its
+    command line reads as a cold handoff's, which is how ps and the tests find a migration's handoff."""
+    import subprocess
+    import sys
+
+    from criuctl.agent import warmstart
+
+    warm = [sys.executable, "-m", "criuctl.agent.handoff", warmstart.WARM, warmstart.blank()]
+    p = subprocess.Popen(warm, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    p.stdin.close()
+    assert p.wait(30) == 0 and p.stdout.read() == b""
+
+    spec = tmp_path / "dump-spec.json"
+    probe = (
+        "import sys; from criuctl.agent import warmstart; "
+        f"warmstart._retitle(['-m', 'criuctl.agent.handoff', 'dump', {str(spec)!r}]); "
+        "sys.stdout.write(open('/proc/self/cmdline', 'rb').read().decode())"
+    )
+    shown = subprocess.run([sys.executable, "-c", probe, warmstart.blank()], capture_output=True, text=True)
+    assert shown.stdout.split("\0")[:5] == [sys.executable, "-m", "criuctl.agent.handoff", "dump", str(spec)]

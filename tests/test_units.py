@@ -151,3 +151,38 @@ def test_not_a_bundle_and_future_format(tmp_path):
 def test_every_verb_the_parser_knows_has_a_command():
     assert list(cli.COMMANDS) == list(cliargs.VERBS)
     assert cli.parser().parse_args(["node", "ls"]).verb in cli.COMMANDS
+
+
+def test_the_image_tail_hashes_pages_as_they_are_written_and_the_seal_trusts_only_whole_files(tmp_path):
+    """`imagetail` follows a page image while it grows; its digest is the file's. A file that changed
+    size after the tail read it (or that it never saw) is hashed again by the seal."""
+    import threading
+    import time
+
+    from criuctl import imagetail
+
+    root = tmp_path / "b"
+    images = root / "images"
+    images.mkdir(parents=True)
+    tail = imagetail.Tail(images, writeback=True).start()
+    chunks = [os.urandom(1 << 20) for _ in range(6)]
+
+    def criu() -> None:
+        with open(images / "pages-1.img", "wb", buffering=0) as f:
+            for c in chunks:
+                f.write(c)
+                time.sleep(0.02)
+        (images / "pagemap-1.img").write_bytes(b"map")  # not a page image: the seal hashes it
+
+    writer = threading.Thread(target=criu)
+    writer.start()
+    writer.join()
+    known = tail.finish()
+    assert known == {"images/pages-1.img": (blake3.blake3(b"".join(chunks)).hexdigest(), 6 << 20)}
+
+    with open(images / "pages-1.img", "ab") as f:  # grew after the tail's last look: not trusted
+        f.write(b"late")
+    key = bundle.load_key(tmp_path / "key")
+    m = bundle.seal(root, _manifest(), key, durable=False, known=known)
+    assert m.files["images/pages-1.img"] == blake3.blake3(b"".join(chunks) + b"late").hexdigest()
+    assert bundle.verify(root, key).files == m.files

@@ -41,7 +41,8 @@ def _refused(what: str) -> TransferError:
     return TransferError(f"refused a bundle stream {what}", _NOT_AGENT)
 
 
-async def _exactly(read: Read, n: int) -> bytes:
+async def _parts(read: Read, n: int) -> list[bytes]:
+    """Exactly `n` bytes of the stream, as the pieces the socket gave (not joined: no extra copy)."""
     parts, got = [], 0
     while got < n:
         part = await read(n - got)
@@ -49,13 +50,26 @@ async def _exactly(read: Read, n: int) -> bytes:
             raise TransferError("the bundle stream broke off before its end", "retry the migration")
         parts.append(part)
         got += len(part)
-    return b"".join(parts)
+    return parts
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
+async def _exactly(read: Read, n: int) -> bytes:
+    return b"".join(await _parts(read, n))
+
+
+def _hash_all(hasher: bundle.Hasher, parts: list[bytes]) -> None:
+    for part in parts:
+        hasher.update(part)
+
+
+def _write_all(fd: int, parts: list[bytes]) -> None:
+    views = [memoryview(p) for p in parts]
+    while views:
+        done = os.writev(fd, views[:1024])  # IOV_MAX
+        while views and done >= len(views[0]):
+            done -= len(views.pop(0))
+        if done:
+            views[0] = views[0][done:]
 
 
 @dataclass
@@ -96,15 +110,16 @@ class _Files:
         and written, in two threads (BLAKE3 and file I/O release the GIL on pieces this big)."""
         pending = None
         while n:
-            data = await _exactly(read, min(n, PIECE))  # a whole piece: one thread hop per 4 MiB
+            size = min(n, PIECE)
+            parts = await _parts(read, size)  # a whole piece: one thread hop per 4 MiB
             if pending is not None:
                 await pending
-            pending = asyncio.gather(asyncio.to_thread(f.hasher.update, data),
-                                     asyncio.to_thread(_write_all, f.fd, data))  # fmt: skip
-            n -= len(data)
-            f.size += len(data)
+            pending = asyncio.gather(asyncio.to_thread(_hash_all, f.hasher, parts),
+                                     asyncio.to_thread(_write_all, f.fd, parts))  # fmt: skip
+            n -= size
+            f.size += size
             if self.counter is not None:
-                self.counter.done += len(data)
+                self.counter.done += size
         if pending is not None:
             await pending
 
