@@ -297,7 +297,7 @@ def _freeze_locked(
         with locks.host_dump_slot():
             t0 = time.monotonic()
             frozen.phases["prepare"] = t0 - started  # facts, GPU, the dump slot (not the boundary)
-            tail = None if frozen.lazy else imagetail.Tail(images, writeback=durable).start()
+            tail = None if frozen.lazy else imagetail.Tail(images).start()
             if on_dumping is not None:
                 on_dumping(staging)
             try:

@@ -164,7 +164,7 @@ def test_the_image_tail_hashes_pages_as_they_are_written_and_the_seal_trusts_onl
     root = tmp_path / "b"
     images = root / "images"
     images.mkdir(parents=True)
-    tail = imagetail.Tail(images, writeback=True).start()
+    tail = imagetail.Tail(images).start()
     chunks = [os.urandom(1 << 20) for _ in range(6)]
 
     def criu() -> None:
