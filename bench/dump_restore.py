@@ -118,12 +118,18 @@ def bench_plain_criu(gib: float, work: Path) -> dict:
     base = ["criu", "-D", str(d), "--tcp-established", "--ext-unix-sk", "--network-lock", "nftables"]
     t_dump, _ = timed([*base[:3], "dump", *base[3:], "-t", str(pid)])
     job.wait(60)
+    t0 = time.perf_counter()  # what criuctl does before it kills a tree: the images on disk
+    for f in [*d.iterdir(), d]:
+        fd = os.open(f, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    t_sync = time.perf_counter() - t0
     pidfile = work / "plain.pid"
     t_restore, _ = timed([*base[:3], "restore", *base[3:], "-d", "--pidfile", str(pidfile)])
     os.kill(int(pidfile.read_text()), signal.SIGKILL)
     drop(d)
     drop(pidfile)
-    return dict(dump=t_dump, restore=t_restore)
+    return dict(dump=t_dump, dump_sync=t_dump + t_sync, restore=t_restore)
 
 
 def bench_torch(gib: float, work: Path) -> dict:
@@ -224,8 +230,8 @@ def ratio(runs: list[dict], a: tuple[str, str], b: tuple[str, str]) -> str:
 
 def report(rows: list[dict]) -> None:
     t = Table(title=f"seconds, median (min–max) — {machine()}, {time.strftime('%Y-%m-%d')}")
-    cols = ["state", "bundle", "criuctl dump", "plain criu dump", "torch.save", "dd", "dd+fdatasync",
-            "criuctl restore", "plain criu restore", "torch.load"]  # fmt: skip
+    cols = ["state", "bundle", "criuctl dump", "plain criu dump", "… + fsync", "torch.save", "dd",
+            "dd+fdatasync", "criuctl restore", "plain criu restore", "torch.load"]  # fmt: skip
     for col in cols:
         t.add_column(col, justify="right")
     for r in rows:
@@ -233,19 +239,21 @@ def report(rows: list[dict]) -> None:
         t.add_row(
             f"{r['gib']} GiB", f"{med(runs, 'criuctl', 'bytes') / 2**30:.2f} GiB",
             *(spread(runs, who, what) for who, what in (
-                ("criuctl", "dump"), ("criu", "dump"), ("torch", "save"), ("dd", "cache"), ("dd", "sync"),
+                ("criuctl", "dump"), ("criu", "dump"), ("criu", "dump_sync"), ("torch", "save"),
+                ("dd", "cache"), ("dd", "sync"),
                 ("criuctl", "restore"), ("criu", "restore"), ("torch", "load"))),
         )  # fmt: skip
     console.print(t)
     t = Table(title="ratios: median of each round's ratio (min–max)")
-    for col in ("state", "criuctl ÷ criu dump", "criuctl ÷ criu restore", "criuctl dump ÷ torch.save",
-                "criuctl restore ÷ torch.load"):  # fmt: skip
+    for col in ("state", "criuctl ÷ criu dump", "… ÷ criu dump + fsync", "criuctl ÷ criu restore",
+                "criuctl dump ÷ torch.save", "criuctl restore ÷ torch.load"):  # fmt: skip
         t.add_column(col, justify="right")
     for r in rows:
         runs = r["runs"]
         t.add_row(
             f"{r['gib']} GiB",
             ratio(runs, ("criuctl", "dump"), ("criu", "dump")),
+            ratio(runs, ("criuctl", "dump"), ("criu", "dump_sync")),
             ratio(runs, ("criuctl", "restore"), ("criu", "restore")),
             ratio(runs, ("criuctl", "dump"), ("torch", "save")),
             ratio(runs, ("criuctl", "restore"), ("torch", "load")),

@@ -415,6 +415,11 @@ def _request(req_type: str, **fields: Any) -> Any:
         ) from exc
 
 
+def preload() -> None:
+    """Import what a dump or restore needs on its first call (a handoff started ahead does it then)."""
+    _pycriu()
+
+
 def version() -> tuple[int, int, int]:
     """(major, minor, sublevel) of the criu binary, asked over RPC."""
     resp = _request("VERSION")

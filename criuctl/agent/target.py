@@ -54,6 +54,7 @@ class TargetMachine:
         self.rec, self.dir, self._spawn, self.t = rec, folder, spawn, timeouts
         self.handoff: HandoffLike | None = None
         self.lock = asyncio.Lock()  # receive-done, restore, commit and abort never overlap
+        self.cleanup: asyncio.Future | None = None  # the images removed after a commit, in the background
 
     @property
     def id(self) -> str:
@@ -168,7 +169,8 @@ class TargetMachine:
         self._reload()
         await self.handoff.close()
         if self.rec.mode != Mode.POST_COPY:  # post-copy: the lazy-pages daemon still reads the images
-            await asyncio.to_thread(shutil.rmtree, self.bundle_dir, True)
+            # after the answer, not before: deleting GiBs of images took 0.3 s of every downtime
+            self.cleanup = asyncio.ensure_future(asyncio.to_thread(shutil.rmtree, self.bundle_dir, True))
         return Outcome(self.state, True, facts={"pid": ev["pid"]}), True
 
     async def verdict(self) -> Verdict:
