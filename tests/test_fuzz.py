@@ -317,9 +317,9 @@ def _receive(stream: bytes, dest: Path, piece: int) -> dict[str, str]:
     return asyncio.run(bounded())
 
 
-@FUZZ
-@given(tar_streams(), st.sampled_from([1, 7, 512, 4096, 1 << 20]))
-def test_tar_stream_reader_on_hostile_streams(stream, piece):
+def _receive_safely(stream: bytes, piece: int) -> None:
+    """Whatever the stream, the receiver writes only plain files inside its folder, and the digests
+    it returns are those files' — or it refuses with one TransferError line."""
     with _box() as (box, outside):
         dest = box / "in"
         try:
@@ -334,10 +334,15 @@ def test_tar_stream_reader_on_hostile_streams(stream, piece):
             assert not p.is_symlink(), f"planted a link: {p}"
             assert p.is_dir() or p.is_file(), f"made something that is not a file: {p}"
             assert p.resolve().is_relative_to(dest.resolve())
-        if digests is not None:
-            for rel, digest in digests.items():
-                assert not rel.startswith("/") and ".." not in rel.split("/")
-                assert bundle.file_digest(dest / rel) == digest
+        for rel, digest in (digests or {}).items():
+            assert not rel.startswith("/") and ".." not in rel.split("/")
+            assert bundle.file_digest(dest / rel) == digest
+
+
+@FUZZ
+@given(tar_streams(), st.sampled_from([1, 7, 512, 4096, 1 << 20]))
+def test_tar_stream_reader_on_hostile_streams(stream, piece):
+    _receive_safely(stream, piece)
 
 
 _D = receiver.DATA
@@ -375,21 +380,7 @@ def record_streams(draw) -> bytes:
 @FUZZ
 @given(record_streams(), st.sampled_from([1, 7, 512, 1 << 20]))
 def test_record_stream_reader_on_hostile_streams(stream, piece):
-    with _box() as (box, outside):
-        dest = box / "in"
-        try:
-            digests = _receive(stream, dest, piece)
-        except CriuctlError as exc:
-            assert isinstance(exc, transfer.TransferError), exc
-            assert "\n" not in exc.line(), exc.line()
-            digests = None
-        assert sorted(p.name for p in box.iterdir()) == ["in", "outside.txt"], "wrote outside its folder"
-        assert outside.read_text() == "secret\n"
-        for p in dest.rglob("*"):
-            assert not p.is_symlink() and (p.is_dir() or p.is_file()), p
-            assert p.resolve().is_relative_to(dest.resolve())
-        for rel, digest in (digests or {}).items():
-            assert bundle.file_digest(dest / rel) == digest
+    _receive_safely(stream, piece)
 
 
 @pytest.mark.parametrize(
