@@ -6,10 +6,12 @@ Measured side by side in one run, on the same disk:
   torch.save / torch.load   of the same state (the app-level way)
   dd                        writing as many bytes (page cache, and with fdatasync: the disk)
 
-Steady state (these are VMs: the first touch of guest memory costs several times a later one):
-guest memory is touched once before anything is timed, one untimed round warms every contender,
-then each size is measured `--reps` times with the contenders' order alternating, everything a
-contender left (bundle, restored job) removed before the next one. Medians, with min–max.
+Steady state, as far as a VM allows: guest memory is touched once before anything is timed (for a
+VM that keeps what it backed), one untimed round warms every contender, then each size is measured
+`--reps` times with the contenders' order alternating, everything a contender left (bundle,
+restored job) removed before the next one. Medians, with min–max. On the development VM freed
+memory goes straight back to the host (free page reporting, `min_free_ms=0`), so every GiB any
+contender allocates is a first touch (~0.6 s/GiB there): docs/benchmarks.md says what that means.
 Usage: python bench/dump_restore.py [--sizes 0.5 2 4] [--reps 3] [--dir /var/tmp/criuctl-bench]
 """
 

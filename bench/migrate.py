@@ -11,9 +11,10 @@ For each state size: a job holding N GiB of model + Adam state is moved by
 and the ceiling: raw TCP throughput between the two namespaces (Python sockets, 1 MiB sends),
 measured in every round, since the VM's network speed drifts.
 
-Steady state: guest memory is touched once first, one untimed round at the smallest size warms
-every contender, then each size runs `--reps` rounds with the contenders' order rotating; each
-contender's job and files are gone before the next starts. Medians, min–max. `--post-copy-only`
+Steady state, as far as a VM allows: guest memory is touched once first, one untimed round at the
+smallest size warms every contender, then each size runs `--reps` rounds with the contenders' order
+rotating; each contender's job and files are gone before the next starts. Medians, min–max (on
+the development VM freed memory goes straight back to the host: see docs/benchmarks.md). `--post-copy-only`
 sizes run post-copy alone (its downtime's growth with size). Downtime is freeze → running on the
 target. Run as root: `make bench-migrate` or `.venv/bin/python bench/migrate.py [--sizes 0.5 2 4]`.
 """
