@@ -224,7 +224,16 @@ def test_a_warm_handoff_exits_when_its_agent_closes_the_lease_and_takes_its_titl
     p.stdin.close()
     assert p.wait(30) == 0 and p.stdout.read() == b""
 
-    spec = tmp_path / "dump-spec.json"
+    # a job whose paths hold spaces (a state dir may): the warm process runs it as a cold one would
+    spec, log = tmp_path / "a dir" / "dump-spec.json", tmp_path / "a dir" / "handoff log"
+    spec.parent.mkdir()
+    spec.write_text('{"workload": "nosuchworkload", "out": "/nonexistent/out"}')
+    p = subprocess.Popen(warm, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    out, _ = p.communicate(warmstart.job_line("dump", spec, log), timeout=60)
+    assert b'"event": "error"' in out and b"/nonexistent does not exist" in out, out
+    assert log.exists(), "its stderr went to the job's log"
+
+    spec = tmp_path / "dump-spec.json"  # the title: shown as the cold command line
     probe = (
         "import sys; from criuctl.agent import warmstart; "
         f"warmstart._retitle(['-m', 'criuctl.agent.handoff', 'dump', {str(spec)!r}]); "

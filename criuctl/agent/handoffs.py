@@ -50,7 +50,7 @@ class Handoff:
         proc = _WARM.take()
         if proc is not None:
             assert proc.stdin is not None
-            proc.stdin.write(f"{role} {spec} {log}\n".encode())
+            proc.stdin.write(warmstart.job_line(role, spec, log))
             await proc.stdin.drain()
         else:
             with log.open("ab") as err:

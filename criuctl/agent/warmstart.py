@@ -3,9 +3,9 @@
 Starting `python -m criuctl.agent.handoff` costs ~0.1–0.2 s (the interpreter, then criuctl's
 modules), and a post-copy migration's target waits for exactly that inside its downtime. So the
 agent keeps one handoff started ahead (`handoffs.Handoff.spawn` takes it and starts the next): it
-imports everything, then reads one line from its stdin, `ROLE SPEC LOG`. From there it is the same
-handoff as a cold one, leased through the same stdin. An agent that dies before using it closes
-that stdin, and the waiting process exits.
+imports everything, then reads one line from its stdin: its role, spec and log (`job_line`). From
+there it is the same handoff as a cold one, leased through the same stdin. An agent that dies
+before using it closes that stdin, and the waiting process exits.
 
 Its command line is rewritten to the cold one's (`… criuctl.agent.handoff ROLE SPEC`) once it has
 its job, so that `ps` — and whoever looks for a migration's handoff by its spec — sees what it is.
@@ -16,6 +16,7 @@ in the argv area, which CPython copied at start and never reads again.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import sys
 from pathlib import Path
@@ -28,15 +29,20 @@ def blank() -> str:
     return " " * ROOM
 
 
+def job_line(role: str, spec: Path, log: Path) -> bytes:
+    """What the agent writes to a warm handoff: one JSON line (paths may hold spaces)."""
+    return json.dumps([role, str(spec), str(log)]).encode() + b"\n"
+
+
 def take_job() -> tuple[str, Path, Path] | None:
-    """Wait for `ROLE SPEC LOG` on stdin; None when the agent closed it first (it died or stopped)."""
+    """Wait for `job_line` on stdin; None when the agent closed it first (it died or stopped)."""
     try:
-        line = sys.stdin.readline().split()
-    except OSError:
+        job = json.loads(sys.stdin.readline() or "null")
+    except (OSError, ValueError):
         return None
-    if len(line) != 3:
+    if not (isinstance(job, list) and len(job) == 3 and all(isinstance(x, str) for x in job)):
         return None
-    role, spec, log = line
+    role, spec, log = job
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(fd, 2)  # from here on the handoff writes to its migration's log, as a cold one would
     os.close(fd)
