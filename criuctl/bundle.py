@@ -82,7 +82,9 @@ def seal(
     """
     files = _payload_files(root)
     known = known or {}
-    syncing = _sync_in_background(files) if durable else None
+    syncing = _Syncer(files) if durable else None
+    if syncing is not None:
+        syncing.start()
     manifest.format_version = FORMAT_VERSION
     manifest.files = {}
     for p in files:
@@ -118,12 +120,6 @@ class _Syncer(threading.Thread):
                     os.close(fd)
         except OSError as exc:
             self.error = exc
-
-
-def _sync_in_background(files: list[Path]) -> _Syncer:
-    syncer = _Syncer(files)
-    syncer.start()
-    return syncer
 
 
 def _write(path: Path, data: bytes, durable: bool) -> None:

@@ -63,7 +63,7 @@ BODY = st.one_of(
             "url": st.sampled_from(["http://127.0.0.1:9", "file:///etc/passwd", ""]),
             "incoming": SEGMENT, "secret": st.text(max_size=10), "node": SEGMENT})),
         "page_server": JSONISH, "name": SEGMENT, "leave_running": JSONISH, "cut": JSONISH,
-        "readdress": JSONISH, "boundary": JSONISH, "rules": JSONISH, "ticket": JSONISH,
+        "readdress": JSONISH, "boundary": JSONISH, "live": JSONISH, "rules": JSONISH, "ticket": JSONISH,
     }).map(lambda v: json.dumps(v).encode()),
 )  # fmt: skip
 
