@@ -26,6 +26,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from criuctl.durable import fsync_dir
 from criuctl.manifest import _UNSIGNED, MANIFEST, SIGNATURE
 from criuctl.manifest import FORMAT_VERSION as FORMAT_VERSION
 from criuctl.manifest import READABLE_VERSIONS as READABLE_VERSIONS
@@ -128,15 +129,6 @@ def _write(path: Path, data: bytes, durable: bool) -> None:
         f.flush()
         if durable:
             os.fsync(f.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    """Put a folder's entries (files created, renamed, removed in it) on disk."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def size_bytes(root: Path) -> int:

@@ -38,6 +38,7 @@ from criuctl import (
     bundle,
     containers,
     criu,
+    durable,
     gpustate,
     imagetail,
     locks,
@@ -416,7 +417,7 @@ def dump(
         if out.exists():
             out.rmdir()
         os.rename(frozen.bundle_dir, out)
-        bundle.fsync_dir(out.parent)  # the rename itself on disk before the tree dies
+        durable.fsync_dir(out.parent)  # the rename itself on disk before the tree dies
     except OSError as exc:
         frozen.thaw()
         raise CriuctlError(

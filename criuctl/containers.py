@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 
-from criuctl import mounts, procinfo, workloads
+from criuctl import durable, mounts, procinfo, workloads
 from criuctl.bundle import ContainerFacts
 from criuctl.errors import CriuctlError
 from criuctl.runtime import Container, Runtime
@@ -293,13 +293,7 @@ def mark_moved(w: workloads.Workload, node: str) -> bool:
             return False
         moved = Path(dest) / "moved"  # criuctl.nsinit.MOVED_DIR
         moved.mkdir(mode=0o755, exist_ok=True)
-        tmp = moved / f".{w.pod_uid}.tmp"
-        with open(tmp, "w") as f:
-            f.write(node + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.chmod(0o644)
-        os.replace(tmp, moved / w.pod_uid)
+        durable.replace(moved / w.pod_uid, (node + "\n").encode(), 0o644)
         return True
     except (OSError, StopIteration):
         return False

@@ -36,7 +36,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from criuctl import migsignal
+from criuctl import durable, migsignal
 from criuctl.errors import CriuctlError
 from criuctl.migsignal import INIT, RESUME, SAVE
 
@@ -182,8 +182,8 @@ class Migrator:
             return self.key_path.read_bytes()
         except FileNotFoundError:
             key = secrets.token_bytes(32)
-            migsignal.atomic_write(self.key_path, key, 0o600)
-            return key
+            durable.create(self.key_path, key, 0o600)
+            return self.key_path.read_bytes()
 
     def _sig_path(self) -> Path:
         return self.ckpt_path.with_name(self.ckpt_path.name + ".sig")
@@ -192,7 +192,7 @@ class Migrator:
         body = {"file": self.ckpt_path.name, "sha256": _sha256(self.ckpt_path), "created": time.time()}
         raw = json.dumps(body, sort_keys=True)
         mac = hmac.new(self._key(), raw.encode(), hashlib.sha256).hexdigest()
-        migsignal.atomic_write(self._sig_path(), json.dumps({"body": raw, "hmac": mac}).encode())
+        durable.replace(self._sig_path(), json.dumps({"body": raw, "hmac": mac}).encode(), 0o644)
 
     def verify(self) -> None:
         """Refuse a checkpoint that is missing, altered, or signed with another key."""

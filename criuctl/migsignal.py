@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from criuctl import durable
+
 INIT, SAVE, RESUME = "init", "save", "resume"
 SIGNALS = (INIT, SAVE, RESUME)
 ENV_SIGNAL = "MIGRATION_SIGNAL_PATH"
@@ -23,20 +25,10 @@ def default_path() -> Path:
     return Path(os.environ.get(ENV_SIGNAL, DEFAULT_SIGNAL))
 
 
-def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def write(path: Path, signal: str) -> None:
     if signal not in SIGNALS:
         raise ValueError(f"a migration signal is one of {', '.join(SIGNALS)}, not {signal!r}")
-    atomic_write(path, signal.encode())
+    durable.replace(path, signal.encode(), 0o644)
 
 
 def read(path: Path) -> str:

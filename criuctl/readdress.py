@@ -19,12 +19,14 @@ only `errors`.
 
 from __future__ import annotations
 
+import io
 import ipaddress
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from criuctl import durable
 from criuctl.errors import CriuctlError
 
 Endpoint = tuple[str, int]  # (address, port): IPv4 spelled as IPv4, v4-mapped IPv6 too
@@ -123,12 +125,10 @@ def apply(images_dir: Path, endpoints: EndpointMap) -> int:
                 isk[addr_key] = _encode(new)
                 changed += 1
     if changed:
-        tmp = path.with_suffix(".img.new")
         try:
-            with tmp.open("wb") as f:
-                pycriu.images.dump(img, f)
-            tmp.replace(path)
+            out = io.BytesIO()
+            pycriu.images.dump(img, out)
+            durable.replace(path, out.getvalue(), sync=False)  # sealed, and synced, with the bundle
         except Exception as exc:
-            tmp.unlink(missing_ok=True)
             raise ReaddressError(f"cannot write {path}: {exc}", "nothing was moved") from exc
     return changed

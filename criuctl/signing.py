@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets
 import typing
 from pathlib import Path
 
 import blake3
 
+from criuctl import durable
 from criuctl.manifest import FORMAT_VERSION, BundleError
 
 
@@ -34,9 +34,8 @@ def load_key(path: Path, create: bool = True) -> bytes:
         ) from exc
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     key = secrets.token_bytes(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(key.hex() + "\n")
+    if not durable.create(path, (key.hex() + "\n").encode()):  # another process made it first: use that one
+        return bytes.fromhex(path.read_text().strip())
     return key
 
 

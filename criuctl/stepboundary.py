@@ -26,7 +26,7 @@ from pathlib import Path
 
 import psutil
 
-from criuctl import bundle, procinfo, workloads
+from criuctl import bundle, durable, procinfo, workloads
 from criuctl_hook import contract
 
 ENV_TIMEOUT = "CRIUCTL_BOUNDARY_TIMEOUT"
@@ -105,9 +105,7 @@ def reach(
         why = "no process of it has run an optimizer step under criuctl's hook"
         return Reached(rid, 0, 0, None, 0.0, 0, why)
     request = {"id": rid, "mode": mode, **({"out": str(out)} if out else {})}
-    tmp = control / f".{contract.REQUEST}.tmp"
-    tmp.write_text(json.dumps(request))
-    os.replace(tmp, control / contract.REQUEST)
+    durable.replace(control / contract.REQUEST, json.dumps(request).encode(), 0o644, sync=False)
     beating = threading.Event()
     beating.set()
     threading.Thread(target=_heartbeat, args=(control / contract.REQUEST, beating), daemon=True).start()

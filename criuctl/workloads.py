@@ -10,14 +10,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
 
-from criuctl import procinfo
+from criuctl import durable, procinfo
 from criuctl.errors import CriuctlError
 from criuctl.statedir import DEFAULT_STATE_DIR as DEFAULT_STATE_DIR
 from criuctl.statedir import ENV_STATE_DIR as ENV_STATE_DIR
@@ -93,13 +92,23 @@ ENV_SPOOL_DIR = "CRIUCTL_SPOOL_DIR"
 
 
 def spool_dir(kind: str) -> Path:
-    """Where bundles in flight are written (`kind`: 'outgoing', 'incoming'), root-only.
+    """Where bundles in flight are written (`kind`: 'outgoing', 'incoming'), root-only; only bundles
+    (records go to `records_dir`).
 
     The state dir by default. A tmpfs here takes the disk out of a migration's path (dump and
     receive run at memory speed) at the cost of holding a bundle — about the job's RSS — in RAM
     until the move is over.
     """
     return _ensure(Path(os.environ.get(ENV_SPOOL_DIR) or state_dir()) / kind)
+
+
+def records_dir(kind: str) -> Path:
+    """Where durable records live (`kind`: 'outgoing', 'incoming', 'redirects'): always the state
+    dir, on disk, never the spool, which may be a tmpfs. A reboot that empties the spool loses the
+    bundles in flight (the trees they came from died with the node too), but the records are what
+    a restarted agent settles every migration by: a frozen source asking what became of its copy
+    must still hear the truth."""
+    return _ensure(state_dir() / kind)
 
 
 def log_path(name: str) -> Path:
@@ -148,11 +157,7 @@ def _dir() -> Path:
 
 def save(w: Workload) -> None:
     validate_name(w.name)
-    d = _dir()
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{w.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(asdict(w), f, indent=2)
-    os.replace(tmp, d / f"{w.name}.json")
+    durable.replace_json(_dir() / f"{w.name}.json", asdict(w))
 
 
 def load(name: str) -> Workload | None:

@@ -301,7 +301,11 @@ def _target(tmp_path: Path, h: ScriptedHandoff) -> TargetMachine:
     async def spawn(_spec, _folder):
         return h
 
-    return TargetMachine.create("c" * 32, "w", Mode.STOP_AND_COPY, secret_digest("s"), tmp_path, spawn, FAST)
+    records_dir = tmp_path / "records"
+    records_dir.mkdir(exist_ok=True)
+    return TargetMachine.create(
+        "c" * 32, "w", Mode.STOP_AND_COPY, secret_digest("s"), tmp_path, records_dir, spawn, FAST
+    )
 
 
 def _handoff_writes(m_box: list, state: TargetState, **fields):
@@ -339,7 +343,8 @@ def test_target_runs_then_refuses_to_abort_and_its_tombstone_says_so(tmp_path):
         assert (await m.commit()).ok and m.state == TargetState.RUNNING
         assert await m.verdict() == Verdict.RUNNING
         # a restarted agent (or a pruned entry) answers from the record on disk
-        again = TargetMachine(TargetRecord.from_json(records.read(m.record_path, lambda d: d)), m.dir, None)
+        rec = TargetRecord.from_json(records.read(m.record_path, lambda d: d))
+        again = TargetMachine(rec, m.dir, m.record_path, None)
         again.recover()
         assert await again.verdict() == Verdict.RUNNING
         h.done()
@@ -394,7 +399,7 @@ def test_restarted_target_aborts_a_restored_record_whose_handoff_is_gone(tmp_pat
     rec = TargetRecord("d" * 32, "w", "stop-and-copy", TargetState.RESTORED, "x", "another-boot",
                        handoff_pid=1 << 22, root_pid=1 << 22)  # fmt: skip
     (tmp_path / rec.migration).mkdir()
-    m = TargetMachine(rec, tmp_path / rec.migration, None)
+    m = TargetMachine(rec, tmp_path / rec.migration, tmp_path / f"{rec.migration}.json", None)
     records.write(m.record_path, rec.to_json())
     m.recover()
     assert m.state == TargetState.ABORTED

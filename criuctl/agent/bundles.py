@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import uuid
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from criuctl import bundle, checkpoint, workloads
+from criuctl import bundle, checkpoint, durable, workloads
 from criuctl.agent import transfer
 from criuctl.agent.handoffs import Handoff, HandoffFailed
 from criuctl.agent.protocol import TIMEOUTS, Command, Event, TargetSpec
@@ -44,10 +43,7 @@ USED = ".restored"  # in a bundle's folder: a restore of it reached the commit (
 
 
 def _mark_used(path: Path) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fsync(fd)
-    os.close(fd)
-    bundle.fsync_dir(path.parent)
+    durable.replace(path, b"")
 
 
 class Bundles:

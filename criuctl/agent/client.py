@@ -7,8 +7,9 @@ that names the node.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
-import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -18,7 +19,7 @@ from urllib.parse import urlparse
 
 import requests
 
-from criuctl import tokens, workloads
+from criuctl import durable, tokens, workloads
 from criuctl.errors import CriuctlError
 
 
@@ -70,26 +71,30 @@ def all_nodes() -> dict[str, Node]:
     return {name: Node(**n) for name, n in raw.items()}
 
 
+@contextlib.contextmanager
+def _editing() -> Iterator[dict[str, Node]]:
+    """The node list, to change and write back whole: one editor at a time (two `node add`s at once
+    each keep their node), and a reader sees the old list or the new one."""
+    workloads.logs_dir("")  # creates the state dir, root-only
+    with open(_config().with_name(".nodes.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        nodes = all_nodes()
+        yield nodes
+        durable.replace_json(_config(), {k: asdict(v) for k, v in nodes.items()})
+
+
 def add_node(node: Node) -> None:
     if urlparse(node.url).scheme not in ("http", "https"):
         raise CriuctlError(f"{node.url} is not an http(s) URL", "e.g. https://10.0.0.2:7070")
     node.token()  # readable now, or say so now
     tokens.read_token(Path(node.token_file))  # and a file the agent would accept, or say so now
-    nodes = all_nodes()
-    nodes[node.name] = node
-    workloads.logs_dir("")  # creates the state dir, root-only
-    tmp = _config().with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({k: asdict(v) for k, v in nodes.items()}, f, indent=2)
-    os.replace(tmp, _config())
+    with _editing() as nodes:
+        nodes[node.name] = node
 
 
 def remove_node(name: str) -> None:
-    nodes = all_nodes()
-    get_node(name)
-    del nodes[name]
-    _config().write_text(json.dumps({k: asdict(v) for k, v in nodes.items()}, indent=2))
+    with _editing() as nodes:
+        nodes.pop(get_node(name).name)
 
 
 def get_node(name: str) -> Node:

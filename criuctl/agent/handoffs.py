@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import IO, Protocol
 
+from criuctl import durable
 from criuctl.agent import warmstart
 from criuctl.agent.protocol import Command, Event
 from criuctl.errors import CriuctlError
@@ -44,9 +45,7 @@ class Handoff:
         """Write the spec (root-only: a source spec holds the upload ticket) and start the process:
         the warm one started ahead if there is one (`warmstart`), else a new one."""
         spec = folder / f"{role}-spec.json"
-        fd = os.open(spec, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(spec_json)
+        durable.replace(spec, spec_json.encode())
         proc = _WARM.take()
         if proc is not None:
             assert proc.stdin is not None

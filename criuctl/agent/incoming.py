@@ -73,7 +73,18 @@ class Incoming:
 
     @property
     def spool(self) -> Path:
+        """Bundles in flight (may be a tmpfs)."""
         return workloads.spool_dir("incoming")
+
+    @property
+    def records(self) -> Path:
+        """Migration records and tombstones (on disk: they outlive a reboot)."""
+        return workloads.records_dir("incoming")
+
+    def machine(self, rec: TargetRecord) -> TargetMachine:
+        return TargetMachine(
+            rec, self.spool / rec.migration, self.records / f"{rec.migration}.json", spawn_target
+        )
 
     def lookup(self, mid: str) -> TargetMachine | None:
         """A migration by id: the live one, else its record (a restarted agent, a pruned entry)."""
@@ -82,10 +93,10 @@ class Incoming:
         m = self.machines.get(mid)
         if m is not None:
             return m
-        rec = records.read(self.spool / f"{mid}.json", TargetRecord.from_json)
+        rec = records.read(self.records / f"{mid}.json", TargetRecord.from_json)
         if not isinstance(rec, TargetRecord):
             return None
-        m = TargetMachine(rec, self.spool / mid, spawn_target)
+        m = self.machine(rec)
         self.machines[mid] = m
         return m
 
@@ -146,6 +157,7 @@ class Incoming:
             mode,
             secret_digest(secret),
             self.spool,
+            self.records,
             spawn_target,
             placeholder=into,
             runtime=self.agent.runtimes.endpoint,
@@ -228,11 +240,11 @@ class Incoming:
 
     def recover(self) -> None:
         """At start-up (in a thread): settle every record whose handoff is gone."""
-        for path, rec in records.scan(self.spool, "*.json", TargetRecord.from_json):
+        for path, rec in records.scan(self.records, "*.json", TargetRecord.from_json):
             if isinstance(rec, records.Unreadable):
                 log.error("unreadable incoming record", extra={"path": str(path), "why": rec.why})
                 continue
-            m = TargetMachine(rec, self.spool / rec.migration, spawn_target)
+            m = self.machine(rec)
             try:
                 m.recover()
             except OSError as exc:
@@ -253,7 +265,7 @@ class Incoming:
                 with contextlib.suppress(OSError):
                     await m.verdict()
                 self.machines.pop(m.id, None)
-        await asyncio.to_thread(_forget_tombstones, self.spool, set(self.machines))
+        await asyncio.to_thread(_forget_tombstones, self.records, set(self.machines))
         await asyncio.to_thread(self._lift_stale_cuts, stale_after)
 
     def _lift_stale_cuts(self, linger: float) -> None:
@@ -276,8 +288,8 @@ def _lift_cut(rec: TargetRecord) -> None:
         netcut.remove(rec.cut)
 
 
-def _forget_tombstones(spool: Path, live: set[str]) -> None:
+def _forget_tombstones(folder: Path, live: set[str]) -> None:
     horizon = time.time() - TIMEOUTS.tombstone
-    for path, rec in records.scan(spool, "*.json", TargetRecord.from_json):
+    for path, rec in records.scan(folder, "*.json", TargetRecord.from_json):
         if isinstance(rec, TargetRecord) and rec.migration not in live and rec.updated < horizon:
             path.unlink(missing_ok=True)

@@ -63,7 +63,13 @@ class Outgoing:
 
     @property
     def spool(self) -> Path:
+        """Bundles in flight (may be a tmpfs)."""
         return workloads.spool_dir("outgoing")
+
+    @property
+    def records(self) -> Path:
+        """Hold records (on disk: a frozen tree's record must outlive anything that empties the spool)."""
+        return workloads.records_dir("outgoing")
 
     def _get(self, r: web.Request) -> SourceMachine:
         m = self.machines.get(r.match_info["id"]) if valid_id(r.match_info["id"]) else None
@@ -95,7 +101,7 @@ class Outgoing:
         mid = uuid.uuid4().hex
         folder = self.spool / mid
         folder.mkdir(mode=0o700)
-        spec = SourceSpec(mid, w.name, str(mode), str(self.spool / f"{mid}.json"), str(folder), ticket.node,
+        spec = SourceSpec(mid, w.name, str(mode), str(self.records / f"{mid}.json"), str(folder), ticket.node,
                           ticket, _free_port() if mode == Mode.POST_COPY else None, endpoints,
                           boundary, live)  # fmt: skip
 
@@ -175,7 +181,12 @@ class Outgoing:
         if m.lease is not None and m.lease is not asyncio.current_task():
             m.lease.cancel()
         self.machines.pop(m.id, None)
-        await asyncio.to_thread(_remove, self.spool, m.id)
+        await asyncio.to_thread(self._remove, m.id)
+
+    def _remove(self, mid: str) -> None:
+        """A settled migration: its bundle folder, then its record."""
+        shutil.rmtree(self.spool / mid, ignore_errors=True)
+        (self.records / f"{mid}.json").unlink(missing_ok=True)
 
     # ----------------------------------------------------------------------------------- restart
 
@@ -187,7 +198,7 @@ class Outgoing:
         the target, in `settle_orphan`.
         """
         orphans = []
-        for path, rec in records.scan(self.spool, "*.json", SourceRecord.from_json):
+        for path, rec in records.scan(self.records, "*.json", SourceRecord.from_json):
             if isinstance(rec, records.Unreadable):
                 log.error("unreadable outgoing record", extra={"path": str(path), "why": rec.why})
                 continue
@@ -204,7 +215,7 @@ class Outgoing:
                 orphans.append((rec, str(path)))
                 continue
             log.warning("recovered outgoing", extra={"id": rec.migration, "state": str(rec.state)})
-            _remove(self.spool, rec.migration)
+            self._remove(rec.migration)
         return orphans
 
     async def settle_orphan(self, rec: SourceRecord) -> None:
@@ -219,7 +230,7 @@ class Outgoing:
         else:
             await asyncio.to_thread(checkpoint.thaw_tree, rec.root_pid, _images(rec), rec.netlock_table)
         log.warning("recovered outgoing", extra={"id": rec.migration, "verdict": str(verdict)})
-        await asyncio.to_thread(_remove, self.spool, rec.migration)
+        await asyncio.to_thread(self._remove, rec.migration)
 
 
 def _end(root_pid: int, rec: SourceRecord) -> None:
@@ -242,8 +253,3 @@ def _thaw(rec: SourceRecord) -> None:
 def _images(rec: SourceRecord) -> Path | None:
     """The CRIU images of the record's dump (their inventory names its network-lock table)."""
     return Path(rec.bundle) / bundle.IMAGES_DIR if rec.bundle else None
-
-
-def _remove(spool: Path, mid: str) -> None:
-    shutil.rmtree(spool / mid, ignore_errors=True)
-    (spool / f"{mid}.json").unlink(missing_ok=True)

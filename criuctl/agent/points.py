@@ -15,6 +15,7 @@ import os
 import time
 from pathlib import Path
 
+from criuctl import durable
 from criuctl.agent.protocol import Point
 
 ENV_PAUSE_AT = "CRIUCTL_PAUSE_AT"
@@ -34,9 +35,7 @@ def _armed(point: Point) -> Path | None:
         return None
     here = Path(folder or "/tmp")
     # whole or absent: a test that sees the file reads the PID, never an empty file being written
-    tmp = here / f".{point}.{os.getpid()}"
-    tmp.write_text(str(os.getpid()))
-    os.replace(tmp, here / str(point))
+    durable.replace(here / str(point), str(os.getpid()).encode(), 0o644, sync=False)
     return here / f"{point}.go"
 
 

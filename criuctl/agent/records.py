@@ -9,34 +9,20 @@ would strand every other migration on its node.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from criuctl.bundle import fsync_dir
+from criuctl import durable
 
 T = TypeVar("T")
 
 
 def write(path: Path, data: dict) -> None:
     """Replace `path` with `data` as JSON, atomically and durably (root-only)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(path.parent)
+    durable.replace_json(path, data)
 
 
 @dataclass(frozen=True)

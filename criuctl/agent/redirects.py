@@ -78,7 +78,7 @@ class Redirects:
 
     @property
     def folder(self) -> Path:
-        return workloads.spool_dir("redirects")
+        return workloads.records_dir("redirects")
 
     def _path(self, rid: str) -> Path:
         return self.folder / f"{rid}.json"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psutil
 
-from criuctl import placeholder, procinfo
+from criuctl import durable, placeholder, procinfo
 from criuctl.agent import points, records, verdicts
 from criuctl.agent.handoffs import HandoffFailed, HandoffLike
 from criuctl.agent.protocol import (
@@ -48,10 +48,13 @@ Receive = Callable[[Path], Awaitable[dict[str, str]]]  # stream into a folder, v
 
 
 class TargetMachine:
-    """One incoming migration on this node: `dir` holds the bundle, `dir`.json the record."""
+    """One incoming migration on this node: `dir` (in the spool) holds the bundle, `record_path` (in
+    the state dir, on disk: it must outlive a reboot that empties a tmpfs spool) the record."""
 
-    def __init__(self, rec: TargetRecord, folder: Path, spawn: Spawn, timeouts: Timeouts = TIMEOUTS) -> None:
-        self.rec, self.dir, self._spawn, self.t = rec, folder, spawn, timeouts
+    def __init__(
+        self, rec: TargetRecord, folder: Path, record_path: Path, spawn: Spawn, timeouts: Timeouts = TIMEOUTS
+    ) -> None:
+        self.rec, self.dir, self.record_path, self._spawn, self.t = rec, folder, record_path, spawn, timeouts
         self.handoff: HandoffLike | None = None
         self.lock = asyncio.Lock()  # receive-done, restore, commit and abort never overlap
         self.cleanup: asyncio.Future | None = None  # the images removed after a commit, in the background
@@ -63,10 +66,6 @@ class TargetMachine:
     @property
     def state(self) -> TargetState:
         return self.rec.state
-
-    @property
-    def record_path(self) -> Path:
-        return self.dir.with_suffix(".json")
 
     @property
     def bundle_dir(self) -> Path:
@@ -87,12 +86,12 @@ class TargetMachine:
 
     @classmethod
     def create(cls, migration: str, workload: str, mode: Mode, secret_sha256: str, spool: Path,
-               spawn: Spawn, timeouts: Timeouts = TIMEOUTS, placeholder: str | None = None,
+               records_dir: Path, spawn: Spawn, timeouts: Timeouts = TIMEOUTS, placeholder: str | None = None,
                runtime: str | None = None) -> TargetMachine:  # fmt: skip
         rec = TargetRecord(migration, workload, str(mode), TargetState.NEW, secret_sha256, records.boot_id(),
                            updated=time.time(), history=[f"new@{time.time():.3f}"], placeholder=placeholder,
                            runtime=runtime)  # fmt: skip
-        m = cls(rec, spool / migration, spawn, timeouts)
+        m = cls(rec, spool / migration, records_dir / f"{migration}.json", spawn, timeouts)
         m.dir.mkdir(mode=0o700)
         records.write(m.record_path, rec.to_json())
         return m
@@ -115,7 +114,7 @@ class TargetMachine:
         async with self.lock:
             if self.state != TargetState.RECEIVING:  # aborted while the bytes came in
                 return Outcome(self.state, False, f"migration {self.id} was {self.state} meanwhile")
-            await asyncio.to_thread((self.dir / "digests.json").write_text, json.dumps(digests))
+            await asyncio.to_thread(durable.replace_json, self.dir / "digests.json", digests)
             await asyncio.to_thread(self._write, TargetState.RECEIVED)
         await points.areach(Point.TARGET_RECEIVED)
         return Outcome(self.state, True)

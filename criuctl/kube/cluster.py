@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from criuctl import workloads
+from criuctl import durable, workloads
 from criuctl.agent.client import Node
 from criuctl.errors import CriuctlError
 
@@ -110,12 +110,7 @@ def _secret_file(c: Cluster, secret: str, key: str, dest: Path) -> str | None:
     raw = (s.data or {}).get(key)
     if raw is None:
         return None
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
-    with os.fdopen(fd, "wb") as f:
-        f.write(base64.b64decode(raw))
-    os.replace(tmp, dest)
+    durable.replace(dest, base64.b64decode(raw), 0o400)
     return str(dest)
 
 

@@ -36,7 +36,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from criuctl import bundle, criuimages
+from criuctl import bundle, criuimages, durable
 from criuctl.runtime import Runtime
 from criuctl.runtime.archive_members import ZSTD_MAGIC, ArchiveError, Member, bad, copy_into, members
 from criuctl.runtime.archive_records import (
@@ -239,7 +239,7 @@ def import_archive(path: Path, out: Path, key: bytes, max_bytes: int | None = No
             manifest.host, manifest.kernel = host, kernel
         bundle.seal(stage, manifest, key)
         os.rename(stage, out)
-        bundle.fsync_dir(out.parent)
+        durable.fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
