@@ -84,13 +84,13 @@ def why_not(c: Container) -> str | None:
 def workload(c: Container, runtime_endpoint: str) -> workloads.Workload:
     """The workload record for a checkpointable container (written so `resolve` finds it)."""
     w = workloads.load(name_of(c.id))
-    if w is None or w.root_pid != c.pid or w.state != workloads.RUNNING:
+    if w is None or w.root_pid != c.pid or w.state != workloads.RUNNING or not w.alive():
         trainer = psutil.Process(c.pid).children()  # the job the init runs, for `ps`
         command = cmdline(trainer[0].pid) if trainer else cmdline(c.pid)
-        w = workloads.Workload(
+        w = workloads.Workload.of_tree(
+            c.pid,
             name=name_of(c.id),
             command=command,
-            root_pid=c.pid,
             supervisor_pid=0,  # the runtime's shim owns the container
             stdio_pipes=stdio_pipes(c.pid),
             container=c.id,

@@ -6,11 +6,64 @@ import contextlib
 import os
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
 from criuctl.bundle import ProcessInfo
+
+
+def boot_id() -> str:
+    """This boot's id: a record from another boot names processes that no longer exist."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+def start_ticks(pid: int) -> int | None:
+    """When `pid` started, in clock ticks since boot (/proc/PID/stat field 22); None if it is gone.
+
+    A PID alone does not name a process: after the process ends (or the node reboots) the kernel
+    hands the same number to another one. The start time, with the boot id, does name it.
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # after the command, which may hold spaces and ")"
+    return int(fields[19])  # field 22 of the whole line: the third after ")" is field 3
+
+
+@dataclass(frozen=True)
+class Identity:
+    """One process, for as long as it lives, whatever its PID is reused for later: (PID, start time,
+    boot id). Every record that names a process it may later signal, kill or thaw keeps this, and
+    acts only while the process it names is still the one it recorded."""
+
+    pid: int
+    start: int | None  # None: a record written before identities were kept (PID only)
+    boot: str
+
+    @classmethod
+    def of(cls, pid: int) -> Identity:
+        """The identity of live process `pid` now (start None if it is already gone)."""
+        return cls(pid, start_ticks(pid), boot_id())
+
+    def alive(self) -> bool:
+        """The very process recorded still exists (a zombie does not count)."""
+        if self.boot != boot_id() or (self.start is not None and start_ticks(self.pid) != self.start):
+            return False
+        try:
+            return psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    def recycled(self) -> bool:
+        """The PID now names another process (it ended, and the number was handed out again)."""
+        now = start_ticks(self.pid)
+        return now is not None and (self.boot != boot_id() or (self.start is not None and now != self.start))
 
 
 def tree_pids(root_pid: int) -> list[int]:

@@ -177,10 +177,10 @@ def restore_stopped(
             f"restore of {bundle_dir} interrupted by {caught.first.name}: what CRIU had restored was killed",
             f"the bundle is untouched; restore it again with: criuctl restore {bundle_dir}",
         )
-    w = workloads.Workload(
+    w = workloads.Workload.of_tree(
+        result.pid,
         name=name,
         command=manifest.command,
-        root_pid=result.pid,
         supervisor_pid=os.getpid(),
         # into a placeholder, the job now writes to the placeholder's pipes: those are what a next
         # dump must name (the bundle's were the first container's, gone with it)

@@ -242,10 +242,10 @@ def start(
     root, exec_r = _spawn_in_new_pidns(argv, job_env, stdio, cwd, pid_namespace())
     try:
         _await_exec(root, exec_r, command)
-        w = workloads.Workload(
+        w = workloads.Workload.of_tree(
+            root,
             name=name,
             command=command,
-            root_pid=root,
             supervisor_pid=os.getpid(),
             stdio_pipes=stdio.keys(),
             control=str(control),

@@ -11,8 +11,9 @@ import json
 import os
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -137,12 +138,36 @@ class Workload:
     control: str | None = (
         None  # the hook's control directory (criuctl.stepboundary), as the job's env names it
     )
+    # the root's start time and the boot: with root_pid, what names the process for good (a PID
+    # alone may name another process after a reboot or once the job ended); None in older records
+    root_start: int | None = None
+    boot_id: str = ""
+    # a thaw of this workload that did not complete (what is left undone): it runs, but e.g. its
+    # TCP connections stay blocked until that is done (criuctl.checkpoint.thaw_tree)
+    thaw_incomplete: str | None = None
+
+    @classmethod
+    def of_tree(cls, root_pid: int, **facts: Any) -> Workload:
+        """A new record for the live tree rooted at `root_pid`, its identity taken now."""
+        me = procinfo.Identity.of(root_pid)
+        return cls(root_pid=root_pid, root_start=me.start, boot_id=me.boot, **facts)
+
+    @property
+    def identity(self) -> procinfo.Identity:
+        return procinfo.Identity(self.root_pid, self.root_start, self.boot_id or procinfo.boot_id())
 
     def alive(self) -> bool:
-        try:
-            return psutil.Process(self.root_pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
+        """Its very tree runs here: the PID exists *and* is the process this record was made for."""
+        return self.identity.alive()
+
+    def stale(self) -> str | None:
+        """Why this record no longer names its process, when its PID now names another one."""
+        if self.state == RUNNING and self.identity.recycled():
+            return (
+                f"workload {self.name!r} was PID {self.root_pid}, which is now another process "
+                "(the workload ended, or the node rebooted)"
+            )
+        return None
 
 
 class UnknownWorkload(CriuctlError):
@@ -160,10 +185,20 @@ def save(w: Workload) -> None:
     durable.replace_json(_dir() / f"{w.name}.json", asdict(w))
 
 
+_FIELDS = frozenset(f.name for f in fields(Workload))
+
+
+def _parse(raw: str) -> Workload:
+    d = json.loads(raw)
+    if not isinstance(d, dict):
+        raise ValueError("a workload record is a JSON object")
+    return Workload(**{k: v for k, v in d.items() if k in _FIELDS})  # a newer version's extra fields
+
+
 def load(name: str) -> Workload | None:
     validate_name(name)
     try:
-        return Workload(**json.loads((_dir() / f"{name}.json").read_text()))
+        return _parse((_dir() / f"{name}.json").read_text())
     except FileNotFoundError:
         return None
 
@@ -172,8 +207,8 @@ def all_workloads() -> list[Workload]:
     out = []
     for p in sorted(_dir().glob("*.json")):
         try:
-            out.append(Workload(**json.loads(p.read_text())))
-        except (ValueError, TypeError):
+            out.append(_parse(p.read_text()))
+        except (ValueError, TypeError, OSError):
             continue
     return out
 
@@ -205,6 +240,8 @@ def resolve(target: str) -> Workload:
     w = load(target) if len(target) <= NAME_MAX else None  # a PID is digits: always a valid name
     if w is not None and w.state == RUNNING and w.alive():
         return w
+    if w is not None and (why := w.stale()):  # never act on whatever now holds its PID
+        raise UnknownWorkload(why, "see `criuctl ps --all`; nothing was touched")
     if target.isdigit():
         pid = int(target)
         for w in all_workloads():

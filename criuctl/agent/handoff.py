@@ -34,7 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-from criuctl import bundle, checkpoint, criu, placeholder, readdress, runtime, workloads
+from criuctl import bundle, checkpoint, criu, placeholder, procinfo, readdress, runtime, workloads
 from criuctl.agent import points, records, verdicts, warmstart
 from criuctl.agent.protocol import (
     TIMEOUTS,
@@ -106,9 +106,10 @@ class _Source:
         except CriuctlError as exc:
             _error(exc)
             return 1
+        me = procinfo.Identity.of(os.getpid())
         self.rec = SourceRecord(
-            spec.migration, w.name, spec.mode, SourceState.FREEZING, spec.ticket, os.getpid(),
-            records.boot_id(), root_pid=w.root_pid, updated=time.time(),
+            spec.migration, w.name, spec.mode, SourceState.FREEZING, spec.ticket, me.pid, me.boot,
+            root_pid=w.root_pid, root_start=w.root_start, hold_start=me.start, updated=time.time(),
         )  # fmt: skip
         records.write(self.path, self.rec.to_json())  # before CRIU freezes anything
         try:
@@ -216,9 +217,12 @@ def target(spec_file: Path) -> int:
         return 1
     try:
         into = restored.into
+        ph, me = procinfo.Identity.of(into.pid) if into else None, procinfo.Identity.of(os.getpid())
         _advance_target(
-            spec, TargetState.RESTORED, handoff_pid=os.getpid(), root_pid=restored.workload.root_pid,
-            placeholder=into.container.id if into else None, placeholder_pid=into.pid if into else None,
+            spec, TargetState.RESTORED, handoff_pid=me.pid, handoff_start=me.start,
+            root_pid=restored.workload.root_pid, root_start=restored.workload.root_start,
+            placeholder=into.container.id if into else None, placeholder_pid=ph and ph.pid,
+            placeholder_start=ph and ph.start,
         )  # fmt: skip
     except BadTransition:  # a restarted agent settled the record as ABORTED while CRIU restored
         restored.abort()

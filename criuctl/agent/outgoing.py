@@ -18,7 +18,6 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import psutil
 from aiohttp import web
 
 from criuctl import bundle, checkpoint, containers, criu, netlock, procinfo, readdress, workloads
@@ -202,11 +201,10 @@ class Outgoing:
             if isinstance(rec, records.Unreadable):
                 log.error("unreadable outgoing record", extra={"path": str(path), "why": rec.why})
                 continue
-            same_boot = rec.boot_id == records.boot_id()
-            if same_boot and psutil.pid_exists(rec.hold_pid) and rec.state not in SOURCE_FINAL:
+            if rec.hold().alive() and rec.state not in SOURCE_FINAL:
                 log.warning("outgoing settles itself", extra={"id": rec.migration, "state": str(rec.state)})
                 continue
-            tree = rec.root_pid if same_boot and rec.root_pid and psutil.pid_exists(rec.root_pid) else None
+            tree = rec.root_pid if (t := rec.tree()) and t.alive() else None
             if tree and rec.state in (SourceState.FREEZING, SourceState.FROZEN, SourceState.SENDING):
                 checkpoint.thaw_tree(tree, _images(rec), rec.netlock_table)
             elif tree and rec.state == SourceState.COMMITTED:

@@ -30,6 +30,8 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypeVar
 
+from criuctl.procinfo import Identity
+
 
 class Mode(enum.StrEnum):
     STOP_AND_COPY = "stop-and-copy"
@@ -277,6 +279,17 @@ class SourceRecord:
     bundle: str | None = None
     netlock_table: str | None = None  # CRIU's network-lock table of this dump: lifted on thaw or end
     updated: float = 0.0
+    # start times (clock ticks since boot) of hold_pid and root_pid: with boot_id, they name the
+    # processes for good, so that a PID handed out again is never thawed or killed (None: older record)
+    hold_start: int | None = None
+    root_start: int | None = None
+    thaw_left: str | None = None  # THAW_INCOMPLETE: what the thaw could not do yet (retried)
+
+    def hold(self) -> Identity:
+        return Identity(self.hold_pid, self.hold_start, self.boot_id)
+
+    def tree(self) -> Identity | None:
+        return Identity(self.root_pid, self.root_start, self.boot_id) if self.root_pid else None
 
     def to_json(self) -> dict:
         return {**asdict(self), "ticket": self.ticket.to_json(), "state": str(self.state)}
@@ -307,6 +320,20 @@ class TargetRecord:
     # a job's rank after the first: the first moved rank's migration, whose commit decides this one
     # too (the client commits that one first; a target left undecided follows it, see `verdict`)
     follow: Ticket | None = None
+    # start times of handoff_pid, root_pid and placeholder_pid (see SourceRecord.hold_start)
+    handoff_start: int | None = None
+    root_start: int | None = None
+    placeholder_start: int | None = None
+
+    def handoff(self) -> Identity | None:
+        return Identity(self.handoff_pid, self.handoff_start, self.boot_id) if self.handoff_pid else None
+
+    def tree(self) -> Identity | None:
+        return Identity(self.root_pid, self.root_start, self.boot_id) if self.root_pid else None
+
+    def placeholder_init(self) -> Identity | None:
+        pid = self.placeholder_pid
+        return Identity(pid, self.placeholder_start, self.boot_id) if pid else None
 
     def to_json(self) -> dict:
         return {**asdict(self), "state": str(self.state)}

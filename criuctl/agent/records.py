@@ -56,10 +56,3 @@ def scan(folder: Path, pattern: str, parse: Callable[[Any], T]) -> Iterator[tupl
         if rec is not None:
             yield path, rec
 
-
-def boot_id() -> str:
-    """This boot's id: a record from another boot names processes that no longer exist."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return "unknown"

@@ -19,8 +19,6 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import psutil
-
 from criuctl import durable, placeholder, procinfo
 from criuctl.agent import points, records, verdicts
 from criuctl.agent.handoffs import HandoffFailed, HandoffLike
@@ -88,7 +86,7 @@ class TargetMachine:
     def create(cls, migration: str, workload: str, mode: Mode, secret_sha256: str, spool: Path,
                records_dir: Path, spawn: Spawn, timeouts: Timeouts = TIMEOUTS, placeholder: str | None = None,
                runtime: str | None = None) -> TargetMachine:  # fmt: skip
-        rec = TargetRecord(migration, workload, str(mode), TargetState.NEW, secret_sha256, records.boot_id(),
+        rec = TargetRecord(migration, workload, str(mode), TargetState.NEW, secret_sha256, procinfo.boot_id(),
                            updated=time.time(), history=[f"new@{time.time():.3f}"], placeholder=placeholder,
                            runtime=runtime)  # fmt: skip
         m = cls(rec, spool / migration, records_dir / f"{migration}.json", spawn, timeouts)
@@ -220,23 +218,27 @@ class TargetMachine:
         return Verdict.ABORTED
 
     def _copy_dead(self) -> bool:
-        """Kill a restored copy that never ran (its handoff is gone); True once none is left."""
-        pid, same_boot = self.rec.root_pid, self.rec.boot_id == records.boot_id()
-        if self.state in (TargetState.RESTORED, TargetState.RESTORING) and pid and same_boot:
-            procinfo.kill_tree(pid)
+        """Kill a restored copy that never ran (its handoff is gone); True once none is left.
+
+        Only the very processes the record names: a PID handed out again since (the copy ended,
+        the node rebooted) belongs to someone else and is left alone."""
+        tree = self.rec.tree()
+        if self.state in (TargetState.RESTORED, TargetState.RESTORING) and tree and tree.alive():
+            procinfo.kill_tree(tree.pid)
             deadline = time.monotonic() + 10
-            while _alive(pid):
+            while tree.alive():
                 if time.monotonic() > deadline:
                     return False
                 time.sleep(0.05)
-            if self.rec.placeholder_pid:  # its handoff died before saying so: the placeholder is empty
-                placeholder.tell_pid(self.rec.placeholder_pid, "aborted: the agent restarted first")
+            ph = self.rec.placeholder_init()
+            if ph and ph.alive():  # its handoff died before saying so: the placeholder is empty
+                placeholder.tell_pid(ph.pid, "aborted: the agent restarted first")
         return True
 
     def _handoff_lives(self) -> bool:
         """The record's handoff process (of this agent or a previous one) is still there."""
-        pid = self.rec.handoff_pid
-        return bool(pid) and self.rec.boot_id == records.boot_id() and _alive(pid)
+        h = self.rec.handoff()
+        return h is not None and h.alive()
 
     # ----------------------------------------------------------------------------------- restart
 
@@ -255,9 +257,3 @@ class TargetMachine:
             self._write(TargetState.ABORTED)
             shutil.rmtree(self.dir, ignore_errors=True)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
