@@ -71,6 +71,7 @@ class DumpOutcome:
     total_seconds: float
     size_bytes: int
     phases: dict[str, float] = field(default_factory=dict)  # criu_dump, seal (hash + fsync)
+    thaw: Thaw | None = None  # --leave-running: how the thaw went (incomplete: what is left)
 
 
 def _check_out_dir(out: Path) -> None:
@@ -80,7 +81,26 @@ def _check_out_dir(out: Path) -> None:
         raise CriuctlError(f"{out.parent} does not exist", "create the parent directory first")
 
 
-def thaw_tree(root_pid: int, images_dir: Path | None = None, table: str | None = None) -> None:
+@dataclass(frozen=True)
+class Thaw:
+    """What a thaw did. The tree always got its SIGCONT: it runs. `left` names each step that failed
+    — CRIU's network lock still dropping its connections, sockets still in repair mode, CUDA state
+    the driver still holds — and is never called success: the caller records it, reports it, and
+    retries (`thaw_tree` again: every step is idempotent) until nothing is left."""
+
+    left: tuple[str, ...] = ()
+
+    @property
+    def complete(self) -> bool:
+        return not self.left
+
+    def line(self) -> str:
+        return "; ".join(self.left)
+
+
+def thaw_tree(
+    root_pid: int, images_dir: Path | None = None, table: str | None = None, workload: str | None = None
+) -> Thaw:
     """Let a frozen (dumped or not) tree run on where it is: the one thaw every path uses.
 
     Before any process runs: CRIU's network lock for this tree is lifted (the table named in
@@ -90,13 +110,47 @@ def thaw_tree(root_pid: int, images_dir: Path | None = None, table: str | None =
     are gone. With neither, a tree with no TCP connection may leave an (empty, harmless) table
     behind. Idempotent; acts in the caller's network namespace (a workload shares the host's).
     Last, processes whose CUDA state the driver holds (a dump that got that far) get it back.
+
+    Each step is best effort and the SIGCONT comes whatever failed before it: a tree left stopped
+    because its lock could not be lifted would be a job lost while every record says it runs. What
+    failed is in the returned `Thaw`, and in `workload`'s record (`ps` shows it) until a later
+    thaw completes.
     """
     pids = procinfo.tree_pids(root_pid)
-    lift_network_lock(pids, images_dir, table)
-    tcprepair.release(pids, tcprepair.reuseaddr_from_images(images_dir) if images_dir else None)
-    for pid in pids:
-        procinfo.send_signal(pid, signal.SIGCONT)
-    gpustate.release_tree(pids)  # running again: GPU state the driver holds goes back (GPU nodes)
+    left: list[str] = []
+    try:
+        _step(left, "CRIU's network lock still drops its TCP connections",
+              lambda: lift_network_lock(pids, images_dir, table))  # fmt: skip
+        reuse = tcprepair.reuseaddr_from_images(images_dir) if images_dir else None
+        _step(left, "its TCP sockets are still in repair mode", lambda: tcprepair.release(pids, reuse))
+    finally:
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                procinfo.send_signal(pid, signal.SIGCONT)
+    # running again: GPU state the driver holds goes back (GPU nodes)
+    _step(left, "the GPU driver still holds its CUDA state", lambda: gpustate.release_tree(pids))
+    thaw = Thaw(tuple(left))
+    if workload is not None:
+        _record_thaw(workload, root_pid, thaw)
+    return thaw
+
+
+def _step(left: list[str], what: str, step: Callable[[], object]) -> None:
+    try:
+        step()
+    except Exception as exc:  # best effort: the tree must still get its SIGCONT; this is reported
+        why = exc.line() if isinstance(exc, CriuctlError) else f"{type(exc).__name__}: {exc}"
+        left.append(f"{what} ({why})")
+
+
+def _record_thaw(name: str, root_pid: int, thaw: Thaw) -> None:
+    """Keep an incomplete thaw in the workload's record (what `ps` shows), or clear it once done."""
+    with contextlib.suppress(CriuctlError, OSError, ValueError, TypeError):
+        w = workloads.load(name)
+        now = None if thaw.complete else thaw.line()
+        if w is not None and w.root_pid == root_pid and w.thaw_incomplete != now:
+            w.thaw_incomplete = now
+            workloads.save(w)
 
 
 def lift_network_lock(pids: list[int], images_dir: Path | None = None, table: str | None = None) -> list[str]:
@@ -140,8 +194,11 @@ class Frozen:
     def images_dir(self) -> Path:
         return self.bundle_dir / bundle.IMAGES_DIR
 
-    def thaw(self, remove_bundle: bool = True) -> None:
-        """Let the tree run on where it was, connections working; remove the bundle (unless told not to)."""
+    def thaw(self, remove_bundle: bool = True) -> Thaw:
+        """Let the tree run on where it was, connections working; remove the bundle (unless told not to).
+
+        An incomplete thaw (`Thaw.left`) still lets the tree run; `netlock_table` keeps the name of
+        its lock for the retries, the images being gone."""
         try:
             if self._criu is not None:
                 # post-copy: CRIU still holds the tree (ptrace) to serve its pages, and its death
@@ -149,15 +206,22 @@ class Frozen:
                 # (a read fails with EPERM, and the job dies). A SIGSTOP queued first makes them
                 # stop instead, until thaw_tree has released the sockets and sends SIGCONT.
                 for pid in self.pids:
-                    procinfo.send_signal(pid, signal.SIGSTOP)
+                    with contextlib.suppress(OSError):
+                        procinfo.send_signal(pid, signal.SIGSTOP)
                 self._session.kill()
                 self._criu.join()
-            thaw_tree(self.workload.root_pid, self.images_dir)  # its GPUs come back too
+            self.netlock_table = self.netlock_table or netlock.table_for_images(self.images_dir)
+            thaw = thaw_tree(self.workload.root_pid, self.images_dir, self.netlock_table, self.workload.name)
             stepboundary.release(self.workload, self.boundary)
             if remove_bundle:
                 shutil.rmtree(self.bundle_dir, ignore_errors=True)
+            return thaw
         finally:
             self.release()
+
+    def retry_thaw(self) -> Thaw:
+        """Once more, what an incomplete `thaw` left undone (the tree already runs)."""
+        return thaw_tree(self.workload.root_pid, None, self.netlock_table, self.workload.name)
 
     def release(self) -> None:
         """Let another dump of this workload start. Commit and thaw do it; call it only if neither runs."""
@@ -333,7 +397,9 @@ def _freeze_locked(
         frozen.phases["seal"] = time.monotonic() - t0
     except BaseException as exc:
         log = _keep_log(staging / bundle.DUMP_LOG, w.name)
-        frozen.thaw()  # lifts the network lock CRIU left, if it got that far; releases the lock
+        thawed = frozen.thaw()  # lifts the network lock CRIU left, if it got that far; releases the lock
+        if isinstance(exc, CriuctlError) and not thawed.complete:
+            exc.hint += f"; it runs again, but its thaw did not complete: {thawed.line()}"
         if isinstance(exc, criu.CriuError) and not w.alive():
             raise CriuctlError(
                 f"workload {w.name!r} ended while it was being frozen",
@@ -419,23 +485,26 @@ def dump(
         os.rename(frozen.bundle_dir, out)
         durable.fsync_dir(out.parent)  # the rename itself on disk before the tree dies
     except OSError as exc:
-        frozen.thaw()
+        thawed = frozen.thaw()
         raise CriuctlError(
             f"cannot move the bundle into {out}: {exc.strerror}",
-            "nothing was checkpointed, the workload keeps running; pass a new, empty -o directory",
+            "nothing was checkpointed, the workload keeps running"
+            + ("" if thawed.complete else f" (its thaw did not complete: {thawed.line()})")
+            + "; pass a new, empty -o directory",
         ) from exc
     except BaseException:
         frozen.thaw()
         raise
     frozen.bundle_dir = out
     # Commit: the bundle is complete, signed and on disk.
+    thaw = None
     if leave_running:
-        frozen.thaw(remove_bundle=False)
+        thaw = frozen.thaw(remove_bundle=False)
     else:
         frozen.commit(bundle=str(out))
     size = bundle.size_bytes(out)
     took = time.monotonic() - started
-    return DumpOutcome(out, frozen.manifest, frozen.freeze_seconds, took, size, frozen.phases)
+    return DumpOutcome(out, frozen.manifest, frozen.freeze_seconds, took, size, frozen.phases, thaw)
 
 
 def _keep_log(log: Path, name: str) -> Path | None:

@@ -164,6 +164,25 @@ def _cmd_dump(a: argparse.Namespace) -> int:
             a.target, Path(a.output), leave_running=a.leave_running, progress=progress, freezer=freezer
         )
     render.dump_summary(outcome, a.leave_running)
+    if outcome.thaw is not None and not outcome.thaw.complete:  # the bundle is good; the job is not whole
+        raise CriuctlError(
+            f"{outcome.manifest.workload!r} runs again, but its thaw did not complete: {outcome.thaw.line()}",
+            f"`criuctl ps` shows it until `criuctl thaw {outcome.manifest.workload}` completes it",
+        )
+    return 0
+
+
+def _cmd_thaw(a: argparse.Namespace) -> int:
+    require_root("thaw")
+    from criuctl import checkpoint, workloads
+
+    w = workloads.resolve(a.name)
+    if not w.thaw_incomplete:
+        raise CriuctlError(f"workload {w.name!r} has no thaw to finish", "`criuctl ps` shows which do")
+    thaw = checkpoint.thaw_tree(w.root_pid, None, None, w.name)
+    if not thaw.complete:
+        raise CriuctlError(f"the thaw of {w.name!r} is still not complete: {thaw.line()}", "try again")
+    print(f"criuctl: the thaw of {w.name!r} is complete", file=sys.stderr)
     return 0
 
 
@@ -274,6 +293,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "agent": _cmd_agent,
     "node": climigrate.cmd_node,
     "migrate": climigrate.cmd_migrate,
+    "thaw": _cmd_thaw,
     "dump": _cmd_dump,
     "restore": _cmd_restore,
     "inspect": _cmd_inspect,

@@ -173,7 +173,7 @@ VERBS: dict[str, Verb] = {
             opt("--from", dest="source", metavar="NODE", help="the node it runs on (default: ask them all)"),
             opt(
                 "--mode",
-                choices=["stop-and-copy", "post-copy", "pre-copy"],
+                choices=["stop-and-copy", "post-copy"],
                 help="default: post-copy where both kernels have userfaultfd, else stop-and-copy",
             ),
             opt(
@@ -184,6 +184,11 @@ VERBS: dict[str, Verb] = {
             ),
             opt("--json", action="store_true", help="also print the result as JSON on stdout"),
         ),
+    ),
+    "thaw": Verb(
+        "finish a thaw that did not complete (`ps` says so): lift CRIU's network lock, take the "
+        "TCP sockets out of repair mode, give back GPU state; only for a workload that runs again",
+        (opt("name", metavar="NAME"),),
     ),
     "dump": Verb(
         "checkpoint a workload into a bundle directory",

@@ -21,6 +21,7 @@ import re
 from functools import cache
 from pathlib import Path
 
+from criuctl import faults
 from criuctl.errors import CriuctlError
 from criuctl.readdress import canonical as _addr
 
@@ -131,8 +132,11 @@ def lift(table: str) -> bool:
     """Delete lock table `table`; True if it was there. Idempotent: a missing table is fine."""
     if not table.startswith(PREFIX):
         raise ValueError(f"{table!r} is not a CRIU lock table")
-    with Nft() as nft:
-        ok, _, err = nft.run(f"delete table {FAMILY} {table}")
+    if faults.injected(faults.Fault.NETLOCK_LIFT):  # the table stays, as when the kernel refuses
+        ok, err = False, "Operation not permitted (a fault injected by a test)"
+    else:
+        with Nft() as nft:
+            ok, _, err = nft.run(f"delete table {FAMILY} {table}")
     if ok:
         return True
     if _ENOENT in err:

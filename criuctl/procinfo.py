@@ -43,17 +43,32 @@ class Identity:
     acts only while the process it names is still the one it recorded."""
 
     pid: int
-    start: int | None  # None: a record written before identities were kept (PID only)
+    start: int | None  # None: a record written before identities were kept
     boot: str
+    # with no start: when the record was written (wall clock); its process started before that,
+    # so one that started later is another process (a coarser test, for older records)
+    born_by: float | None = None
 
     @classmethod
     def of(cls, pid: int) -> Identity:
         """The identity of live process `pid` now (start None if it is already gone)."""
         return cls(pid, start_ticks(pid), boot_id())
 
+    def _same(self, now: int) -> bool:
+        """Whether the process holding the PID now, started at `now` ticks, is the one recorded."""
+        if self.boot != boot_id():
+            return False
+        if self.start is not None:
+            return now == self.start
+        if self.born_by is not None:
+            with contextlib.suppress(psutil.Error):
+                return psutil.Process(self.pid).create_time() <= self.born_by + 1.0
+        return True
+
     def alive(self) -> bool:
         """The very process recorded still exists (a zombie does not count)."""
-        if self.boot != boot_id() or (self.start is not None and start_ticks(self.pid) != self.start):
+        now = start_ticks(self.pid)
+        if now is None or not self._same(now):
             return False
         try:
             return psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
@@ -63,7 +78,7 @@ class Identity:
     def recycled(self) -> bool:
         """The PID now names another process (it ended, and the number was handed out again)."""
         now = start_ticks(self.pid)
-        return now is not None and (self.boot != boot_id() or (self.start is not None and now != self.start))
+        return now is not None and not self._same(now)
 
 
 def tree_pids(root_pid: int) -> list[int]:

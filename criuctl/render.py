@@ -44,10 +44,13 @@ def workloads_table(
     remote = rows is not None
     if rows is None:
         rows = workloads.rows()
-    table = []
+    table, notes = [], []
     for r in rows:
         live = r["state"] == workloads.RUNNING and r["alive"]
         state = "running" if live else (r["state"] if r["state"] != workloads.RUNNING else "lost")
+        if live and r.get("thaw_incomplete"):  # it runs, but e.g. its connections are still blocked
+            state = "running, thaw incomplete"
+            notes.append(f"criuctl: {r['name']}: its thaw did not complete: {r['thaw_incomplete']}")
         if r.get("moved_to") and r["state"] == workloads.MIGRATED:
             state = f"moved to {r['moved_to']}"
         unsupported = r.get("why_not") is not None  # a container criuctl cannot checkpoint
@@ -74,6 +77,8 @@ def workloads_table(
     for r in table:
         t.add_row(*r)
     out.print(t)
+    for note in notes:
+        err.print(escape(note))
 
 
 @contextlib.contextmanager

@@ -154,7 +154,8 @@ class Workload:
 
     @property
     def identity(self) -> procinfo.Identity:
-        return procinfo.Identity(self.root_pid, self.root_start, self.boot_id or procinfo.boot_id())
+        boot = self.boot_id or procinfo.boot_id()  # older records: this boot (no PID outlives one)
+        return procinfo.Identity(self.root_pid, self.root_start, boot, born_by=self.started)
 
     def alive(self) -> bool:
         """Its very tree runs here: the PID exists *and* is the process this record was made for."""

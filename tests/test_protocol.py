@@ -38,6 +38,7 @@ from criuctl.agent.protocol import (
 )
 from criuctl.agent.source import SourceMachine
 from criuctl.agent.target import TargetMachine
+from criuctl.checkpoint import Thaw
 
 TICKET = Ticket("http://10.0.0.3:7070", "f" * 32, "secret-secret-secret", "b")
 FAST = Timeouts(freeze=2, restore=2, handoff_settle=2, target_commit=2, source_commit=2, pages=2)
@@ -90,7 +91,11 @@ def test_tables_cover_every_state_and_finals_are_dead_ends():
     for s in SOURCE_FINAL:
         assert not SOURCE_TRANSITIONS[s]
     # the rule: from SENT the source can only end or thaw (on the target's word); a running target stays
-    assert SOURCE_TRANSITIONS[SourceState.SENT] == {SourceState.COMMITTED, SourceState.THAWED}
+    assert SOURCE_TRANSITIONS[SourceState.SENT] == {
+        SourceState.COMMITTED,
+        SourceState.THAWED,
+        SourceState.THAW_INCOMPLETE,
+    }
     assert not TARGET_TRANSITIONS[TargetState.RUNNING]
     assert TargetState.ABORTED not in TARGET_TRANSITIONS[TargetState.RUNNING]
     with pytest.raises(BadTransition):
@@ -131,8 +136,9 @@ def _source(tmp_path: Path, h: ScriptedHandoff, send=None, thawed: list | None =
         counter.done = 7
         return {"bytes": 7}
 
-    def thaw(rec: SourceRecord) -> None:
+    def thaw(rec: SourceRecord) -> Thaw:
         (thawed if thawed is not None else []).append(rec.root_pid)
+        return Thaw()
 
     return SourceMachine(spec, spawn, send or ok_send, thaw, FAST)
 
@@ -412,12 +418,18 @@ def test_restarted_target_aborts_a_restored_record_whose_handoff_is_gone(tmp_pat
 class FakeFrozen:
     """Stands for checkpoint.Frozen: records whether the tree was thawed or ended, never both."""
 
-    def __init__(self) -> None:
+    def __init__(self, thaws: list[Thaw] | None = None) -> None:
         self.fate: list[str] = []
         self.bundle_dir = Path("/nonexistent")
+        self.thaws = thaws or [Thaw()]  # how each try goes: the first is `thaw`, the rest retries
 
-    def thaw(self) -> None:
+    def thaw(self) -> Thaw:
         self.fate.append("thaw")
+        return self.thaws.pop(0)
+
+    def retry_thaw(self) -> Thaw:
+        self.fate.append("retry")
+        return self.thaws.pop(0)
 
     def commit(self, *_a, **_k) -> None:
         self.fate.append("end")
@@ -457,6 +469,45 @@ def test_handoff_thaws_after_sent_only_when_the_target_confirms(tmp_path, monkey
     src, events = _sent_source(tmp_path, monkeypatch, [""], [Verdict.UNKNOWN, Verdict.ABORTED])
     src._settle(handoff_mod._command())
     assert src.frozen.fate == ["thaw"] and events == ["thawed"]
+
+
+def test_handoff_thaw_that_does_not_complete_is_said_and_retried_until_it_does(tmp_path, monkeypatch):
+    """The network lock cannot be lifted at first: the tree runs (SIGCONT is thaw_tree's last word
+    whatever failed), the record says THAW_INCOMPLETE with what is left — never THAWED — and the
+    handoff tries again until the thaw completes."""
+    src, events = _sent_source(tmp_path, monkeypatch, [""], [Verdict.ABORTED])
+    left = Thaw(("CRIU's network lock still drops its TCP connections (cannot delete …)",))
+    src.frozen = FakeFrozen([left, left, Thaw()])  # type: ignore[assignment]
+    seen: list[str] = []
+    write = handoff_mod.records.write
+    monkeypatch.setattr(handoff_mod.records, "write", lambda p, d: (seen.append(d["state"]), write(p, d)))
+    src._settle(handoff_mod._command())
+    assert src.frozen.fate == ["thaw", "retry", "retry"]
+    assert events == ["thaw-incomplete", "thawed"]  # said once, not once per try
+    assert seen == ["thaw-incomplete", "thawed"]
+    rec = records.read(Path(src.spec.record), SourceRecord.from_json)
+    assert rec.state == SourceState.THAWED and rec.thaw_left is None
+
+
+def test_source_machine_reports_an_incomplete_thaw_and_settles_when_the_handoff_completes_it(tmp_path):
+    async def go():
+        async def broken_send(_bdir, _counter):
+            raise OSError("link cut")
+
+        h = ScriptedHandoff([
+            ("until", FIRST, {**FROZEN, "bundle": str(tmp_path / "bundle")}),
+            ("ask", Command.ABORT, {"event": "thaw-incomplete", "left": "lock (EPERM)"}),
+            ("until", frozenset({Event.THAWED}), {"event": "thawed"}),
+        ])  # fmt: skip
+        m = _source(tmp_path, h, send=broken_send)
+        out = await m.run(_quiet_say)
+        assert not out.ok and out.facts == {"thawed": "incomplete", "left": "lock (EPERM)"}
+        assert m.state == SourceState.THAW_INCOMPLETE and not m.final  # never called success
+        await m.finisher
+        assert m.state == SourceState.THAWED
+        h.done()
+
+    asyncio.run(go())
 
 
 def test_handoff_commit_is_refused_unless_the_target_runs_it(tmp_path, monkeypatch):

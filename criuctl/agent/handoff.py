@@ -166,9 +166,19 @@ class _Source:
             backoff = min(backoff * 2, TIMEOUTS.ask_backoff_max)
 
     def _thaw(self) -> None:
+        """The tree runs here again. A thaw that did not complete (its lock could not be lifted, say)
+        is said at once (THAW_INCOMPLETE, with what is left) and retried here until it completes;
+        only then THAWED. The tree runs meanwhile: it got its SIGCONT whatever failed."""
         assert self.frozen is not None
-        self.frozen.thaw()
-        self._advance(SourceState.THAWED)
+        thaw, backoff = self.frozen.thaw(), 1.0
+        while not thaw.complete:
+            if self.rec is not None and self.rec.thaw_left != thaw.line():
+                self._advance(SourceState.THAW_INCOMPLETE, thaw_left=thaw.line())
+                _emit(Event.THAW_INCOMPLETE, left=thaw.line())
+            time.sleep(backoff)
+            backoff = min(backoff * 2, TIMEOUTS.thaw_retry_max)
+            thaw = self.frozen.retry_thaw()
+        self._advance(SourceState.THAWED, thaw_left=None)
         _emit(Event.THAWED)
 
     def _commit(self) -> None:

@@ -38,6 +38,7 @@ from criuctl.agent.protocol import (
     Ticket,
     Verdict,
     secret_digest,
+    verdict_key,
 )
 from criuctl.agent.target import TargetMachine
 from criuctl.agent.web import BadInto, body_json, container_id, error, fail, outcome_response, valid_id
@@ -161,6 +162,7 @@ class Incoming:
             spawn_target,
             placeholder=into,
             runtime=self.agent.runtimes.endpoint,
+            verdict_key=verdict_key(secret),
         )
         self.machines[m.id] = m
         if follow is not None:
@@ -213,20 +215,20 @@ class Incoming:
 
     async def status(self, r: web.Request) -> web.Response:
         m = self._get(r)
-        return web.json_response({"state": str(m.state), "workload": m.rec.workload})
+        return web.json_response({**m.answer(), "workload": m.rec.workload})
 
     async def abort(self, r: web.Request) -> web.Response:
         m = self._get(r)
         verdict = await m.verdict()
         if verdict == Verdict.RUNNING:
             return fail(409, f"migration {m.id} already runs on node {self.agent.name}; it cannot be aborted",
-                        state="running")  # fmt: skip
+                        **m.answer())  # fmt: skip
         if verdict == Verdict.UNKNOWN:
             return fail(503, f"node {self.agent.name} could not end its copy of migration {m.id} yet",
                         "ask again", state=str(m.state))  # fmt: skip
         self.agent.metrics.migrations.labels("target", m.rec.mode, "aborted").inc()
         self.machines.pop(m.id, None)
-        return web.json_response({"state": "aborted"})
+        return web.json_response(m.answer())
 
     async def lift_cut(self, r: web.Request) -> web.Response:
         m = self._get(r)

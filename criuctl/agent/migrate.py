@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from criuctl.agent import points
 from criuctl.agent.client import AgentClient, Node, NodeUnreachable
-from criuctl.agent.protocol import TIMEOUTS, Mode, Point, Ticket
+from criuctl.agent.protocol import INCOMPLETE, TIMEOUTS, Mode, Point, Ticket
 from criuctl.errors import CriuctlError
 
 Progress = Callable[..., None]  # progress(phase, **facts)
@@ -37,6 +37,9 @@ Progress = Callable[..., None]  # progress(phase, **facts)
 
 class MigrationFailed(CriuctlError):
     exit_code = 4
+    # the job runs on the source again, but its thaw did not complete (what is left): its agent
+    # retries; the caller says so wherever it reports (an Event on Kubernetes)
+    thaw_left: str | None = None
 
 
 class MigrationInDoubt(CriuctlError):
@@ -196,6 +199,8 @@ class Move:
             elif kind == "error":
                 if ev.get("thawed", True) is True:
                     raise MigrationFailed(ev["what"], ev.get("hint", ""))
+                if ev.get("thawed") == INCOMPLETE:
+                    raise _thaw_incomplete(ev["what"], ev.get("left") or "", self.name, self.source.name)
                 why = _frozen_hint(self.name, self.source.name, self.target.name, "thawed: unconfirmed")
                 raise self._in_doubt(MigrationInDoubt(ev["what"], why))
         else:
@@ -294,6 +299,18 @@ def _keeps_running(hint: str, name: str, node: str) -> str:
     return "; ".join(filter(None, [hint, f"{name!r} keeps running on {node}"]))
 
 
+def _thaw_incomplete(what: str, left: str, name: str, node: str) -> MigrationFailed:
+    """A failed migration whose source runs the job again with its thaw not complete: never said
+    as "keeps running" alone, since e.g. its connections may still be blocked."""
+    err = MigrationFailed(
+        what,
+        f"{name!r} runs on {node} again, but its thaw did not complete ({left}); node {node}'s agent "
+        f"keeps trying (`criuctl ps --node {node}` shows it until done)",
+    )
+    err.thaw_left = left
+    return err
+
+
 def _aborted(
     src: AgentClient,
     dst: AgentClient,
@@ -313,9 +330,11 @@ def _aborted(
     except CriuctlError as err:
         if getattr(err, "status", None) == 404:  # the stream failed before "sent": the source thawed
             return MigrationFailed(exc.what, _keeps_running(exc.hint, name, source))
-        answer = {"state": "unknown"}
+        answer = getattr(err, "body", None) or {"state": "unknown"}
     if answer.get("state") == "thawed" or answer.get("thawed") is True:
         return MigrationFailed(exc.what, _keeps_running(exc.hint, name, source))
+    if answer.get("thawed") == INCOMPLETE:
+        return _thaw_incomplete(exc.what, answer.get("left") or "", name, source)
     return MigrationInDoubt(exc.what, _frozen_hint(name, source, dst.node.name, "thawed: unconfirmed"))
 
 

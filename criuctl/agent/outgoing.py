@@ -14,6 +14,7 @@ import json
 import logging
 import shutil
 import socket
+import time
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,10 +24,21 @@ from aiohttp import web
 from criuctl import bundle, checkpoint, containers, criu, netlock, procinfo, readdress, workloads
 from criuctl.agent import records, transfer, verdicts
 from criuctl.agent.handoffs import Handoff
-from criuctl.agent.protocol import SOURCE_FINAL, Mode, SourceRecord, SourceSpec, SourceState, Ticket, Verdict
-from criuctl.agent.source import SourceMachine
+from criuctl.agent.protocol import (
+    SOURCE_FINAL,
+    TIMEOUTS,
+    Mode,
+    SourceRecord,
+    SourceSpec,
+    SourceState,
+    Ticket,
+    Verdict,
+    check_transition,
+)
+from criuctl.agent.source import SourceMachine, thaw_until_done
 from criuctl.agent.web import body_json, error, fail, outcome_response, valid_id
 from criuctl.errors import CriuctlError
+from criuctl.procinfo import Identity
 
 if TYPE_CHECKING:
     from criuctl.agent.server import Agent
@@ -108,7 +120,7 @@ class Outgoing:
             url = f"{ticket.base()}/bundle"
             return transfer.send(source, url, ticket.secret, ticket.ca, counter, ticket.node)
 
-        m = SourceMachine(spec, spawn_source, send, _thaw)
+        m = SourceMachine(spec, spawn_source, send, self._thaw_record)
         self.machines[mid] = m
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(r)
@@ -129,7 +141,8 @@ class Outgoing:
         else:
             self.agent.metrics.migrations.labels("source", str(mode), "failed").inc()
             log.warning("outgoing failed", extra={"id": mid, "error": out.what})
-            await say("error", what=out.what, hint=out.hint, thawed=out.facts.get("thawed", "unconfirmed"))
+            await say("error", what=out.what, hint=out.hint, thawed=out.facts.get("thawed", "unconfirmed"),
+                      left=out.facts.get("left"))  # fmt: skip
             await self._after_failure(m)
         with contextlib.suppress(ConnectionError, RuntimeError):
             await resp.write_eof()
@@ -153,25 +166,34 @@ class Outgoing:
     async def abort(self, r: web.Request) -> web.Response:
         m = self._get(r)
         out = await m.abort()
-        if m.state == SourceState.THAWED:
+        if m.state in (SourceState.THAWED, SourceState.THAW_INCOMPLETE):
             self.agent.metrics.migrations.labels("source", m.spec.mode, "aborted").inc()
-            await self._forget(m)
+            self.agent.spawn(self._forget_when_done(m, linger=0.0))
         return outcome_response(out)
 
     async def _after_failure(self, m: SourceMachine) -> None:
-        """Forget a failed migration, unless its handoff died holding a tree the target must settle."""
+        """Forget a failed migration once its tree runs here whole (an incomplete thaw is retried
+        first), unless its handoff died holding a tree the target must settle."""
         rec = await asyncio.to_thread(records.read, Path(m.spec.record), SourceRecord.from_json)
+        if m.state == SourceState.THAW_INCOMPLETE:
+            self.agent.spawn(self._forget_when_done(m, linger=0.0))
+            return
         if m.state in SOURCE_FINAL or not isinstance(rec, SourceRecord) or rec.state != SourceState.SENT:
             await self._forget(m)
             return
         self.machines.pop(m.id, None)
-        self.agent.spawn(self.settle_orphan(rec))
+        self.agent.spawn(self.settle(rec))
 
-    async def _forget_when_done(self, m: SourceMachine) -> None:
+    async def _forget_when_done(self, m: SourceMachine, linger: float = 60.0) -> None:
+        """Once its finisher is done (the last page pulled, an incomplete thaw completed), and after
+        `linger` (the client may still ask how long the pages took)."""
         if m.finisher is not None:
             await m.finisher
-        await asyncio.sleep(60)  # the client may still ask how long the pages took
-        await self._forget(m)
+        await asyncio.sleep(linger)
+        if m.state in SOURCE_FINAL:  # a thaw's retries whose handoff died: recovery has its record
+            await self._forget(m)
+        else:
+            self.machines.pop(m.id, None)
 
     async def _forget(self, m: SourceMachine) -> None:
         """A final migration: drop its entry, its folder and its record (the target keeps the tombstone)."""
@@ -189,63 +211,102 @@ class Outgoing:
 
     # ----------------------------------------------------------------------------------- restart
 
-    def recover(self) -> list[tuple[SourceRecord, str]]:
-        """At start-up (in a thread): act on every record whose handoff died. Returns those in SENT.
+    def recover(self) -> list[SourceRecord]:
+        """At start-up (in a thread): act on every record whose handoff died; those still to settle.
 
         A live handoff settles itself (its lease broke: it asks the target). A dead one left a
         tree that only this agent can settle now: before SENT it thaws; COMMITTED ends; SENT asks
-        the target, in `settle_orphan`.
+        the target and an incomplete thaw is tried again, in `settle`. Each record on its own: one
+        that cannot be settled is logged and left for the next start, never the end of the others.
         """
-        orphans = []
+        later = []
         for path, rec in records.scan(self.records, "*.json", SourceRecord.from_json):
             if isinstance(rec, records.Unreadable):
                 log.error("unreadable outgoing record", extra={"path": str(path), "why": rec.why})
                 continue
-            if rec.hold().alive() and rec.state not in SOURCE_FINAL:
-                log.warning("outgoing settles itself", extra={"id": rec.migration, "state": str(rec.state)})
-                continue
-            tree = rec.root_pid if (t := rec.tree()) and t.alive() else None
-            if tree and rec.state in (SourceState.FREEZING, SourceState.FROZEN, SourceState.SENDING):
-                checkpoint.thaw_tree(tree, _images(rec), rec.netlock_table)
-            elif tree and rec.state == SourceState.COMMITTED:
-                _end(tree, rec)
-            elif tree and rec.state == SourceState.SENT:
-                orphans.append((rec, str(path)))
-                continue
-            log.warning("recovered outgoing", extra={"id": rec.migration, "state": str(rec.state)})
-            self._remove(rec.migration)
-        return orphans
+            try:
+                if self._recover_one(rec):
+                    later.append(rec)
+            except Exception as exc:  # this record only: the next start tries it again
+                log.exception("outgoing record not settled", extra={"id": rec.migration, "error": str(exc)})
+        return later
 
-    async def settle_orphan(self, rec: SourceRecord) -> None:
-        """A frozen tree in SENT whose handoff died: ask the target until it says, then act."""
-        backoff = 1.0
-        while (verdict := await asyncio.to_thread(verdicts.ask_abort, rec.ticket)) == Verdict.UNKNOWN:
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 30.0)
-        assert rec.root_pid is not None
-        if verdict == Verdict.RUNNING:
-            await asyncio.to_thread(_end, rec.root_pid, rec)
-        else:
-            await asyncio.to_thread(checkpoint.thaw_tree, rec.root_pid, _images(rec), rec.netlock_table)
-        log.warning("recovered outgoing", extra={"id": rec.migration, "verdict": str(verdict)})
+    def _recover_one(self, rec: SourceRecord) -> bool:
+        """Settle one record whose handoff died, as far as can be done now; True: `settle` goes on."""
+        if rec.hold().alive() and rec.state not in SOURCE_FINAL:
+            log.warning("outgoing settles itself", extra={"id": rec.migration, "state": str(rec.state)})
+            return False
+        tree = rec.tree()
+        if tree is not None and tree.alive():  # the very tree: a PID given out again is not touched
+            if rec.state in (SourceState.FREEZING, SourceState.FROZEN, SourceState.SENDING,
+                             SourceState.THAW_INCOMPLETE):  # fmt: skip
+                if not self._thaw_record(rec).complete:
+                    return True
+            elif rec.state == SourceState.COMMITTED:
+                _end(tree, rec)
+            elif rec.state == SourceState.SENT:
+                return True
+        log.warning("recovered outgoing", extra={"id": rec.migration, "state": str(rec.state)})
+        self._remove(rec.migration)
+        return False
+
+    async def settle(self, rec: SourceRecord) -> None:
+        """A record whose handoff died, still unsettled: a frozen tree in SENT asks the target until
+        it answers and acts on its verdict; a thaw that did not complete is tried until it does."""
+        if rec.state == SourceState.SENT:
+            backoff = 1.0
+            while (verdict := await asyncio.to_thread(verdicts.ask_abort, rec.ticket)) == Verdict.UNKNOWN:
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, TIMEOUTS.ask_backoff_max)
+            log.warning("recovered outgoing", extra={"id": rec.migration, "verdict": str(verdict)})
+            if verdict == Verdict.RUNNING and (tree := rec.tree()) is not None:
+                await asyncio.to_thread(_end, tree, rec)
+                await asyncio.to_thread(self._remove, rec.migration)
+                return
+        await thaw_until_done(lambda: self._thaw_record(rec), TIMEOUTS.thaw_retry_max)
         await asyncio.to_thread(self._remove, rec.migration)
 
+    def _thaw_record(self, rec: SourceRecord) -> checkpoint.Thaw:
+        """Thaw the tree a record names (its handoff is gone), and write how it went into the record:
+        THAW_INCOMPLETE with what is left, or THAWED. A tree that is no longer there has nothing
+        left to thaw."""
+        tree = rec.tree()
+        if tree is None or not tree.alive():
+            return checkpoint.Thaw()
+        thaw = checkpoint.thaw_tree(tree.pid, _images(rec), rec.netlock_table, rec.workload)
+        if rec.state not in SOURCE_FINAL:  # (a FAILED freeze was thawed where it failed)
+            state = SourceState.THAWED if thaw.complete else SourceState.THAW_INCOMPLETE
+            rec.state = check_transition(rec.state, state)
+            rec.thaw_left, rec.updated = thaw.line() or None, time.time()
+            records.write(self.records / f"{rec.migration}.json", rec.to_json())
+        if not thaw.complete:
+            log.error("thaw incomplete", extra={"id": rec.migration, "left": thaw.line()})
+        return thaw
 
-def _end(root_pid: int, rec: SourceRecord) -> None:
-    """The job runs on the target: end the frozen source tree (PID 1 of its namespace takes the rest)."""
+    def thaws_incomplete(self) -> int:
+        """How many trees here run again with their thaw not complete (for /metrics)."""
+        return sum(
+            1
+            for _, rec in records.scan(self.records, "*.json", SourceRecord.from_json)
+            if isinstance(rec, SourceRecord) and rec.state == SourceState.THAW_INCOMPLETE
+        )
+
+
+def _end(tree: Identity, rec: SourceRecord) -> None:
+    """The job runs on the target: end the frozen source tree (PID 1 of its namespace takes the rest),
+    if it is still the very tree the record names."""
     w = workloads.load(rec.workload)
-    if w is not None and w.root_pid == root_pid:
+    if w is not None and w.root_pid == tree.pid:
         w.state, w.moved_to = workloads.MIGRATED, rec.ticket.node
         workloads.save(w)
         containers.mark_moved(w, rec.ticket.node)
-    procinfo.kill_tree(root_pid)
+    if tree.alive():
+        procinfo.kill_tree(tree.pid)
     if rec.netlock_table:  # the tree is gone: its lock would only outlive it
-        netlock.lift(rec.netlock_table)
-
-
-def _thaw(rec: SourceRecord) -> None:
-    assert rec.root_pid is not None
-    checkpoint.thaw_tree(rec.root_pid, _images(rec), rec.netlock_table)
+        try:
+            netlock.lift(rec.netlock_table)
+        except CriuctlError as exc:  # it blocks connections of a tree that is gone: harmless, said
+            log.error("network lock of an ended tree left", extra={"id": rec.migration, "error": exc.line()})
 
 
 def _images(rec: SourceRecord) -> Path | None:

@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import hmac
 import json
 import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypeVar
+
+import blake3
 
 from criuctl.procinfo import Identity
 
@@ -47,6 +50,10 @@ class SourceState(enum.StrEnum):
     COMMITTED = "committed"  # the target runs the job; the source tree is being ended
     DONE = "done"  # source tree gone (post-copy: after the last page was pulled)
     THAWED = "thawed"  # the tree runs on here (failure or abort); network lock lifted
+    # the tree runs on here (it got its SIGCONT), but a step of its thaw failed — CRIU's network
+    # lock still drops its connections, sockets in repair mode, GPU state held: retried until
+    # THAWED, reported (`ps`, the migrate line, /metrics), never called success
+    THAW_INCOMPLETE = "thaw-incomplete"
     FAILED = "failed"  # nothing was frozen, or the freeze failed and CRIU let the tree go
 
 
@@ -61,15 +68,17 @@ class TargetState(enum.StrEnum):
     FAILED = "failed"  # receive or restore failed; no copy exists
 
 
+_THAW = frozenset({SourceState.THAWED, SourceState.THAW_INCOMPLETE})
 SOURCE_TRANSITIONS: dict[SourceState, frozenset[SourceState]] = {
-    SourceState.FREEZING: frozenset({SourceState.FROZEN, SourceState.FAILED, SourceState.THAWED}),
+    SourceState.FREEZING: frozenset({SourceState.FROZEN, SourceState.FAILED, *_THAW}),
     # the handoff's record goes FROZEN → SENT directly; SENDING lives only in the agent
-    SourceState.FROZEN: frozenset({SourceState.SENDING, SourceState.SENT, SourceState.THAWED}),
-    SourceState.SENDING: frozenset({SourceState.SENT, SourceState.THAWED}),
-    SourceState.SENT: frozenset({SourceState.COMMITTED, SourceState.THAWED}),  # only on the target's word
+    SourceState.FROZEN: frozenset({SourceState.SENDING, SourceState.SENT, *_THAW}),
+    SourceState.SENDING: frozenset({SourceState.SENT, *_THAW}),
+    SourceState.SENT: frozenset({SourceState.COMMITTED, *_THAW}),  # only on the target's word
     SourceState.COMMITTED: frozenset({SourceState.DONE}),
     SourceState.DONE: frozenset(),
     SourceState.THAWED: frozenset(),
+    SourceState.THAW_INCOMPLETE: frozenset({SourceState.THAWED}),  # a retry completed it
     SourceState.FAILED: frozenset(),
 }
 
@@ -101,6 +110,9 @@ def check_transition(current: S, new: S) -> S:
     return new
 
 
+INCOMPLETE = "incomplete"  # the `thawed` fact of a source that runs again with its thaw not complete
+
+
 class Verdict(enum.StrEnum):
     """The target's answer to a source asking what to do with its frozen tree."""
 
@@ -128,7 +140,8 @@ class Event(enum.StrEnum):
     SENT = "sent"  # source: SENT is recorded; from now on it settles only with the target
     COMMITTED = "committed"
     DONE = "done"
-    THAWED = "thawed"
+    THAWED = "thawed"  # source: the tree runs again, every step of its thaw done
+    THAW_INCOMPLETE = "thaw-incomplete"  # source: it runs again; a step failed, retried until THAWED
     RESTORED = "restored"
     RUNNING = "running"
     ABORTED = "aborted"
@@ -157,6 +170,7 @@ class Timeouts:
     in_doubt: float = 30.0  # client asking the target after a lost commit answer
     ask_target: float = 20.0  # one verdict request
     ask_backoff_max: float = 30.0  # between verdict requests while the target is silent
+    thaw_retry_max: float = 30.0  # between tries to finish an incomplete thaw
     stall: float = 20.0  # no byte moved on a transfer
     info: float = 10.0  # GET /v1/info and similar small calls
     pages: float = 3600.0  # post-copy: commit until the last page is pulled
@@ -209,6 +223,46 @@ class Ticket:
 def secret_digest(secret: str) -> str:
     """What the target keeps on disk of a ticket: enough to check one, useless to forge one."""
     return hashlib.sha256(secret.encode()).hexdigest()
+
+
+_VERDICT_CONTEXT = "criuctl 2026-12 migration verdict"
+
+
+def verdict_key(secret: str) -> str:
+    """The key the target signs its answers about one migration with, derived from the ticket's
+    secret: the source, which holds the ticket, can check them; nothing else at the target's
+    address can make one (the target keeps the key, not the secret, in its record)."""
+    return blake3.blake3(secret.encode(), derive_key_context=_VERDICT_CONTEXT).hexdigest()
+
+
+def verdict_mac(key: str, migration: str, state: str, boot: str) -> str:
+    """The MAC over (migration, state, target boot): an answer a source may act on carries it."""
+    return blake3.blake3(f"{migration}\n{state}\n{boot}".encode(), key=bytes.fromhex(key)).hexdigest()
+
+
+def signed_state(key: str, migration: str, state: str, boot: str) -> dict[str, str]:
+    """What the target answers about a migration: its state, signed (unsigned, hence worth nothing
+    to a source, for a record made before verdicts were signed)."""
+    if not key:
+        return {"state": state, "migration": migration, "boot": boot}
+    return {
+        "state": state,
+        "migration": migration,
+        "boot": boot,
+        "mac": verdict_mac(key, migration, state, boot),
+    }
+
+
+def checked_state(ticket: Ticket, answer: Any) -> str | None:
+    """The state in a target's answer about the ticket's migration if the answer is signed with the
+    ticket's key; None for anything else (no answer, another migration, a 404 page, a forgery)."""
+    if not isinstance(answer, dict):
+        return None
+    state, migration, boot, mac = (answer.get(k) for k in ("state", "migration", "boot", "mac"))
+    if not all(isinstance(v, str) for v in (state, migration, boot, mac)) or migration != ticket.incoming:
+        return None
+    want = verdict_mac(verdict_key(ticket.secret), migration, state, boot)
+    return state if hmac.compare_digest(want, mac) else None
 
 
 @dataclass
@@ -324,6 +378,7 @@ class TargetRecord:
     handoff_start: int | None = None
     root_start: int | None = None
     placeholder_start: int | None = None
+    verdict_key: str = ""  # `verdict_key(secret)`: signs every answer about this migration
 
     def handoff(self) -> Identity | None:
         return Identity(self.handoff_pid, self.handoff_start, self.boot_id) if self.handoff_pid else None

@@ -55,4 +55,3 @@ def scan(folder: Path, pattern: str, parse: Callable[[Any], T]) -> Iterator[tupl
         rec = read(path, parse)
         if rec is not None:
             yield path, rec
-

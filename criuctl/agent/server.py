@@ -33,7 +33,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from criuctl import bundle, containers, criu, peers, runtime, workloads
 from criuctl.agent import handoffs, receiver, transfer
@@ -74,6 +81,12 @@ class Metrics:
         )  # fmt: skip
         self.bytes = Counter(
             "criuctl_bytes_moved", "Bundle bytes moved", ["direction"], registry=self.registry
+        )
+        self.thaws_incomplete = Gauge(
+            "criuctl_thaws_incomplete",
+            "Workloads that run again here after a failed or aborted migration, but whose thaw has "
+            "not completed (e.g. CRIU's network lock still drops their connections); retried",
+            registry=self.registry,
         )
         self.downtime = Histogram(
             "criuctl_migration_downtime_seconds", "Freeze to running on the target", ["mode"],
@@ -145,8 +158,8 @@ class Agent:
         """Level-triggered recovery: read every record, settle what a dead handoff left, then upkeep."""
         await asyncio.to_thread(self.incoming.recover)
         await asyncio.to_thread(self.runtimes.prepare_inject_dir)
-        for rec, _path in await asyncio.to_thread(self.outgoing.recover):
-            self.spawn(self.outgoing.settle_orphan(rec))
+        for rec in await asyncio.to_thread(self.outgoing.recover):
+            self.spawn(self.outgoing.settle(rec))
         for rid in await asyncio.to_thread(self.redirects.pending):
             self.spawn(self.redirects.settle(rid, 0.0))
         self.spawn(self._janitor())
@@ -243,6 +256,7 @@ class Agent:
         return web.json_response({"ok": True, "node": self.name})
 
     async def metrics_page(self, _r: web.Request) -> web.Response:
+        self.metrics.thaws_incomplete.set(await asyncio.to_thread(self.outgoing.thaws_incomplete))
         return web.Response(
             body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )

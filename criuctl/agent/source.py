@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from criuctl import checkpoint
 from criuctl.agent import livesend, points, records, transfer
 from criuctl.agent.handoffs import HandoffFailed, HandoffLike
 from criuctl.agent.protocol import (
+    INCOMPLETE,
     SOURCE_FINAL,
     TIMEOUTS,
     Command,
@@ -41,14 +44,24 @@ log = logging.getLogger("criuctl.agent")
 Spawn = Callable[[SourceSpec, Path], Awaitable[HandoffLike]]
 Send = Callable[[Path | transfer.Source, transfer.Counter], Awaitable[dict]]
 Say = Callable[..., Awaitable[None]]  # say(event, **fields): to the client's event stream
+# one thaw of a tree from its hold record (its handoff is gone), which the record then says
+ThawFromRecord = Callable[[SourceRecord], checkpoint.Thaw]
+
+
+async def thaw_until_done(attempt: Callable[[], checkpoint.Thaw], backoff_max: float) -> None:
+    """Try `attempt` (in a thread) until a thaw completes: the tree already runs, what is left (its
+    network lock, say) is retried with a backoff for as long as it takes."""
+    backoff = 1.0
+    while not (await asyncio.to_thread(attempt)).complete:
+        await asyncio.sleep(backoff)
+        backoff = min(backoff * 2, backoff_max)
 
 
 class SourceMachine:
     """One outgoing migration on this node."""
 
     def __init__(
-        self, spec: SourceSpec, spawn: Spawn, send: Send, thaw: Callable[[SourceRecord], None],
-        timeouts: Timeouts = TIMEOUTS,
+        self, spec: SourceSpec, spawn: Spawn, send: Send, thaw: ThawFromRecord, timeouts: Timeouts = TIMEOUTS,
     ) -> None:  # fmt: skip
         self.spec, self._spawn, self._send, self._thaw, self.t = spec, spawn, send, thaw, timeouts
         self.state = SourceState.FREEZING
@@ -58,7 +71,8 @@ class SourceMachine:
         self.downtime: float | None = None
         self.lock = asyncio.Lock()  # commit, abort and the lease never overlap
         self.lease: asyncio.Task | None = None
-        self.finisher: asyncio.Task | None = None
+        self.finisher: asyncio.Task | None = None  # after a commit: until DONE; after a thaw: until THAWED
+        self.thaw_left: str | None = None  # THAW_INCOMPLETE: what is left
         self.client_gone = False  # set by the server when the client's event stream broke
 
     @property
@@ -153,24 +167,71 @@ class SourceMachine:
     async def _failed_before_sent(self, exc: CriuctlError, kill: bool) -> Outcome:
         """The target never had a whole bundle: the tree runs on here."""
         thawed = await self._thaw_before_sent(kill)
-        if thawed:
-            self._to(SourceState.THAWED)
-        return Outcome(self.state, False, exc.what, exc.hint, {"thawed": True if thawed else "unconfirmed"})
+        facts: dict = {"thawed": thawed if thawed is not False else "unconfirmed"}
+        if thawed == INCOMPLETE:
+            facts["left"] = self.thaw_left
+        return Outcome(self.state, False, exc.what, exc.hint, facts)
 
-    async def _thaw_before_sent(self, kill: bool) -> bool:
+    async def _thaw_before_sent(self, kill: bool) -> bool | str:
+        """True once the tree runs here again; INCOMPLETE when it runs but its thaw is not complete
+        (retried in the background until it is); False when it cannot be told."""
         h = self.handoff
         if h is not None and h.alive and not kill:
             with contextlib.suppress(HandoffFailed, TimeoutError):
-                await h.ask(Command.ABORT, {Event.THAWED}, self.t.handoff_settle)
-                await h.close()
-                return True
+                ev = await h.ask(Command.ABORT, {Event.THAWED, Event.THAW_INCOMPLETE}, self.t.handoff_settle)
+                return await self._thawed(ev)
         if h is not None:
             await h.kill_group()  # it overran or would not answer: end it, then thaw from its record
         rec = records.read(Path(self.spec.record), SourceRecord.from_json)
         if isinstance(rec, SourceRecord) and rec.root_pid and rec.state != SourceState.SENT:
-            await asyncio.to_thread(self._thaw, rec)  # a handoff that died or overran: from its record
-            return True
+            # a handoff that died or overran: from its record
+            thaw = await asyncio.to_thread(self._thaw, rec)
+            if thaw.complete:
+                self._to(SourceState.THAWED)
+                return True
+            self._incomplete(thaw.line(), functools.partial(self._thaw, rec))
+            return INCOMPLETE
         return False
+
+    async def _thawed(self, ev: dict) -> bool | str:
+        """The handoff thawed the tree (THAWED), or it runs with its thaw not complete yet: then
+        the handoff retries, and says THAWED once done."""
+        assert self.handoff is not None
+        if ev["event"] == Event.THAWED:
+            self._to(SourceState.THAWED)
+            await self.handoff.close()
+            return True
+        self._incomplete(ev.get("left", ""), None)
+        return INCOMPLETE
+
+    def _incomplete(self, left: str, attempt: Callable[[], checkpoint.Thaw] | None) -> None:
+        """THAW_INCOMPLETE, and the task that ends it: the handoff's THAWED, or `attempt` retried."""
+        self._to(SourceState.THAW_INCOMPLETE)
+        self.thaw_left = left
+        log.error("thaw incomplete", extra={"id": self.id, "left": left})
+        self.finisher = asyncio.ensure_future(self._until_thawed(attempt))
+
+    def _incomplete_outcome(self) -> Outcome:
+        return Outcome(self.state, False, "the job runs here again, but its thaw did not complete",
+                       self.thaw_left or "", {"thawed": INCOMPLETE, "left": self.thaw_left})  # fmt: skip
+
+    async def _until_thawed(self, attempt: Callable[[], checkpoint.Thaw] | None) -> None:
+        """The handoff retries and says THAWED once done; a handoff that dies meanwhile leaves its
+        record, from which this agent goes on trying (`attempt`)."""
+        if attempt is None:
+            assert self.handoff is not None
+            try:
+                await self.handoff.until({Event.THAWED})
+            except HandoffFailed:
+                rec = records.read(Path(self.spec.record), SourceRecord.from_json)
+                if isinstance(rec, SourceRecord) and rec.state == SourceState.THAW_INCOMPLETE:
+                    attempt = functools.partial(self._thaw, rec)
+            finally:
+                await self.handoff.close()
+        if attempt is not None:
+            await thaw_until_done(attempt, self.t.thaw_retry_max)
+        self.thaw_left = None
+        self._to(SourceState.THAWED)
 
     # ----------------------------------------------------------------------------------- settle
 
@@ -214,21 +275,25 @@ class SourceMachine:
     async def abort(self) -> Outcome:
         """Abort: before SENT the tree thaws; from SENT on only if the target confirms its copy is dead."""
         async with self.lock:
+            if self.state == SourceState.THAW_INCOMPLETE:
+                return self._incomplete_outcome()
             if self.final or self.state == SourceState.COMMITTED:
                 return Outcome(self.state, self.state != SourceState.COMMITTED)
             if self.state != SourceState.SENT or self.handoff is None:
                 return Outcome(self.state, False, f"outgoing migration {self.id} is {self.state}")
             try:
                 ev = await self.handoff.ask(
-                    Command.ABORT, {Event.THAWED, Event.COMMITTED, Event.IN_DOUBT}, self.t.handoff_settle
+                    Command.ABORT,
+                    {Event.THAWED, Event.THAW_INCOMPLETE, Event.COMMITTED, Event.IN_DOUBT},
+                    self.t.handoff_settle,
                 )
             except (HandoffFailed, TimeoutError) as exc:
                 return Outcome(self.state, False, f"the source handoff did not answer ({exc})",
                                facts={"thawed": "unconfirmed"})  # fmt: skip
-            if ev["event"] == Event.THAWED:
-                self._to(SourceState.THAWED)
-                await self.handoff.close()
-                return Outcome(self.state, True, facts={"thawed": True})
+            if ev["event"] in (Event.THAWED, Event.THAW_INCOMPLETE):
+                if await self._thawed(ev) is True:
+                    return Outcome(self.state, True, facts={"thawed": True})
+                return self._incomplete_outcome()
             if ev["event"] == Event.COMMITTED:
                 self._committed()
                 return Outcome(self.state, False, "the job already runs on the target")

@@ -36,6 +36,7 @@ from criuctl.agent.protocol import (
     Timeouts,
     Verdict,
     check_transition,
+    signed_state,
 )
 from criuctl.errors import CriuctlError
 
@@ -69,6 +70,11 @@ class TargetMachine:
     def bundle_dir(self) -> Path:
         return self.dir / "bundle"
 
+    def answer(self) -> dict[str, str]:
+        """This migration's state as the source may act on it: signed with the ticket's key, with
+        this node's boot (a source's question is answered by what is true now, on this boot)."""
+        return signed_state(self.rec.verdict_key, self.id, str(self.state), procinfo.boot_id())
+
     def _write(self, state: TargetState) -> None:
         self.rec.state = check_transition(self.rec.state, state)
         self.rec.updated = time.time()
@@ -85,10 +91,10 @@ class TargetMachine:
     @classmethod
     def create(cls, migration: str, workload: str, mode: Mode, secret_sha256: str, spool: Path,
                records_dir: Path, spawn: Spawn, timeouts: Timeouts = TIMEOUTS, placeholder: str | None = None,
-               runtime: str | None = None) -> TargetMachine:  # fmt: skip
+               runtime: str | None = None, verdict_key: str = "") -> TargetMachine:  # fmt: skip
         rec = TargetRecord(migration, workload, str(mode), TargetState.NEW, secret_sha256, procinfo.boot_id(),
                            updated=time.time(), history=[f"new@{time.time():.3f}"], placeholder=placeholder,
-                           runtime=runtime)  # fmt: skip
+                           runtime=runtime, verdict_key=verdict_key)  # fmt: skip
         m = cls(rec, spool / migration, records_dir / f"{migration}.json", spawn, timeouts)
         m.dir.mkdir(mode=0o700)
         records.write(m.record_path, rec.to_json())
@@ -256,4 +262,3 @@ class TargetMachine:
         if self._copy_dead():
             self._write(TargetState.ABORTED)
             shutil.rmtree(self.dir, ignore_errors=True)
-

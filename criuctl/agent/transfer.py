@@ -15,7 +15,6 @@ import http.client
 import json
 import os
 import socket
-import ssl
 import tarfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -25,6 +24,7 @@ from typing import Protocol
 from urllib.parse import urlsplit
 
 from criuctl import bundle
+from criuctl.agent import conn as conn_mod
 from criuctl.agent.protocol import TIMEOUTS
 from criuctl.errors import CriuctlError
 
@@ -145,15 +145,8 @@ class _Put:
         self.source, self.url, self.token, self.ca_pem, self.counter = source, url, token, ca_pem, counter
         self.conn: http.client.HTTPConnection | None = None
 
-    def _connect(self) -> http.client.HTTPConnection:
-        u = urlsplit(self.url)
-        if u.scheme == "https":
-            ctx = ssl.create_default_context(cadata=self.ca_pem or None)
-            return http.client.HTTPSConnection(u.hostname or "", u.port or 443, timeout=5, context=ctx)
-        return http.client.HTTPConnection(u.hostname or "", u.port or 80, timeout=5)
-
     def run(self) -> tuple[int, dict]:
-        conn = self.conn = self._connect()
+        conn = self.conn = conn_mod.connect(self.url, self.ca_pem, 5)
         try:
             conn.connect()  # within 5 s, as before
             conn.sock.settimeout(TIMEOUTS.stall)  # a send or the answer that stalls this long fails

@@ -1,0 +1,21 @@
+"""One way for an agent (or its handoff) to open a connection to another agent: plain HTTP, or HTTPS
+verified against the CA the upload ticket carries (the system's store when it carries none).
+
+Standard library only, and nothing else imported: a handoff process opens these on a migration's
+clock, and `requests`, `asyncio` or `aiohttp` cost it tens of milliseconds to import.
+"""
+
+from __future__ import annotations
+
+import http.client
+import ssl
+from urllib.parse import urlsplit
+
+
+def connect(url: str, ca_pem: str | None, timeout: float) -> http.client.HTTPConnection:
+    """An (unconnected) connection to the agent at `url`; `timeout` bounds every socket operation."""
+    u = urlsplit(url)
+    if u.scheme == "https":
+        ctx = ssl.create_default_context(cadata=ca_pem or None)
+        return http.client.HTTPSConnection(u.hostname or "", u.port or 443, timeout=timeout, context=ctx)
+    return http.client.HTTPConnection(u.hostname or "", u.port or 80, timeout=timeout)

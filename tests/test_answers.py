@@ -1,0 +1,333 @@
+"""Every answer true (issue 20), on real processes and real files, without a migration.
+
+- A thaw whose network lock cannot be lifted still lets the tree run, and says it is incomplete
+  until a later thaw completes it (`checkpoint.thaw_tree`).
+- A record whose PID now names another process is refused in one line, and that process is left
+  alone (`workloads`, `procinfo.Identity`).
+- The agent's recovery settles each hold record on its own: one that fails does not stop the others.
+- Files are replaced whole, by one helper (`durable`); records are never written to the spool; two
+  `criuctl node add` at once both keep their node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from criuctl import checkpoint, durable, faults, netlock, procinfo, workloads
+from criuctl.agent import outgoing as outgoing_mod
+from criuctl.agent import verdicts
+from criuctl.agent.protocol import SourceRecord, SourceState, Ticket, Verdict, signed_state, verdict_key
+from tests.jobs import criuctl
+
+ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: nftables tables, other processes")
+TICKET = Ticket("http://127.0.0.1:1", "f" * 32, "s", "b")
+
+
+def _stopped_sleeper() -> subprocess.Popen:
+    p = subprocess.Popen(["sleep", "300"])
+    os.kill(p.pid, signal.SIGSTOP)
+    _wait_status(p.pid, psutil.STATUS_STOPPED)
+    return p
+
+
+def _wait_status(pid: int, wanted: str, timeout: float = 5) -> None:
+    deadline = time.monotonic() + timeout
+    while psutil.Process(pid).status() != wanted:
+        assert time.monotonic() < deadline, f"PID {pid} is {psutil.Process(pid).status()}, not {wanted}"
+        time.sleep(0.01)
+
+
+def _register(name: str, pid: int, **fields) -> None:
+    rec = {"name": name, "command": ["sleep", "300"], "root_pid": pid, "supervisor_pid": 0,
+           "stdio_pipes": {}, "state": "running", "started": time.time(), **fields}  # fmt: skip
+    d = workloads.state_dir() / "workloads"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"{name}.json").write_text(json.dumps(rec))
+
+
+@pytest.fixture
+def lock_table():
+    """A real nftables table named like CRIU's network lock, in this network namespace."""
+    name = netlock.table_name(str(uuid.uuid4()))
+    with netlock.Nft() as nft:
+        ok, _, err = nft.run(f"add table {netlock.FAMILY} {name}")
+    assert ok, err
+    yield name
+    netlock.lift(name)
+
+
+@ROOT
+def test_a_thaw_whose_lock_cannot_be_lifted_still_lets_the_tree_run_and_says_so(
+    tmp_path, monkeypatch, lock_table
+):
+    """Before: `netlock.lift` raising left the tree stopped (SIGCONT never sent) while the caller
+    recorded a final state. Now the SIGCONT comes whatever failed, and the thaw says what is left."""
+    sleeper = _stopped_sleeper()
+    try:
+        w = workloads.Workload.of_tree(sleeper.pid, name="job", command=["sleep"], supervisor_pid=0,
+                                       stdio_pipes={})  # fmt: skip
+        workloads.save(w)
+        monkeypatch.setenv(faults.ENV_FAULT_DIR, str(tmp_path))
+        (tmp_path / faults.Fault.NETLOCK_LIFT).touch()  # the kernel refuses to delete the table
+
+        thaw = checkpoint.thaw_tree(sleeper.pid, table=lock_table, workload="job")
+
+        _wait_status(sleeper.pid, psutil.STATUS_SLEEPING)  # it runs
+        assert not thaw.complete and "network lock" in thaw.line() and lock_table in thaw.line()
+        assert lock_table in netlock.tables()
+        assert workloads.load("job").thaw_incomplete == thaw.line()  # `ps` shows it
+        r = criuctl("ps")
+        assert "thaw incomplete" in r.stdout and "its thaw did not complete" in r.stderr, r
+
+        (tmp_path / faults.Fault.NETLOCK_LIFT).unlink()  # the kernel lets go: the retry completes it
+        again = checkpoint.thaw_tree(sleeper.pid, table=lock_table, workload="job")
+        assert again.complete and lock_table not in netlock.tables()
+        assert workloads.load("job").thaw_incomplete is None
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+@ROOT
+def test_criuctl_thaw_finishes_an_incomplete_thaw_and_refuses_anything_else(tmp_path, lock_table):
+    sleeper = subprocess.Popen(["sleep", "300"])
+    try:
+        _register("job", sleeper.pid, root_start=procinfo.start_ticks(sleeper.pid),
+                  boot_id=procinfo.boot_id())  # fmt: skip
+        r = criuctl("thaw", "job")
+        assert r.returncode == 1 and "has no thaw to finish" in r.stderr and "Traceback" not in r.stderr
+        w = workloads.load("job")
+        w.thaw_incomplete = "CRIU's network lock still drops its TCP connections (...)"
+        workloads.save(w)
+        r = criuctl("thaw", "job")
+        assert r.returncode == 0, r.stderr
+        assert workloads.load("job").thaw_incomplete is None
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+@ROOT
+@pytest.mark.parametrize("record", ["current", "older"])
+def test_a_record_whose_pid_now_names_another_process_is_refused_and_that_process_untouched(tmp_path, record):
+    """The workload ended and its PID went to an unrelated process (or the node rebooted): `dump`
+    would have frozen, dumped and killed that process. A current record knows its process's start
+    time; an older one (no start time) knows when it was written, after its process started."""
+    stranger = subprocess.Popen(["sleep", "300"])
+    try:
+        start = procinfo.start_ticks(stranger.pid)
+        if record == "current":
+            _register("victim", stranger.pid, root_start=start - 7, boot_id=procinfo.boot_id())
+        else:
+            _register("victim", stranger.pid, started=time.time() - 3600)  # as criuctl before wrote it
+        r = criuctl("dump", "victim", "-o", str(tmp_path / "b"))
+        assert r.returncode == 3, r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and f"was PID {stranger.pid}, which is now another process" in lines[0], lines
+        assert not (tmp_path / "b").exists()
+        assert stranger.poll() is None and psutil.Process(stranger.pid).status() == psutil.STATUS_SLEEPING
+        assert procinfo.start_ticks(stranger.pid) == start
+        r = criuctl("ps", "--all")
+        assert "lost" in r.stdout, r.stdout  # not shown as running
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_identity_names_one_process_for_good():
+    me = procinfo.Identity.of(os.getpid())
+    assert me.alive() and not me.recycled()
+    assert not procinfo.Identity(me.pid, me.start + 1, me.boot).alive()
+    assert procinfo.Identity(me.pid, me.start + 1, me.boot).recycled()
+    assert not procinfo.Identity(me.pid, me.start, "another-boot").alive()
+    older = procinfo.Identity(me.pid, None, me.boot, born_by=time.time() - 3600)  # written before we ran
+    assert older.recycled() and not older.alive()
+    assert procinfo.Identity(me.pid, None, me.boot, born_by=time.time()).alive()
+
+
+@ROOT
+def test_recovery_settles_each_hold_record_on_its_own(tmp_path, monkeypatch, caplog):
+    """A record that cannot be settled (here: ending its tree fails) is logged and left for the next
+    start; before, its exception ended the recovery — the agent crash-looped, and a frozen tree of
+    another record stayed frozen."""
+    broken = SourceRecord("0" * 32, "gone", "stop-and-copy", SourceState.COMMITTED, TICKET, 1 << 22,
+                          procinfo.boot_id(), root_pid=os.getpid(),
+                          root_start=procinfo.start_ticks(os.getpid()))  # fmt: skip
+    sleeper = _stopped_sleeper()
+    try:
+        me = procinfo.Identity.of(sleeper.pid)
+        frozen = SourceRecord("f" * 32, "job", "stop-and-copy", SourceState.FROZEN, TICKET, 1 << 22,
+                              me.boot, root_pid=me.pid, root_start=me.start)  # fmt: skip
+        og = outgoing_mod.Outgoing(agent=None)  # type: ignore[arg-type]
+        for rec in (broken, frozen):
+            durable.replace_json(og.records / f"{rec.migration}.json", rec.to_json())
+
+        def end(tree, rec):
+            raise RuntimeError("the kernel said no")
+
+        monkeypatch.setattr(outgoing_mod, "_end", end)
+        with caplog.at_level("ERROR", logger="criuctl.agent"):
+            assert og.recover() == []
+        _wait_status(sleeper.pid, psutil.STATUS_SLEEPING)  # the frozen tree of the other record runs
+        assert not (og.records / f"{frozen.migration}.json").exists()
+        assert (og.records / f"{broken.migration}.json").exists()  # left for the next start
+        assert any("not settled" in r.getMessage() for r in caplog.records)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_records_go_to_the_state_dir_and_only_bundles_to_the_spool(tmp_path, monkeypatch):
+    """A tmpfs spool loses its contents in a reboot: the records a recovery needs must not be there."""
+    spool = tmp_path / "spool"
+    monkeypatch.setenv(workloads.ENV_SPOOL_DIR, str(spool))
+    og = outgoing_mod.Outgoing(agent=None)  # type: ignore[arg-type]
+    assert og.records == workloads.state_dir() / "outgoing" and og.spool == spool / "outgoing"
+    from criuctl.agent.incoming import Incoming
+    from criuctl.agent.redirects import Redirects
+
+    inc = Incoming(agent=None)  # type: ignore[arg-type]
+    assert inc.records == workloads.state_dir() / "incoming" and inc.spool == spool / "incoming"
+    assert Redirects(agent=None).folder == workloads.state_dir() / "redirects"  # type: ignore[arg-type]
+
+
+def test_durable_replace_leaves_the_old_file_or_the_new_one_and_no_temp(tmp_path, monkeypatch):
+    path = tmp_path / "rec.json"
+    durable.replace_json(path, {"v": 1})
+    assert json.loads(path.read_text()) == {"v": 1} and path.stat().st_mode & 0o777 == 0o600
+
+    def no_disk(_fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", no_disk)
+    with pytest.raises(OSError):
+        durable.replace_json(path, {"v": 2})
+    assert json.loads(path.read_text()) == {"v": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["rec.json"]  # no temp file left
+
+
+def test_two_processes_creating_one_key_agree_on_it(tmp_path):
+    path = tmp_path / "key"
+    assert durable.create(path, b"first") and not durable.create(path, b"second")
+    assert path.read_bytes() == b"first" and [p.name for p in tmp_path.iterdir()] == ["key"]
+
+
+def test_concurrent_node_adds_each_keep_their_node(tmp_path):
+    """Before: each wrote `nodes.tmp` (one fixed name) and replaced the list it had read: two at once
+    interleaved into one temp file, or the later one dropped the earlier one's node."""
+    token = tmp_path / "token"
+    token.write_text("x" * 32 + "\n")
+    token.chmod(0o600)
+    env = {**os.environ, "CRIUCTL_STATE_DIR": str(tmp_path / "state")}
+    names = [f"n{i}" for i in range(12)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "criuctl.cli",
+                "node",
+                "add",
+                n,
+                f"https://10.9.0.{i}:7070",
+                "--token-file",
+                str(token),
+            ],
+            env=env,
+            stderr=subprocess.PIPE,
+        )
+        for i, n in enumerate(names)
+    ]
+    assert all(p.wait(60) == 0 for p in procs), [p.stderr.read() for p in procs]
+    nodes = json.loads((tmp_path / "state" / "nodes.json").read_text())
+    assert sorted(nodes) == sorted(names)
+    assert not [p for p in (tmp_path / "state").iterdir() if p.name.startswith(".nodes.json")]
+    r = subprocess.run(
+        [sys.executable, "-m", "criuctl.cli", "node", "rm", "n3"], env=env, capture_output=True
+    )
+    assert r.returncode == 0 and "n3" not in json.loads((tmp_path / "state" / "nodes.json").read_text())
+
+
+def test_every_atomic_write_goes_through_durable():
+    """One home for "write a file durably": no module of the package renames a temp file itself."""
+    package = Path(checkpoint.__file__).parent
+    offenders = []
+    for path in package.rglob("*.py"):
+        text = path.read_text()
+        if path.name != "durable.py" and ("os.replace(" in text or "tempfile.mkstemp(" in text):
+            offenders.append(str(path.relative_to(package)))
+    assert offenders == [], offenders
+
+
+class _Answering:
+    """An HTTP server on loopback that answers every request with one (status, JSON body)."""
+
+    def __init__(self, status: int, body: object) -> None:
+        import http.server
+        import threading
+
+        answer = json.dumps(body).encode()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _reply(self) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+            do_GET = do_DELETE = _reply
+
+            def log_message(self, *_a) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+def _answers(status: int, body: object) -> tuple[Verdict, str | None]:
+    srv = _Answering(status, body)
+    try:
+        ticket = Ticket(srv.url, "a" * 32, "the-ticket-secret", "b")
+        return verdicts.ask_abort(ticket), verdicts.ask_state(ticket)
+    finally:
+        srv.close()
+
+
+def _signed(state: str, migration: str = "a" * 32, secret: str = "the-ticket-secret") -> dict:
+    return signed_state(verdict_key(secret), migration, state, "boot-1")
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "verdict"),
+    [
+        (200, _signed("aborted"), Verdict.ABORTED),
+        (409, _signed("running"), Verdict.RUNNING),
+        # anything but the target's own signed word is no answer: the source stays frozen
+        (404, {"what": "not found"}, Verdict.UNKNOWN),  # whatever else listens at that address
+        (200, {"state": "aborted"}, Verdict.UNKNOWN),  # unsigned
+        (200, {**_signed("running"), "state": "aborted"}, Verdict.UNKNOWN),  # a signed answer, edited
+        (200, _signed("aborted", secret="another-ticket"), Verdict.UNKNOWN),  # signed with another key
+        (200, _signed("aborted", migration="b" * 32), Verdict.UNKNOWN),  # about another migration
+        (503, {"what": "could not end its copy yet"}, Verdict.UNKNOWN),
+    ],
+)
+def test_a_verdict_is_the_targets_signed_word_never_an_inference(status, body, verdict):
+    """Before: a 404 read as "aborted", and any 200 saying aborted was believed."""
+    got, state = _answers(status, body)
+    assert got == verdict
+    assert state == (body["state"] if verdict != Verdict.UNKNOWN else None)
