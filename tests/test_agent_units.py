@@ -219,19 +219,30 @@ def test_a_warm_handoff_exits_when_its_agent_closes_the_lease_and_takes_its_titl
 
     from criuctl.agent import warmstart
 
-    warm = [sys.executable, "-m", "criuctl.agent.handoff", warmstart.WARM, warmstart.blank()]
-    p = subprocess.Popen(warm, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    def start() -> tuple[subprocess.Popen, int]:
+        r, w = os.pipe()  # its events' own pipe, as the agent makes it
+        argv = [sys.executable, "-m", "criuctl.agent.handoff", warmstart.WARM, warmstart.blank()]
+        p = subprocess.Popen([*argv, "--events-fd", str(w)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             pass_fds=(w,))  # fmt: skip
+        os.close(w)
+        return p, r
+
+    p, events = start()
     p.stdin.close()
-    assert p.wait(30) == 0 and p.stdout.read() == b""
+    assert p.wait(30) == 0 and p.stdout.read() == b"" and os.read(events, 100) == b""
+    os.close(events)
 
     # a job whose paths hold spaces (a state dir may): the warm process runs it as a cold one would
     spec, log = tmp_path / "a dir" / "dump-spec.json", tmp_path / "a dir" / "handoff log"
     spec.parent.mkdir()
     spec.write_text('{"workload": "nosuchworkload", "out": "/nonexistent/out"}')
-    p = subprocess.Popen(warm, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    p, events = start()
     out, _ = p.communicate(warmstart.job_line("dump", spec, log), timeout=60)
-    assert b'"event": "error"' in out and b"/nonexistent does not exist" in out, out
-    assert log.exists(), "its stderr went to the job's log"
+    with os.fdopen(events, "rb") as f:
+        said = f.read()
+    assert b'"event": "error"' in said and b"/nonexistent does not exist" in said, said
+    assert out == b"", "its events go to their own pipe, never stdout"
+    assert log.exists(), "its stdout and stderr went to the job's log"
 
     spec = tmp_path / "dump-spec.json"  # the title: shown as the cold command line
     probe = (

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -331,3 +332,22 @@ def test_a_verdict_is_the_targets_signed_word_never_an_inference(status, body, v
     got, state = _answers(status, body)
     assert got == verdict
     assert state == (body["state"] if verdict != Verdict.UNKNOWN else None)
+
+
+@pytest.mark.parametrize(
+    "line", [b"hello from a library\n", b'{"progress": 3}\n', b"[1, 2]\n", b"\xff\xfe\n"]
+)
+def test_a_line_that_is_not_an_event_is_the_handoffs_failure_not_a_crash(line):
+    """Before: events were read from the handoff's stdout, where any library may print, and a line
+    that was not JSON raised out of the state machine. Now they have their own pipe, and a line on
+    it that is not an event is a failure of that handoff (the machines thaw or keep asking)."""
+    from criuctl.agent.handoffs import Handoff, HandoffFailed, _Process
+
+    async def go() -> None:
+        reader = asyncio.StreamReader()
+        reader.feed_data(line)
+        h = Handoff(_Process(proc=None, events=reader, transport=None), Path("/var/log/handoff.log"))  # type: ignore[arg-type]
+        with pytest.raises(HandoffFailed, match="not an event"):
+            await h.event()
+
+    asyncio.run(go())

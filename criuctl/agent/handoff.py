@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import IO
 
 from criuctl import bundle, checkpoint, criu, placeholder, procinfo, readdress, runtime, workloads
 from criuctl.agent import points, records, verdicts, warmstart
@@ -55,9 +56,18 @@ from criuctl.agent.protocol import (
 from criuctl.errors import CriuctlError
 
 
+class _Events:
+    """The pipe this process's events go to (`--events-fd`, opened by the agent). Not stdout: any
+    library here may print there (it goes to the handoff's log)."""
+
+    out: IO[str] | None = None
+
+
 def _emit(event: Event, **fields: object) -> None:
+    if _Events.out is None:
+        return
     with contextlib.suppress(BrokenPipeError, ValueError, OSError):  # the agent is gone: the lease decides
-        print(json.dumps({"event": str(event), **fields}), flush=True)
+        print(json.dumps({"event": str(event), **fields}), file=_Events.out, flush=True)
 
 
 def _error(exc: CriuctlError) -> None:
@@ -306,6 +316,10 @@ def _detach() -> None:
     for fd in (0, 1):
         os.dup2(devnull, fd)
     os.close(devnull)
+    if _Events.out is not None:  # nothing more to say: the agent sees the pipe end
+        with contextlib.suppress(OSError):
+            _Events.out.close()
+        _Events.out = None
 
 
 # ------------------------------------------------------------------------------------------ dump
@@ -330,8 +344,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m criuctl.agent.handoff")
     p.add_argument("role", choices=["source", "target", "dump", warmstart.WARM])
     p.add_argument("spec", type=Path, help="JSON spec written by the agent (warm: a blank)")
+    p.add_argument("--events-fd", type=int, help="the pipe the agent reads this process's events from")
     a = p.parse_args(argv)
     role, spec = a.role, a.spec
+    if a.events_fd is not None:
+        _Events.out = os.fdopen(a.events_fd, "w")
     if role == warmstart.WARM:  # started ahead: the agent names the job on stdin when it has one
         criu.preload()  # what the roles would import on first use (pycriu: 40 ms of a downtime)
         job = warmstart.take_job()

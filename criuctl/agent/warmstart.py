@@ -44,7 +44,8 @@ def take_job() -> tuple[str, Path, Path] | None:
         return None
     role, spec, log = job
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.dup2(fd, 2)  # from here on the handoff writes to its migration's log, as a cold one would
+    for std in (1, 2):  # from here on the handoff writes to its migration's log, as a cold one would
+        os.dup2(fd, std)
     os.close(fd)
     _retitle(["-m", "criuctl.agent.handoff", role, spec])
     return role, Path(spec), Path(log)
