@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -370,11 +371,18 @@ def restore(o: RestoreOptions) -> RestoreResult:
     return RestoreResult(pid=resp.restore.pid, seconds=seconds, log_path=o.work_dir / o.log_file)
 
 
-def lazy_pages_daemon(images_dir: Path, work_dir: Path, address: str, port: int) -> subprocess.Popen:
+LAZY_READY_TIMEOUT = 60.0  # seconds for `criu lazy-pages` to say it listens (it reads the images first)
+
+
+def lazy_pages_daemon(
+    images_dir: Path, work_dir: Path, address: str, port: int, ready_timeout: float = LAZY_READY_TIMEOUT
+) -> subprocess.Popen:
     """Start `criu lazy-pages` pulling pages from a source's page server; returns once it listens.
 
     CRIU's RPC has no request for this daemon, so it runs as a command; its readiness comes
-    through `--status-fd` (one byte), its failure through its exit status and log.
+    through `--status-fd` (one byte), its failure through its exit status and log. A daemon that
+    neither gets ready nor fails within `ready_timeout` (stuck on a file it reads, say) is killed
+    and that is the failure: a restore never waits without an end.
     """
     ready_r, ready_w = os.pipe()
     log = work_dir / "lazy-pages.log"
@@ -386,7 +394,16 @@ def lazy_pages_daemon(images_dir: Path, work_dir: Path, address: str, port: int)
     proc = subprocess.Popen(argv, pass_fds=(ready_w,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     os.close(ready_w)
     with os.fdopen(ready_r, "rb") as ready:
-        got = ready.read(1)
+        readable, _, _ = select.select([ready], [], [], ready_timeout)
+        got = ready.read(1) if readable else None
+    if got is None:
+        proc.kill()
+        proc.wait()
+        raise CriuError(
+            f"CRIU lazy-pages did not get ready within {ready_timeout:.0f} s",
+            "see its log; the restore was abandoned and nothing runs from it",
+            log_tail(log),
+        )
     if not got:
         proc.wait()
         tail = log_tail(log)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -351,3 +352,21 @@ def test_a_line_that_is_not_an_event_is_the_handoffs_failure_not_a_crash(line):
             await h.event()
 
     asyncio.run(go())
+
+
+@pytest.mark.skipif(shutil.which("criu") is None, reason="needs CRIU (make test installs it)")
+def test_lazy_pages_that_never_gets_ready_is_given_up_in_bounded_time(tmp_path):
+    """Before: the restore read CRIU lazy-pages' readiness byte with no end; a daemon stuck before
+    it is ready (here on an image that is a FIFO nobody writes) held the restore for ever."""
+    from criuctl import criu
+
+    images = tmp_path / "images"
+    images.mkdir()
+    os.mkfifo(images / "inventory.img")
+    started = time.monotonic()
+    with pytest.raises(criu.CriuError, match="did not get ready within 2 s"):
+        criu.lazy_pages_daemon(images, tmp_path, "127.0.0.1", 1, ready_timeout=2)
+    assert time.monotonic() - started < 10
+    assert not [
+        p for p in psutil.process_iter(["cmdline"]) if str(images) in " ".join(p.info["cmdline"] or [])
+    ]
