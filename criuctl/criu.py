@@ -473,16 +473,15 @@ def check() -> None:
 
 @dataclass(frozen=True)
 class Features:
-    mem_track: bool  # soft-dirty: pre-copy migration
     lazy_pages: bool  # userfaultfd: post-copy migration
 
 
 def features() -> Features:
     rpc = _pycriu().rpc
-    asked = rpc.criu_features(mem_track=True, lazy_pages=True)
+    asked = rpc.criu_features(lazy_pages=True)
     resp = _request("FEATURE_CHECK", features=asked)
     f = resp.features
-    return Features(mem_track=f.mem_track, lazy_pages=f.lazy_pages)
+    return Features(lazy_pages=f.lazy_pages)
 
 
 def ensure_lazy_pages() -> None:

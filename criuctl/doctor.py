@@ -1,7 +1,7 @@
 """`criuctl doctor`: can this host checkpoint and restore training jobs, and what is missing.
 
 Each check is one line: ok, or what is wrong and what to do. `required` checks make doctor fail;
-the others only limit what criuctl can do here (post-copy, pre-copy, GPU).
+the others only limit what criuctl can do here (post-copy, GPU).
 """
 
 from __future__ import annotations
@@ -49,13 +49,6 @@ def _features() -> list[Check]:
     except CriuctlError as exc:
         return [Check("CRIU features", False, exc.what, exc.hint, required=False)]
     return [
-        Check(
-            "soft-dirty (pre-copy)",
-            f.mem_track,
-            "memory dirty tracking works" if f.mem_track else "dirty tracking is off in this kernel",
-            "pre-copy migration is unavailable; stop-and-copy and post-copy still work",
-            required=False,
-        ),
         Check(
             "userfaultfd (post-copy)",
             f.lazy_pages,

@@ -74,7 +74,9 @@ class JobPlan:
 class JobMoveResult:
     job: str
     ranks: list[MigrationResult]
-    downtime_seconds: float  # the first moved rank frozen → the last running on its new node
+    # the first moved rank frozen → the last running on its new node, on the client's clock: the
+    # ranks that stay wait for the moved ones in their collectives from the first freeze on
+    downtime_seconds: float
     total_seconds: float
     redirects: int  # redirect rule sets installed on nodes of ranks that stay
 
@@ -219,10 +221,11 @@ def execute(p: JobPlan, progress: Progress = _quiet, mode: str | None = STOP_AND
     for m in moves:
         m.commit_source()
     results = [m.result() for m in moves]
+    first_frozen = min(m.frozen_at if m.frozen_at is not None else m.started for m in moves)
+    last_running = max(m.running_at for m in moves if m.running_at is not None)
     return JobMoveResult(
-        p.job.name, results, max(r.downtime_seconds for r in results), time.monotonic() - started,
-        len(installed),
-    )  # fmt: skip
+        p.job.name, results, last_running - first_frozen, time.monotonic() - started, len(installed)
+    )
 
 
 def _roll_back(

@@ -49,7 +49,7 @@ class MigrationInDoubt(CriuctlError):
 
 
 ENV_STREAM = "CRIUCTL_STREAM"  # "sealed": stream the bundle only once sealed (default: while CRIU writes)
-STOP_AND_COPY, POST_COPY, PRE_COPY = Mode.STOP_AND_COPY, Mode.POST_COPY, Mode.PRE_COPY
+STOP_AND_COPY, POST_COPY = Mode.STOP_AND_COPY, Mode.POST_COPY
 MODES = tuple(str(m) for m in Mode)
 
 
@@ -59,7 +59,10 @@ class MigrationResult:
     source: str
     target: str
     mode: str
-    downtime_seconds: float  # source frozen → running on the target (measured by the source agent)
+    # source frozen → running on the target: measured by the source agent, or — when the source did
+    # not confirm its commit — by the client, from when the source said it froze to the target's
+    # commit answer (`downtime_measured_by`); never the total time
+    downtime_seconds: float
     total_seconds: float  # command start → source tree gone (post-copy: last page pulled)
     bytes_moved: int
     freeze_seconds: float
@@ -72,6 +75,7 @@ class MigrationResult:
     via_successor: bool = False
     # seconds per step inside freeze and restore (criu_dump, seal, verify, criu_restore, handoff…)
     phases: dict[str, float] = field(default_factory=dict)
+    downtime_measured_by: str = "source"  # or "client" (the source did not confirm)
 
 
 def _quiet(_phase: str, **_facts: object) -> None:
@@ -80,15 +84,6 @@ def _quiet(_phase: str, **_facts: object) -> None:
 
 def choose_mode(wanted: str | None, source: dict, target: dict) -> str:
     """The mode to use: `wanted`, checked against both kernels, or the fastest both allow."""
-    if wanted == PRE_COPY:
-        if not source.get("pre_copy"):
-            raise MigrationFailed(
-                f"pre-copy needs soft-dirty memory tracking, which node {source['node']}'s kernel lacks",
-                "use --mode post-copy or --mode stop-and-copy",
-            )
-        raise MigrationFailed(
-            "pre-copy is not implemented yet", "use --mode post-copy or --mode stop-and-copy"
-        )
     if wanted == POST_COPY or wanted is None:
         ok = source.get("lazy_pages") and target.get("lazy_pages")
         if ok:
@@ -142,6 +137,11 @@ class Move:
         self.facts = {"bytes": 0, "freeze": 0.0, "transfer": 0.0, "restore": 0.0}
         self.phases: dict[str, float] = {}
         self.downtime: float | None = None
+        self.downtime_by = "source"
+        # on the client's clock: when the tree froze (the source's word, less its freeze time) and
+        # when the target answered that it runs: a job's downtime spans its ranks' (`jobmove`)
+        self.frozen_at: float | None = None
+        self.running_at: float | None = None
         self.confirmed = True
         self.pages: float | None = None
 
@@ -188,6 +188,7 @@ class Move:
                 self.og_id = ev["id"]
             elif kind == "frozen":
                 self.facts["freeze"], self.port = time.monotonic() - phase_started, ev["page_server_port"]
+                self.frozen_at = time.monotonic() - float(ev.get("freeze_seconds") or 0.0)
                 self.phases.update(ev.get("phases", {}))
                 phase_started = time.monotonic()
                 self.progress("transfer", done=0, total=ev["bytes"])
@@ -234,6 +235,7 @@ class Move:
             _commit_target(self.src, self.dst, self.og_id, self.inc["id"], self.name, self.source.name)
         except MigrationInDoubt as exc:
             raise self._in_doubt(exc) from None
+        self.running_at = time.monotonic()
         points.reach(Point.CLIENT_TARGET_COMMITTED)
 
     def commit_source(self) -> None:
@@ -242,8 +244,16 @@ class Move:
             answer = self.src.post(f"/v1/outgoing/{self.og_id}/commit", timeout=TIMEOUTS.source_commit)
         except CriuctlError:  # the job runs on the target; the source's handoff ends its copy on its word
             answer, self.confirmed = {}, False
-        self.downtime = answer.get("downtime_seconds") or time.monotonic() - self.started
+        self.downtime = answer.get("downtime_seconds")
+        if self.downtime is None:  # the source cannot say: what the client saw (an upper bound)
+            self.downtime, self.downtime_by = self.client_downtime(), "client"
         points.reach(Point.CLIENT_SOURCE_COMMITTED)
+
+    def client_downtime(self) -> float:
+        """Frozen → running as the client saw it: from the source's "frozen" (less its freeze time)
+        to the target's commit answer."""
+        assert self.running_at is not None
+        return self.running_at - (self.frozen_at if self.frozen_at is not None else self.started)
 
     def wait_pages(self) -> None:
         if self.mode == POST_COPY and self.confirmed:
@@ -255,7 +265,7 @@ class Move:
         return MigrationResult(
             self.name, self.source.name, self.target.name, str(self.mode), self.downtime or 0.0,
             time.monotonic() - self.started, f["bytes"], f["freeze"], f["transfer"], f["restore"],
-            self.pages, self.confirmed, phases=self.phases,
+            self.pages, self.confirmed, phases=self.phases, downtime_measured_by=self.downtime_by,
         )  # fmt: skip
 
 

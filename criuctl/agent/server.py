@@ -266,7 +266,7 @@ class Agent:
         try:
             out["criu"] = ".".join(map(str, await asyncio.to_thread(criu.require_version)))
             f = await asyncio.to_thread(criu.features)
-            out["lazy_pages"], out["pre_copy"] = f.lazy_pages, f.mem_track
+            out["lazy_pages"] = f.lazy_pages
         except CriuctlError as exc:
             out["criu_error"] = exc.line()
         return web.json_response(out)
