@@ -56,6 +56,8 @@ class Node:
     tls: tuple[Path, Path] | None = None
     hide: Path | None = None  # a folder this node's filesystem lacks (an empty tmpfs over it)
     extra: list[str] = field(default_factory=list)  # more `criuctl agent` options for this node
+    env: dict[str, str] = field(default_factory=dict)  # more environment for this node's agent
+    spool: Path | None = None  # this node's --spool-dir (None: bundles go to the state dir)
 
     @property
     def url(self) -> str:
@@ -81,13 +83,15 @@ class Node:
             str(self.token_file),
         ]
         argv += ["--name", self.name, "--state-dir", str(self.state), "--lease", str(lease)]
-        if spool:
-            argv += ["--spool-dir", str(spool)]
+        if spool or self.spool:
+            argv += ["--spool-dir", str(spool or self.spool)]
         if self.tls:
             argv += ["--tls-cert", str(self.tls[0]), "--tls-key", str(self.tls[1])]
         argv += self.extra
         log = (self.state.parent / "agent.log").open("ab")
-        self.agent = subprocess.Popen(argv, stdout=log, stderr=log, env={**os.environ, **(env or {})})
+        self.agent = subprocess.Popen(
+            argv, stdout=log, stderr=log, env={**os.environ, **self.env, **(env or {})}
+        )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             with contextlib.suppress(requests.RequestException):
@@ -138,6 +142,8 @@ class Cluster:
         hide: dict[str, Path] | None = None,
         lease: float = 120.0,
         agent_args: dict[str, list[str]] | None = None,
+        agent_env: dict[str, dict[str, str]] | None = None,
+        spool: bool = False,
     ) -> None:
         self.root, self.tag = root, secrets.token_hex(2)
         self.bridge = f"crbr{self.tag}"
@@ -147,6 +153,7 @@ class Cluster:
         self._names, self._tls, self._tmpfs, self._hide = names, tls, tmpfs or {}, hide or {}
         self.lease = lease
         self._agent_args = agent_args or {}
+        self._agent_env, self._spool = agent_env or {}, spool
 
     def __enter__(self) -> Cluster:
         try:
@@ -189,7 +196,8 @@ class Cluster:
             token.write_text(secrets.token_urlsafe(24) + "\n")
             os.chmod(token, 0o600)
             node = Node(name, ns, f"{self.net}.{i}", d / "state", token, veth, hide=self._hide.get(name),
-                        extra=self._agent_args.get(name, []))  # fmt: skip
+                        extra=self._agent_args.get(name, []), env=self._agent_env.get(name, {}),
+                        spool=d / "spool" if self._spool else None)  # fmt: skip
             if self._tls:
                 node.tls, node.scheme = self._cert(node), "https"
             self.nodes[name] = node

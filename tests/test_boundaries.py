@@ -178,6 +178,11 @@ def _one_case(c: Cluster, pause: Path, name: str, point: Point, fault: str, mode
         sampler.join()
         if p.poll() is None:
             p.kill()
+    assert_exactly_once(c, name, ref, sampler)
+
+
+def assert_exactly_once(c: Cluster, name: str, ref, sampler: Sampler) -> None:
+    """Never on two nodes at once; ended once, with 0; every step logged once, as uninterrupted."""
     assert not sampler.doubled, f"the job ran on two nodes at once: {sampler.doubled[:3]}"
     ended = [(n.name, r["exit_code"]) for n in c.nodes.values() for r in n.records()
              if r["name"] == name and r["state"] == "exited"]  # fmt: skip

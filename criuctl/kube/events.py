@@ -18,6 +18,7 @@ class Reason(StrEnum):
     STARTED = "MigrationStarted"
     MIGRATED = "Migrated"
     FAILED = "MigrationFailed"
+    THAW_INCOMPLETE = "ThawIncomplete"  # the job runs on its node again; part of its thaw is still undone
 
 
 def now() -> str:
@@ -35,7 +36,7 @@ def record(c: Cluster, pod: dict, reason: Reason, message: str) -> None:
         },
         "reason": reason.value,
         "message": message[:1000],
-        "type": "Warning" if reason is Reason.FAILED else "Normal",
+        "type": "Warning" if reason in (Reason.FAILED, Reason.THAW_INCOMPLETE) else "Normal",
         "source": {"component": "criuctl"},
         "firstTimestamp": now(),
         "lastTimestamp": now(),

@@ -143,7 +143,13 @@ def execute(c: Cluster, p: PodPlan, mode: str | None, progress) -> agent_migrate
         ) from exc
     except CriuctlError as exc:
         _delete(c, p.namespace, p.placeholder_name, grace=0)
-        events.record(c, src_pod, events.Reason.FAILED, f"{exc.what}; it keeps running on {p.source}")
+        left = getattr(exc, "thaw_left", None)
+        if left:  # it runs on the source again, not whole yet: said as such, never "keeps running"
+            events.record(c, src_pod, events.Reason.THAW_INCOMPLETE,
+                          f"{exc.what}; it runs on {p.source} again, but its thaw did not complete: {left}; "
+                          f"the agent on {p.source} keeps trying")  # fmt: skip
+        else:
+            events.record(c, src_pod, events.Reason.FAILED, f"{exc.what}; it keeps running on {p.source}")
         events.record(c, new_pod, events.Reason.FAILED, f"{exc.what}; this placeholder is deleted")
         raise
     if not handed_over:
