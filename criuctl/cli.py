@@ -163,12 +163,14 @@ def _cmd_dump(a: argparse.Namespace) -> int:
         outcome = checkpoint.dump(
             a.target, Path(a.output), leave_running=a.leave_running, progress=progress, freezer=freezer
         )
-    render.dump_summary(outcome, a.leave_running)
     if outcome.thaw is not None and not outcome.thaw.complete:  # the bundle is good; the job is not whole
+        name = outcome.manifest.workload
         raise CriuctlError(
-            f"{outcome.manifest.workload!r} runs again, but its thaw did not complete: {outcome.thaw.line()}",
-            f"`criuctl ps` shows it until `criuctl thaw {outcome.manifest.workload}` completes it",
+            f"checkpointed {name!r} to {outcome.bundle}, and it runs again, but its thaw did not complete: "
+            f"{outcome.thaw.line()}",
+            f"`criuctl ps` shows it until `criuctl thaw {name}` completes it",
         )
+    render.dump_summary(outcome, a.leave_running)
     return 0
 
 

@@ -72,6 +72,16 @@ def _frozen_on(node: Node, name: str) -> bool:
         return False
 
 
+def _wait_source_settled(node: Node, state: str, timeout: float = 90) -> None:
+    """Until the source's hold record says `state` (or is gone: settled and forgotten)."""
+    deadline = time.monotonic() + timeout
+    while (found := list((node.state / "outgoing").glob("*.json"))) and json.loads(found[0].read_text())[
+        "state"
+    ] != state:
+        assert time.monotonic() < deadline, f"the source never settled: {found[0].read_text()}"
+        time.sleep(0.2)
+
+
 def _kill_agent(node: Node) -> None:
     node.agent.send_signal(signal.SIGKILL)
     node.agent.wait()
@@ -142,10 +152,7 @@ def test_a_source_acts_only_on_the_targets_signed_word(tmp_path, ref, status, bo
             impostor = None
             c.nodes["b"].start_agent(lease=LEASE)  # the real target answers: running → a ends its copy
             c.wait_finished("job", timeout=240)
-            deadline = time.monotonic() + 60
-            while list((c.nodes["a"].state / "outgoing").glob("*.json")):
-                assert time.monotonic() < deadline, "the source never settled with the real target"
-                time.sleep(0.2)
+            _wait_source_settled(c.nodes["a"], "done")
         finally:
             sampler.stop.set()
             sampler.join()
@@ -215,10 +222,7 @@ def test_a_target_whose_spool_was_emptied_still_says_the_job_runs_there(tmp_path
             _empty(c.nodes["b"].spool)
             c.nodes["b"].start_agent(lease=LEASE)
             c.wait_finished("job", timeout=240)
-            deadline = time.monotonic() + 60
-            while list((c.nodes["a"].state / "outgoing").glob("*.json")):
-                assert time.monotonic() < deadline, "the source never settled"
-                time.sleep(0.2)
+            _wait_source_settled(c.nodes["a"], "done")
         finally:
             sampler.stop.set()
             sampler.join()

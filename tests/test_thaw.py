@@ -9,14 +9,17 @@ weights, over the connection it started with, leaving no `CRIU-*` nftables table
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
-from criuctl import netlock
+from criuctl import netlock, workloads
+from criuctl.faults import ENV_FAULT_DIR, Fault
 from tests.conftest import needs_criu
 from tests.jobs import CRIUCTL, WORKLOADS, Job, criuctl
 from tests.test_errors import assert_error_line
@@ -99,6 +102,34 @@ def test_leave_running_keeps_connections(job, tmp_path):
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "b" / "manifest.json").is_file()
     assert not any(t in criu_tables() for t in _tables_of(tmp_path / "b")), "its network lock is still there"
+    assert_finishes_like_reference(j, ref, server)
+
+
+def test_leave_running_whose_lock_cannot_be_lifted_runs_and_says_so_until_thawed(job, tmp_path):
+    """The kernel refuses to delete CRIU's lock table (a fault switched on for the test). Before: the
+    thaw stopped at that step, the tree never got its SIGCONT, and the job hung frozen. Now it runs
+    (its connections blocked), the dump exits 1 saying so, `ps` shows it, and `criuctl thaw` lifts
+    the lock once the kernel lets go: the job then finishes as if never touched."""
+    j, name, ref, server = job
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    (faults / Fault.NETLOCK_LIFT).touch()
+    env = {**os.environ, ENV_FAULT_DIR: str(faults)}
+    r = criuctl("dump", name, "-o", str(tmp_path / "b"), "--leave-running", env=env)
+    line = assert_error_line(r, "runs again, but its thaw did not complete", "network lock", "criuctl thaw")
+    assert r.returncode == 1, line
+    assert (tmp_path / "b" / "manifest.json").is_file(), "the bundle itself is good"
+    assert any(t in criu_tables() for t in _tables_of(tmp_path / "b")), "the lock is still there"
+    w = workloads.load(name)
+    assert psutil.Process(w.root_pid).status() != psutil.STATUS_STOPPED, "the tree must run"
+    assert "thaw incomplete" in criuctl("ps").stdout
+    r = criuctl("thaw", name, env=env)
+    assert r.returncode == 1 and "still not complete" in r.stderr, r.stderr
+    (faults / Fault.NETLOCK_LIFT).unlink()
+    r = criuctl("thaw", name)
+    assert r.returncode == 0, r.stderr
+    assert not any(t in criu_tables() for t in _tables_of(tmp_path / "b"))
+    assert "thaw incomplete" not in criuctl("ps").stdout
     assert_finishes_like_reference(j, ref, server)
 
 

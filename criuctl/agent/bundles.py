@@ -96,12 +96,20 @@ class Bundles:
             return self.agent.error_response(exc)
         except TimeoutError:
             await h.kill_group()
-            await asyncio.to_thread(checkpoint.thaw_tree, w.root_pid)
-            return fail(504, f"checkpoint of {w.name!r} took too long", "it was thawed; see the agent log")
+            thaw = await asyncio.to_thread(checkpoint.thaw_tree, w.root_pid, None, None, w.name)
+            how = (
+                "it was thawed"
+                if thaw.complete
+                else f"it runs again, but its thaw did not complete: {thaw.line()}"
+            )
+            return fail(504, f"checkpoint of {w.name!r} took too long", f"{how}; see the agent log")
         finally:
             await h.close()
             await asyncio.to_thread(shutil.rmtree, work, True)
-        return web.json_response({"id": bid, "bytes": ev["bytes"], "freeze_seconds": ev["freeze_seconds"]})
+        answer = {"id": bid, "bytes": ev["bytes"], "freeze_seconds": ev["freeze_seconds"]}
+        if ev.get("thaw_left"):  # --leave-running: the bundle is good, the job runs, not whole yet
+            answer["thaw_incomplete"] = ev["thaw_left"]
+        return web.json_response(answer)
 
     def _kept(self, r: web.Request) -> Path:
         """A kept bundle's folder; 404 for one absent, half-received or used up by a restore."""

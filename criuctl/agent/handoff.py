@@ -336,7 +336,8 @@ def dump(spec_file: Path) -> int:
     except OSError as exc:
         _emit(Event.ERROR, what=f"checkpoint failed: {exc}", hint="see the agent log", detail="")
         return 1
-    _emit(Event.DONE, bytes=out.size_bytes, freeze_seconds=out.freeze_seconds)
+    left = out.thaw.line() if out.thaw is not None and not out.thaw.complete else None
+    _emit(Event.DONE, bytes=out.size_bytes, freeze_seconds=out.freeze_seconds, thaw_left=left)
     return 0
 
 

@@ -135,7 +135,7 @@ class Outgoing:
         out = await m.run(say)
         if out.ok:
             self.agent.metrics.bytes.labels("sent").inc(out.facts["bytes"])
-            m.lease = asyncio.ensure_future(m.lease_loop(self.agent.opts.lease_seconds))
+            m.lease = asyncio.ensure_future(self._lease(m))
             facts = {k: out.facts[k] for k in ("bytes", "seconds", "target")}
             await say("sent", **facts)
         else:
@@ -147,6 +147,12 @@ class Outgoing:
         with contextlib.suppress(ConnectionError, RuntimeError):
             await resp.write_eof()
         return resp
+
+    async def _lease(self, m: SourceMachine) -> None:
+        """The lease, and once it settled the migration with the target (the client never came
+        back), its forgetting — as a commit or an abort by the client would."""
+        await m.lease_loop(self.agent.opts.lease_seconds)
+        await self._forget_when_done(m)
 
     async def commit(self, r: web.Request) -> web.Response:
         m = self._get(r)
