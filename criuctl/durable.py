@@ -34,6 +34,19 @@ def replace(path: Path, data: bytes, mode: int = 0o600, sync: bool = True) -> No
     """Replace `path` with `data` atomically; durably unless `sync` is False (a file whose loss in a
     power cut changes nothing, such as a test's stopping point, still must never be read half-written)."""
     path = Path(path)
+    tmp = _temp(path, data, mode, sync)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    if sync:
+        fsync_dir(path.parent)
+
+
+def _temp(path: Path, data: bytes, mode: int, sync: bool) -> str:
+    """A new temp file beside `path` holding `data` (synced if `sync`); removed again on error."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         os.fchmod(fd, mode)
@@ -42,13 +55,11 @@ def replace(path: Path, data: bytes, mode: int = 0o600, sync: bool = True) -> No
             f.flush()
             if sync:
                 os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    if sync:
-        fsync_dir(path.parent)
+    return tmp
 
 
 def create(path: Path, data: bytes, mode: int = 0o600) -> bool:
@@ -59,13 +70,8 @@ def create(path: Path, data: bytes, mode: int = 0o600) -> bool:
     temp file, or not at all.
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    tmp = _temp(path, data, mode, sync=True)
     try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
         try:
             os.link(tmp, path)
         except FileExistsError:

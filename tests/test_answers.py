@@ -271,43 +271,19 @@ def test_every_atomic_write_goes_through_durable():
     assert offenders == [], offenders
 
 
-class _Answering:
-    """An HTTP server on loopback that answers every request with one (status, JSON body)."""
-
-    def __init__(self, status: int, body: object) -> None:
-        import http.server
-        import threading
-
-        answer = json.dumps(body).encode()
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def _reply(self) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(answer)))
-                self.end_headers()
-                self.wfile.write(answer)
-
-            do_GET = do_DELETE = _reply
-
-            def log_message(self, *_a) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def close(self) -> None:
-        self.server.shutdown()
-
-
 def _answers(status: int, body: object) -> tuple[Verdict, str | None]:
-    srv = _Answering(status, body)
+    """What a source makes of (status, body) from the target's address."""
+    import threading
+
+    from tests.impostor import server
+
+    srv = server(0, status, json.dumps(body).encode())
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
-        ticket = Ticket(srv.url, "a" * 32, "the-ticket-secret", "b")
+        ticket = Ticket(f"http://127.0.0.1:{srv.server_address[1]}", "a" * 32, "the-ticket-secret", "b")
         return verdicts.ask_abort(ticket), verdicts.ask_state(ticket)
     finally:
-        srv.close()
+        srv.shutdown()
 
 
 def _signed(state: str, migration: str = "a" * 32, secret: str = "the-ticket-secret") -> dict:

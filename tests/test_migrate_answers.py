@@ -15,6 +15,7 @@ exactly once, with the losses and weights of an uninterrupted run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -122,6 +124,28 @@ IMPOSTORS = [
 ]
 
 
+@contextlib.contextmanager
+def _stopped_at(c: Cluster, ref, pause: Path, point: Point) -> Iterator[None]:
+    """A job on a, moving to b, stopped at `point` with the client killed there; the body breaks
+    something more, and the job must then run exactly once (sampled throughout)."""
+    c.run("a", "job", *JOB)
+    c.wait_step("job", 5)
+    sampler = Sampler(c, "job")
+    sampler.start()
+    p = _migrate(c, "job", pause)
+    try:
+        _wait_paused(pause, point, p)
+        p.kill()
+        yield
+        c.wait_finished("job", timeout=240)
+    finally:
+        sampler.stop.set()
+        sampler.join()
+        if p.poll() is None:
+            p.kill()
+    assert_exactly_once(c, "job", ref, sampler)
+
+
 def test_a_source_acts_only_on_the_targets_signed_word(tmp_path, ref):
     """The target runs the job (committed), the client and the target's agent die, and something
     else answers at the target's address: a 404, then an unsigned "aborted", then a forged one.
@@ -129,19 +153,11 @@ def test_a_source_acts_only_on_the_targets_signed_word(tmp_path, ref):
     frozen through all of them, and ends its copy once the real target answers."""
     pause = tmp_path / "pause"
     _arm(pause, Point.CLIENT_TARGET_COMMITTED)
-    with Cluster(tmp_path / "c", lease=LEASE) as c:
-        c.run("a", "job", *JOB)
-        c.wait_step("job", 5)
-        sampler = Sampler(c, "job")
-        sampler.start()
-        p = _migrate(c, "job", pause)
-        impostor = None
-        try:
-            _wait_paused(pause, Point.CLIENT_TARGET_COMMITTED, p)
-            p.kill()
-            _kill_agent(c.nodes["b"])  # its handoff supervises the job on b, unaffected
-            for status, body in IMPOSTORS:
-                impostor = Impostor(c.nodes["b"], status, body)
+    with Cluster(tmp_path / "c", lease=LEASE) as c, _stopped_at(c, ref, pause, Point.CLIENT_TARGET_COMMITTED):
+        _kill_agent(c.nodes["b"])  # its handoff supervises the job on b, unaffected
+        for status, body in IMPOSTORS:
+            impostor = Impostor(c.nodes["b"], status, body)
+            try:
                 deadline = time.monotonic() + 90
                 while impostor.answered() < 1:  # the source's lease asked it
                     assert time.monotonic() < deadline, "the source never asked"
@@ -150,20 +166,11 @@ def test_a_source_acts_only_on_the_targets_signed_word(tmp_path, ref):
                 rec = _source_record(c.nodes["a"])
                 assert rec["state"] == "sent", f"the source settled on {status} {body}: {rec}"
                 assert _frozen_on(c.nodes["a"], "job") and c.running("job") == ["b"]
+            finally:
                 impostor.stop()
-                impostor = None
-            c.nodes["b"].start_agent(lease=LEASE)  # the real target answers: running → a ends its copy
-            c.wait_finished("job", timeout=240)
-            _wait_source_settled(c.nodes["a"], "done")
-        finally:
-            sampler.stop.set()
-            sampler.join()
-            if impostor is not None:
-                impostor.stop()
-            if p.poll() is None:
-                p.kill()
-        assert_exactly_once(c, "job", ref, sampler)
-        assert c.nodes["a"].records()[0]["state"] == "migrated"
+        c.nodes["b"].start_agent(lease=LEASE)  # the real target answers: running → a ends its copy
+        _wait_source_settled(c.nodes["a"], "done")
+    assert c.nodes["a"].records()[0]["state"] == "migrated"
 
 
 # --------------------------------------------------------------------------------------- reboot
@@ -180,15 +187,9 @@ def test_a_source_whose_spool_was_emptied_still_thaws_from_its_record(tmp_path, 
     tmpfs at a reboot). Before: the hold record was in the spool, so nobody ever thawed the tree."""
     pause = tmp_path / "pause"
     _arm(pause, Point.SOURCE_FROZEN)
-    with Cluster(tmp_path / "c", lease=LEASE, spool=True, agent_env={"a": {ENV_PAUSE_DIR: str(pause)}}) as c:
-        c.run("a", "job", *JOB)
-        c.wait_step("job", 5)
-        sampler = Sampler(c, "job")
-        sampler.start()
-        p = _migrate(c, "job", pause)
-        try:
-            _wait_paused(pause, Point.SOURCE_FROZEN, p)
-            p.kill()
+    env = {"a": {ENV_PAUSE_DIR: str(pause)}}
+    with Cluster(tmp_path / "c", lease=LEASE, spool=True, agent_env=env) as c:
+        with _stopped_at(c, ref, pause, Point.SOURCE_FROZEN):
             handoff = next(h for h in c.handoffs() if " source " in " ".join(h.cmdline()))
             _kill_agent(c.nodes["a"])
             handoff.kill()
@@ -196,13 +197,6 @@ def test_a_source_whose_spool_was_emptied_still_thaws_from_its_record(tmp_path, 
             assert _frozen_on(c.nodes["a"], "job")
             _empty(c.nodes["a"].spool)
             c.nodes["a"].start_agent(env={ENV_PAUSE_DIR: ""}, lease=LEASE)
-            c.wait_finished("job", timeout=240)
-        finally:
-            sampler.stop.set()
-            sampler.join()
-            if p.poll() is None:
-                p.kill()
-        assert_exactly_once(c, "job", ref, sampler)
         assert "recovered outgoing" in c.nodes["a"].agent_log()
 
 
@@ -211,26 +205,14 @@ def test_a_target_whose_spool_was_emptied_still_says_the_job_runs_there(tmp_path
     with the spool, it answered 404, the source read that as "aborted" and thawed: twice."""
     pause = tmp_path / "pause"
     _arm(pause, Point.CLIENT_TARGET_COMMITTED)
-    with Cluster(tmp_path / "c", lease=LEASE, spool=True) as c:
-        c.run("a", "job", *JOB)
-        c.wait_step("job", 5)
-        sampler = Sampler(c, "job")
-        sampler.start()
-        p = _migrate(c, "job", pause)
-        try:
-            _wait_paused(pause, Point.CLIENT_TARGET_COMMITTED, p)
-            p.kill()
-            _kill_agent(c.nodes["b"])
-            _empty(c.nodes["b"].spool)
-            c.nodes["b"].start_agent(lease=LEASE)
-            c.wait_finished("job", timeout=240)
-            _wait_source_settled(c.nodes["a"], "done")
-        finally:
-            sampler.stop.set()
-            sampler.join()
-            if p.poll() is None:
-                p.kill()
-        assert_exactly_once(c, "job", ref, sampler)
+    with (
+        Cluster(tmp_path / "c", lease=LEASE, spool=True) as c,
+        _stopped_at(c, ref, pause, Point.CLIENT_TARGET_COMMITTED),
+    ):
+        _kill_agent(c.nodes["b"])
+        _empty(c.nodes["b"].spool)
+        c.nodes["b"].start_agent(lease=LEASE)
+        _wait_source_settled(c.nodes["a"], "done")
 
 
 # --------------------------------------------------------------------------------------- handoff
