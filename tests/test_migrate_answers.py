@@ -223,8 +223,9 @@ def test_a_handoff_whose_library_prints_to_stdout_migrates_as_any_other(tmp_path
     the migration's state machine. Here every Python the agents start prints at import."""
     chatty = tmp_path / "chatty"
     chatty.mkdir()
-    (chatty / "sitecustomize.py").write_text(
-        'print("a library that talks: hello")\nprint(\'{"progress": 1}\')\n'
+    (chatty / "sitecustomize.py").write_text(  # at import, and again at exit
+        'import atexit\nprint("a library that talks: hello")\nprint(\'{"progress": 1}\')\n'
+        'atexit.register(print, "a library that talks: goodbye")\n'
     )
     env = {"PYTHONPATH": str(chatty)}
     with Cluster(tmp_path / "c", agent_env={"a": env, "b": env}) as c:
@@ -238,7 +239,9 @@ def test_a_handoff_whose_library_prints_to_stdout_migrates_as_any_other(tmp_path
         c.wait_finished("job", timeout=240)
         assert c.steps("job") == ref.steps and c.final("job") == [ref.final]
         logs = list((c.nodes["a"].state / "logs" / "handoffs").glob("source-*.log"))
-        assert any("a library that talks" in p.read_text() for p in logs), "its stdout went to its log"
+        assert any("a library that talks: goodbye" in p.read_text() for p in logs), (
+            "its stdout goes to its log"
+        )
 
 
 # --------------------------------------------------------------------------------------- thaw
