@@ -72,8 +72,8 @@ def local_cluster(tmp_path_factory):
 
     for name in ("criu", "kubernetes"):
         requirements.require(name)
-    net = _free_subnet(123)
-    lay = Layout(tmp_path_factory.mktemp("kube"), prefix=f"k{net.split('.')[1]}", net=net)
+    lay = Layout(tmp_path_factory.mktemp("kube"), net=_free_subnet(123))  # beside a user's cluster
+    lc.check_free(lay)  # outside the `finally`: a taken net is another cluster's, not ours to take down
     try:
         lc.up(lay)
         yield lay, Kubectl(lay)

@@ -26,12 +26,11 @@ from pathlib import Path
 
 import pytest
 
-from criuctl.localcluster.layout import CACHE, IMAGES, K8S_BIN
+from criuctl.localcluster.layout import BUSYBOX_TAR, CACHE, K8S_BIN
 
 ENV_REQUIRE_ALL = "CRIUCTL_TESTS_REQUIRE_ALL"  # set by `make test` (Makefile), so by .ci/run
 MARK = "requires"
 CONTAINERD2 = Path(os.environ.get("CRIUCTL_CONTAINERD2", CACHE / "containerd-2"))
-BUSYBOX_TAR = IMAGES / "busybox.tar"  # the test image scripts/install-containerd.sh builds
 OLD_CRIU = CACHE / "criu-3.17" / "usr" / "sbin" / "criu"  # unpacked by scripts/test-fixtures.sh
 
 
