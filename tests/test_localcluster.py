@@ -9,6 +9,7 @@ session's `local_cluster` and takes it down again while the other keeps working.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from criuctl.localcluster.layout import BUSYBOX, Layout
-from criuctl.localcluster.node import BINDS
+from criuctl.localcluster.node import BINDS, binds_in_use
 from tests.cluster import _free_subnet, sh
 from tests.conftest import needs_criu
 from tests.kube import Kubectl
@@ -118,6 +119,24 @@ def test_a_dir_holding_a_cluster_is_refused(recorded: Path) -> None:
         r, 1, f"already recorded in {recorded}", f"down --dir {recorded}", "its own --dir and --net"
     )
     assert json.loads((recorded / "state.json").read_text())["pids"] == {}
+
+
+@needs("root", "util-linux")
+def test_down_sees_the_folders_a_node_of_another_cluster_has_mounts_on(tmp_path: Path) -> None:
+    """`down` must not remove such a folder on the host: that would detach the other node's mount."""
+    target = next((t for t in BINDS.values() if os.path.isdir(t)), "/run/containerd")
+    created = not os.path.isdir(target)
+    script = f"mkdir -p {target} && mount --bind {tmp_path} {target} && echo bound && exec sleep 60"
+    node = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert node.stdout is not None and node.stdout.readline().strip() == "bound"
+        assert target in binds_in_use()
+    finally:
+        node.kill()
+        node.wait()
+        if created and target not in binds_in_use():  # a cluster started meanwhile may use it
+            os.rmdir(target)
 
 
 def _mount_points(pid: int) -> set[str]:
