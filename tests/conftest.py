@@ -1,33 +1,17 @@
-import os
-import shutil
 import subprocess
 
 import pytest
 
 from criuctl.workloads import ENV_STATE_DIR
+from tests import requirements
+from tests.requirements import needs
 
-# `make test` sets this: there, a missing CRIU is a failure, never a skip (it installed CRIU itself)
-ENV_REQUIRE = "CRIUCTL_TESTS_REQUIRE_CRIU"
+# What the suite needs and what `make test` does when it is missing: tests/requirements.py
+pytest_configure = requirements.pytest_configure
+pytest_sessionstart = requirements.pytest_sessionstart
+pytest_runtest_setup = requirements.pytest_runtest_setup
 
-
-def _missing_for_criu() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root: CRIU freezes processes with ptrace (CI runs as root)"
-    missing = None
-    if shutil.which(os.environ.get("CRIUCTL_CRIU", "criu")) is None:
-        missing = "needs CRIU >= 4.0 on PATH: run `make test`, which installs it"
-    else:
-        try:
-            import pycriu  # noqa: F401
-        except ImportError:
-            missing = "needs pycriu in this Python: run `make test`, which installs it"
-    if missing and os.environ.get(ENV_REQUIRE) == "1":
-        raise pytest.UsageError(f"make test installed CRIU, yet the tests cannot use it: {missing}")
-    return missing
-
-
-REASON = _missing_for_criu()
-needs_criu = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+needs_criu = needs("criu")
 
 
 @pytest.fixture(scope="session")
@@ -82,21 +66,14 @@ def local_cluster(tmp_path_factory):
     controller-manager, two kubelet nodes with containerd, criuctl's agent as the DaemonSet, the
     webhook registered by URL. Up once per session (~25 s), down at its end, leaving nothing."""
     from criuctl.localcluster import __main__ as lc
-    from criuctl.localcluster.layout import K8S_BIN, Layout
+    from criuctl.localcluster.layout import Layout
     from tests.cluster import _free_subnet
     from tests.kube import Kubectl
 
-    missing = REASON or (
-        None if (K8S_BIN / "kube-apiserver").exists() else
-        f"needs Kubernetes v1.20.2 in {K8S_BIN}: run `make test`, which builds it "
-        "(scripts/install-kubernetes.sh)"
-    )  # fmt: skip
-    if missing:
-        if os.environ.get(ENV_REQUIRE) == "1":
-            raise pytest.UsageError(f"make test installed everything, yet: {missing}")
-        pytest.skip(missing)
-    net = _free_subnet(123)
-    lay = Layout(tmp_path_factory.mktemp("kube"), prefix=f"k{net.split('.')[1]}", net=net)
+    for name in ("criu", "kubernetes"):
+        requirements.require(name)
+    lay = Layout(tmp_path_factory.mktemp("kube"), net=_free_subnet(123))  # beside a user's cluster
+    lc.check_free(lay)  # outside the `finally`: a taken net is another cluster's, not ours to take down
     try:
         lc.up(lay)
         yield lay, Kubectl(lay)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -30,8 +29,9 @@ from criuctl.agent import outgoing as outgoing_mod
 from criuctl.agent import verdicts
 from criuctl.agent.protocol import SourceRecord, SourceState, Ticket, Verdict, signed_state, verdict_key
 from tests.jobs import criuctl
+from tests.requirements import needs
 
-ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: nftables tables, other processes")
+ROOT = needs("root")  # nftables tables, other processes
 TICKET = Ticket("http://127.0.0.1:1", "f" * 32, "s", "b")
 
 
@@ -330,7 +330,7 @@ def test_a_line_that_is_not_an_event_is_the_handoffs_failure_not_a_crash(line):
     asyncio.run(go())
 
 
-@pytest.mark.skipif(shutil.which("criu") is None, reason="needs CRIU (make test installs it)")
+@needs("criu")
 def test_lazy_pages_that_never_gets_ready_is_given_up_in_bounded_time(tmp_path):
     """Before: the restore read CRIU lazy-pages' readiness byte with no end; a daemon stuck before
     it is ready (here on an image that is a FIFO nobody writes) held the restore for ever."""

@@ -11,7 +11,6 @@ import contextlib
 import os
 import re
 import secrets
-import shutil
 import socket
 import subprocess
 import sys
@@ -24,11 +23,10 @@ import requests
 
 from criuctl import workloads
 from tests.jobs import CRIUCTL, Job, criuctl
+from tests.requirements import needs, require
 from tests.test_errors import assert_error_line
 
-needs_root = pytest.mark.skipif(
-    os.geteuid() != 0, reason="needs root: run, dump and agent refuse to start without it, and mount"
-)
+needs_root = needs("root")
 SLEEPER = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"]
 BAD_NAMES = {
     "./../x": "contains '..'",
@@ -385,8 +383,7 @@ def test_agent_with_missing_or_bad_tls_files(tmp_path):
     assert_error_line(
         agent("--tls-cert", str(cert), "--tls-key", str(key)), "are not a PEM certificate and its key"
     )
-    if shutil.which("openssl") is None:
-        pytest.skip("the mismatched-key case needs openssl (scripts/test-fixtures.sh installs it)")
+    require("openssl")  # the mismatched-key case
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
              "-days", "1", "-subj", "/CN=a")  # fmt: skip
     _openssl("genpkey", "-algorithm", "RSA", "-out", str(tmp_path / "other.pem"))
@@ -471,8 +468,7 @@ class Agents:
 
 @pytest.fixture(scope="module")
 def agents(tmp_path_factory) -> Iterator[Agents]:
-    if os.geteuid() != 0:
-        pytest.skip("needs root: the agents and `criuctl run` refuse to start without it")
+    require("root")
     a = Agents(tmp_path_factory.mktemp("agents"))
     try:
         yield a

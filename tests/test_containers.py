@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import threading
 import time
@@ -25,12 +24,11 @@ import pytest
 from criuctl import containers, mounts
 from tests.conftest import needs_criu
 from tests.jobs import CRIUCTL
+from tests.requirements import missing, needs
 
-pytestmark = [needs_criu, pytest.mark.slow]
+pytestmark = [needs_criu, needs("containerd"), pytest.mark.slow]
 
-if shutil.which("containerd") is None:  # `make test` installs it: only a bare `pytest` gets here
-    pytestmark.append(pytest.mark.skip(reason="containerd is not installed (run `make install`)"))
-else:
+if missing("containerd") is None:  # the CRI stubs exist only where make install made them
     from criuctl_cri import api_pb2 as pb
 
     from tests.containerd import INIT, JOB, PY, Containerd, Nodes, cri_final, cri_steps, job_argv, wait_until

@@ -11,7 +11,6 @@ code for containers and is not repeated here (tests/test_boundaries.py, tests/te
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -24,12 +23,11 @@ from criuctl.agent.points import ENV_PAUSE_AT, ENV_PAUSE_DIR
 from criuctl.agent.protocol import Point
 from tests.conftest import needs_criu
 from tests.jobs import CRIUCTL
+from tests.requirements import missing, needs
 
-pytestmark = [needs_criu, pytest.mark.slow]
+pytestmark = [needs_criu, needs("containerd"), pytest.mark.slow]
 
-if shutil.which("containerd") is None:  # `make test` installs it: only a bare `pytest` gets here
-    pytestmark.append(pytest.mark.skip(reason="containerd is not installed (run `make install`)"))
-else:
+if missing("containerd") is None:  # tests.containerd needs the CRI stubs make install made
     from tests.containerd import INIT, PY, Nodes, cri_steps, job_argv, wait_until
 
 LONG = 5000  # steps: the job outlives every test here

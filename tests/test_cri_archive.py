@@ -33,16 +33,15 @@ import pytest
 from criuctl import bundle
 from criuctl.localcluster import containerd_config
 from criuctl.runtime import archive
-from tests.conftest import ENV_REQUIRE, REASON
+from tests.requirements import BUSYBOX_TAR as IMAGE_TAR
+from tests.requirements import CONTAINERD2, needs, require
 
 REPO = Path(__file__).resolve().parent.parent
 CRIUCTL = REPO / ".venv" / "bin" / "criuctl"
-CONTAINERD2 = Path(os.environ.get("CRIUCTL_CONTAINERD2", "/usr/local/lib/criuctl/containerd-2"))
-# The test image scripts/install-containerd.sh builds (as tests/containerd.py uses it; not imported
-# from there: that module needs the CRI stubs, and the hostile-archive tests here need nothing).
-IMAGE = "criuctl.test/busybox:1"
+# The test image scripts/install-containerd.sh builds, IMAGE_TAR (as tests/containerd.py uses it; not
+# imported from there: that module needs the CRI stubs, and the hostile-archive tests here need nothing).
 # Its applets: sh, sleep, cat, ls, echo; its command sleeps (the pause container).
-IMAGE_TAR = Path("/usr/local/lib/criuctl/images/busybox.tar")
+IMAGE = "criuctl.test/busybox:1"
 KEY = b"k" * 32
 
 TRAINER = r"""
@@ -69,28 +68,6 @@ if __name__ == "__main__":
         time.sleep(0.01)
 """
 COUNTER = "busybox rm /bin/cat; echo kept > /written; i=0; while :; do echo $i; i=$((i+1)); sleep 0.2; done"
-
-
-def _missing() -> str | None:
-    """Why the real half cannot run here, or None. Under `make test` (CRIUCTL_TESTS_REQUIRE_CRIU)
-    that is a failure, not a skip: make installed all of it."""
-    why = REASON
-    if why is None and not (CONTAINERD2 / "bin" / "containerd").is_file():
-        why = f"needs containerd 2 in {CONTAINERD2}: run scripts/install-containerd2.sh (make test does)"
-    elif why is None and not IMAGE_TAR.is_file():
-        why = (
-            f"needs the busybox test image {IMAGE_TAR}: run scripts/install-containerd.sh (make install does)"
-        )
-    elif why is None and shutil.which("runc") is None:
-        why = "needs runc (apt-get install runc)"
-    elif why is None:
-        try:
-            import criuctl_cri.api_pb2  # noqa: F401
-        except ImportError:
-            why = "needs the CRI stubs (criuctl_cri): run `make install`"
-    if why and os.environ.get(ENV_REQUIRE) == "1":
-        pytest.fail(f"make test installed containerd 2, yet this test cannot use it: {why}", pytrace=False)
-    return why
 
 
 # ------------------------------------------------------------------------------ containerd 2 node
@@ -297,8 +274,8 @@ class Checkpointed:
 @pytest.fixture(scope="module")
 def checkpointed() -> Iterator[Checkpointed]:
     """One containerd 2 node, two containers in one pod, each checkpointed once through CRI."""
-    if why := _missing():
-        pytest.skip(why)
+    for name in ("criu", "containerd-2"):
+        require(name)
     from criuctl import runtime
 
     root = Path(tempfile.mkdtemp(prefix="criuctl-cri2-", dir="/tmp"))
@@ -527,7 +504,10 @@ def _sums(cri_log: str) -> list[tuple[int, str]]:
 
 
 def _pycriu():
-    return pytest.importorskip("pycriu", reason="needs pycriu: run `make install`")
+    require("pycriu")
+    import pycriu
+
+    return pycriu
 
 
 def _image(magic: str, entries: list[dict]) -> bytes:
@@ -627,11 +607,10 @@ def test_a_small_archive_imports(tmp_path: Path) -> None:
     assert c.external_mounts == ["/data"] and c.netns_external is True
 
 
+@needs("zstd")
 def test_a_zstd_archive_imports(tmp_path: Path) -> None:
     """CRI-O and podman can compress their archives with zstd (Python's tarfile cannot read it)."""
     _pycriu()
-    if shutil.which("zstd") is None:
-        pytest.skip("needs zstd (apt-get install zstd)")
     src = _tar(tmp_path / "a.tar", _good())
     subprocess.run(["zstd", "-q", "--rm", src, "-o", tmp_path / "a.tar.zst"], check=True)
     assert archive.is_archive(tmp_path / "a.tar.zst")

@@ -20,6 +20,7 @@ import pytest
 from criuctl import cuda, cudasteps, doctor, gpus
 from criuctl.cuda import CudaError, ProcessState
 from criuctl.gpus import GpuInfo, GpuMismatch
+from tests.requirements import require
 
 FAKES = Path(__file__).parent / "fakes"
 A = "GPU-aaaaaaaa-0000-1111-2222-000000000001"
@@ -33,9 +34,9 @@ H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
 @pytest.fixture(scope="session")
 def fake_libs(tmp_path_factory) -> dict[str, Path]:
     """The stand-ins, compiled once per session with the host's C compiler."""
+    require("cc")
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler (cc or gcc) to build the stand-in libcuda and NVML")
+    assert cc is not None
     out = tmp_path_factory.mktemp("fakes")
     builds = {
         "cuda": ("fake_libcuda.c", []),

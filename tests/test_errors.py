@@ -11,9 +11,9 @@ import pytest
 from criuctl import bundle
 from tests.conftest import needs_criu
 from tests.jobs import CRIUCTL, Job, Reference, criuctl
+from tests.requirements import OLD_CRIU, needs
 
 pytestmark = needs_criu
-OLD_CRIU = Path("/usr/local/lib/criuctl/criu-3.17/usr/sbin/criu")
 
 
 def assert_error_line(r: subprocess.CompletedProcess, *needles: str) -> str:
@@ -96,10 +96,7 @@ def test_criu_missing(tmp_path, job, ref):
     assert_still_training_exactly_once(job, ref)
 
 
-@pytest.mark.skipif(
-    not OLD_CRIU.exists(),
-    reason="needs Debian 12's criu 3.17: run `make test` (scripts/test-fixtures.sh unpacks it)",
-)
+@needs("criu-3.17")
 def test_criu_too_old(tmp_path, job, ref):
     r = criuctl("dump", "mlp", "-o", str(tmp_path / "b"), env={**os.environ, "CRIUCTL_CRIU": str(OLD_CRIU)})
     assert_error_line(r, "3.17", "too old", "install-criu.sh")

@@ -25,18 +25,16 @@ from typing import Any
 import pytest
 
 from criuctl import bundle, cli, containers, preflight, runtime, statedir, tokens, workloads
+from tests.requirements import needs, require
 
 try:
     import kubernetes_validate
     import yaml
-except ImportError as exc:  # `make test` installs the dev extras, so CI never takes this branch
+except ImportError:  # a bare pytest without the dev extras: the tests needing them say so
     kubernetes_validate = None
     yaml = None
-    _MISSING = f"kubernetes-validate is not importable ({exc}): pip install -e '.[dev]'"
-else:
-    _MISSING = ""
 
-needs_validate = pytest.mark.skipif(kubernetes_validate is None, reason=_MISSING)
+needs_validate = needs("kubernetes-validate")
 
 MANIFESTS = Path(__file__).resolve().parent.parent / "manifests"
 OLDEST = "1.30.0"  # the oldest Kubernetes the manifests promise to fit (nodes/checkpoint is beta there)
@@ -95,8 +93,7 @@ def validate(obj: Obj, version: str) -> None:
 @pytest.fixture(scope="module")
 def objects() -> list[Obj]:
     """What `kubectl apply -k manifests/` would send; the files' objects without kubectl."""
-    if kubernetes_validate is None:
-        pytest.skip(_MISSING)
+    require("kubernetes-validate")
     if KUBECTL:
         return render(MANIFESTS)
     return [o for p in manifest_files() for o in load_file(p)]
@@ -470,10 +467,7 @@ def test_every_rule_says_why() -> None:
 # -------------------------------------------------------------------- the documented overlay
 
 
-@needs_validate
-@pytest.mark.skipif(
-    KUBECTL is None, reason="kubectl not on PATH: the overlay of docs/deploy.md is rendered by it"
-)
+@needs("kubernetes-validate", "kubectl")  # the overlay of docs/deploy.md is rendered by kubectl
 def test_an_overlay_replaces_the_secret_templates_as_docs_deploy_says(tmp_path: Path) -> None:
     """docs/deploy.md: an overlay outside the repository whose secretGenerator (behavior: replace)
     takes the real values from files; the Secrets keep their names, so the DaemonSet still finds them."""

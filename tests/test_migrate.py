@@ -23,27 +23,11 @@ from criuctl.agent.protocol import ENV_TIMEOUTS
 from tests.cluster import Cluster
 from tests.conftest import needs_criu
 from tests.jobs import CRIUCTL, Ref
+from tests.requirements import needs
 
 pytestmark = [needs_criu, pytest.mark.slow]
 
 MLP = ("train_mlp.py", "--steps", "100", "--step-time", "0.1")
-
-
-def _lacks(feature: str) -> str | None:
-    """Why this kernel lacks a CRIU feature, or None. A CRIU that cannot answer fails the run: no skip."""
-    from tests.conftest import REASON
-
-    if REASON is not None:
-        return REASON
-    from criuctl import criu
-
-    f = criu.features()  # raises on a broken CRIU: a collection error, not a silent skip
-    return {
-        "lazy_pages": None if f.lazy_pages else "this kernel has no userfaultfd (CRIU lazy pages)",
-    }[feature]
-
-
-NO_UFFD = _lacks("lazy_pages")
 
 
 @pytest.fixture
@@ -116,7 +100,7 @@ def test_stop_and_copy_a_to_b_to_a_with_dataloader_workers(tmp_path):
         assert r.returncode == 0 and r.stdout.strip(), r.stderr
 
 
-@pytest.mark.skipif(NO_UFFD is not None, reason=NO_UFFD or "")
+@needs("userfaultfd")
 def test_post_copy_a_to_b_to_a(cluster, mlp_ref):
     c = cluster
     job = c.run("a", "mlp", *MLP)

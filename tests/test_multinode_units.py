@@ -5,7 +5,6 @@ nftables rule sets in a network namespace of their own."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 
@@ -15,6 +14,7 @@ from criuctl import readdress
 from criuctl.agent import client, jobmove, jobs
 from criuctl.agent.redirects import parse_rules
 from criuctl.peers import Endpoints
+from tests.requirements import needs
 
 A, B, C = "10.9.0.2", "10.9.0.3", "10.9.0.4"
 
@@ -46,8 +46,8 @@ def _sockets(path) -> list[tuple[str, int, str, int]]:
             for k in isks]  # fmt: skip
 
 
+@needs("pycriu")
 def test_readdress_moves_only_the_moved_endpoints(tmp_path):
-    pytest.importorskip("pycriu")
     img = tmp_path / "files.img"
     _files_img(img, [
         (2, B, 40000, A, 29500),  # the moved rank's connection to the store on a
@@ -174,9 +174,8 @@ print(json.dumps(out))
 """
 
 
+@needs("util-linux")
 def test_rule_sets_in_a_network_namespace_of_their_own():
-    if not shutil.which("unshare"):
-        pytest.skip("needs unshare(1) (util-linux), which `make test` installs")
     r = subprocess.run(
         ["unshare", "--net", sys.executable, "-c", NETNS_SCRIPT], capture_output=True, text=True
     )

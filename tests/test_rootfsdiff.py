@@ -13,11 +13,10 @@ import stat
 import tarfile
 from pathlib import Path
 
-import pytest
-
 from criuctl import rootfsdiff
+from tests.requirements import needs
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: apply chroots, write reads whiteouts")
+pytestmark = needs("root")  # apply chroots, write reads whiteouts
 
 # A name no host has in /run: the file the diff writes through the image's `var/run -> /run`.
 THROUGH_LINK = f"criuctl-rootfsdiff-test-{os.getpid()}"

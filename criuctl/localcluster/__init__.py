@@ -1,9 +1,13 @@
 """A real Kubernetes on one machine, for trying criuctl and for its tests: `scripts/local-cluster`.
 
-    scripts/local-cluster up [--nodes a,b] [--dir DIR]    build once (cached), start, print KUBECONFIG
+    scripts/local-cluster up [--nodes a,b] [--dir DIR] [--net 10.N.0]   build once (cached), start,
+                                                                        print KUBECONFIG
     scripts/local-cluster down [--dir DIR]               remove everything it started
     scripts/local-cluster status [--dir DIR]
-    scripts/local-cluster demo [--out DIR]              its own cluster: a pod moved mid-training
+    scripts/local-cluster demo [--out DIR] [--net 10.N.0]   its own cluster: a pod moved mid-training
+
+Clusters run side by side when each has its own --dir and --net (a test's beside a user's): what
+they share with the host is named from the net (layout.Layout).
 
 Real parts only: etcd, kube-apiserver, kube-scheduler and kube-controller-manager v1.20.2 (built
 from Debian 12's source package by scripts/install-kubernetes.sh), and per node a network namespace

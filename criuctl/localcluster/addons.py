@@ -14,25 +14,24 @@ from pathlib import Path
 
 from criuctl.localcluster.layout import (
     AGENT_IMAGE,
+    BUSYBOX_TAR,
     HOST_PYTHON,
-    IMAGES,
     REPO,
     ClusterError,
     Layout,
     sh,
 )  # fmt: skip
 
-AGENT_TAR = IMAGES / "criuctl-agent-dev.tar"
 
-
-def agent_image() -> Path:
+def agent_image(lay: Layout) -> Path:
     """A local image for the agent: busybox with an entrypoint that runs this checkout's criuctl
-    (the checkout and the host's Python are hostPath mounts of the DaemonSet's pods)."""
+    (the checkout and the host's Python are hostPath mounts of the DaemonSet's pods). In the
+    cluster's own folder: a cluster started from another checkout at the same time has its own."""
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "rootfs"
         (root / "bin").mkdir(parents=True)
         # busybox from the test image (scripts/install-containerd.sh made it from busybox-static)
-        sh("tar", "-xf", str(IMAGES / "busybox.tar"), "-C", tmp)
+        sh("tar", "-xf", str(BUSYBOX_TAR), "-C", tmp)
         layer = next(Path(tmp).glob("*/layer.tar"))
         sh("tar", "-xf", str(layer), "-C", str(root), "bin/busybox")
         (root / "bin" / "sh").symlink_to("busybox")
@@ -42,8 +41,8 @@ def agent_image() -> Path:
         entry.write_text(f'#!/bin/sh\nexec {REPO}/.venv/bin/criuctl "$@"\n')
         entry.chmod(0o755)
         sh(str(REPO / ".venv" / "bin" / "python"), str(REPO / "scripts" / "image-tar.py"), str(root),
-           AGENT_IMAGE, str(AGENT_TAR), "--entrypoint", "/criuctl-entry", "--cmd", "agent")  # fmt: skip
-    return AGENT_TAR
+           AGENT_IMAGE, str(lay.agent_tar), "--entrypoint", "/criuctl-entry", "--cmd", "agent")  # fmt: skip
+    return lay.agent_tar
 
 
 def _host_mounts() -> tuple[list[dict], list[dict]]:

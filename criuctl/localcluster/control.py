@@ -58,13 +58,13 @@ def wait(lay: Layout, part: str, ready, timeout: float) -> None:
 
 def start(lay: Layout, tokens: dict[str, str]) -> None:
     pki = lay.pki
-    etcd_url = f"http://127.0.0.1:{lay.etcd_port}"
+    etcd_url = lay.etcd_url
     spawn(lay, "etcd", [
         "etcd", "--name", "local", "--data-dir", str(lay.dir / "etcd"),
         "--listen-client-urls", etcd_url, "--advertise-client-urls", etcd_url,
-        "--listen-peer-urls", f"http://127.0.0.1:{lay.etcd_port + 10}",
-        "--initial-advertise-peer-urls", f"http://127.0.0.1:{lay.etcd_port + 10}",
-        "--initial-cluster", f"local=http://127.0.0.1:{lay.etcd_port + 10}",
+        "--listen-peer-urls", lay.etcd_peer_url,
+        "--initial-advertise-peer-urls", lay.etcd_peer_url,
+        "--initial-cluster", f"local={lay.etcd_peer_url}",
     ])  # fmt: skip
     wait(lay, "etcd", lambda: requests.get(f"{etcd_url}/health", timeout=2).ok, 30)
     spawn(lay, "kube-apiserver", [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -14,14 +15,43 @@ IMAGES = CACHE / "images"
 REPO = Path(__file__).resolve().parent.parent.parent
 DEFAULT_DIR = Path("/var/lib/criuctl-local-cluster")
 BUSYBOX = "criuctl.test/busybox:1"
+BUSYBOX_TAR = IMAGES / "busybox.tar"  # built by scripts/install-containerd.sh
 AGENT_IMAGE = "criuctl.local/agent:dev"
 AGENT_PORT = 7070
 # What pods of the local cluster mount read-only to run the host's Python and the project.
 HOST_PYTHON = ("/usr", "/lib", "/lib64", "/root/.pyenv")
 
 
+SERVICE_NET = "10.96.0"  # the API server's --service-cluster-ip-range (10.96.0.0/24)
+
+
 class ClusterError(RuntimeError):
     """The local cluster could not be started or stopped; the message says what and where to look."""
+
+
+def parse_net(text: str) -> str:
+    """`--net 10.N.0`: the cluster's bridge /24 (its pods get 10.N.100+i.0/24). Everything of a cluster
+    that the host shares is named from N (see Layout), so clusters on different nets never collide."""
+    m = re.fullmatch(r"10\.(\d{1,3})\.0", text)
+    if m is None or not 1 <= int(m[1]) <= 254 or text == SERVICE_NET:
+        raise ValueError(
+            f"--net {text[:40]!r} is not 10.N.0 with N from 1 to 254 (not {SERVICE_NET}, the Service range): "
+            "pass e.g. --net 10.201.0"
+        )
+    return text
+
+
+def parse_nodes(text: str) -> list[str]:
+    """`--nodes a,b`: node names, which also name host network devices (at most 15 characters)."""
+    names = text.split(",")
+    bad = next((n for n in names if not re.fullmatch(r"[a-z][a-z0-9]{0,7}", n)), None)
+    if bad is not None or len(set(names)) != len(names):
+        what = f"{bad[:20]!r} is not a node name" if bad is not None else "a node name repeats"
+        raise ValueError(
+            f"--nodes {text[:60]!r}: {what}: give distinct names of 1-8 lowercase letters and digits, "
+            "starting with a letter, e.g. --nodes a,b"
+        )
+    return names
 
 
 def sh(*argv: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
@@ -62,9 +92,14 @@ class NodeInfo:
 
 @dataclass
 class Layout:
+    """One cluster. What it shares with the host is named from its net's N: network namespaces, links
+    and cgroup roots begin with `prefix` (k<N> unless given), etcd listens on 127.N.0.1, the API server
+    and the webhook on 10.N.0.1; the rest lives in `dir` or, per node, in the node's namespaces. So two
+    clusters on different nets (and dirs) run side by side; `up` refuses a net already routed here."""
+
     dir: Path
     nodes: list[str] = field(default_factory=lambda: ["a", "b"])
-    prefix: str = "ck"
+    prefix: str = ""
     net: str = "10.200.0"
     api_port: int = 6443
     etcd_port: int = 23790
@@ -72,6 +107,23 @@ class Layout:
     agent_lease: float = 20.0  # the agents' --lease (seconds a frozen source waits for its client)
     pids: dict[str, int] = field(default_factory=dict)  # part → PID of its process (group leader)
     mnt_ns: dict[str, int] = field(default_factory=dict)  # node → inode of its mount namespace
+
+    def __post_init__(self) -> None:
+        self.prefix = self.prefix or f"k{self.net.split('.')[1]}"
+
+    @property
+    def etcd_url(self) -> str:
+        """Loopback only (nothing but the API server may reach it), an address of this cluster's own."""
+        return f"http://127.{self.net.split('.')[1]}.0.1:{self.etcd_port}"
+
+    @property
+    def etcd_peer_url(self) -> str:
+        return f"http://127.{self.net.split('.')[1]}.0.1:{self.etcd_port + 10}"
+
+    @property
+    def agent_tar(self) -> Path:
+        """The agent's image, built per cluster: its entrypoint runs this checkout's criuctl."""
+        return self.dir / "images" / "criuctl-agent.tar"
 
     @property
     def bridge(self) -> str:

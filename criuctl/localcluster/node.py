@@ -25,7 +25,7 @@ from pathlib import Path
 
 from criuctl.localcluster import containerd_config, pki
 from criuctl.localcluster.control import spawn
-from criuctl.localcluster.layout import BUSYBOX, IMAGES, K8S_BIN, ClusterError, Layout, NodeInfo, sh
+from criuctl.localcluster.layout import BUSYBOX, BUSYBOX_TAR, K8S_BIN, ClusterError, Layout, NodeInfo, sh
 
 # node-private folder → the host path it stands in for, inside the node's mount namespace
 BINDS = {
@@ -124,7 +124,7 @@ def _files(lay: Layout, n: NodeInfo, token: str) -> Path:
     ) + "\n" + "\n".join(
         f"mount --bind {d}/sysctl/{k.replace('/', '_')} /proc/sys/{k}" for k in SYSCTLS
     )  # fmt: skip
-    images = " ".join(shlex.quote(str(p)) for p in sorted(IMAGES.glob("*.tar")))
+    images = " ".join(shlex.quote(str(p)) for p in (BUSYBOX_TAR, lay.agent_tar))
     script = f"""#!/bin/bash
 # node {n.name} of the criuctl local cluster: run in its own mount namespace and its network
 set -euo pipefail
@@ -163,6 +163,24 @@ def start(lay: Layout, name: str, token: str) -> None:
                 return
         time.sleep(0.05)
     raise ClusterError(f"node {name}: its mount namespace did not appear")
+
+
+def binds_in_use() -> set[str]:
+    """The BINDS targets on which another mount namespace (a node of another cluster) has a mount.
+    `down` must leave those folders: removing a folder on the host detaches every mount on it in
+    every other namespace (Linux >= 3.18), which would pull /run/containerd, /var/lib/kubelet, ...
+    from under the nodes of a cluster still running."""
+    ours = os.stat("/proc/self/ns/mnt").st_ino
+    targets, seen = set(BINDS.values()), {ours}
+    used: set[str] = set()
+    for p in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):  # a process gone meanwhile
+            ino = os.stat(p / "ns" / "mnt").st_ino if p.name.isdigit() else ours
+            if ino in seen:
+                continue
+            seen.add(ino)
+            used |= {line.split()[4] for line in (p / "mountinfo").read_text().splitlines()} & targets
+    return used
 
 
 def _kill_where(match) -> int:

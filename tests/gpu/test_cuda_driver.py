@@ -5,16 +5,10 @@ Skipped with the reason on hosts without libcuda.so.1 (development and CI machin
 
 from __future__ import annotations
 
-import ctypes.util
-
-import pytest
-
 from criuctl import cuda, doctor
+from tests.requirements import needs
 
-pytestmark = pytest.mark.skipif(
-    ctypes.util.find_library("cuda") is None and not cuda.probe().loaded,
-    reason="no CUDA driver (libcuda.so.1) on this host; run on a GPU node",
-)
+pytestmark = needs("gpu")  # no install provides one: a skip with its reason, even under make test
 
 
 def test_driver_exports_the_checkpoint_api():
