@@ -444,7 +444,11 @@ def listening(argv: list[str], port: int, log: Path) -> Iterator[None]:
         yield
     finally:
         proc.terminate()
-        proc.wait(timeout=10)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # a thread stuck in a call: never leave it running
+            proc.kill()
+            proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ repeats a request the server let time out. A call that gets no answer raises `No
 `criuctl.kube.cluster.api_error` turns into the one line "the API server does not answer". Nothing
 else in criuctl constructs an API object or an ApiClient (tests/test_kube_timeouts.py checks).
 
-Where a loop already asks again (the agents' moves loop, `criuctl migrate` following a move, the
-PyTorchJob stand-in's poll), it does so at its next turn, each attempt bounded; nowhere else retries.
+Where a loop already asks again (the agents' moves loop, the PyTorchJob stand-in's poll), it does so
+at its next turn, each attempt bounded; elsewhere a call that got no answer is the caller's failure.
 
 Imports only the standard library, the kubernetes client and criuctl.errors: the local cluster's
 PyTorchJob stand-in uses it too.
