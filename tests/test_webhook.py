@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import copy
 import json
 import os
@@ -17,6 +18,7 @@ import ssl
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -396,11 +398,15 @@ def test_review_refuses_a_malformed_request_and_says_why(body: Any, uid: str, sa
 # ------------------------------------------------------------------ the HTTPS server, for real
 
 
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("webhook-tls")
+def make_certs(out: Path) -> Path:
+    """A CA and the webhook's serving certificate, as scripts/webhook-cert.sh makes them."""
     subprocess.run(["bash", str(CERT_SCRIPT), "--print-only", str(out)], check=True, timeout=30)
     return out
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_certs(tmp_path_factory.mktemp("webhook-tls"))
 
 
 def manifest() -> dict[str, Obj]:
@@ -420,15 +426,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(certs: Path, tmp_path_factory: pytest.TempPathFactory):
-    """`serve()` itself in a child process (it blocks, and sets up logging and signals like the CLI)."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("webhook-log") / "stderr"
-    code = "import sys; from criuctl.kube.webhook import serve; serve(*sys.argv[1:])"
-    args = [f"127.0.0.1:{port}", str(certs / "tls.crt"), str(certs / "tls.key")]
+@contextlib.contextmanager
+def listening(argv: list[str], port: int, log: Path) -> Iterator[None]:
+    """The webhook started by `argv` (a child process, stderr to `log`), once it listens on `port`."""
     with log.open("w") as err:
-        proc = subprocess.Popen([sys.executable, "-c", code, *args], stderr=err, cwd=ROOT)
+        proc = subprocess.Popen(argv, stderr=err, cwd=ROOT)
     try:
         deadline = time.monotonic() + 15
         while True:
@@ -439,10 +441,25 @@ def server(certs: Path, tmp_path_factory: pytest.TempPathFactory):
             except OSError:
                 assert time.monotonic() < deadline, f"the webhook did not listen: {log.read_text()}"
                 time.sleep(0.05)
-        yield port, log
+        yield
     finally:
         proc.terminate()
-        proc.wait(timeout=10)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # a thread stuck in a call: never leave it running
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(certs: Path, tmp_path_factory: pytest.TempPathFactory):
+    """`serve()` itself in a child process (it blocks, and sets up logging and signals like the CLI)."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("webhook-log") / "stderr"
+    code = "import sys; from criuctl.kube.webhook import serve; serve(*sys.argv[1:])"
+    args = [f"127.0.0.1:{port}", str(certs / "tls.crt"), str(certs / "tls.key")]
+    with listening([sys.executable, "-c", code, *args], port, log):
+        yield port, log
 
 
 def client_context(ca: Path) -> ssl.SSLContext:

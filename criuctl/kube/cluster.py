@@ -14,6 +14,7 @@ from typing import Any
 from criuctl import durable, workloads
 from criuctl.agent.client import Node
 from criuctl.errors import CriuctlError
+from criuctl.kube import api
 
 SYSTEM_NS = "criuctl-system"
 AGENT_LABEL = "app.kubernetes.io/name=criuctl-agent"
@@ -41,8 +42,11 @@ def wanted(kubeconfig: str | None, namespace: str | None) -> bool:
 
 @dataclass
 class Cluster:
-    core: Any  # kubernetes.client.CoreV1Api
-    custom: Any  # kubernetes.client.CustomObjectsApi
+    """The API server's APIs criuctl uses, each bounded by the same timeouts (criuctl.kube.api)."""
+
+    core: api.Bounded  # kubernetes.client.CoreV1Api
+    custom: api.Bounded  # kubernetes.client.CustomObjectsApi
+    apps: api.Bounded  # kubernetes.client.AppsV1Api
     namespace: str  # the context's namespace, for a pod named without -n
     credentials: tuple[str, str | None] | None = None  # the agents' token file and CA file, once read
 
@@ -51,30 +55,24 @@ class Cluster:
         return self.core.api_client.sanitize_for_serialization(obj)
 
 
-def connect(kubeconfig: str | None = None) -> Cluster:
-    from kubernetes import client, config
-    from kubernetes.config.config_exception import ConfigException
+def connect(kubeconfig: str | None = None, timeouts: api.KubeTimeouts | None = None) -> Cluster:
+    """The cluster through a kubeconfig (or the pod's service account), every API call bounded by
+    `timeouts` (default: criuctl.kube.api's, with CRIUCTL_KUBE_TIMEOUTS applied)."""
+    from kubernetes import client
 
-    namespace = "default"
-    try:
-        if kubeconfig or not os.environ.get("KUBERNETES_SERVICE_HOST"):
-            config.load_kube_config(config_file=kubeconfig)
-            _, ctx = config.list_kube_config_contexts(config_file=kubeconfig)
-            namespace = (ctx or {}).get("context", {}).get("namespace") or "default"
-        else:
-            config.load_incluster_config()
-            ns_file = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
-            namespace = ns_file.read_text().strip() if ns_file.exists() else "default"
-    except (ConfigException, OSError, TypeError) as exc:
-        raise CriuctlError(
-            f"no usable Kubernetes configuration ({exc})", "pass --kubeconfig FILE or set KUBECONFIG"
-        ) from exc
-    api = client.ApiClient()
-    return Cluster(client.CoreV1Api(api), client.CustomObjectsApi(api), namespace)
+    t = timeouts or api.timeouts()
+    api_client, namespace = api.api_client(kubeconfig, t)
+    return Cluster(
+        api.bounded(client.CoreV1Api, api_client, t),
+        api.bounded(client.CustomObjectsApi, api_client, t),
+        api.bounded(client.AppsV1Api, api_client, t),
+        namespace,
+    )
 
 
 def api_error(exc: Exception, what: str) -> CriuctlError:
-    """One line for an API failure: 404 → NotFound, 401/403 → not allowed, else unreachable."""
+    """One line for an API failure: 404 → NotFound, 401/403 → not allowed, else unreachable (a
+    connection refused, or no answer within criuctl.kube.api's timeouts)."""
     from kubernetes.client.exceptions import ApiException
 
     if isinstance(exc, ApiException):
@@ -89,12 +87,16 @@ def api_error(exc: Exception, what: str) -> CriuctlError:
                 "use a kubeconfig whose user may read pods, nodes and secrets in criuctl-system",
             )
         return CriuctlError(f"the API server failed on {what}: HTTP {exc.status} {exc.reason}", "try again")
+    why = str(exc) if isinstance(exc, api.NoAnswer) else type(exc).__name__
     return CriuctlError(
-        f"the API server does not answer ({type(exc).__name__})", "check KUBECONFIG and the cluster"
+        f"the API server does not answer ({what}: {why})",
+        "check the cluster (`kubectl get --raw /readyz`) and KUBECONFIG",
     )
 
 
 def call(what: str, fn, *args, **kw):
+    """`fn(*args, **kw)`, a method of one of `Cluster`'s APIs (bounded by its timeouts), with any
+    failure as one line (api_error)."""
     from kubernetes.client.exceptions import ApiException
     from urllib3.exceptions import HTTPError
 

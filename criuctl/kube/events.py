@@ -42,5 +42,7 @@ def record(c: Cluster, pod: dict, reason: Reason, message: str) -> None:
         "lastTimestamp": now(),
         "count": 1,
     }  # fmt: skip
-    with contextlib.suppress(Exception):  # an Event that cannot be written changes nothing
+    # an Event that cannot be written changes nothing; one the API server does not answer waits no
+    # longer than any call (c.core is bounded: criuctl.kube.api)
+    with contextlib.suppress(Exception):
         c.core.create_namespaced_event(meta["namespace"], body)

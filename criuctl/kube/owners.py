@@ -38,10 +38,8 @@ def owner(c: Cluster, pod: dict) -> Owner | None:
     ns, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
     try:
         if ref["kind"] == "StatefulSet":
-            from kubernetes import client
-
-            obj = c.serialize(call(f"StatefulSet {ref['name']}", client.AppsV1Api(c.core.api_client)
-                                   .read_namespaced_stateful_set, ref["name"], ns))  # fmt: skip
+            obj = c.serialize(call(f"StatefulSet {ref['name']}", c.apps.read_namespaced_stateful_set,
+                                   ref["name"], ns))  # fmt: skip
             replicas = int(obj["spec"].get("replicas", 1))
             ordinal = int(name.rsplit("-", 1)[1]) if name.rsplit("-", 1)[-1].isdigit() else 0
             counted, why = ordinal < replicas, f"the StatefulSet now has {replicas} replica(s)"

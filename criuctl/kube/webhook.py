@@ -25,7 +25,7 @@ from aiohttp import web
 
 from criuctl import preflight
 from criuctl.errors import CriuctlError
-from criuctl.kube import cluster, moves, mutate
+from criuctl.kube import api, cluster, moves, mutate
 
 log = logging.getLogger("criuctl.webhook")
 
@@ -36,6 +36,11 @@ MAX_BODY = 8 * 1024 * 1024
 
 class Malformed(ValueError):
     """A review this webhook cannot read: not one the API server would send."""
+
+
+class MovesUnknown(Exception):
+    """The pending moves could not be read (the API server failed, or did not answer within
+    criuctl.kube.api's admission timeouts): whether the pod is a move's successor is unknown."""
 
 
 @dataclass
@@ -79,7 +84,10 @@ def _admit(body: Any, opts: Options) -> tuple[dict[str, Any], str]:
             return _response(uid), f"{who}: a placeholder, left alone"
         namespace = req.get("namespace") or (pod.get("metadata") or {}).get("namespace")
         name = (pod.get("metadata") or {}).get("name")
-        move = opts.pending(namespace, name) if opts.pending and namespace and name else None
+        try:
+            move = opts.pending(namespace, name) if opts.pending and namespace and name else None
+        except MovesUnknown as exc:
+            return _unsure(uid, who, pod, exc)
         if move is not None and move.phase not in (moves.Phase.DUMPING, moves.Phase.KEPT):
             move = None
         try:
@@ -106,6 +114,27 @@ def _admit(body: Any, opts: Options) -> tuple[dict[str, Any], str]:
         return _response(uid, allowed=False, message=message), f"refused: {exc}"
 
 
+def _unsure(uid: str, who: str, pod: dict[str, Any], exc: MovesUnknown) -> tuple[dict[str, Any], str]:
+    """The answer when the pod's pending move is unknown: what the failurePolicy of the webhook
+    entry the pod came through does when the webhook cannot answer (manifests/webhook.yaml). A pod
+    labelled criuctl.io/migratable=true itself (`pods.criuctl.io`, Fail) is refused: its controller
+    retries, and once the lookup works a successor becomes its predecessor's placeholder. A pod
+    opted in only by its namespace (`namespaces.criuctl.io`, Ignore) is admitted unchanged.
+
+    Never a guess: a placeholder made without the record would be pinned to a node that may not
+    hold the bundle. Either answer keeps the job running once: a successor admitted unchanged
+    starts its job over, and the holder's moves loop then fails the move with the bundle kept,
+    never restoring it beside (criuctl.kube.successors)."""
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    if labels.get(mutate.LABEL) == "true":
+        message = (
+            f"criuctl's admission webhook refused the request: pod {who} may be the successor of a "
+            f"pending move, and {exc}; it is admitted once the API server answers (its controller retries)"
+        )
+        return _response(uid, allowed=False, message=message, code=503), f"{who}: refused, {exc}"
+    return _response(uid), f"{who}: admitted unchanged (opted in by its namespace), {exc}"
+
+
 def _request(body: Any) -> dict[str, Any]:
     """The `request` of an AdmissionReview v1, checked as far as `_admit` relies on it."""
     if not isinstance(body, dict):
@@ -129,14 +158,19 @@ def _who(req: dict[str, Any], pod: Any) -> str:
 
 
 def _response(
-    uid: str, ops: list[dict[str, Any]] | None = None, *, allowed: bool = True, message: str = ""
+    uid: str,
+    ops: list[dict[str, Any]] | None = None,
+    *,
+    allowed: bool = True,
+    message: str = "",
+    code: int = 400,
 ) -> dict[str, Any]:
     response: dict[str, Any] = {"uid": uid, "allowed": allowed}
     if ops:
         response["patchType"] = "JSONPatch"
         response["patch"] = base64.b64encode(json.dumps(ops).encode()).decode()
     if message:
-        response["status"] = {"code": 400, "message": message}
+        response["status"] = {"code": code, "message": message}
     return {"apiVersion": API_VERSION, "kind": "AdmissionReview", "response": response}
 
 
@@ -167,16 +201,16 @@ def app(opts: Options | None = None) -> web.Application:
 
 
 def pending_moves(kubeconfig: str | None) -> Callable[[str, str], moves.Move | None]:
-    """The lookup of pending moves, through the API server (in-cluster credentials or a kubeconfig).
-    A lookup that fails refuses the pod rather than guess: admitted as an ordinary pod, a
-    successor would start its job over beside the kept bundle of the same job."""
-    c = cluster.connect(kubeconfig)
+    """The lookup of pending moves, through the API server (in-cluster credentials or a kubeconfig),
+    bounded by the admission timeouts (criuctl.kube.api): it ends in time for the webhook to answer
+    before the API server's own timeout. A lookup that fails raises MovesUnknown (`_unsure`)."""
+    c = cluster.connect(kubeconfig, api.timeouts().admission())
 
     def pending(namespace: str, name: str) -> moves.Move | None:
         try:
             return moves.read(c, namespace, name)
         except CriuctlError as exc:
-            raise Malformed(f"cannot read criuctl's pending moves: {exc.what}") from exc
+            raise MovesUnknown(f"criuctl's pending moves cannot be read: {exc.what}") from exc
 
     return pending
 

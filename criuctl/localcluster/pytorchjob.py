@@ -43,9 +43,11 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from kubernetes import client, config
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
+
+from criuctl.kube import api
 
 GROUP, VERSION, PLURAL, KIND = "kubeflow.org", "v1", "pytorchjobs", "PyTorchJob"
 CRD_NAME = f"{PLURAL}.{GROUP}"
@@ -216,8 +218,9 @@ def _json(fn, *args: Any, **kw: Any) -> dict:
 class Controller:
     """One `sync` brings every PyTorchJob's pods, Services and status to what they should be."""
 
-    def __init__(self, api: client.ApiClient) -> None:
-        self.core, self.custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    def __init__(self, api_client: client.ApiClient, t: api.KubeTimeouts) -> None:
+        self.core = api.bounded(client.CoreV1Api, api_client, t)
+        self.custom = api.bounded(client.CustomObjectsApi, api_client, t)
 
     def sync(self) -> None:
         jobs = _json(self.custom.list_cluster_custom_object, GROUP, VERSION, PLURAL)["items"]
@@ -309,15 +312,12 @@ def _short(exc: Exception) -> str:
     return f"HTTP {exc.status} {exc.reason}" if isinstance(exc, ApiException) else repr(exc)
 
 
-def _client(kubeconfig: str) -> client.ApiClient:
-    """A client of its own (not the module-global default): the stand-in may share a process."""
-    return config.new_client_from_config(config_file=kubeconfig)
-
-
 def install(kubeconfig: str, timeout: float = 60) -> None:
     """Create (or bring up to date) the PyTorchJob CRD and return once PyTorchJobs are served."""
-    api = _client(kubeconfig)
-    ext, custom = client.ApiextensionsV1Api(api), client.CustomObjectsApi(api)
+    t = api.timeouts()
+    api_client, _ = api.api_client(kubeconfig, t)  # its own (not the default): it may share a process
+    ext = api.bounded(client.ApiextensionsV1Api, api_client, t)
+    custom = api.bounded(client.CustomObjectsApi, api_client, t)
     try:
         ext.create_custom_resource_definition(CRD, _preload_content=False)
     except ApiException as exc:
@@ -344,7 +344,8 @@ def install(kubeconfig: str, timeout: float = 60) -> None:
 
 def run(kubeconfig: str, stop: threading.Event, interval: float = 1.0) -> None:
     """Reconcile every `interval` seconds until `stop` is set; an API error waits for the next poll."""
-    ctl = Controller(_client(kubeconfig))
+    t = api.timeouts()
+    ctl = Controller(api.api_client(kubeconfig, t)[0], t)
     while not stop.is_set():
         try:
             ctl.sync()
