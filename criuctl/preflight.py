@@ -181,7 +181,8 @@ class CertNames:
 
 def _local_ips(host: str) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
     """The addresses other hosts reach the agent by: `host` itself, or for a wildcard every
-    interface's but loopback (a certificate for 127.0.0.1 alone serves no other host)."""
+    interface's but loopback and link-local ones (a certificate naming only those serves no other
+    host; a URL with a link-local address needs a zone no certificate names)."""
     if host not in ("0.0.0.0", "::"):
         try:
             return {ipaddress.ip_address(host)}
@@ -196,7 +197,7 @@ def _local_ips(host: str) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
         for a in addrs
         if a.family in (socket.AF_INET, socket.AF_INET6)
     }
-    return {i for i in every if not i.is_loopback} or every
+    return {i for i in every if not (i.is_loopback or i.is_link_local)} or every
 
 
 def cert_warnings(cert: Path, host: str, node: str, now: float | None = None) -> list[str]:

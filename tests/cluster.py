@@ -34,6 +34,7 @@ _STEP = re.compile(r"^step (\d+) loss (\S+)$")
 _FINAL = re.compile(r"^final ([0-9a-f]{64})$")
 PORT = 7070
 AGENT_CERT = Path(__file__).resolve().parent.parent / "scripts" / "agent-cert.sh"
+PLAIN = "plain TCP (agents --insecure)"  # Cluster(tls=False), as benchmark results name their transport
 
 
 def _free_subnet(seed: int) -> str:

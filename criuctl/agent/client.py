@@ -114,7 +114,8 @@ def _check_ca(path: Path) -> None:
     try:
         ssl.create_default_context(cafile=str(path))
     except (OSError, ssl.SSLError) as exc:
-        why = "not a PEM certificate" if isinstance(exc, ssl.SSLError) else exc.strerror  # SSLError is an OSError
+        # an SSLError is an OSError too, with OpenSSL's code as its strerror
+        why = "not a PEM certificate" if isinstance(exc, ssl.SSLError) else exc.strerror
         raise CriuctlError(
             f"cannot use --ca {path}: {why}",
             "pass the PEM certificate of the CA that signed the agent's (ca.crt of scripts/agent-cert.sh)",
