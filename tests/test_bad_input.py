@@ -370,6 +370,25 @@ def _openssl(*args: str) -> None:
     subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
 
 
+def test_agent_warns_of_a_certificate_for_another_node_or_an_expired_one(tmp_path):
+    """The start-up check behind the agent's warnings: by this node's address or name, and expiry."""
+    from criuctl import preflight
+
+    if shutil.which("openssl") is None:
+        pytest.skip("making certificates needs openssl (scripts/test-fixtures.sh installs it)")
+    pki = tmp_path / "pki"
+    here, _, _ = agent_cert(pki, "here", "127.0.0.1")
+    assert preflight.cert_warnings(here, "127.0.0.1", "here") == []
+    other, _, _ = agent_cert(pki, "other", "192.0.2.77")
+    (warning,) = preflight.cert_warnings(other, "127.0.0.1", "here")
+    assert f"{other} names 192.0.2.77, none of this node's addresses (127.0.0.1) or names (here)" in warning
+    named, _, _ = agent_cert(pki, "n1", "192.0.2.78", "*.nodes.test")
+    assert preflight.cert_warnings(named, "127.0.0.1", "n1.nodes.test") == []  # by its name
+    assert len(preflight.cert_warnings(named, "127.0.0.1", "n1.other.test")) == 1
+    (expired,) = preflight.cert_warnings(here, "127.0.0.1", "here", now=time.time() + 3 * 86400)
+    assert "has expired" in expired
+
+
 @needs_root
 def test_agent_with_missing_or_bad_tls_files(tmp_path):
     token = _token(tmp_path / "token")
