@@ -45,7 +45,7 @@ import migrate as procbench  # noqa: E402 - the process-migration contenders, as
 
 from criuctl import containers  # noqa: E402
 from tests import test_cri_archive as cri2  # noqa: E402 - containerd 2.x started as its tests start it
-from tests.cluster import Cluster  # noqa: E402
+from tests.cluster import PLAIN, Cluster  # noqa: E402
 from tests.containerd import INIT, PY, Containerd  # noqa: E402
 from tests.jobs import CRIUCTL  # noqa: E402
 
@@ -129,7 +129,7 @@ def main() -> int:
     rows = []
     socks = {n: work / "cluster" / n / "containerd" / "containerd.sock" for n in ("a", "b")}
     args = {n: ["--runtime-endpoint", f"unix://{s}", "--inject-dir", str(work / n)] for n, s in socks.items()}
-    with Cluster(work / "cluster", agent_args=args) as c:
+    with Cluster(work / "cluster", agent_args=args, tls=False) as c:  # as before TLS was the default
         rts = {n: Containerd(socks[n].parent, netns=c.nodes[n].ns).start() for n in ("a", "b")}
         try:
             inject = containers.write_inject_dir(work / "inject")
@@ -160,6 +160,7 @@ def main() -> int:
         "machine": procbench.machine(),
         "date": time.strftime("%Y-%m-%d"),
         "tcp_bytes_per_s": tcp,
+        "transport": PLAIN,
         "rows": rows,
     }
     Path(a.json).write_text(json.dumps(doc, indent=2))

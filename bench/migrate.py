@@ -10,6 +10,8 @@ For each state size: a job holding N GiB of model + Adam state is moved by
                              torch.load, one optimizer step (the target's first resumed step)
 and the ceiling: raw TCP throughput between the two namespaces (Python sockets, 1 MiB sends),
 measured in every round, since the VM's network speed drifts.
+The agents serve plain HTTP (`--insecure`), as for every earlier result: the numbers stay
+comparable (TLS costs the stream its `sendfile`; not measured here).
 
 Steady state, as far as a VM allows: guest memory is touched once first, one untimed round at the
 smallest size warms every contender, then each size runs `--reps` rounds with the contenders' order
@@ -39,7 +41,7 @@ from rich.table import Table
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))
 
-from tests.cluster import Cluster  # noqa: E402 - the same nodes the tests use
+from tests.cluster import PLAIN, Cluster  # noqa: E402 - the same nodes the tests use
 
 JOB = [sys.executable, str(HERE / "big_state.py")]
 console = Console(stderr=True)
@@ -234,7 +236,7 @@ def main() -> int:
     work = Path(a.dir)
     shutil.rmtree(work, ignore_errors=True)
     rows = []
-    with Cluster(work / "cluster") as c:
+    with Cluster(work / "cluster", tls=False) as c:
         console.print("touching guest memory, then one untimed round …")
         touch_memory()
         one_round(c, min(a.sizes), work, 0)
@@ -243,9 +245,8 @@ def main() -> int:
             runs = [one_round(c, gib, work, turn, only_post) for turn in range(1 if only_post else a.reps)]
             rows.append({"gib": gib, "runs": runs})
     Path(a.json).parent.mkdir(exist_ok=True)
-    Path(a.json).write_text(
-        json.dumps({"machine": machine(), "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=2)
-    )
+    doc = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "transport": PLAIN, "rows": rows}
+    Path(a.json).write_text(json.dumps(doc, indent=2))
     report(rows)
     return 0
 
@@ -274,7 +275,8 @@ def _pages_done(r: dict) -> float:
 def report(rows: list[dict]) -> None:
     out = Console(width=250)
     full = [r for r in rows if "stop-and-copy" in r["runs"][0]]
-    t = Table(title=f"migration a→b, seconds, median (min–max) — {machine()}, {time.strftime('%Y-%m-%d')}")
+    t = Table(title=f"migration a→b over {PLAIN}, seconds, median (min–max) — {machine()}, "
+                    f"{time.strftime('%Y-%m-%d')}")  # fmt: skip
     for col in ("state", "stop&copy down", "… sealed stream", "post-copy down", "post-copy: all pages on b",
                 "plain CRIU down", "app-level down", "raw TCP GB/s", "stream GB/s"):  # fmt: skip
         t.add_column(col, justify="right")

@@ -36,7 +36,7 @@ from rich.table import Table
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))
 
-from tests.cluster import Cluster  # noqa: E402 - the same nodes the tests use
+from tests.cluster import PLAIN, Cluster  # noqa: E402 - the same nodes the tests use
 
 console = Console(stderr=True)
 SCRIPT = "train_ddp_nodes.py"
@@ -147,7 +147,7 @@ def main() -> int:
     rows: list[dict] = []
     for world in a.ranks:
         names = tuple("abcdefgh"[: world + 1])
-        with Cluster(a.work / f"c{world}", names=names) as c:
+        with Cluster(a.work / f"c{world}", names=names, tls=False) as c:  # as before TLS was the default
             for size in a.sizes:
                 results: dict[str, list[dict]] = {m: [] for m in [*a.modes, "restart"]}
                 for rep in range(a.reps + 1):  # the first round warms up (page cache, VM memory)
@@ -165,7 +165,9 @@ def main() -> int:
                             results[contender].append(res)
                 for contender, runs in results.items():
                     rows.append(dict(ranks=world, size=size, contender=contender, runs=runs))
-    table = Table(title="moving rank 1 of a running multi-node gloo DDP job (median \\[min–max])")
+    table = Table(
+        title=f"moving rank 1 of a running multi-node gloo DDP job over {PLAIN} (median \\[min–max])"
+    )
     for col in ("ranks", "state / rank", "contender", "job stall", "steps lost", "its downtime",
                 "bytes moved"):  # fmt: skip
         table.add_column(col)
@@ -178,7 +180,7 @@ def main() -> int:
                       f"{statistics.median(nbytes) / (1 << 20):.0f} MiB" if nbytes else "-")  # fmt: skip
     Console(width=170).print(table)
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({"machine": platform.node(), "rows": rows}, indent=1))
+    a.out.write_text(json.dumps({"machine": platform.node(), "transport": PLAIN, "rows": rows}, indent=1))
     return 0
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, {tree!r})
 import bench.migrate as m
 from tests.cluster import Cluster
-with Cluster(Path({work!r})) as c:
+with Cluster(Path({work!r}), tls=False) as c:  # plain TCP in both trees (an older one has no TLS default)
     print(json.dumps(m.bench_criuctl(c, {gib}, {mode!r})))
 """
 

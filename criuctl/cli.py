@@ -80,10 +80,7 @@ def _cmd_agent(a: argparse.Namespace) -> int:
     from criuctl import preflight, tokens
 
     host, port = preflight.parse_listen(a.listen)
-    if (a.tls_cert is None) != (a.tls_key is None):
-        raise preflight.BadOption(
-            "--tls-cert and --tls-key go together", "pass both, or neither for plain HTTP"
-        )
+    preflight.check_transport(a.tls_cert, a.tls_key, a.insecure)
     tokens.read_token(Path(a.token_file))
     if a.runtime_endpoint and a.runtime_endpoint != "procfs":
         from criuctl import runtime
@@ -104,12 +101,18 @@ def _cmd_agent(a: argparse.Namespace) -> int:
         runtime_endpoint=a.runtime_endpoint,
         inject_dir=a.inject_dir and Path(a.inject_dir),
     )
+    if a.name:
+        opts.name = a.name
+    # said once the agent's log is set up, as its first lines
+    opts.warnings = (
+        preflight.cert_warnings(Path(a.tls_cert), host, opts.name)
+        if a.tls_cert
+        else [preflight.INSECURE_WARNING]
+    )
     if a.prestop_port:
         from criuctl.kube import nodeside
 
         opts.extensions.append(nodeside.extension(a.prestop_port, a.kubeconfig))
-    if a.name:
-        opts.name = a.name
     if a.spool_dir:
         from criuctl.workloads import ENV_SPOOL_DIR
 

@@ -71,8 +71,18 @@ VERBS: dict[str, Verb] = {
         (
             opt("--listen", default="0.0.0.0:7070", metavar="HOST:PORT"),
             opt("--token-file", required=True, metavar="FILE", help="bearer token, mode 0600"),
-            opt("--tls-cert", metavar="FILE"),
-            opt("--tls-key", metavar="FILE"),
+            opt(
+                "--tls-cert",
+                metavar="FILE",
+                help="this node's certificate, PEM, naming the addresses clients use (scripts/agent-cert.sh)",
+            ),
+            opt("--tls-key", metavar="FILE", help="its private key, PEM, unencrypted, mode 0600"),
+            opt(
+                "--insecure",
+                action="store_true",
+                help="serve plain HTTP instead of HTTPS: token and bundles cross the network in the clear "
+                "(private test and benchmark networks only)",
+            ),
             opt("--name", help="this node's name (default: the host name)"),
             opt(
                 "--spool-dir",
@@ -120,7 +130,10 @@ VERBS: dict[str, Verb] = {
                     opt("url", metavar="URL", help="the agent's address, e.g. https://10.0.0.2:7070"),
                     opt("--token-file", required=True, metavar="FILE"),
                     opt(
-                        "--ca", metavar="FILE", help="CA certificate that signed the agent's TLS certificate"
+                        "--ca",
+                        metavar="FILE",
+                        help="CA certificate that signed the agent's TLS certificate (default: the "
+                        "system's trusted CAs)",
                     ),
                 ),
             ),

@@ -15,12 +15,15 @@ def cmd_node(a: argparse.Namespace) -> int:
     from criuctl.agent import client
 
     if a.node_verb == "add":
-        client.add_node(
-            client.Node(
-                a.name, a.url, str(Path(a.token_file).absolute()), a.ca and str(Path(a.ca).absolute())
-            )
+        node = client.Node(
+            a.name, a.url, str(Path(a.token_file).absolute()), a.ca and str(Path(a.ca).absolute())
         )
+        client.add_node(node)
         print(f"criuctl: node {a.name} → {a.url}", file=sys.stderr)
+        if not node.tls:
+            print(f"criuctl: warning: node {a.name} is plain HTTP: its token and every bundle sent to it "
+                  "cross the network unencrypted (its agent runs --insecure); serve HTTPS and add it "
+                  "as https://", file=sys.stderr)  # fmt: skip
     elif a.node_verb == "rm":
         client.remove_node(a.name)
     else:
@@ -32,6 +35,8 @@ def cmd_node(a: argparse.Namespace) -> int:
                 health[n.name] = f"up ({info['node']}, CRIU {info.get('criu', 'missing')})"
             except client.TokenRefused:
                 health[n.name] = "refused: wrong token (the agent is up; see TOKEN FILE)"
+            except client.CertificateRefused as exc:
+                health[n.name] = f"TLS refused: {exc.what.rpartition(': ')[2]} (see --ca)"
             except client.NodeUnreachable as exc:
                 health[n.name] = f"down: {exc.what}"
             except (CriuctlError, KeyError, TypeError, ValueError) as exc:

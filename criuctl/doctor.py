@@ -178,6 +178,28 @@ def _container_runtime() -> Check:
     return Check("container runtime", True, f"{version} at {where}: {n} containers")
 
 
+def _node_tls() -> Check:
+    """Optional: the nodes this host migrates between (`criuctl node add`), and which are plain HTTP."""
+    from criuctl.agent import client
+
+    try:
+        nodes = client.all_nodes()
+    except (OSError, ValueError, TypeError) as exc:
+        return Check("agents' TLS", False, f"cannot read the node list: {exc}", "criuctl node add again",
+                     required=False)  # fmt: skip
+    plain = sorted(n.name for n in nodes.values() if not n.tls)
+    if plain:
+        return Check(
+            "agents' TLS",
+            False,
+            f"node {', '.join(plain)}: plain HTTP (agents run --insecure): token and bundles cross the "
+            "network unencrypted",
+            "serve HTTPS (--tls-cert/--tls-key) and add them again as https://",
+            required=False,
+        )
+    return Check("agents' TLS", True, f"{len(nodes)} node(s), all HTTPS" if nodes else "no nodes added")
+
+
 CHECKS: list[Callable[[], Check | list[Check]]] = [
     _root,
     _criu_version,
@@ -190,6 +212,7 @@ CHECKS: list[Callable[[], Check | list[Check]]] = [
     _io_uring,
     _cuda,
     _container_runtime,
+    _node_tls,
 ]
 
 

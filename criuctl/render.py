@@ -202,10 +202,11 @@ def nodes_table(nodes, health: dict[str, str]) -> None:
         out.print("No nodes yet. Add one: criuctl node add NAME URL --token-file F")
         return
     t = Table(box=None, header_style="bold")
-    for col in ("NAME", "URL", "TOKEN FILE", "AGENT"):
+    for col in ("NAME", "URL", "TLS", "TOKEN FILE", "AGENT"):
         t.add_column(col, no_wrap=True)
     for n in nodes:
-        t.add_row(n.name, n.url, n.token_file, health.get(n.name, "?"))
+        tls = n.transport() if n.tls else f"[bold red]{n.transport()}[/]"
+        t.add_row(n.name, n.url, tls, n.token_file, health.get(n.name, "?"))
     out.print(t)
 
 

@@ -4,6 +4,11 @@ Each node is a separate host as far as the network goes (its own address, its ow
 7070); the client — `criuctl migrate` in the test — talks to them from the root namespace over
 the bridge. CRIU runs inside a node's namespace because its agent does (`nsenter --net`, not `ip
 netns exec`, which would add a mount namespace CRIU then has to dump).
+
+Agents serve HTTPS, as `criuctl agent` does by default: one CA per cluster, and per node a
+certificate naming its address, made by `scripts/agent-cert.sh` (the script users run); clients
+add nodes with `--ca`. `Cluster(tls=False)` runs them `--insecure` (plain HTTP) instead: the
+benchmarks, whose numbers compare with runs before TLS was the default, and the tests of it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from tests.jobs import CRIUCTL, Job, workload_cmd
 _STEP = re.compile(r"^step (\d+) loss (\S+)$")
 _FINAL = re.compile(r"^final ([0-9a-f]{64})$")
 PORT = 7070
+AGENT_CERT = Path(__file__).resolve().parent.parent / "scripts" / "agent-cert.sh"
+PLAIN = "plain TCP (agents --insecure)"  # Cluster(tls=False), as benchmark results name their transport
 
 
 def _free_subnet(seed: int) -> str:
@@ -43,6 +50,16 @@ def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, check=check)
 
 
+def agent_cert(pki: Path, node: str, *addresses: str) -> tuple[Path, Path, Path]:
+    """A node's certificate, key and CA, made as a user makes them (one CA per `pki` folder)."""
+    from tests.requirements import require
+
+    require("openssl")
+    r = sh(str(AGENT_CERT), "--dir", str(pki), "--days", "2", node, *addresses, check=False)
+    assert r.returncode == 0, r.stderr
+    return pki / node / "tls.crt", pki / node / "tls.key", pki / "ca.crt"
+
+
 @dataclass
 class Node:
     name: str
@@ -52,8 +69,7 @@ class Node:
     token_file: Path
     veth: str
     agent: subprocess.Popen | None = None
-    scheme: str = "http"
-    tls: tuple[Path, Path] | None = None
+    tls: tuple[Path, Path, Path] | None = None  # certificate, key, the CA that signed it; None: --insecure
     hide: Path | None = None  # a folder this node's filesystem lacks (an empty tmpfs over it)
     extra: list[str] = field(default_factory=list)  # more `criuctl agent` options for this node
     env: dict[str, str] = field(default_factory=dict)  # more environment for this node's agent
@@ -61,14 +77,28 @@ class Node:
 
     @property
     def url(self) -> str:
-        return f"{self.scheme}://{self.addr}:{PORT}"
+        return f"{'https' if self.tls else 'http'}://{self.addr}:{PORT}"
+
+    @property
+    def verify(self) -> str | bool:
+        """`requests`' verify= for this node's agent: its CA (the default trust store has none of ours)."""
+        return str(self.tls[2]) if self.tls else True
+
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token_file.read_text().strip()}"}
 
     def inside(self) -> list[str]:
         return ["nsenter", f"--net=/run/netns/{self.ns}"]
 
     def start_agent(
-        self, env: dict[str, str] | None = None, lease: float = 120.0, spool: Path | None = None
+        self,
+        env: dict[str, str] | None = None,
+        lease: float = 120.0,
+        spool: Path | None = None,
+        check_cert: bool = True,
     ) -> None:
+        """Start the agent and wait until it answers; `check_cert=False`: a TLS handshake that fails
+        our check counts as an answer (for a test that gives a node a certificate it should not have)."""
         prefix = self.inside()
         if self.hide:  # its own mount namespace, where `hide` is an empty tmpfs
             mount = f'mount -t tmpfs none {self.hide} && exec "$@"'
@@ -85,8 +115,9 @@ class Node:
         argv += ["--name", self.name, "--state-dir", str(self.state), "--lease", str(lease)]
         if spool or self.spool:
             argv += ["--spool-dir", str(spool or self.spool)]
-        if self.tls:
-            argv += ["--tls-cert", str(self.tls[0]), "--tls-key", str(self.tls[1])]
+        argv += (
+            ["--tls-cert", str(self.tls[0]), "--tls-key", str(self.tls[1])] if self.tls else ["--insecure"]
+        )
         argv += self.extra
         log = (self.state.parent / "agent.log").open("ab")
         self.agent = subprocess.Popen(
@@ -94,13 +125,14 @@ class Node:
         )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            with contextlib.suppress(requests.RequestException):
-                if requests.get(
-                    f"{self.url}/healthz",
-                    timeout=1,
-                    verify=self.tls is None or str(self.tls[0].parent.parent / "ca.pem"),
-                ).ok:
+            try:
+                if requests.get(f"{self.url}/healthz", timeout=1, verify=self.verify).ok:
                     return
+            except requests.exceptions.SSLError:
+                if not check_cert:
+                    return
+            except requests.RequestException:
+                pass
             if self.agent.poll() is not None:
                 raise AssertionError(f"agent on {self.name} exited: {self.agent_log()[-2000:]}")
             time.sleep(0.2)
@@ -137,7 +169,7 @@ class Cluster:
         self,
         root: Path,
         names: tuple[str, ...] = ("a", "b"),
-        tls: bool = False,
+        tls: bool = True,
         tmpfs: dict[str, str] | None = None,
         hide: dict[str, Path] | None = None,
         lease: float = 120.0,
@@ -199,70 +231,15 @@ class Cluster:
                         extra=self._agent_args.get(name, []), env=self._agent_env.get(name, {}),
                         spool=d / "spool" if self._spool else None)  # fmt: skip
             if self._tls:
-                node.tls, node.scheme = self._cert(node), "https"
+                node.tls = agent_cert(self.root / "pki", name, node.addr)
             self.nodes[name] = node
         for node in self.nodes.values():
             node.start_agent(lease=self.lease)
             args = ["node", "add", node.name, node.url, "--token-file", str(node.token_file)]
-            if self._tls:
-                args += ["--ca", str(self.root / "ca.pem")]
+            if node.tls:
+                args += ["--ca", str(node.tls[2])]
             r = self.client(*args)
             assert r.returncode == 0, r.stderr
-
-    def _cert(self, node: Node) -> tuple[Path, Path]:
-        ca_key, ca = self.root / "ca.key", self.root / "ca.pem"
-        if not ca.exists():
-            sh(
-                "openssl",
-                "req",
-                "-x509",
-                "-newkey",
-                "rsa:2048",
-                "-nodes",
-                "-keyout",
-                str(ca_key),
-                "-out",
-                str(ca),
-                "-days",
-                "2",
-                "-subj",
-                "/CN=criuctl test CA",
-            )
-        d = node.state.parent
-        sh(
-            "openssl",
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            str(d / "tls.key"),
-            "-out",
-            str(d / "tls.csr"),
-            "-subj",
-            f"/CN={node.name}",
-        )
-        (d / "ext.cnf").write_text(f"subjectAltName=IP:{node.addr}\n")
-        sh(
-            "openssl",
-            "x509",
-            "-req",
-            "-in",
-            str(d / "tls.csr"),
-            "-CA",
-            str(ca),
-            "-CAkey",
-            str(ca_key),
-            "-CAcreateserial",
-            "-out",
-            str(d / "tls.pem"),
-            "-days",
-            "2",
-            "-extfile",
-            str(d / "ext.cnf"),
-        )
-        os.chmod(d / "tls.key", 0o600)
-        return d / "tls.pem", d / "tls.key"
 
     def handoffs(self) -> list[psutil.Process]:
         """This cluster's handoff processes (their spec files live under its root)."""

@@ -22,6 +22,7 @@ import pytest
 import requests
 
 from criuctl import workloads
+from tests.cluster import agent_cert
 from tests.jobs import CRIUCTL, Job, criuctl
 from tests.requirements import needs, require
 from tests.test_errors import assert_error_line
@@ -336,7 +337,9 @@ def test_agent_with_its_port_in_use(tmp_path):
         busy.listen()
         port = busy.getsockname()[1]
         for host in ("127.0.0.1", "0.0.0.0"):
-            r = _agent("--listen", f"{host}:{port}", "--token-file", str(token), state=tmp_path / "s")
+            r = _agent(
+                "--listen", f"{host}:{port}", "--token-file", str(token), "--insecure", state=tmp_path / "s"
+            )
             assert_error_line(r, f"cannot listen on {host}:{port}: the port is in use", "another --listen")
 
 
@@ -356,13 +359,31 @@ def test_agent_with_its_port_in_use(tmp_path):
 )
 def test_agent_with_a_bad_listen(tmp_path, listen, why):
     token = _token(tmp_path / "token")
-    r = _agent("--listen", listen, "--token-file", str(token), state=tmp_path / "s")
+    r = _agent("--listen", listen, "--token-file", str(token), "--insecure", state=tmp_path / "s")
     assert_error_line(r, why, "0.0.0.0")  # every hint shows a good --listen
     assert r.returncode == 2
 
 
 def _openssl(*args: str) -> None:
     subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+
+def test_agent_warns_of_a_certificate_for_another_node_or_an_expired_one(tmp_path):
+    """The start-up check behind the agent's warnings: by this node's address or name, and expiry."""
+    from criuctl import preflight
+
+    require("openssl")
+    pki = tmp_path / "pki"
+    here, _, _ = agent_cert(pki, "here", "127.0.0.1")
+    assert preflight.cert_warnings(here, "127.0.0.1", "here") == []
+    other, _, _ = agent_cert(pki, "other", "192.0.2.77")
+    (warning,) = preflight.cert_warnings(other, "127.0.0.1", "here")
+    assert f"{other} names 192.0.2.77, none of this node's addresses (127.0.0.1) or names (here)" in warning
+    named, _, _ = agent_cert(pki, "n1", "192.0.2.78", "*.nodes.test")
+    assert preflight.cert_warnings(named, "127.0.0.1", "n1.nodes.test") == []  # by its name
+    assert len(preflight.cert_warnings(named, "127.0.0.1", "n1.other.test")) == 1
+    (expired,) = preflight.cert_warnings(here, "127.0.0.1", "here", now=time.time() + 3 * 86400)
+    assert "has expired" in expired
 
 
 @needs_root
@@ -395,8 +416,70 @@ def test_agent_with_missing_or_bad_tls_files(tmp_path):
 
 
 @needs_root
+def test_agent_without_a_certificate_or_insecure_refuses(tmp_path):
+    """HTTPS is the default: no certificate and no --insecure is a refusal, not plain HTTP."""
+    token = _token(tmp_path / "token")
+    listen = ("--listen", f"127.0.0.1:{_free_port()}", "--token-file", str(token))
+    r = _agent(*listen, state=tmp_path / "s")
+    what = "the agent serves HTTPS and was given no certificate"
+    assert_error_line(
+        r, what, "--tls-cert FILE --tls-key FILE", "scripts/agent-cert.sh NODE ADDRESS", "or --insecure"
+    )
+    assert r.returncode == 2
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    r = _agent(*listen, "--insecure", "--tls-cert", str(cert), "--tls-key", str(key), state=tmp_path / "s")
+    assert_error_line(r, "--insecure contradicts --tls-cert/--tls-key", "drop --insecure")
+    assert r.returncode == 2
+
+
+@needs_root
+def test_an_insecure_agent_says_so_wherever_it_shows(tmp_path):
+    """--insecure serves plain HTTP, and says so: the agent's log, /v1/info, node add/ls, doctor."""
+    token, port, state = _token(tmp_path / "token"), _free_port(), tmp_path / "s"
+    env = {**os.environ, "CRIUCTL_STATE_DIR": str(tmp_path / "client")}
+    with (tmp_path / "agent.log").open("w") as log:
+        argv = [*CRIUCTL, "agent", "--listen", f"127.0.0.1:{port}", "--token-file", str(token), "--insecure"]
+        agent = subprocess.Popen(
+            [*argv, "--name", "plain", "--state-dir", str(state)], stdout=log, stderr=log
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_up(url, True, tmp_path / "agent.log")
+        warning = (tmp_path / "agent.log").read_text().splitlines()[0]
+        assert '"level": "warning"' in warning and "serving plain HTTP (--insecure)" in warning, warning
+        auth = {"Authorization": f"Bearer {token.read_text().strip()}"}
+        assert requests.get(f"{url}/v1/info", headers=auth, timeout=30).json()["tls"] is False
+        r = criuctl("node", "add", "plain", url, "--token-file", str(token), "--ca", str(token), env=env)
+        assert_error_line(r, f"--ca is for an https URL, and {url} is plain HTTP", "drop --ca")
+        r = criuctl("node", "add", "plain", url, "--token-file", str(token), env=env)
+        assert r.returncode == 0, r.stderr
+        warned = [line for line in r.stderr.splitlines() if "warning" in line]
+        assert warned == [warned[0]] and "node plain is plain HTTP" in warned[0] and "https://" in warned[0]
+        r = criuctl("node", "ls", env=env)
+        row = next(line for line in r.stdout.splitlines() if line.split()[:1] == ["plain"])
+        assert "NONE: plain HTTP" in row and "up (plain," in row, r.stdout
+        r = criuctl("doctor", env=env)
+        assert any(
+            line.startswith("warn agents' TLS: node plain: plain HTTP") for line in r.stdout.splitlines()
+        )
+    finally:
+        agent.terminate()
+        agent.wait(15)
+
+
+def _wait_up(url: str, verify: str | bool, log: Path) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with contextlib.suppress(requests.RequestException):
+            if requests.get(f"{url}/healthz", timeout=2, verify=verify).ok:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"the agent at {url} did not start: {log.read_text()[-2000:]}")
+
+
+@needs_root
 def test_agent_with_a_token_file_it_would_refuse(tmp_path):
-    listen = ("--listen", f"127.0.0.1:{_free_port()}")
+    listen = ("--listen", f"127.0.0.1:{_free_port()}", "--insecure")
     state = tmp_path / "s"
     r = _agent(*listen, "--token-file", str(_token(tmp_path / "open", mode=0o644)), state=state)
     assert_error_line(r, "is readable by others (mode 644)", "chmod 600")
@@ -410,8 +493,8 @@ def test_agent_with_a_token_file_it_would_refuse(tmp_path):
 
 
 class Agents:
-    """Two agents on 127.0.0.1 with their own state dirs (a runs workload 'w'), and a client
-    state dir that knows them as nodes a and b."""
+    """Two agents on 127.0.0.1 with their own state dirs (a runs workload 'w'), each serving HTTPS
+    with its own certificate, and a client state dir that knows them as nodes a and b."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -422,32 +505,26 @@ class Agents:
         for name in ("a", "b"):
             port = _free_port()
             state = root / name
+            cert, key, self.ca = agent_cert(root / "pki", name, "127.0.0.1")
             self.procs.append(
                 subprocess.Popen(
                     [*CRIUCTL, "agent", "--listen", f"127.0.0.1:{port}", "--token-file", str(self.token),
-                     "--name", name],
+                     "--name", name, "--tls-cert", str(cert), "--tls-key", str(key)],
                     env={**os.environ, "CRIUCTL_STATE_DIR": str(state)},
                     stdout=subprocess.DEVNULL, stderr=open(root / f"{name}.log", "w"),  # noqa: SIM115
                 )
             )  # fmt: skip
-            self.urls[name] = f"http://127.0.0.1:{port}"
+            self.urls[name] = f"https://127.0.0.1:{port}"
         for name, url in self.urls.items():
-            self._wait(name, url)
-            self.cli("node", "add", name, url, "--token-file", str(self.token), check=True)
+            _wait_up(url, str(self.ca), root / f"{name}.log")
+            self.cli(
+                "node", "add", name, url, "--token-file", str(self.token), "--ca", str(self.ca), check=True
+            )
         self.job = Job(
             [*CRIUCTL, "run", "--name", "w", "--", *SLEEPER],
             env={**os.environ, "CRIUCTL_STATE_DIR": str(root / "a")},
         )
         self.job.wait_for("^up$", timeout=60)
-
-    def _wait(self, name: str, url: str) -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            with contextlib.suppress(requests.RequestException):
-                if requests.get(f"{url}/healthz", timeout=2).ok:
-                    return
-            time.sleep(0.2)
-        raise AssertionError(f"agent {name} did not start: {(self.root / f'{name}.log').read_text()[-2000:]}")
 
     def cli(self, *args: str, check: bool = False) -> subprocess.CompletedProcess:
         r = criuctl(*args, timeout=60, env={**os.environ, "CRIUCTL_STATE_DIR": str(self.client)})
@@ -503,7 +580,8 @@ def test_ps_of_a_node_with_no_workloads(agents):
 
 def test_node_ls_says_refused_for_a_wrong_token_and_down_for_no_agent(agents, tmp_path):
     wrong = _token(tmp_path / "wrong")
-    agents.cli("node", "add", "wrong", agents.urls["a"], "--token-file", str(wrong), check=True)
+    agents.cli("node", "add", "wrong", agents.urls["a"], "--token-file", str(wrong), "--ca", str(agents.ca),
+               check=True)  # fmt: skip
     agents.cli(
         "node", "add", "gone", f"http://127.0.0.1:{_free_port()}", "--token-file", str(wrong), check=True
     )
@@ -513,6 +591,7 @@ def test_node_ls_says_refused_for_a_wrong_token_and_down_for_no_agent(agents, tm
         rows = {line.split()[0]: line for line in r.stdout.splitlines()[1:]}
         assert {"a", "b", "wrong", "gone"} <= set(rows), r.stdout
         assert "up (a," in rows["a"] and "up (b," in rows["b"]
+        assert "verified (ca.crt)" in rows["a"] and "NONE: plain HTTP" in rows["gone"]
         assert "refused: wrong token" in rows["wrong"] and "down" not in rows["wrong"]
         assert "down: node gone" in rows["gone"]
         r = agents.cli("ps", "--node", "wrong")
@@ -520,6 +599,24 @@ def test_node_ls_says_refused_for_a_wrong_token_and_down_for_no_agent(agents, tm
     finally:
         agents.cli("node", "rm", "wrong")
         agents.cli("node", "rm", "gone")
+
+
+def test_a_node_added_without_its_ca_is_refused_in_one_line(agents):
+    """An https node without --ca is checked against the system's CAs, which never signed ours."""
+    agents.cli("node", "add", "noca", agents.urls["a"], "--token-file", str(agents.token), check=True)
+    try:
+        r = agents.cli("ps", "--node", "noca")
+        assert_error_line(r, f"node noca ({agents.urls['a']}) failed the TLS check",
+                          "unable to get local issuer certificate", "--ca CA.pem")  # fmt: skip
+        row = next(
+            line for line in agents.cli("node", "ls").stdout.splitlines() if line.split()[:1] == ["noca"]
+        )
+        assert "verified (system CAs)" in row and "TLS refused: unable to get local issuer" in row, row
+        r = agents.cli("node", "add", "noca", agents.urls["a"], "--token-file", str(agents.token),
+                       "--ca", str(agents.token))  # fmt: skip
+        assert_error_line(r, f"cannot use --ca {agents.token}", "not a PEM certificate")
+    finally:
+        agents.cli("node", "rm", "noca")
 
 
 def test_node_add_refuses_a_token_file_the_agent_would_refuse(agents, tmp_path):

@@ -24,6 +24,7 @@ from tests.cluster import Cluster
 from tests.conftest import needs_criu
 from tests.jobs import CRIUCTL, Ref
 from tests.requirements import needs
+from tests.test_errors import assert_error_line
 
 pytestmark = [needs_criu, pytest.mark.slow]
 
@@ -118,9 +119,7 @@ def test_post_copy_a_to_b_to_a(cluster, mlp_ref):
 def _info(c: Cluster, node: str) -> dict:
     """GET /v1/info of a node's agent, with its token."""
     n = c.nodes[node]
-    verify = str(n.tls[0].parent.parent / "ca.pem") if n.tls else True
-    headers = {"Authorization": f"Bearer {n.token_file.read_text().strip()}"}
-    return requests.get(f"{n.url}/v1/info", headers=headers, timeout=10, verify=verify).json()
+    return requests.get(f"{n.url}/v1/info", headers=n.auth(), timeout=10, verify=n.verify).json()
 
 
 def test_pre_copy_is_not_offered_until_it_exists(cluster):
@@ -271,20 +270,22 @@ def test_target_disk_full(tmp_path, mlp_ref):
         assert_ran_once(c, "mlp", mlp_ref, "a")
 
 
-def test_one_corrupted_byte_in_transit(cluster, mlp_ref):
-    c = cluster
-    proxy = _CorruptingProxy(("0.0.0.0", 7171), (c.nodes["b"].addr, 7070), flip_at=50 << 20)
-    b = c.nodes["b"]
-    r = c.client("node", "add", "b-proxied", f"http://{c.net}.1:7171", "--token-file", str(b.token_file))
-    assert r.returncode == 0, r.stderr
-    _mlp_on_a(c, 10)
-    try:
-        line = _failed(c.migrate("mlp", "b-proxied", "--mode", "stop-and-copy"))
-    finally:
-        proxy.close()
-    assert proxy.flipped, "the proxy never corrupted a byte: the test proved nothing"
-    assert "refused" in line or "damaged" in line or "broke" in line, line
-    assert_ran_once(c, "mlp", mlp_ref, "a")
+def test_one_corrupted_byte_in_transit(tmp_path, mlp_ref):
+    """Over plain HTTP (--insecure), where nothing but criuctl's own checksums stands between a
+    flipped bit and a restore (over TLS the record's MAC would end the connection first)."""
+    with Cluster(tmp_path / "c", tls=False) as c:
+        b = c.nodes["b"]
+        proxy = _CorruptingProxy(("0.0.0.0", 7171), (b.addr, 7070), flip_at=50 << 20)
+        r = c.client("node", "add", "b-proxied", f"http://{c.net}.1:7171", "--token-file", str(b.token_file))
+        assert r.returncode == 0, r.stderr
+        _mlp_on_a(c, 10)
+        try:
+            line = _failed(c.migrate("mlp", "b-proxied", "--mode", "stop-and-copy"))
+        finally:
+            proxy.close()
+        assert proxy.flipped, "the proxy never corrupted a byte: the test proved nothing"
+        assert "refused" in line or "damaged" in line or "broke" in line, line
+        assert_ran_once(c, "mlp", mlp_ref, "a")
 
 
 def test_target_node_unreachable(cluster, mlp_ref):
@@ -343,47 +344,79 @@ def test_agent_refuses_missing_wrong_and_other_nodes_tokens(cluster):
     c = cluster
     a, b = c.nodes["a"], c.nodes["b"]
     url = f"{a.url}/v1/workloads"
-    assert requests.get(f"{a.url}/healthz", timeout=5).ok
-    for headers in ({}, {"Authorization": "Bearer wrong-token-0123456789"},
-                    {"Authorization": f"Bearer {b.token_file.read_text().strip()}"}):  # fmt: skip
-        r = requests.get(url, headers=headers, timeout=5)
+    assert requests.get(f"{a.url}/healthz", timeout=5, verify=a.verify).ok
+    for headers in ({}, {"Authorization": "Bearer wrong-token-0123456789"}, b.auth()):
+        r = requests.get(url, headers=headers, timeout=5, verify=a.verify)
         assert r.status_code == 401, (headers, r.text)
         assert "refused" in r.json()["what"]
-        r = requests.post(
-            f"{a.url}/v1/outgoing", json={"workload": "x", "target": {}}, headers=headers, timeout=5
-        )
+        r = requests.post(f"{a.url}/v1/outgoing", json={"workload": "x", "target": {}}, headers=headers,
+                          timeout=5, verify=a.verify)  # fmt: skip
         assert r.status_code == 401
-    good = {"Authorization": f"Bearer {a.token_file.read_text().strip()}"}
-    assert requests.get(url, headers=good, timeout=5).ok
-    metrics = requests.get(f"{a.url}/metrics", headers=good, timeout=5)
+    assert requests.get(url, headers=a.auth(), timeout=5, verify=a.verify).ok
+    metrics = requests.get(f"{a.url}/metrics", headers=a.auth(), timeout=5, verify=a.verify)
     assert metrics.ok and "criuctl_migration_downtime_seconds" in metrics.text
-    assert requests.get(f"{a.url}/metrics", timeout=5).status_code == 401
+    assert requests.get(f"{a.url}/metrics", timeout=5, verify=a.verify).status_code == 401
     # an upload ticket opens only its own migration's upload, nothing else
-    inc = requests.post(f"{b.url}/v1/incoming", json={"workload": "x"}, headers={
-        "Authorization": f"Bearer {b.token_file.read_text().strip()}"}, timeout=30).json()  # fmt: skip
+    inc = requests.post(f"{b.url}/v1/incoming", json={"workload": "x"}, headers=b.auth(), timeout=30,
+                        verify=b.verify).json()  # fmt: skip
     ticket = {"Authorization": f"Bearer {inc['ticket']}"}
-    assert requests.get(f"{b.url}/v1/workloads", headers=ticket, timeout=5).status_code == 401
     assert (
-        requests.post(f"{b.url}/v1/incoming/{inc['id']}/restore", headers=ticket, timeout=5).status_code
-        == 401
+        requests.get(f"{b.url}/v1/workloads", headers=ticket, timeout=5, verify=b.verify).status_code == 401
     )
-    assert requests.get(f"{b.url}/v1/incoming/{inc['id']}", headers=ticket, timeout=5).ok
+    restore = requests.post(
+        f"{b.url}/v1/incoming/{inc['id']}/restore", headers=ticket, timeout=5, verify=b.verify
+    )
+    assert restore.status_code == 401
+    assert requests.get(f"{b.url}/v1/incoming/{inc['id']}", headers=ticket, timeout=5, verify=b.verify).ok
 
 
 def test_agent_refuses_a_token_file_others_can_read(tmp_path):
     token = tmp_path / "token"
     token.write_text("x" * 32)
     os.chmod(token, 0o644)
-    r = subprocess.run([*CRIUCTL, "agent", "--listen", "127.0.0.1:7199", "--token-file", str(token)],
-                       capture_output=True, text=True, timeout=30)  # fmt: skip
+    argv = [*CRIUCTL, "agent", "--listen", "127.0.0.1:7199", "--token-file", str(token), "--insecure"]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     assert r.returncode != 0 and "readable by others" in r.stderr and "chmod 600" in r.stderr
 
 
 def test_migration_over_tls(tmp_path, mlp_ref):
-    with Cluster(tmp_path / "c", tls=True) as c:
-        assert c.nodes["a"].url.startswith("https://")
+    """The default: every agent serves HTTPS with its own node's certificate. Clients verify it
+    against the CA given to `node add --ca`, the source agent against the CA the ticket carries (none
+    of ours is in the system store); another node's certificate is refused, by the agent's start-up
+    warning and by every client."""
+    with Cluster(tmp_path / "c") as c:
+        a, b = c.nodes["a"], c.nodes["b"]
+        assert a.url.startswith("https://") and a.tls and b.tls and a.tls[0] != b.tls[0]
         with pytest.raises(requests.exceptions.SSLError):
-            requests.get(f"{c.nodes['a'].url}/healthz", timeout=5, verify=True)  # not a CA we trust
+            requests.get(f"{a.url}/healthz", timeout=5, verify=True)  # not a CA the system trusts
+        with pytest.raises(requests.exceptions.ConnectionError):
+            requests.get(f"http://{a.addr}:7070/healthz", timeout=5)  # no plain HTTP beside it
+        info = requests.get(f"{b.url}/v1/info", headers=b.auth(), timeout=30, verify=b.verify).json()
+        assert info["tls"] is True
+        assert "warning" not in b.agent_log(), b.agent_log()[-2000:]
+
+        own = b.tls
+        b.stop_agent()
+        b.tls = a.tls  # node a's certificate copied to node b
+        b.start_agent(check_cert=False)
+        assert f"names {a.addr}, none of this node's addresses ({b.addr})" in b.agent_log()
+        mismatch = f"IP address mismatch, certificate is not valid for '{b.addr}'"
+        assert_error_line(c.client("ps", "--node", "b"), "node b", "failed the TLS check", mismatch, "--ca")
+        assert "TLS refused: IP address mismatch" in c.client("node", "ls").stdout
+        b.stop_agent()
+        b.tls = own
+        b.start_agent()
+
+        _mlp_on_a(c, 10)
+        _migrate_ok(c, "mlp", "b", "--mode", "stop-and-copy")
+        assert_ran_once(c, "mlp", mlp_ref, "b")
+
+
+def test_migration_over_plain_http_with_insecure(tmp_path, mlp_ref):
+    """`--insecure` agents (the benchmarks' setup) still move a job, over the plain socket path."""
+    with Cluster(tmp_path / "c", tls=False) as c:
+        assert c.nodes["b"].url.startswith("http://")
+        assert "serving plain HTTP (--insecure)" in c.nodes["b"].agent_log()
         _mlp_on_a(c, 10)
         _migrate_ok(c, "mlp", "b", "--mode", "stop-and-copy")
         assert_ran_once(c, "mlp", mlp_ref, "b")
@@ -461,22 +494,23 @@ def test_checkpoint_api_then_bundle_carried_by_hand_and_restored(cluster, mlp_re
     """The kept-bundle API: checkpoint on a (through a dump handoff), carry the tar to b, restore there."""
     c = cluster
     a, b = c.nodes["a"], c.nodes["b"]
-    auth = {k: {"Authorization": f"Bearer {n.token_file.read_text().strip()}"} for k, n in c.nodes.items()}
+    on_a = {"headers": a.auth(), "verify": a.verify}
+    on_b = {"headers": b.auth(), "verify": b.verify}
     _mlp_on_a(c, 10)
-    r = requests.post(f"{a.url}/v1/workloads/mlp/checkpoint", json={}, headers=auth["a"], timeout=300)
+    r = requests.post(f"{a.url}/v1/workloads/mlp/checkpoint", json={}, timeout=300, **on_a)
     assert r.ok, r.text
     bid = r.json()["id"]
     assert (
         r.json()["bytes"] > 1 << 20 and c.running("mlp") == []
     )  # dumped and stopped: it lives in the bundle
-    tar = requests.get(f"{a.url}/v1/bundles/{bid}", headers=auth["a"], timeout=300)
+    tar = requests.get(f"{a.url}/v1/bundles/{bid}", timeout=300, **on_a)
     assert tar.ok and len(tar.content) > 1 << 20
-    up = requests.put(f"{b.url}/v1/bundles/{bid}", data=tar.content, headers=auth["b"], timeout=300)
+    up = requests.put(f"{b.url}/v1/bundles/{bid}", data=tar.content, timeout=300, **on_b)
     assert up.ok, up.text
-    again = requests.put(f"{b.url}/v1/bundles/{bid}", data=tar.content, headers=auth["b"], timeout=300)
+    again = requests.put(f"{b.url}/v1/bundles/{bid}", data=tar.content, timeout=300, **on_b)
     assert again.status_code == 409
-    r = requests.post(f"{b.url}/v1/bundles/{bid}/restore", json={}, headers=auth["b"], timeout=300)
+    r = requests.post(f"{b.url}/v1/bundles/{bid}/restore", json={}, timeout=300, **on_b)
     assert r.ok, r.text
     assert_ran_once(c, "mlp", mlp_ref, "b")
-    assert requests.delete(f"{a.url}/v1/bundles/{bid}", headers=auth["a"], timeout=30).ok
-    assert requests.get(f"{a.url}/v1/bundles/{bid}", headers=auth["a"], timeout=30).status_code == 404
+    assert requests.delete(f"{a.url}/v1/bundles/{bid}", timeout=30, **on_a).ok
+    assert requests.get(f"{a.url}/v1/bundles/{bid}", timeout=30, **on_a).status_code == 404

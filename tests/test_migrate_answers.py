@@ -288,7 +288,5 @@ def test_a_failed_migration_whose_lock_cannot_be_lifted_runs_on_and_says_so_unti
 
 
 def _metric(node: Node, name: str) -> float:
-    verify = str(node.tls[0].parent.parent / "ca.pem") if node.tls else True
-    headers = {"Authorization": f"Bearer {node.token_file.read_text().strip()}"}
-    text = requests.get(f"{node.url}/metrics", headers=headers, timeout=10, verify=verify).text
+    text = requests.get(f"{node.url}/metrics", headers=node.auth(), timeout=10, verify=node.verify).text
     return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))

@@ -35,6 +35,11 @@ class TokenRefused(CriuctlError):
     """The agent answered, and refused our token (HTTP 401/403): up, but not ours to use."""
 
 
+class CertificateRefused(NodeUnreachable):
+    """We refused the agent: its TLS certificate is not from the CA we trust for it, or does not
+    name the address in its URL. It may well be up; what answers may also not be our agent."""
+
+
 @dataclass
 class Node:
     name: str
@@ -57,6 +62,16 @@ class Node:
 
     def ca_pem(self) -> str | None:
         return Path(self.ca_file).read_text() if self.ca_file else None
+
+    @property
+    def tls(self) -> bool:
+        return urlparse(self.url).scheme == "https"
+
+    def transport(self) -> str:
+        """How a client reaches this node's agent, for `node ls`: plain HTTP is said in capitals."""
+        if not self.tls:
+            return "NONE: plain HTTP"
+        return f"verified ({Path(self.ca_file).name})" if self.ca_file else "verified (system CAs)"
 
 
 def _config() -> Path:
@@ -86,10 +101,32 @@ def _editing() -> Iterator[dict[str, Node]]:
 def add_node(node: Node) -> None:
     if urlparse(node.url).scheme not in ("http", "https"):
         raise CriuctlError(f"{node.url} is not an http(s) URL", "e.g. https://10.0.0.2:7070")
+    if node.ca_file and not node.tls:
+        raise CriuctlError(
+            f"--ca is for an https URL, and {node.url} is plain HTTP",
+            f"add it as https://{urlparse(node.url).netloc} if its agent serves HTTPS, or drop --ca",
+        )
+    if node.ca_file:
+        _check_ca(Path(node.ca_file))
     node.token()  # readable now, or say so now
     tokens.read_token(Path(node.token_file))  # and a file the agent would accept, or say so now
     with _editing() as nodes:
         nodes[node.name] = node
+
+
+def _check_ca(path: Path) -> None:
+    """The CA file loads as the clients will load it (requests and the source agent's `ssl`)."""
+    import ssl
+
+    try:
+        ssl.create_default_context(cafile=str(path))
+    except (OSError, ssl.SSLError) as exc:
+        # an SSLError is an OSError too, with OpenSSL's code as its strerror
+        why = "not a PEM certificate" if isinstance(exc, ssl.SSLError) else exc.strerror
+        raise CriuctlError(
+            f"cannot use --ca {path}: {why}",
+            "pass the PEM certificate of the CA that signed the agent's (ca.crt of scripts/agent-cert.sh)",
+        ) from exc
 
 
 def remove_node(name: str) -> None:
@@ -169,10 +206,17 @@ class AgentClient:
             resp = self.s.request(
                 method, url, json=body, timeout=(5, timeout or self.timeout), verify=self.verify, **kw
             )
+        except requests.exceptions.SSLError as exc:
+            raise CertificateRefused(
+                f"node {self.node.name} ({self.node.url}) failed the TLS check: {_tls_reason(exc)}",
+                f"give the CA that signed its certificate (criuctl node add {self.node.name} {self.node.url} "
+                "--token-file F --ca CA.pem), and a certificate that names this address",
+            ) from exc
         except requests.RequestException as exc:
             raise NodeUnreachable(
                 f"node {self.node.name} ({self.node.url}) did not answer ({exc.__class__.__name__})",
-                "check that its agent runs and the network between here and there",
+                "check that its agent runs and the network between here and there"
+                + ("" if self.node.tls else ", and whether it serves HTTPS (then add it as https://)"),
             ) from exc
         if resp.status_code in (401, 403):
             e = TokenRefused(
@@ -231,3 +275,22 @@ class AgentClient:
                 f"lost node {self.node.name}'s agent mid-migration ({exc.__class__.__name__})",
                 "check that its agent runs",
             ) from exc
+
+
+def _tls_reason(exc: BaseException) -> str:
+    """OpenSSL's own words for a refused handshake, dug out of requests' and urllib3's wrappers."""
+    import ssl
+
+    seen: set[int] = set()
+    todo: list[object] = [exc]
+    while todo:
+        e = todo.pop(0)
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, ssl.SSLCertVerificationError):
+            return str(e.verify_message).rstrip(".")
+        if isinstance(e, ssl.SSLError) and e.reason:
+            return str(e.reason)
+        todo += [*e.args, getattr(e, "reason", None), e.__cause__, e.__context__]
+    return exc.__class__.__name__

@@ -1,7 +1,7 @@
 """`criuctl agent`: the node daemon. Routes, authentication, metrics and upkeep; no state machine lives here.
 
     GET    /healthz                          liveness (the only call without a token)
-    GET    /v1/info                          node name, CRIU version, what this kernel allows
+    GET    /v1/info                          node name, CRIU version, what this kernel allows, TLS
     GET    /v1/workloads                     workloads on this node
     GET    /v1/workloads/{name}/logs         a workload's stdout+stderr on this node (?tail=N)
     POST   /v1/workloads/{name}/checkpoint   dump into a bundle kept here   ┐ criuctl.agent.bundles
@@ -70,6 +70,7 @@ class AgentOptions:
     # what the layers above add to the agent's process (the CLI composes them: criuctl.kube's
     # preStop listener and kept-bundle restorer), each called with the agent and its application
     extensions: list[Callable[[Agent, web.Application], None]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # the start-up checks' doubts, logged first
 
 
 class Metrics:
@@ -262,7 +263,7 @@ class Agent:
         )
 
     async def info(self, _r: web.Request) -> web.Response:
-        out: dict = {"node": self.name}
+        out: dict = {"node": self.name, "tls": self.opts.tls_cert is not None}
         try:
             out["criu"] = ".".join(map(str, await asyncio.to_thread(criu.require_version)))
             f = await asyncio.to_thread(criu.features)
@@ -322,6 +323,8 @@ def serve(opts: AgentOptions) -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter())
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    for warning in opts.warnings:
+        log.warning(warning)
     agent = Agent(opts)
     ctx = None
     if opts.tls_cert:
