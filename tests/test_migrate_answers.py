@@ -238,7 +238,7 @@ def test_a_handoff_whose_library_prints_to_stdout_migrates_as_any_other(tmp_path
         assert r.returncode == 0, r.stderr
         c.wait_finished("job", timeout=240)
         assert c.steps("job") == ref.steps and c.final("job") == [ref.final]
-        logs = list((c.nodes["a"].state / "logs" / "handoffs").glob("source-*.log"))
+        logs = list((c.nodes["a"].state / "handoffs").glob("source-*.log"))
         assert any("a library that talks: goodbye" in p.read_text() for p in logs), (
             "its stdout goes to its log"
         )
