@@ -179,8 +179,11 @@ def write_files(base: str, rels: set[str], out: Path) -> None:
 def digest(base: str) -> str:
     """sha256 over the names and contents of the files a ConfigMap or Secret volume shows (its
     keys, followed through the kubelet's `..data` links; the `..` folders themselves left out, as
-    their names carry the time the kubelet wrote them)."""
+    their names carry the time the kubelet wrote them), or of the one file a subPath mounts."""
     h = hashlib.sha256()
+    if os.path.isfile(base):
+        h.update(Path(base).read_bytes())
+        return h.hexdigest()
 
     def walk(folder: str, prefix: str, depth: int) -> None:
         for name in sorted(os.listdir(folder)):
@@ -210,6 +213,8 @@ def carry(vols: list[Volume], view: NodeView, inside: list[mounts.Mount], pids: 
         if v.kind is Kind.API:
             facts.volume_digests[v.point] = digest(source)
             continue
+        if v.kind in CARRIED_WHOLE and not os.path.isdir(source):
+            continue  # a subPath of one file: the volume it is cut from carries it, when mounted too
         if v.kind not in CARRIED_WHOLE and not writing.get(v.point):
             continue
         (bundle_dir / folder).mkdir(mode=0o700, exist_ok=True)
