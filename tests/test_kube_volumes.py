@@ -50,7 +50,7 @@ def _claim(name: str, pv: str) -> dict:
 def _every_volume(name: str, host: Path, steps_: int) -> dict:
     """The training pod with each kind of volume; its log goes to the hostPath, its progress file
     (one line per step, held open) to the claim."""
-    pod = training_pod(name, steps=steps_, node="a")
+    pod = training_pod(name, steps=steps_, node="a", extra_spec={"restartPolicy": "OnFailure"})
     c = pod["spec"]["containers"][0]
     c["args"] = ["--steps", str(steps_), "--workers", "2", "--log", "/out/train.log", "--scratch", "/data"]
     c["volumeMounts"] = [m for m in c["volumeMounts"] if m["name"] != "scratch"] + [
@@ -168,7 +168,7 @@ def test_every_kind_of_volume_moves_bit_identically(local_cluster, reference, ho
         assert {path: _exec(k, on_b, f"cat {path}") for path in want} == want
         deadline = time.monotonic() + 300
         while (k.get("pod", on_b) or {}).get("status", {}).get("phase") != "Succeeded":
-            assert time.monotonic() < deadline, k.logs(on_b)[-1000:]
+            assert time.monotonic() < deadline, k("logs", on_b, "--previous", check=False).stdout[-1000:]
             time.sleep(1)
         for f in follow:
             f.join(60)
