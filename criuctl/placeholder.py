@@ -161,7 +161,7 @@ def prepare(ph: Placeholder, bundle_dir: Path, facts: ContainerFacts) -> None:
             raise NotAPlaceholder(
                 f"{v.label() if v else 'the volume'} at {point} holds other files on this node than the "
                 "job saw: it was changed since the job's pod started",
-                "the job keeps running where it was; restore its ConfigMap or Secret, or restart the job",
+                "put back what the job saw, or restart the job to take the new content",
             )
     diff = bundle_dir / facts.rootfs_diff if facts.rootfs_diff else None
     if diff is not None or facts.deleted:

@@ -39,9 +39,10 @@ from criuctl.nodeview import NodeView
 # stores and network filesystems)
 SHARED_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "ceph", "glusterfs", "lustre", "gpfs", "beegfs",
                        "orangefs", "gfs2", "ocfs2"})  # fmt: skip
-_KUBELET_VOLUME = re.compile(r"/pods/[0-9a-f-]{36}/volumes/kubernetes\.io~([^/]+)/([^/]+)(?:/|$)")
-_KUBELET_SUBPATH = re.compile(r"/pods/[0-9a-f-]{36}/volume-subpaths/([^/]+)/")
-_KUBELET_POD = re.compile(r"/pods/[0-9a-f-]{36}/")
+# the kubelet's folders of a pod (its UID; the CRI tests' stand-in names the pod instead)
+_KUBELET_VOLUME = re.compile(r"/pods/[^/]+/volumes/kubernetes\.io~([^/]+)/([^/]+)(?:/|$)")
+_KUBELET_SUBPATH = re.compile(r"/pods/[^/]+/volume-subpaths/([^/]+)/")
+_KUBELET_POD = re.compile(r"/pods/[0-9a-f-]{36}/")  # anything else of the pod: the runtime's files
 
 
 class Kind(enum.Enum):
