@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -176,16 +176,15 @@ class DumpPlan:
     external: list[str]  # CRIU --external entries
     facts: ContainerFacts
     upperdir: str | None
-    root_pid: int = 0
-    view: NodeView | None = None  # the node's mounts (criuctl.nodeview)
-    inside: list[mounts.Mount] = field(default_factory=list)  # the container's
-    volumes: list[volumes.Volume] = field(default_factory=list)  # its external mounts that are volumes
+    root_pid: int
+    view: NodeView  # the node's mounts (criuctl.nodeview)
+    inside: list[mounts.Mount]  # the container's
+    volumes: list[volumes.Volume]  # its external mounts that are volumes
 
     def carry_volumes(self, bundle_dir: Path, folder: str) -> None:
         """While the tree is frozen: what goes with the job from its volumes (criuctl.volumes)."""
-        if self.view is not None:
-            pids = procinfo.tree_pids(self.root_pid)
-            volumes.carry(self.volumes, self.view, self.inside, pids, bundle_dir, folder, self.facts)
+        pids = procinfo.tree_pids(self.root_pid)
+        volumes.carry(self.volumes, self.view, self.inside, pids, bundle_dir, folder, self.facts)
 
 
 def _netns(pid: int | str) -> int:
