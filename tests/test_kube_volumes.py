@@ -20,8 +20,11 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 
+from criuctl import mounts
+from criuctl.localcluster.layout import REPO
 from tests.conftest import needs_criu
 from tests.kube import JOB, Kubectl, LogFollower, combined_steps, final, steps, training_pod, wait_step
 from tests.test_kube import _migrate, criuctl
@@ -119,6 +122,15 @@ def _refused(lay, k: Kubectl, pod: str, node: str) -> str:
     return lines[0]
 
 
+def _attached_left(node: str) -> list[str]:
+    """Mounts that node `node`'s agent (this checkout's) attached for CRIU and did not let go of."""
+    agent = [str(REPO / ".venv" / "bin" / "criuctl"), "agent"]
+    pids = [p.pid for p in psutil.process_iter(["cmdline"])
+            if (a := p.info["cmdline"] or [])[1:3] == agent and a[a.index("--name") + 1] == node]  # fmt: skip
+    assert pids, f"no agent of this checkout runs for node {node}"
+    return [m.point for pid in pids for m in mounts.of(pid) if "criuctl-node-mount-" in m.point]
+
+
 def _delete(k: Kubectl, *objs: str) -> None:
     for obj in objs:
         kind, _, name = obj.partition("/")
@@ -166,6 +178,7 @@ def test_every_kind_of_volume_moves_bit_identically(local_cluster, reference, ho
         want = {**ours, "/etc/cfg/greeting": "hello", "/etc/one.conf": "seen by subPath\n",
                 "/etc/sec/password": "s3cret", "/etc/proj/cfg/lr": "0.003"}  # fmt: skip
         assert {path: _exec(k, on_b, f"cat {path}") for path in want} == want
+        assert not _attached_left("b"), "the agent on b kept the node's mounts it attached for CRIU"
         deadline = time.monotonic() + 300
         while (k.get("pod", on_b) or {}).get("status", {}).get("phase") != "Succeeded":
             assert time.monotonic() < deadline, k("logs", on_b, "--previous", check=False).stdout[-1000:]
