@@ -421,12 +421,7 @@ def _carry_files(staging: Path, plan: containers.DumpPlan) -> None:
     if plan.upperdir:
         plan.facts.rootfs_diff = ROOTFS_DIFF
         plan.facts.deleted = rootfsdiff.write(Path(plan.upperdir), staging / ROOTFS_DIFF)
-    if plan.volume_sources:
-        (staging / VOLUMES_DIR).mkdir(mode=0o700)
-    for i, (point, src) in enumerate(sorted(plan.volume_sources.items())):
-        rel = f"{VOLUMES_DIR}/{i}.tar"
-        rootfsdiff.write(Path(src), staging / rel)
-        plan.facts.volumes[point] = rel
+    plan.carry_volumes(staging, VOLUMES_DIR)
 
 
 ROOTFS_DIFF = "rootfs-diff.tar"

@@ -13,20 +13,18 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
-from criuctl import durable, mounts, procinfo, workloads
+from criuctl import durable, mounts, procinfo, volumes, workloads
 from criuctl.bundle import ContainerFacts
 from criuctl.errors import CriuctlError
+from criuctl.nodeview import NodeView
 from criuctl.runtime import Container, Runtime
 
 NAME_PREFIX = "ctr-"
-# emptyDir volumes live in the kubelet's pod folder: the only volumes whose content is the pod's own
-# (every other volume — hostPath, PVC, ConfigMap — must be the same on the target node already).
-EMPTY_DIR_MARK = "/volumes/kubernetes.io~empty-dir/"
 # Devices a checkpoint can hold open: CRIU reopens them by path on the target.
 KNOWN_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty")
 PLACEHOLDER_FLAG = "--placeholder"
@@ -178,7 +176,15 @@ class DumpPlan:
     external: list[str]  # CRIU --external entries
     facts: ContainerFacts
     upperdir: str | None
-    volume_sources: dict[str, str] = field(default_factory=dict)  # mount point -> host path to carry
+    root_pid: int
+    view: NodeView  # the node's mounts (criuctl.nodeview)
+    inside: list[mounts.Mount]  # the container's
+    volumes: list[volumes.Volume]  # its external mounts that are volumes
+
+    def carry_volumes(self, bundle_dir: Path, folder: str) -> None:
+        """While the tree is frozen: what goes with the job from its volumes (criuctl.volumes)."""
+        pids = procinfo.tree_pids(self.root_pid)
+        volumes.carry(self.volumes, self.view, self.inside, pids, bundle_dir, folder, self.facts)
 
 
 def _netns(pid: int | str) -> int:
@@ -190,18 +196,13 @@ def plan(w: workloads.Workload, pids: list[int]) -> DumpPlan:
     pid = w.root_pid
     _refuse_unknown_devices(pids)
     _refuse_remote_tcp(pids)
-    inside, host = mounts.of(pid), mounts.of("self")
-    points = mounts.externals(inside, host)
+    # the node's view, not ours: the agent's container lacks most of the node's folders
+    inside, view = mounts.of(pid), NodeView.of_runtime(w.runtime)
+    points = view.externals(inside)
     external = [f"mnt[{p}]:{p}" for p in points]
     netns_external = _netns(pid) != _netns("self")
     if netns_external:
         external.append(f"net[{_netns(pid)}]:extRootNetNS")
-    volumes = {}
-    seen = mounts.by_point(inside)
-    for p in points:
-        src = mounts.host_path(seen[p], host)
-        if src and EMPTY_DIR_MARK in src + "/":
-            volumes[p] = src
     root = mounts.root_mount(inside)
     upper = root.super_options.get("upperdir") if root.fstype == "overlay" else None
     cgroup = next((line.rpartition(":")[2] for line in _cgroup_lines(pid) if line.startswith("0::")), "")
@@ -216,7 +217,7 @@ def plan(w: workloads.Workload, pids: list[int]) -> DumpPlan:
         netns_external=netns_external,
         cgroup=cgroup,
     )
-    return DumpPlan(external, facts, upper, volumes)
+    return DumpPlan(external, facts, upper, pid, view, inside, volumes.of_container(inside, view))
 
 
 def _cgroup_lines(pid: int) -> list[str]:

@@ -57,7 +57,10 @@ class ContainerFacts:
     netns_external: bool = False  # the job's network namespace was the pod's, not the node's
     rootfs_diff: str | None = None  # tar of the writable layer's changes, in the bundle
     deleted: list[str] = field(default_factory=list)  # paths the writable layer removed from the image
-    volumes: dict[str, str] = field(default_factory=dict)  # mount point -> tar of an emptyDir, in the bundle
+    # mount point -> tar of what goes with the job from that volume, in the bundle (criuctl.volumes)
+    volumes: dict[str, str] = field(default_factory=dict)
+    # mount point -> digest of a ConfigMap's or Secret's files as the job saw them: the target's must match
+    volume_digests: dict[str, str] = field(default_factory=dict)
     cgroup: str = ""  # the source container's cgroup (for the record)
 
 

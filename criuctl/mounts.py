@@ -90,20 +90,33 @@ def externals(container: list[Mount], host: list[Mount]) -> list[str]:
     return [m.point for m in container if is_external(m, host)]
 
 
+def _covers(h: Mount, m: Mount) -> bool:
+    """Host mount `h` shows the folder mounted at `m`: same device, and `h`'s root holds `m`'s."""
+    return h.device == m.device and (
+        h.root == "/" or m.root == h.root or m.root.startswith(h.root.rstrip("/") + "/")
+    )
+
+
+def _through(h: Mount, m: Mount) -> str:
+    """The path at which host mount `h` (which covers `m`) shows `m`'s root."""
+    rest = m.root[len(h.root) :].lstrip("/") if h.root != "/" else m.root.lstrip("/")
+    return str(Path(h.point) / rest) if rest else h.point
+
+
+def host_paths(m: Mount, host: list[Mount]) -> list[str]:
+    """Every path at which the host sees what is mounted at `m`, the most direct first (the mount
+    whose root is longest: a kubelet's subPath bind before the volume it is cut from, before the
+    disk's root). One folder often shows in several places; which kind of volume it is can be read
+    from any of them (criuctl.volumes)."""
+    ranked = sorted((h for h in host if _covers(h, m)), key=lambda h: -len(h.root))
+    return list(dict.fromkeys(_through(h, m) for h in ranked))
+
+
 def host_path(m: Mount, host: list[Mount]) -> str | None:
     """Where the host sees what is mounted at `m`: a host mount of the same device whose root
     contains `m`'s root, plus the rest of the path. None when the host has no such view."""
-    best: Mount | None = None
-    for h in host:
-        if h.device != m.device:
-            continue
-        inside = m.root == h.root or m.root.startswith(h.root.rstrip("/") + "/")
-        if inside and (best is None or len(h.root) > len(best.root)):
-            best = h
-    if best is None:
-        return None
-    rest = m.root[len(best.root) :].lstrip("/") if best.root != "/" else m.root.lstrip("/")
-    return str(Path(best.point) / rest) if rest else best.point
+    paths = host_paths(m, host)
+    return paths[0] if paths else None
 
 
 def by_point(mounts: list[Mount]) -> dict[str, Mount]:

@@ -7,7 +7,9 @@ rootfs, namespaces, cgroup and the pipes its log is read from. The agent restore
 
     rootfs            the placeholder's (writable-layer changes and emptyDirs unpacked first)
     uts, ipc, net     the placeholder's, joined (the network as CRIU's external one when the pod had its own)
-    mounts            each external mount of the dump mapped to the same mount of the placeholder
+    mounts            each external mount of the dump mapped to the same mount of the placeholder,
+                      found where the node sees it (criuctl.nodeview: the agent's own namespace
+                      lacks a hostPath under /var/tmp); volumes' files first (criuctl.volumes)
     stdio             the placeholder's stdout/stderr pipes (`--inherit-fd`): the runtime's log goes on
     cgroups           the placeholder's (CRIU's soft mode): its limits and OOM apply to the job
 
@@ -29,10 +31,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from criuctl import mounts, rootfsdiff
+from criuctl import mounts, rootfsdiff, volumes
 from criuctl.bundle import ContainerFacts
 from criuctl.containers import is_placeholder, runs_criuctl_init
 from criuctl.errors import CriuctlError
+from criuctl.nodeview import NodeView
 from criuctl.nsinit import CONTROL_DIR, exit_code
 from criuctl.runtime import Container, Runtime
 
@@ -46,6 +49,7 @@ class Placeholder:
     container: Container
     rootfs: Path  # the placeholder's root, as the host sees it
     inside: list[mounts.Mount]  # its mounts, as it sees them
+    view: NodeView  # the node's mounts, and the ones attached here for CRIU (released by `close_fds`)
     fds: list[int] = field(default_factory=list)  # opened for CRIU; closed by `close_fds`
 
     @property
@@ -63,10 +67,16 @@ class Placeholder:
         return is_placeholder(self.pid)
 
     def close_fds(self) -> None:
+        """Let go of what was opened or mounted for CRIU: the restored tree holds its own now."""
         for fd in self.fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self.fds.clear()
+        self.view.release()
+
+    def mount(self, point: str) -> mounts.Mount | None:
+        """The placeholder's mount at `point` (the last one mounted there)."""
+        return mounts.by_point(self.inside).get(point)
 
 
 def tell_pid(pid: int, line: str) -> bool:
@@ -105,14 +115,14 @@ def find(rt: Runtime, ident: str) -> Placeholder:
             f"placeholder {c.short_id} is not ready (no {CONTROL_DIR}/ctl in it)",
             "wait until its log says 'placeholder ready', then try again",
         )
-    inside, host = mounts.of(c.pid), mounts.of("self")
-    root = mounts.host_path(mounts.root_mount(inside), host)
+    inside, view = mounts.of(c.pid), NodeView.of_runtime(rt.endpoint)
+    root = view.attach(mounts.root_mount(inside))
     if root is None:
         raise NotAPlaceholder(
-            f"cannot find placeholder {c.short_id}'s root filesystem on the host",
-            "criuctl's agent must run in the host's mount namespace (hostPID, /proc and the runtime's state)",
+            f"cannot find placeholder {c.short_id}'s root filesystem on the node",
+            "criuctl's agent needs the host's PID namespace and privileges (manifests/daemonset.yaml)",
         )
-    return Placeholder(c, Path(root), inside)
+    return Placeholder(c, Path(root), inside, view)
 
 
 def match(rt: Runtime, facts: ContainerFacts) -> Placeholder:
@@ -141,30 +151,43 @@ def match(rt: Runtime, facts: ContainerFacts) -> Placeholder:
 
 
 def prepare(ph: Placeholder, bundle_dir: Path, facts: ContainerFacts) -> None:
-    """Put the job's files in place: the writable layer into the rootfs, emptyDirs into volumes."""
+    """Put the job's files in place: the writable layer into the rootfs, what the dump carried of
+    its volumes into the placeholder's (a file already there with the same content is left alone);
+    refuse a ConfigMap or Secret whose files differ from those the job saw."""
+    for point, want in sorted(facts.volume_digests.items()):
+        if volumes.digest(_reach(ph, point)) != want:
+            m = ph.mount(point)
+            v = volumes.classify(m, ph.view.paths(m)) if m is not None else None
+            raise NotAPlaceholder(
+                f"{v.label() if v else 'the volume'} at {point} holds other files on this node than the "
+                "job saw: it was changed since the job's pod started",
+                "put back what the job saw, or restart the job to take the new content",
+            )
     diff = bundle_dir / facts.rootfs_diff if facts.rootfs_diff else None
     if diff is not None or facts.deleted:
         rootfsdiff.apply(diff, facts.deleted, ph.rootfs)
-    host = mounts.of("self")
-    seen = mounts.by_point(ph.inside)
-    for point, tar in facts.volumes.items():
-        dest = mounts.host_path(seen[point], host) if point in seen else None
-        if dest is None:
-            raise NotAPlaceholder(
-                f"the placeholder has no volume at {point}, which the job used",
-                "give the placeholder the same volumes as the job's container",
-            )
-        rootfsdiff.apply(bundle_dir / tar, [], Path(dest))
+    for point, tar in sorted(facts.volumes.items()):
+        rootfsdiff.apply(bundle_dir / tar, [], Path(_reach(ph, point)), keep_equal=True)
+
+
+def _reach(ph: Placeholder, point: str) -> str:
+    """Where this process reads and writes the placeholder's volume at `point`."""
+    m = ph.mount(point)
+    path = ph.view.reach(m) if m is not None else None
+    if path is None:
+        raise NotAPlaceholder(
+            f"the placeholder has no volume at {point}, which the job used",
+            "give the placeholder the same volumes as the job's container",
+        )
+    return path
 
 
 def restore_options(ph: Placeholder, facts: ContainerFacts, stdio_pipes: dict[str, str]) -> dict:
     """The `criu.RestoreOptions` fields that put the tree into the placeholder (opens fds: see `fds`)."""
-    host = mounts.of("self")
-    seen = mounts.by_point(ph.inside)
     ext: dict[str, str] = {}
-    for point in facts.external_mounts:
-        m = seen.get(point)
-        path = mounts.host_path(m, host) if m else None
+    for point in dict.fromkeys(facts.external_mounts):
+        m = ph.mount(point)
+        path = ph.view.attach(m) if m else None
         if path is None:
             raise NotAPlaceholder(
                 f"the placeholder has no mount at {point}, which the job's container had",

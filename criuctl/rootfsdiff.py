@@ -69,9 +69,11 @@ def write(upperdir: Path, out: Path) -> list[str]:
     return deleted
 
 
-def apply(tar_path: Path | None, deleted: list[str], rootfs: Path) -> None:
+def apply(tar_path: Path | None, deleted: list[str], rootfs: Path, keep_equal: bool = False) -> None:
     """Remove `deleted`, empty the tar's opaque folders, then unpack `tar_path` but its whiteout
-    entries, inside `rootfs` (as a chroot would see it)."""
+    entries, inside `rootfs` (as a chroot would see it). `keep_equal`: a folder already there, and a
+    file with the same content, are left as they are (a volume both nodes share holds the very file
+    a frozen job has open: rewriting it would be a needless risk to it)."""
     with open(tar_path or os.devnull, "rb") as archive:  # opened here: its path is not visible inside
         pid = os.fork()
         if pid == 0:
@@ -82,7 +84,10 @@ def apply(tar_path: Path | None, deleted: list[str], rootfs: Path) -> None:
                 _remove(deleted)
                 if tar_path is not None:
                     with tarfile.open(fileobj=archive) as tar:
-                        tar.extractall("/", members=_content(tar), filter="tar")
+                        members = _content(tar)
+                        if keep_equal:
+                            members = [m for m in members if not _same(tar, m)]
+                        tar.extractall("/", members=members, filter="tar")
                 code = 0
             except BaseException as exc:  # reported through the exit status, in the parent's words
                 os.write(2, f"criuctl: cannot apply the writable layer: {exc}\n".encode())
@@ -91,6 +96,27 @@ def apply(tar_path: Path | None, deleted: list[str], rootfs: Path) -> None:
         _, status = os.waitpid(pid, 0)
     if status != 0:
         raise OSError(f"applying the container's writable layer into {rootfs} failed")
+
+
+def _same(tar: tarfile.TarFile, info: tarfile.TarInfo) -> bool:
+    """Member `info` is there already: a folder, or a regular file of the same bytes (in the chroot)."""
+    target = "/" + info.name.lstrip("/")
+    try:
+        st = os.lstat(target)
+    except OSError:
+        return False
+    if info.isdir():
+        return stat.S_ISDIR(st.st_mode)
+    if not (info.isreg() and stat.S_ISREG(st.st_mode) and st.st_size == info.size):
+        return False
+    src = tar.extractfile(info)
+    if src is None:
+        return False
+    with src, open(target, "rb") as have:
+        while chunk := src.read(1 << 20):
+            if have.read(len(chunk)) != chunk:
+                return False
+    return True
 
 
 def _remove(deleted: list[str]) -> None:

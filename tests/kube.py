@@ -10,6 +10,7 @@ called by the API server, wraps it.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import threading
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 from criuctl.localcluster.layout import BUSYBOX, HOST_PYTHON, REPO, Layout
+from tests.jobs import CRIUCTL
 
 PY = str(REPO / ".venv" / "bin" / "python")
 JOB = str(REPO / "tests" / "workloads" / "train_cnn_loader.py")
@@ -149,3 +151,22 @@ def combined_steps(parts: list[dict[int, str]]) -> dict[int, str]:
             assert out.get(s, loss) == loss, f"step {s} reported twice with different losses"
             out[s] = loss
     return out
+
+
+def criuctl(lay, *args: str) -> subprocess.CompletedProcess:
+    """A criuctl command as a user runs it, with the local cluster's kubeconfig."""
+    env = {**os.environ, "KUBECONFIG": str(lay.kubeconfig)}
+    return subprocess.run([*CRIUCTL, *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def migrate_pod(lay, k: Kubectl, pod: str, node: str, *opts: str) -> str:
+    """Move `pod` with the CLI; returns the new pod's name, checked to run on `node`."""
+    r = criuctl(lay, "migrate", pod, node, "-o", "json", *opts)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["pod"] == pod and out["target"] == node
+    new = k.get("pod", out["new_pod"])
+    assert new["spec"]["nodeName"] == node and new["status"]["phase"] == "Running"
+    assert new["metadata"]["annotations"]["criuctl.io/migrated-from"].startswith(f"default/{pod}@")
+    k.wait_gone("pod", pod)
+    return out["new_pod"]

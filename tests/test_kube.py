@@ -15,16 +15,11 @@ import pytest
 from criuctl.localcluster import __main__ as lc
 from criuctl.localcluster.layout import REPO
 from tests.conftest import needs_criu
-from tests.kube import JOB, Kubectl, LogFollower, final, steps, training_pod, wait_step
+from tests.kube import JOB, Kubectl, LogFollower, criuctl, final, migrate_pod, steps, training_pod, wait_step
 
 pytestmark = [needs_criu, pytest.mark.timeout(600)]
 CRIUCTL = [str(REPO / ".venv" / "bin" / "criuctl")]
 STEPS = 400
-
-
-def criuctl(lay, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "KUBECONFIG": str(lay.kubeconfig)}
-    return subprocess.run([*CRIUCTL, *args], capture_output=True, text=True, env=env, timeout=300)
 
 
 def _dry_run(k: Kubectl, pod: dict, namespace: str = "default") -> dict:
@@ -93,19 +88,6 @@ def test_webhook_down_blocks_only_labelled_pods(local_cluster) -> None:
             time.sleep(0.5)
 
 
-def _migrate(lay, k: Kubectl, pod: str, node: str, *opts: str) -> str:
-    """Move `pod` with the CLI; returns the new pod's name, checked to run on `node`."""
-    r = criuctl(lay, "migrate", pod, node, "-o", "json", *opts)
-    assert r.returncode == 0, r.stderr[-2000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["pod"] == pod and out["target"] == node
-    new = k.get("pod", out["new_pod"])
-    assert new["spec"]["nodeName"] == node and new["status"]["phase"] == "Running"
-    assert new["metadata"]["annotations"]["criuctl.io/migrated-from"].startswith(f"default/{pod}@")
-    k.wait_gone("pod", pod)
-    return out["new_pod"]
-
-
 def test_pod_moves_there_and_back_bit_identical(local_cluster, reference) -> None:
     lay, k = local_cluster
     ref = reference(os.path.basename(JOB), "--steps", str(STEPS), "--workers", "2", "--log", "/dev/null")
@@ -115,12 +97,12 @@ def test_pod_moves_there_and_back_bit_identical(local_cluster, reference) -> Non
     follow = [LogFollower(k, "train")]
     follow[0].start()
     wait_step(k, "train", 40)
-    on_b = _migrate(lay, k, "train", "b")
+    on_b = migrate_pod(lay, k, "train", "b")
     follow.append(LogFollower(k, on_b))
     follow[-1].start()
     before = max(steps(k.logs(on_b)) or [0])
     wait_step(k, on_b, before + 30)  # it trains on b, and `kubectl logs` of the new pod shows it
-    on_a = _migrate(lay, k, on_b, "a", "--mode", "stop-and-copy")
+    on_a = migrate_pod(lay, k, on_b, "a", "--mode", "stop-and-copy")
     follow.append(LogFollower(k, on_a))
     follow[-1].start()
     deadline = time.monotonic() + 300

@@ -382,6 +382,9 @@ AGENT_RULES = {
     ("", "nodes"): {"get", "list", "watch"},
     ("", "events"): {"create", "patch"},
     ("", "nodes/checkpoint"): {"create"},
+    # a preStop checkpoint passes over the nodes a claim's volume cannot reach (criuctl.kube.podvolumes)
+    ("", "persistentvolumeclaims"): {"get"},
+    ("", "persistentvolumes"): {"get"},
     ("apps", "statefulsets"): {"get"},
     ("kubeflow.org", "pytorchjobs"): {"get"},
 }
@@ -422,7 +425,8 @@ def _granted(role: Obj) -> dict[tuple[str, str], set[str]]:
 
 def test_the_agent_role_is_exactly_the_minimal_one(objects: list[Obj]) -> None:
     """pods and nodes read, Events recorded, the kubelet checkpoint API, and what a controller-owned
-    pod's move needs (its successor annotated, an empty placeholder deleted, its owner read); in
+    pod's move needs (its successor annotated, an empty placeholder deleted, its owner read, the
+    claims and PVs of its volumes); in
     criuctl-system only, the move records and criuctl's two Secrets by name: nothing more."""
     assert _granted(one(objects, "ClusterRole", "criuctl-agent")) == AGENT_RULES
     ns_role = one(objects, "Role", "criuctl-agent")

@@ -10,7 +10,7 @@ from typing import Any
 
 from criuctl.agent.client import Node
 from criuctl.errors import CriuctlError
-from criuctl.kube import events, moves, mutate, owners
+from criuctl.kube import events, moves, mutate, owners, podvolumes
 from criuctl.kube.cluster import Cluster, NotFound, agent_for, call, workload_row
 
 # labels a controller selects its pods by: a placeholder keeps none, or the controller adopts it
@@ -176,6 +176,8 @@ def plan(c: Cluster, namespace: str, name: str, target: str) -> PodPlan:
         raise CriuctlError(f"node {target} is cordoned (unschedulable)", "uncordon it or pick another node")
     ctr = _wrapped_container(pod)
     owner = _owned(c, pod, ctr)
+    if (r := podvolumes.check(pod, node, *podvolumes.fetch(c, pod))) is not None:
+        raise NotMigratable(f"pod {name}: volume {r.volume} {r.what}", f"nothing was changed; {r.hint}")
     needed, free = pod_memory(pod), free_memory(c, node)
     status = {s["name"]: s for s in pod["status"].get("containerStatuses", [])}
     cid = (status.get(ctr["name"], {}).get("containerID") or "").partition("://")[2]

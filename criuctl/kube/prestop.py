@@ -27,7 +27,7 @@ import uuid
 
 from criuctl.agent.client import AgentClient
 from criuctl.errors import CriuctlError
-from criuctl.kube import events, moves, mutate, owners, podplan
+from criuctl.kube import events, moves, mutate, owners, podplan, podvolumes
 from criuctl.kube.cluster import Cluster, NotFound, agent_for, call, container_id, delete_now, workload_row
 
 log = logging.getLogger("criuctl.kube")
@@ -40,12 +40,16 @@ class Refused(CriuctlError):
 
 
 def _target(c: Cluster, pod: dict, source: str, needed: int) -> str:
-    """The node the job goes to when nobody chose one: Ready, schedulable, an agent, room."""
+    """The node the job goes to when nobody chose one: Ready, schedulable, its volumes reach it
+    (criuctl.kube.podvolumes), an agent, room."""
     best: tuple[int, str] | None = None
+    claims, pvs = podvolumes.fetch(c, pod)
     for n in call("the nodes", c.core.list_node).items:
         node = c.serialize(n)
         name = node["metadata"]["name"]
         if name == source or node["spec"].get("unschedulable") or not podplan.ready(node):
+            continue
+        if podvolumes.check(pod, node, claims, pvs) is not None:
             continue
         free = podplan.free_memory(c, node)
         if free < needed:
@@ -57,8 +61,10 @@ def _target(c: Cluster, pod: dict, source: str, needed: int) -> str:
         if best is None or free > best[0]:
             best = (free, name)
     if best is None:
-        raise CriuctlError(f"no node can take pod {pod['metadata']['name']}",
-                           "none is Ready, schedulable, with an agent and the memory")  # fmt: skip
+        raise CriuctlError(
+            f"no node can take pod {pod['metadata']['name']}",
+            "none is Ready, schedulable, reached by its volumes, with an agent and the memory",
+        )
     return best[1]
 
 
