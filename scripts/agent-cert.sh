@@ -18,7 +18,7 @@
 set -euo pipefail
 
 log() { echo "agent-cert: $*" >&2; }
-die() { log "error: $*"; exit 1; }
+. "$(dirname "$0")/lib.sh"
 usage() { sed -n '2,17s/^# \{0,1\}//p' "$0" >&2; exit "${1:-2}"; }
 
 dir=./criuctl-pki days=365
@@ -61,21 +61,5 @@ if [ ! -e "$dir/ca.crt" ]; then
   log "made a CA: $dir/ca.crt (give it to clients), $dir/ca.key (keep it private)"
 fi
 [ -r "$dir/ca.key" ] || die "$dir/ca.crt has no $dir/ca.key beside it: sign with the CA's key, or move ca.crt away"
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-openssl req -new -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj "/CN=$node" \
-  -keyout "$work/tls.key" -out "$work/tls.csr" 2>/dev/null
-cat >"$work/tls.ext" <<EOF
-subjectAltName=$san
-basicConstraints=critical,CA:FALSE
-keyUsage=critical,digitalSignature
-extendedKeyUsage=serverAuth
-subjectKeyIdentifier=hash
-authorityKeyIdentifier=keyid
-EOF
-openssl x509 -req -in "$work/tls.csr" -CA "$dir/ca.crt" -CAkey "$dir/ca.key" -CAcreateserial \
-  -CAserial "$dir/ca.srl" -days "$days" -extfile "$work/tls.ext" -out "$work/tls.crt" 2>/dev/null
-openssl verify -CAfile "$dir/ca.crt" "$work/tls.crt" >/dev/null || die "the new certificate does not verify"
-mv "$work/tls.key" "$dir/$node/tls.key"
-mv "$work/tls.crt" "$dir/$node/tls.crt"
+serving_cert "$node" "$san" "$dir/ca.crt" "$dir/ca.key" "$dir/ca.srl" "$days" "$dir/$node/tls"
 log "node $node ($san): criuctl agent --tls-cert $dir/$node/tls.crt --tls-key $dir/$node/tls.key ..."

@@ -28,3 +28,31 @@ debian_uri() {
   [ -n "$uri" ] || die "no Debian apt source found (in /etc/apt) to fetch packages from"
   echo "${uri%/}"
 }
+
+# A serving certificate: an EC P-256 key and a certificate for CN with subjectAltName SAN, signed by
+# CA_CRT/CA_KEY (serial numbers kept in SERIAL), valid DAYS days, with the extensions Python's ssl
+# wants under VERIFY_X509_STRICT; written to OUT.key and OUT.crt only once it verifies.
+serving_cert() {
+  local cn=$1 san=$2 ca_crt=$3 ca_key=$4 serial=$5 days=$6 out=$7 tmp
+  tmp=$(mktemp -d)
+  openssl req -new -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj "/CN=$cn" \
+    -keyout "$tmp/tls.key" -out "$tmp/tls.csr" 2>/dev/null
+  cat >"$tmp/tls.ext" <<EXT
+subjectAltName=$san
+basicConstraints=critical,CA:FALSE
+keyUsage=critical,digitalSignature
+extendedKeyUsage=serverAuth
+subjectKeyIdentifier=hash
+authorityKeyIdentifier=keyid
+EXT
+  openssl x509 -req -in "$tmp/tls.csr" -CA "$ca_crt" -CAkey "$ca_key" -CAcreateserial \
+    -CAserial "$serial" -days "$days" -extfile "$tmp/tls.ext" -out "$tmp/tls.crt" 2>/dev/null
+  if ! openssl verify -CAfile "$ca_crt" "$tmp/tls.crt" >/dev/null; then
+    rm -rf "$tmp"
+    die "the new certificate does not verify"
+  fi
+  chmod 600 "$tmp/tls.key"
+  mv "$tmp/tls.key" "$out.key"
+  mv "$tmp/tls.crt" "$out.crt"
+  rm -rf "$tmp"
+}

@@ -23,7 +23,7 @@ CONFIG=criuctl # the MutatingWebhookConfiguration (manifests/webhook.yaml)
 DNS="$SERVICE.$NAMESPACE.svc"
 
 log() { echo "webhook-cert: $*" >&2; }
-die() { log "error: $*"; exit 1; }
+. "$(dirname "$0")/lib.sh"
 usage() { sed -n '2,16s/^# \{0,1\}//p' "$0" >&2; exit "${1:-2}"; }
 
 out="" days=365 print_only=0
@@ -52,19 +52,8 @@ openssl req -x509 -new -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 
   -subj "/CN=criuctl webhook CA" \
   -addext basicConstraints=critical,CA:TRUE -addext keyUsage=critical,keyCertSign,cRLSign \
   -keyout "$work/ca.key" -out "$out/ca.crt" 2>/dev/null
-openssl req -new -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes \
-  -subj "/CN=$DNS" -keyout "$out/tls.key" -out "$work/tls.csr" 2>/dev/null
-cat >"$work/tls.ext" <<EOF
-subjectAltName=DNS:$DNS,DNS:$DNS.cluster.local,DNS:$SERVICE.$NAMESPACE,DNS:$SERVICE
-basicConstraints=critical,CA:FALSE
-keyUsage=critical,digitalSignature
-extendedKeyUsage=serverAuth
-subjectKeyIdentifier=hash
-authorityKeyIdentifier=keyid
-EOF
-openssl x509 -req -in "$work/tls.csr" -CA "$out/ca.crt" -CAkey "$work/ca.key" -CAcreateserial \
-  -CAserial "$work/ca.srl" -days "$days" -extfile "$work/tls.ext" -out "$out/tls.crt" 2>/dev/null
-openssl verify -CAfile "$out/ca.crt" "$out/tls.crt" >/dev/null || die "the new certificate does not verify"
+serving_cert "$DNS" "DNS:$DNS,DNS:$DNS.cluster.local,DNS:$SERVICE.$NAMESPACE,DNS:$SERVICE" \
+  "$out/ca.crt" "$work/ca.key" "$work/ca.srl" "$days" "$out/tls"
 
 b64() { openssl base64 -A <"$1"; }
 cat >"$out/secret.yaml" <<EOF
