@@ -109,16 +109,21 @@ class Layout:
     mnt_ns: dict[str, int] = field(default_factory=dict)  # node → inode of its mount namespace
 
     def __post_init__(self) -> None:
-        self.prefix = self.prefix or f"k{self.net.split('.')[1]}"
+        self.prefix = self.prefix or f"k{self.n}"
+
+    @property
+    def n(self) -> str:
+        """N of the cluster's 10.N.0 net: what keeps its names and loopback addresses its own."""
+        return self.net.split(".")[1]
 
     @property
     def etcd_url(self) -> str:
         """Loopback only (nothing but the API server may reach it), an address of this cluster's own."""
-        return f"http://127.{self.net.split('.')[1]}.0.1:{self.etcd_port}"
+        return f"http://127.{self.n}.0.1:{self.etcd_port}"
 
     @property
     def etcd_peer_url(self) -> str:
-        return f"http://127.{self.net.split('.')[1]}.0.1:{self.etcd_port + 10}"
+        return f"http://127.{self.n}.0.1:{self.etcd_port + 10}"
 
     @property
     def agent_tar(self) -> Path:
