@@ -228,17 +228,21 @@ class TargetMachine:
 
         Only the very processes the record names: a PID handed out again since (the copy ended,
         the node rebooted) belongs to someone else and is left alone."""
+        if self.state not in (TargetState.RESTORED, TargetState.RESTORING):
+            return True
         tree = self.rec.tree()
-        if self.state in (TargetState.RESTORED, TargetState.RESTORING) and tree and tree.alive():
+        if tree and tree.alive():
             procinfo.kill_tree(tree.pid)
             deadline = time.monotonic() + 10
             while tree.alive():
                 if time.monotonic() > deadline:
                     return False
                 time.sleep(0.05)
-            ph = self.rec.placeholder_init()
-            if ph and ph.alive():  # its handoff died before saying so: the placeholder is empty
-                placeholder.tell_pid(ph.pid, "aborted: the agent restarted first")
+        # The copy may be dead already (ended with its handoff, or a zombie nobody reaped yet):
+        # the placeholder still waits to hear, whoever ended the copy.
+        ph = self.rec.placeholder_init()
+        if ph and ph.alive():
+            placeholder.tell_pid(ph.pid, "aborted: the agent restarted first")
         return True
 
     def _handoff_lives(self) -> bool:
