@@ -43,7 +43,7 @@ sys.path.insert(0, str(HERE))
 
 import migrate as procbench  # noqa: E402 - the process-migration contenders, as bench/migrate.py runs them
 
-from criuctl import containers  # noqa: E402
+from criuctl.container import containers  # noqa: E402
 from tests import test_cri_archive as cri2  # noqa: E402 - containerd 2.x started as its tests start it
 from tests.cluster import PLAIN, Cluster  # noqa: E402
 from tests.containerd import INIT, PY, Containerd  # noqa: E402
@@ -92,7 +92,7 @@ def bench_checkpoint(gib: float, work: Path, reps: int) -> dict[str, list[float]
         mounts["/.criuctl"] = str(inject)
         pod = c2.run_pod("ckpt", [*INIT, "--", PY, str(BIG), "--gib", str(gib)], mounts=mounts)
         _ready(pod.log)
-        from criuctl import runtime
+        from criuctl.container import runtime
 
         rt = runtime.connect(c2.endpoint)
         env = {**os.environ, "CRIUCTL_RUNTIME_ENDPOINT": c2.endpoint, "CRIUCTL_STATE_DIR": str(root / "st")}

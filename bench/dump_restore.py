@@ -34,7 +34,7 @@ from rich.console import Console
 from rich.table import Table
 
 HERE = Path(__file__).resolve().parent
-CRIUCTL = [sys.executable, "-m", "criuctl.cli"]
+CRIUCTL = [sys.executable, "-m", "criuctl.cli.main"]
 JOB = [sys.executable, str(HERE / "big_state.py")]
 console = Console(highlight=False, width=200)
 
@@ -63,7 +63,7 @@ def start_job(name: str, gib: float) -> subprocess.Popen:
 
 
 def root_pid(name: str) -> int:
-    from criuctl import workloads
+    from criuctl.core import workloads
 
     return workloads.load(name).root_pid
 

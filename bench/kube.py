@@ -1,7 +1,7 @@
 """Pods, side by side in one run: what `criuctl migrate POD NODE` costs on a real Kubernetes, and the
 Kubernetes-native alternative.
 
-On the local cluster (criuctl.localcluster: apiserver, scheduler, controller-manager, two kubelet
+On the local cluster (localcluster: apiserver, scheduler, controller-manager, two kubelet
 nodes with containerd, the agent as the DaemonSet), for each state size a pod holding N GiB of model
 + Adam state (bench/big_state.py) under the webhook's wrapping moves between the nodes by
 
@@ -38,11 +38,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from localcluster import __main__ as lc
+from localcluster.layout import Layout
 from rich.console import Console
 from rich.table import Table
 
-from criuctl.localcluster import __main__ as lc
-from criuctl.localcluster.layout import Layout
 from tests.kube import PY, Kubectl, training_pod
 
 HERE = Path(__file__).resolve().parent

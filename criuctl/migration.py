@@ -36,9 +36,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from criuctl import durable, migsignal
-from criuctl.errors import CriuctlError
-from criuctl.migsignal import INIT, RESUME, SAVE
+from criuctl.core import durable, migsignal
+from criuctl.core.errors import CriuctlError
+from criuctl.core.migsignal import INIT, RESUME, SAVE
 
 
 class MigrationCheckpointError(CriuctlError):

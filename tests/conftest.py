@@ -2,7 +2,7 @@ import subprocess
 
 import pytest
 
-from criuctl.workloads import ENV_STATE_DIR
+from criuctl.core.workloads import ENV_STATE_DIR
 from tests import requirements
 from tests.requirements import needs
 
@@ -50,7 +50,7 @@ def state_dir(tmp_path, monkeypatch):
 def no_leaked_workloads(state_dir):
     """Fail a test that leaves a workload process behind; then kill it."""
     yield
-    from criuctl import workloads
+    from criuctl.core import workloads
 
     if not state_dir.exists():
         return
@@ -62,11 +62,12 @@ def no_leaked_workloads(state_dir):
 
 @pytest.fixture(scope="session")
 def local_cluster(tmp_path_factory):
-    """A real Kubernetes on this machine (criuctl.localcluster): apiserver, etcd, scheduler,
+    """A real Kubernetes on this machine (localcluster): apiserver, etcd, scheduler,
     controller-manager, two kubelet nodes with containerd, criuctl's agent as the DaemonSet, the
     webhook registered by URL. Up once per session (~25 s), down at its end, leaving nothing."""
-    from criuctl.localcluster import __main__ as lc
-    from criuctl.localcluster.layout import Layout
+    from localcluster import __main__ as lc
+    from localcluster.layout import Layout
+
     from tests.cluster import _free_subnet
     from tests.kube import Kubectl
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 WORKLOADS = Path(__file__).parent / "workloads"
-CRIUCTL = [sys.executable, "-m", "criuctl.cli"]
+CRIUCTL = [sys.executable, "-m", "criuctl.cli.main"]
 _STEP = re.compile(r"^step (\d+) loss (\S+)$")
 _FINAL = re.compile(r"^final ([0-9a-f]{64})$")
 

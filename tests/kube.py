@@ -1,4 +1,4 @@
-"""Pods and helpers for the tests on the local cluster (criuctl.localcluster: real apiserver,
+"""Pods and helpers for the tests on the local cluster (localcluster: real apiserver,
 scheduler, controller-manager, kubelets, containerd; the agent as the DaemonSet).
 
 A training pod here is an ordinary pod spec a user would write: busybox as the image, the host's
@@ -17,7 +17,8 @@ import threading
 import time
 from pathlib import Path
 
-from criuctl.localcluster.layout import BUSYBOX, HOST_PYTHON, REPO, Layout
+from localcluster.layout import BUSYBOX, HOST_PYTHON, REPO, Layout
+
 from tests.jobs import CRIUCTL
 
 PY = str(REPO / ".venv" / "bin" / "python")

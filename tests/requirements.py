@@ -25,8 +25,7 @@ from enum import Enum
 from pathlib import Path
 
 import pytest
-
-from criuctl.localcluster.layout import BUSYBOX_TAR, CACHE, K8S_BIN
+from localcluster.layout import BUSYBOX_TAR, CACHE, K8S_BIN
 
 ENV_REQUIRE_ALL = "CRIUCTL_TESTS_REQUIRE_ALL"  # set by `make test` (Makefile), so by .ci/run
 MARK = "requires"
@@ -116,8 +115,8 @@ def _kernel(feature: str, lacks: str) -> Callable[[], str | None]:
     def probe() -> str | None:
         if (why := _CRIU()) is not None:
             return f"cannot ask CRIU: {why}"
-        from criuctl import criu
-        from criuctl.errors import CriuctlError
+        from criuctl.core.errors import CriuctlError
+        from criuctl.engine import criu
 
         try:
             return None if getattr(criu.features(), feature) else lacks
@@ -128,7 +127,7 @@ def _kernel(feature: str, lacks: str) -> Callable[[], str | None]:
 
 
 def _gpu() -> str | None:
-    from criuctl import cuda
+    from criuctl.gpu import cuda
 
     if ctypes.util.find_library("cuda") is None and not cuda.probe().loaded:
         return "no CUDA driver (libcuda.so.1) on this host; run on a GPU node (tests/gpu/check.sh)"

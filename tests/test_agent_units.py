@@ -12,10 +12,11 @@ import time
 import pytest
 from aiohttp import web
 
-from criuctl import bundle
-from criuctl.agent import client, livesend, migrate, receiver, transfer
-from criuctl.errors import CriuctlError
-from criuctl.tokens import read_token
+from criuctl.agent import livesend, receiver, transfer
+from criuctl.client import agents, migrate
+from criuctl.core.errors import CriuctlError
+from criuctl.core.tokens import read_token
+from criuctl.format import bundle
 
 
 def _bundle(tmp_path, key: bytes):
@@ -189,26 +190,26 @@ def test_node_list(tmp_path):
     token.write_text("x" * 20)
     os.chmod(token, 0o644)
     with pytest.raises(CriuctlError, match="readable by others"):  # the agent would refuse it too
-        client.add_node(client.Node("a", "http://10.0.0.2:7070", str(token)))
+        agents.add_node(agents.Node("a", "http://10.0.0.2:7070", str(token)))
     os.chmod(token, 0o600)
-    client.add_node(client.Node("a", "http://10.0.0.2:7070", str(token)))
-    assert client.get_node("a").host == "10.0.0.2"
-    with pytest.raises(client.UnknownNode, match="no node named 'z' \\(known: a\\)"):
-        client.get_node("z")
+    agents.add_node(agents.Node("a", "http://10.0.0.2:7070", str(token)))
+    assert agents.get_node("a").host == "10.0.0.2"
+    with pytest.raises(agents.UnknownNode, match="no node named 'z' \\(known: a\\)"):
+        agents.get_node("z")
     with pytest.raises(CriuctlError, match="not an http"):
-        client.add_node(client.Node("b", "10.0.0.3:7070", str(token)))
+        agents.add_node(agents.Node("b", "10.0.0.3:7070", str(token)))
     with pytest.raises(CriuctlError, match="cannot read the token file"):
-        client.add_node(client.Node("c", "http://10.0.0.4:7070", str(tmp_path / "none")))
-    client.remove_node("a")
-    assert client.all_nodes() == {}
+        agents.add_node(agents.Node("c", "http://10.0.0.4:7070", str(tmp_path / "none")))
+    agents.remove_node("a")
+    assert agents.all_nodes() == {}
 
 
 def test_an_unreachable_node_is_one_clear_error(tmp_path):
     token = tmp_path / "t"
     token.write_text("x" * 20)
-    node = client.Node("gone", "http://127.0.0.1:9", str(token))  # discard port: nothing listens
-    with pytest.raises(client.NodeUnreachable, match=r"node gone .* did not answer"):
-        client.AgentClient(node).get("/v1/info")
+    node = agents.Node("gone", "http://127.0.0.1:9", str(token))  # discard port: nothing listens
+    with pytest.raises(agents.NodeUnreachable, match=r"node gone .* did not answer"):
+        agents.AgentClient(node).get("/v1/info")
 
 
 def test_a_warm_handoff_exits_when_its_agent_closes_the_lease_and_takes_its_title_with_its_job(tmp_path):

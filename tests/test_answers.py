@@ -24,10 +24,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from criuctl import checkpoint, durable, faults, netlock, procinfo, workloads
 from criuctl.agent import outgoing as outgoing_mod
 from criuctl.agent import verdicts
 from criuctl.agent.protocol import SourceRecord, SourceState, Ticket, Verdict, signed_state, verdict_key
+from criuctl.core import durable, faults, procinfo, workloads
+from criuctl.local import checkpoint
+from criuctl.net import netlock
 from tests.jobs import criuctl
 from tests.requirements import needs
 
@@ -237,7 +239,7 @@ def test_concurrent_node_adds_each_keep_their_node(tmp_path):
             [
                 sys.executable,
                 "-m",
-                "criuctl.cli",
+                "criuctl.cli.main",
                 "node",
                 "add",
                 n,
@@ -255,7 +257,7 @@ def test_concurrent_node_adds_each_keep_their_node(tmp_path):
     assert sorted(nodes) == sorted(names)
     assert not [p for p in (tmp_path / "state").iterdir() if p.name.startswith(".nodes.json")]
     r = subprocess.run(
-        [sys.executable, "-m", "criuctl.cli", "node", "rm", "n3"], env=env, capture_output=True
+        [sys.executable, "-m", "criuctl.cli.main", "node", "rm", "n3"], env=env, capture_output=True
     )
     assert r.returncode == 0 and "n3" not in json.loads((tmp_path / "state" / "nodes.json").read_text())
 
@@ -318,7 +320,7 @@ def test_a_line_that_is_not_an_event_is_the_handoffs_failure_not_a_crash(line):
     """Before: events were read from the handoff's stdout, where any library may print, and a line
     that was not JSON raised out of the state machine. Now they have their own pipe, and a line on
     it that is not an event is a failure of that handoff (the machines thaw or keep asking)."""
-    from criuctl.agent.handoffs import Handoff, HandoffFailed, _Process
+    from criuctl.agent.handoffleases import Handoff, HandoffFailed, _Process
 
     async def go() -> None:
         reader = asyncio.StreamReader()
@@ -334,7 +336,7 @@ def test_a_line_that_is_not_an_event_is_the_handoffs_failure_not_a_crash(line):
 def test_lazy_pages_that_never_gets_ready_is_given_up_in_bounded_time(tmp_path):
     """Before: the restore read CRIU lazy-pages' readiness byte with no end; a daemon stuck before
     it is ready (here on an image that is a FIFO nobody writes) held the restore for ever."""
-    from criuctl import criu
+    from criuctl.engine import criu
 
     images = tmp_path / "images"
     images.mkdir()

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from criuctl import workloads
+from criuctl.core import workloads
 from tests.cluster import agent_cert
 from tests.jobs import CRIUCTL, Job, criuctl
 from tests.requirements import needs, require
@@ -240,7 +240,7 @@ def test_inspect_of_a_manifest_that_is_not_a_manifest(tmp_path, raw, why, output
 def test_inspect_of_a_manifest_with_wrong_field_types(tmp_path):
     import json
 
-    from criuctl import bundle
+    from criuctl.format import bundle
 
     m = bundle.Manifest(
         workload="w", command=["x"], processes=[], open_files=[], uses_gpu=False, criu_version="4.1"
@@ -265,7 +265,7 @@ def test_inspect_of_a_manifest_with_wrong_field_types(tmp_path):
 def test_inspect_shows_markup_in_a_manifest_as_text(tmp_path):
     """A manifest is data: '[/]' in a name or a command was rich markup, and raised."""
 
-    from criuctl import bundle
+    from criuctl.format import bundle
 
     m = bundle.Manifest(
         workload="[/]", command=["[bold]x", "[/]"], processes=[], open_files=["/tmp/[/]"],
@@ -370,7 +370,7 @@ def _openssl(*args: str) -> None:
 
 def test_agent_warns_of_a_certificate_for_another_node_or_an_expired_one(tmp_path):
     """The start-up check behind the agent's warnings: by this node's address or name, and expiry."""
-    from criuctl import preflight
+    from criuctl.agent import preflight
 
     require("openssl")
     pki = tmp_path / "pki"

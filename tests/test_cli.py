@@ -87,7 +87,7 @@ def test_inspect_describes_a_real_bundle(tmp_path):
     assert m["workload"] == "cnn" and m["uses_gpu"] is False
     cmdlines = [" ".join(p["cmdline"]) for p in m["processes"]]
     assert cmdlines[0].endswith(
-        f"criuctl.nsinit -- {' '.join(workload_cmd('train_cnn_loader.py'))} "
+        f"criuctl.core.nsinit -- {' '.join(workload_cmd('train_cnn_loader.py'))} "
         f"--steps 200 --log {tmp_path / 'log'}"
     )
     assert len(m["processes"]) >= 4  # init, trainer, two DataLoader workers

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from criuctl import containers, mounts, nsinit, runtime
-from criuctl.runtime import Container, UnknownContainer
+from criuctl.container import containers, mounts, runtime
+from criuctl.container.runtime import Container, UnknownContainer
+from criuctl.core import nsinit
 
 # A container's view (runc under containerd 1.6, cgroup v1) and the host's, as this machine has them.
 INSIDE = """\

@@ -18,9 +18,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from criuctl import containers
 from criuctl.agent.points import ENV_PAUSE_AT, ENV_PAUSE_DIR
 from criuctl.agent.protocol import Point
+from criuctl.container import containers
 from tests.conftest import needs_criu
 from tests.jobs import CRIUCTL
 from tests.requirements import missing, needs
@@ -248,7 +248,7 @@ def test_criu_missing_on_the_target_refuses_before_freezing(nodes: Nodes) -> Non
 
 def test_containers_are_found_without_the_runtime(nodes: Nodes) -> None:
     """The /proc fallback (no runtime socket) finds a container's PID 1 by its ID, as the CRI does."""
-    from criuctl import runtime
+    from criuctl.container import runtime
 
     job, _ = _job(nodes, "by-cgroup", placeholder=False)
     found = runtime.connect("procfs").container(job.container[:12])

@@ -5,7 +5,7 @@ and 1.7 do not implement CheckpointContainer) with Debian 12's runc and our CRIU
 own: a pod with host network and its own PID namespace per container, a busybox shell counting
 and a Python "trainer" (a DataLoader-like worker process fed through a pipe, a thread, a log file
 in its writable layer) run from the host's Python through read-only mounts. The kubelet's call
-underneath `POST /checkpoint/...` is then made through `criuctl.runtime`, the archive imported as a
+underneath `POST /checkpoint/...` is then made through `criuctl.container.runtime`, the archive imported as a
 bundle and inspected through the CLI.
 
 The hostile half needs nothing but Python: archives built here that no runtime writes.
@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from localcluster import containerd_config
 
-from criuctl import bundle
-from criuctl.localcluster import containerd_config
-from criuctl.runtime import archive
+from criuctl.container.runtime import archive
+from criuctl.format import bundle
 from tests.requirements import BUSYBOX_TAR as IMAGE_TAR
 from tests.requirements import CONTAINERD2, needs, require
 
@@ -276,7 +276,7 @@ def checkpointed() -> Iterator[Checkpointed]:
     """One containerd 2 node, two containers in one pod, each checkpointed once through CRI."""
     for name in ("criu", "containerd-2"):
         require(name)
-    from criuctl import runtime
+    from criuctl.container import runtime
 
     root = Path(tempfile.mkdtemp(prefix="criuctl-cri2-", dir="/tmp"))
     seconds: dict[str, float] = {}
@@ -318,7 +318,7 @@ def checkpointed() -> Iterator[Checkpointed]:
 
 def test_checkpoint_leaves_the_container_running(checkpointed: Checkpointed) -> None:
     """CheckpointContainer wrote the standard archive, and the job went on (it is a snapshot)."""
-    from criuctl import runtime
+    from criuctl.container import runtime
 
     node = checkpointed.node
     assert archive.is_archive(checkpointed.archive)
@@ -456,7 +456,7 @@ def test_archive_restores_into_a_placeholder_under_containerd_16(
     goes on from the checkpoint: the weight sums it prints after the restore are exactly those the
     original printed at the same steps (its random stream is seeded), and its log in the writable
     layer came along."""
-    from criuctl import containers
+    from criuctl.container import containers
     from tests.containerd import Containerd
 
     node = checkpointed.node
@@ -467,7 +467,12 @@ def test_archive_restores_into_a_placeholder_under_containerd_16(
         inject = containers.write_inject_dir(tmp_path / "inject")
         mounts = {m: m for m in ("/usr", "/lib", "/lib64", str(REPO / ".venv"), sys.base_prefix)}
         mounts["/.criuctl"] = str(inject)
-        placeholder = [str(REPO / ".venv" / "bin" / "python"), "-I", "/.criuctl/nsinit.py", "--placeholder"]
+        placeholder = [
+            str(REPO / ".venv" / "bin" / "python"),
+            "-I",
+            "/.criuctl/core/nsinit.py",
+            "--placeholder",
+        ]
         holder = old.run_pod("trainer-0", placeholder, mounts=mounts, container="trainer", namespace="ml")
         deadline = time.monotonic() + 30
         while "placeholder ready" not in holder.log.read_text(errors="replace"):

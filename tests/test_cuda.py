@@ -1,4 +1,4 @@
-"""criuctl.cuda and criuctl.gpus against compiled stand-ins for libcuda and NVML (tests/fakes/*.c).
+"""criuctl.gpu.cuda and criuctl.gpu.gpus against compiled stand-ins for libcuda and NVML (tests/fakes/*.c).
 
 The stand-ins keep the driver's per-process state machine in files and log every call, so these tests
 check the ctypes binding's struct layouts, the order of driver calls, the error lines, and the rollback,
@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from criuctl import cuda, cudasteps, doctor, gpus
-from criuctl.cuda import CudaError, ProcessState
-from criuctl.gpus import GpuInfo, GpuMismatch
+from criuctl.cli import doctor
+from criuctl.gpu import cuda, cudasteps, gpus
+from criuctl.gpu.cuda import CudaError, ProcessState
+from criuctl.gpu.gpus import GpuInfo, GpuMismatch
 from tests.requirements import require
 
 FAKES = Path(__file__).parent / "fakes"
@@ -455,7 +456,7 @@ def test_gpu_pids_reads_maps_and_tolerates_vanished_pids(spawn):
 def test_a_thawed_tree_gets_its_gpu_state_back_whoever_locked_it(driver, fake, spawn):
     """The dumping process died between the driver's checkpoint and CRIU (its agent thaws the tree
     from its record): the thaw asks the driver which processes it holds and gives them back."""
-    from criuctl import gpustate
+    from criuctl.gpu import gpustate
 
     pids = spawn(2)
     cudasteps.suspend(driver, pids, 5)  # ... and the process that did this is gone
@@ -466,7 +467,7 @@ def test_a_thawed_tree_gets_its_gpu_state_back_whoever_locked_it(driver, fake, s
 
 
 def test_no_driver_means_nothing_to_give_back(monkeypatch, tmp_path, spawn):
-    from criuctl import gpustate
+    from criuctl.gpu import gpustate
 
     monkeypatch.setenv(cuda.ENV_LIBCUDA, str(tmp_path / "no-libcuda.so.1"))
     gpustate.release_tree(spawn(1))  # returns quietly: a CPU node's thaw is unchanged
@@ -477,7 +478,7 @@ def test_gpustate_suspends_what_the_driver_holds_and_undoes_a_dead_dumpers_lock(
 ):
     """`gpustate.suspend` asks the driver about every process of the tree (a process without CUDA
     is left out), first gives back a lock a dead dumper left, records the node's GPUs."""
-    from criuctl import gpustate
+    from criuctl.gpu import gpustate
 
     monkeypatch.setenv("FAKE_NVML_GPUS", f"NVIDIA H200={A}")
     cpu_only, locked, fresh = spawn(3)

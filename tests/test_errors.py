@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from criuctl import bundle
+from criuctl.format import bundle
 from tests.conftest import needs_criu
 from tests.jobs import CRIUCTL, Job, Reference, criuctl
 from tests.requirements import OLD_CRIU, needs
@@ -72,7 +72,7 @@ def test_not_root(tmp_path, job, ref):
             f"PYTHONPATH={project}",
             "/usr/bin/python3",
             "-m",
-            "criuctl.cli",
+            "criuctl.cli.main",
             "dump",
             "mlp",
             "-o",
@@ -202,7 +202,7 @@ def test_restore_refuses_tampered_unsigned_and_foreign_bundles(sealed, tmp_path)
     bundle.load_key(tmp_path / "other-node" / "bundle.key")  # that node has its own key
     assert_error_line(restore(src, other_node), "signature does not verify", "another node's key")
 
-    from criuctl import workloads
+    from criuctl.core import workloads
 
     os.environ["CRIUCTL_STATE_DIR"] = str(state)
     try:

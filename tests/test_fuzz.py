@@ -24,9 +24,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from criuctl import bundle, render
 from criuctl.agent import receiver, transfer
-from criuctl.errors import CriuctlError
+from criuctl.cli import render
+from criuctl.core.errors import CriuctlError
+from criuctl.format import bundle
 
 FUZZ = settings(
     max_examples=150,

@@ -15,8 +15,8 @@ import subprocess
 import time
 
 import pytest
+from localcluster import __main__ as lc
 
-from criuctl.localcluster import __main__ as lc
 from tests.conftest import needs_criu
 from tests.jobs import CRIUCTL
 from tests.kube import JOB, Kubectl, LogFollower, combined_steps, final, steps, training_pod, wait_step

@@ -24,10 +24,10 @@ from typing import Any
 
 import aiohttp
 import pytest
+from localcluster import pytorchjob
 
-from criuctl.errors import CriuctlError
+from criuctl.core.errors import CriuctlError
 from criuctl.kube import api, cluster, events, moves, mutate, owners, prestop, successors
-from criuctl.localcluster import pytorchjob
 from tests.jobs import CRIUCTL, criuctl
 from tests.test_webhook import (
     ROOT,

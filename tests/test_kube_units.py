@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from criuctl.errors import CriuctlError
+from criuctl.core.errors import CriuctlError
 from criuctl.kube import cluster
 from criuctl.kube.podplan import check_name, next_name
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+from localcluster.layout import REPO
 
-from criuctl import mounts
-from criuctl.localcluster.layout import REPO
+from criuctl.container import mounts
 from tests.conftest import needs_criu
 from tests.kube import (
     JOB,

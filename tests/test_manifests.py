@@ -24,7 +24,11 @@ from typing import Any
 
 import pytest
 
-from criuctl import bundle, cli, containers, preflight, runtime, statedir, tokens, workloads
+from criuctl.agent import preflight
+from criuctl.cli import main
+from criuctl.container import containers, runtime
+from criuctl.core import statedir, tokens, workloads
+from criuctl.format import bundle
 from tests.requirements import needs, require
 
 try:
@@ -119,12 +123,12 @@ def expanded_args(c: Obj) -> list[str]:
 
 def agent_options(objs: list[Obj]) -> Any:
     """The DaemonSet's command line, parsed by criuctl's own parser (an unknown flag fails here)."""
-    return cli.parser().parse_args(expanded_args(agent_container(objs)))
+    return main.parser().parse_args(expanded_args(agent_container(objs)))
 
 
 def default_port() -> int:
     """The agent's port when --listen is not given, from the CLI itself."""
-    return preflight.parse_listen(cli.parser().parse_args(["agent", "--token-file", "t"]).listen)[1]
+    return preflight.parse_listen(main.parser().parse_args(["agent", "--token-file", "t"]).listen)[1]
 
 
 def secret_file(objs: list[Obj], path: str) -> tuple[Obj, str, Obj]:
@@ -341,7 +345,7 @@ SAME_PATH = [
     "/var/lib/kubelet/checkpoints",
     "/run/containerd",
 ]
-# the sockets the agent tries (criuctl.runtime): a missing one must stay missing, not become a folder
+# the sockets the agent tries (criuctl.container.runtime): a missing one stays missing, never a folder
 RUNTIME_SOCKETS = [ep.removeprefix("unix://") for ep in runtime.DEFAULT_ENDPOINTS]
 
 

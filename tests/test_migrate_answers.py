@@ -32,7 +32,7 @@ import requests
 
 from criuctl.agent.points import ARMED, ENV_PAUSE_DIR
 from criuctl.agent.protocol import Point
-from criuctl.faults import ENV_FAULT_DIR, Fault
+from criuctl.core.faults import ENV_FAULT_DIR, Fault
 from tests.cluster import PORT, Cluster, Node
 from tests.conftest import needs_criu
 from tests.jobs import CRIUCTL, Job

@@ -161,7 +161,7 @@ def test_failed_restore_leaves_the_whole_job_on_its_old_nodes(tmp_path):
 
 def _listening_port(c: Cluster, node: str, name: str) -> int:
     """A port rank `name` listens on at its node's address (gloo's pair listener), from its agent."""
-    code = ("import json, sys; from criuctl.agent.client import AgentClient, get_node; "
+    code = ("import json, sys; from criuctl.client.agents import AgentClient, get_node; "
             "print(json.dumps(AgentClient(get_node(sys.argv[1])).get('/v1/workloads')))")  # fmt: skip
     env = {**os.environ, "CRIUCTL_STATE_DIR": str(c.client_state)}
     r = subprocess.run([sys.executable, "-c", code, node], capture_output=True, text=True, env=env)

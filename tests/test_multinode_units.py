@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from criuctl import readdress
-from criuctl.agent import client, jobmove, jobs
 from criuctl.agent.redirects import parse_rules
-from criuctl.peers import Endpoints
+from criuctl.client import agents, jobmove, jobs
+from criuctl.net import readdress
+from criuctl.net.peers import Endpoints
 from tests.requirements import needs
 
 A, B, C = "10.9.0.2", "10.9.0.3", "10.9.0.4"
@@ -115,7 +115,7 @@ def nodes(state_dir):
     token.write_text("x" * 32)
     token.chmod(0o600)
     for name, addr in (("a", A), ("b", B), ("c", C), ("d", "10.9.0.5")):
-        client.add_node(client.Node(name, f"http://{addr}:7070", str(token)))
+        agents.add_node(agents.Node(name, f"http://{addr}:7070", str(token)))
 
 
 def test_plan_maps_cuts_and_redirects(nodes):
@@ -138,7 +138,7 @@ def test_plan_refusals_are_one_line(nodes):
     job = next(j for j in jobs.group(_ddp()) if len(j.ranks) > 1)
     with pytest.raises(jobmove.MigrationFailed, match="not a rank of job ddp"):
         jobmove.plan(job, {"nosuch": "d"})
-    with pytest.raises(client.UnknownNode):
+    with pytest.raises(agents.UnknownNode):
         jobmove.plan(job, {"ddp-1": "zz"})
     with pytest.raises(jobmove.MigrationFailed, match="already runs on node b"):
         jobmove.plan(job, {"ddp-1": "b"})
@@ -165,7 +165,7 @@ netcut.cut("t1", [("10.9.0.4", 40001, "10.9.0.2", 29500)])
 netcut.redirect("r1", [("10.9.0.2", 29500, "10.9.0.3", 40001, "10.9.0.4")])
 netcut.redirect("r2", [("10.9.0.2", 29500, "10.9.0.4", 40001, "10.9.0.5")])
 out = {"cut": netcut.tables(netcut.CUT), "nat": netcut.tables(netcut.NAT)}
-from criuctl.netlock import Nft
+from criuctl.net.netlock import Nft
 with Nft() as nft:
     out["ruleset"] = nft.run("list ruleset")[1]
 out["removed"] = [netcut.remove(t) for t in ("criuctl-cut-t1", "criuctl-nat-r1", "criuctl-nat-r1")]
@@ -189,6 +189,6 @@ def test_rule_sets_in_a_network_namespace_of_their_own():
     assert "priority raw - 1" in rules and "priority raw - 2" in rules
     assert out["removed"] == [True, True, False] and out["left"] == ["criuctl-nat-r2"]
     with pytest.raises(ValueError):
-        from criuctl import netcut
+        from criuctl.net import netcut
 
         netcut.remove("CRIU-123")

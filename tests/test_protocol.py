@@ -16,7 +16,7 @@ import pytest
 
 from criuctl.agent import handoff as handoff_mod
 from criuctl.agent import livesend, records
-from criuctl.agent.handoffs import HandoffFailed
+from criuctl.agent.handoffleases import HandoffFailed
 from criuctl.agent.protocol import (
     SOURCE_FINAL,
     SOURCE_TRANSITIONS,
@@ -38,7 +38,7 @@ from criuctl.agent.protocol import (
 )
 from criuctl.agent.source import SourceMachine
 from criuctl.agent.target import TargetMachine
-from criuctl.checkpoint import Thaw
+from criuctl.local.checkpoint import Thaw
 
 TICKET = Ticket("http://10.0.0.3:7070", "f" * 32, "secret-secret-secret", "b")
 FAST = Timeouts(freeze=2, restore=2, handoff_settle=2, target_commit=2, source_commit=2, pages=2)

@@ -1,4 +1,4 @@
-"""The PyTorchJob stand-in (criuctl.localcluster.pytorchjob): what it makes from a job, checked as
+"""The PyTorchJob stand-in (localcluster.pytorchjob): what it makes from a job, checked as
 pure functions, then on the local cluster (tests/conftest.py `local_cluster`): the pods and headless
 Services the training operator would make, a deleted worker made again under its name and rank,
 and the job Succeeded once its master exits 0."""
@@ -11,9 +11,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from localcluster import pytorchjob as ptj
+from localcluster.layout import BUSYBOX
 
-from criuctl.localcluster import pytorchjob as ptj
-from criuctl.localcluster.layout import BUSYBOX
 from tests.conftest import needs_criu
 from tests.kube import Kubectl
 

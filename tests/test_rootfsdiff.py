@@ -13,7 +13,7 @@ import stat
 import tarfile
 from pathlib import Path
 
-from criuctl import rootfsdiff
+from criuctl.container import rootfsdiff
 from tests.requirements import needs
 
 pytestmark = needs("root")  # apply chroots, write reads whiteouts

@@ -18,8 +18,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from criuctl import netlock, workloads
-from criuctl.faults import ENV_FAULT_DIR, Fault
+from criuctl.core import workloads
+from criuctl.core.faults import ENV_FAULT_DIR, Fault
+from criuctl.net import netlock
 from tests.conftest import needs_criu
 from tests.jobs import CRIUCTL, WORKLOADS, Job, criuctl
 from tests.test_errors import assert_error_line

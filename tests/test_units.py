@@ -11,8 +11,10 @@ from pathlib import Path
 import blake3
 import pytest
 
-from criuctl import bundle, cli, cliargs, criu
-from criuctl.bundle import Manifest, ProcessInfo
+from criuctl.cli import cliargs, main
+from criuctl.engine import criu
+from criuctl.format import bundle
+from criuctl.format.bundle import Manifest, ProcessInfo
 from tests.requirements import missing, needs
 
 pytestmark = needs("pycriu")
@@ -152,8 +154,8 @@ def test_not_a_bundle_and_future_format(tmp_path):
 
 
 def test_every_verb_the_parser_knows_has_a_command():
-    assert list(cli.COMMANDS) == list(cliargs.VERBS)
-    assert cli.parser().parse_args(["node", "ls"]).verb in cli.COMMANDS
+    assert list(main.COMMANDS) == list(cliargs.VERBS)
+    assert main.parser().parse_args(["node", "ls"]).verb in main.COMMANDS
 
 
 def test_the_image_tail_hashes_pages_as_they_are_written_and_the_seal_trusts_only_whole_files(tmp_path):
@@ -162,7 +164,7 @@ def test_the_image_tail_hashes_pages_as_they_are_written_and_the_seal_trusts_onl
     import threading
     import time
 
-    from criuctl import imagetail
+    from criuctl.format import imagetail
 
     root = tmp_path / "b"
     images = root / "images"

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from criuctl import mounts, nodeview, rootfsdiff, volumes
+from criuctl.container import mounts, nodeview, rootfsdiff, volumes
+from criuctl.container.nodeview import NodeView
+from criuctl.container.volumes import Kind
 from criuctl.kube import podvolumes
-from criuctl.nodeview import NodeView
-from criuctl.volumes import Kind
 from tests.requirements import needs
 
 UID = "0f4b2a8e-93c4-4c1e-9d55-6c1b1e0a7d21"

@@ -26,7 +26,9 @@ import aiohttp
 import pytest
 import yaml
 
-from criuctl import containers, nsinit, preflight
+from criuctl.agent import preflight
+from criuctl.container import containers
+from criuctl.core import nsinit
 from criuctl.kube import mutate, webhook
 from criuctl.kube.mutate import INIT, INJECTED, NOT_WRAPPED, PLACEHOLDER_FOR
 

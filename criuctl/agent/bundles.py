@@ -28,12 +28,14 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from criuctl import bundle, checkpoint, durable, workloads
 from criuctl.agent import transfer
-from criuctl.agent.handoffs import Handoff, HandoffFailed
+from criuctl.agent.handoffleases import Handoff, HandoffFailed
+from criuctl.agent.httpjson import BadInto, body_json, container_id, error, fail, valid_id
 from criuctl.agent.protocol import TIMEOUTS, Command, Event, TargetSpec
-from criuctl.agent.web import BadInto, body_json, container_id, error, fail, valid_id
-from criuctl.errors import CriuctlError
+from criuctl.core import durable, workloads
+from criuctl.core.errors import CriuctlError
+from criuctl.format import bundle
+from criuctl.local import checkpoint
 
 if TYPE_CHECKING:
     from criuctl.agent.server import Agent

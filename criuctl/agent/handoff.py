@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 from typing import IO
 
-from criuctl import bundle, checkpoint, criu, placeholder, procinfo, readdress, runtime, workloads
 from criuctl.agent import points, records, verdicts, warmstart
 from criuctl.agent.protocol import (
     TIMEOUTS,
@@ -53,7 +52,13 @@ from criuctl.agent.protocol import (
     Verdict,
     check_transition,
 )
-from criuctl.errors import CriuctlError
+from criuctl.container import placeholder, runtime
+from criuctl.core import procinfo, workloads
+from criuctl.core.errors import CriuctlError
+from criuctl.engine import criu
+from criuctl.format import bundle
+from criuctl.local import checkpoint, restoring
+from criuctl.net import readdress
 
 
 class _Events:
@@ -229,7 +234,7 @@ def target(spec_file: Path) -> int:
         page_server = (host, int(port))
     try:
         into = _placeholder(spec)
-        restored = checkpoint.restore_stopped(
+        restored = restoring.restore_stopped(
             Path(spec.bundle), spec.name, page_server, spec.digests, into=into
         )
     except CriuctlError as exc:

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from criuctl import bundle, criu, netcut, workloads
 from criuctl.agent import records
-from criuctl.agent.handoffs import Handoff
+from criuctl.agent.handoffleases import Handoff
+from criuctl.agent.httpjson import BadInto, body_json, container_id, error, fail, outcome_response, valid_id
 from criuctl.agent.protocol import (
     TARGET_FINAL,
     TIMEOUTS,
@@ -41,8 +41,11 @@ from criuctl.agent.protocol import (
     verdict_key,
 )
 from criuctl.agent.target import TargetMachine
-from criuctl.agent.web import BadInto, body_json, container_id, error, fail, outcome_response, valid_id
-from criuctl.errors import CriuctlError
+from criuctl.core import workloads
+from criuctl.core.errors import CriuctlError
+from criuctl.engine import criu
+from criuctl.format import bundle
+from criuctl.net import netcut
 
 if TYPE_CHECKING:
     from criuctl.agent.server import Agent

@@ -1,7 +1,7 @@
 """Send a bundle while CRIU is still writing it: the dump and the transfer overlap, as in CRIU's
 page-server migration, but over the agents' authenticated channel and into a signed bundle.
 
-CRIU writes each page image strictly in order (see `criuctl.imagetail`), so whatever a
+CRIU writes each page image strictly in order (see `criuctl.format.imagetail`), so whatever a
 `pages-*.img` holds so far can go out at once. Until the source handoff says the bundle is sealed
 (`Live.sealed`), this sends the page images' new bytes as they appear, and a keep-alive record when
 nothing new came for a second (CRIU gathering a big tree, or a slow page); then the rest of each
@@ -19,9 +19,9 @@ import threading
 import time
 from pathlib import Path
 
-from criuctl import bundle, imagetail
 from criuctl.agent.receiver import DATA, END, KEEPALIVE, MAGIC, RECORD
 from criuctl.agent.transfer import PIECE, Counter, TransferError
+from criuctl.format import bundle, imagetail
 
 _CHUNK = 4 * PIECE  # one record: well under receiver.MAX_RECORD
 _IDLE = 0.01

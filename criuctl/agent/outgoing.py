@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from criuctl import bundle, checkpoint, containers, criu, netlock, procinfo, readdress, workloads
 from criuctl.agent import records, transfer, verdicts
-from criuctl.agent.handoffs import Handoff
+from criuctl.agent.handoffleases import Handoff
+from criuctl.agent.httpjson import body_json, error, fail, outcome_response, valid_id
 from criuctl.agent.protocol import (
     SOURCE_FINAL,
     TIMEOUTS,
@@ -36,9 +36,14 @@ from criuctl.agent.protocol import (
     check_transition,
 )
 from criuctl.agent.source import SourceMachine, thaw_until_done
-from criuctl.agent.web import body_json, error, fail, outcome_response, valid_id
-from criuctl.errors import CriuctlError
-from criuctl.procinfo import Identity
+from criuctl.container import containers
+from criuctl.core import procinfo, workloads
+from criuctl.core.errors import CriuctlError
+from criuctl.core.procinfo import Identity
+from criuctl.engine import criu
+from criuctl.format import bundle
+from criuctl.local import checkpoint
+from criuctl.net import netlock, readdress
 
 if TYPE_CHECKING:
     from criuctl.agent.server import Agent

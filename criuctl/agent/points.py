@@ -15,8 +15,8 @@ import os
 import time
 from pathlib import Path
 
-from criuctl import durable
 from criuctl.agent.protocol import Point
+from criuctl.core import durable
 
 ENV_PAUSE_AT = "CRIUCTL_PAUSE_AT"
 ENV_PAUSE_DIR = "CRIUCTL_PAUSE_DIR"

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 import blake3
 
-from criuctl.procinfo import Identity
+from criuctl.core.procinfo import Identity
 
 
 class Mode(enum.StrEnum):

@@ -25,8 +25,8 @@ import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from criuctl import bundle
 from criuctl.agent.transfer import PIECE, Counter, Read, TransferError
+from criuctl.format import bundle
 
 MAGIC = b"CRIUCTL\x02"
 RECORD = struct.Struct("!cHQI")  # kind, name length, offset, data length

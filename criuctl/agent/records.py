@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from criuctl import durable
+from criuctl.core import durable
 
 T = TypeVar("T")
 

@@ -4,7 +4,7 @@ POST   /v1/redirects             install one (token): the rules, and the moved r
 POST   /v1/redirects/{id}/keep   the moved rank runs on its new node: keep it for the job's life
 DELETE /v1/redirects/{id}        remove it (the move was aborted)
 
-A redirect (`criuctl.netcut`) is right exactly when the moved rank runs on its new node, so it
+A redirect (`criuctl.net.netcut`) is right exactly when the moved rank runs on its new node, so it
 follows that rank's migration, never the client: one the client neither kept nor removed within
 the lease (the client died) asks the moved rank's target, with the ticket, what became of it —
 running: keep; aborted: remove; no answer: ask again. A restarted agent asks the same for every
@@ -26,12 +26,13 @@ from typing import TYPE_CHECKING, Any
 import psutil
 from aiohttp import web
 
-from criuctl import netcut, workloads
 from criuctl.agent import records, verdicts
+from criuctl.agent.httpjson import body_json, error, fail, valid_id
 from criuctl.agent.protocol import TIMEOUTS, TargetState, Ticket
-from criuctl.agent.web import body_json, error, fail, valid_id
-from criuctl.errors import CriuctlError
-from criuctl.readdress import canonical
+from criuctl.core import workloads
+from criuctl.core.errors import CriuctlError
+from criuctl.net import netcut
+from criuctl.net.readdress import canonical
 
 if TYPE_CHECKING:
     from criuctl.agent.server import Agent

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from criuctl import containers, runtime, workloads
-from criuctl.errors import CriuctlError
+from criuctl.container import containers, runtime
+from criuctl.core import workloads
+from criuctl.core.errors import CriuctlError
 
 if TYPE_CHECKING:
     from criuctl.agent.server import Agent

@@ -42,16 +42,20 @@ from prometheus_client import (
     generate_latest,
 )
 
-from criuctl import bundle, containers, criu, peers, runtime, workloads
-from criuctl.agent import handoffs, receiver, transfer
+from criuctl.agent import handoffleases, receiver, transfer
 from criuctl.agent.bundles import Bundles
+from criuctl.agent.httpjson import fail
 from criuctl.agent.incoming import Incoming
 from criuctl.agent.outgoing import Outgoing
 from criuctl.agent.redirects import Redirects
 from criuctl.agent.runtimes import Runtimes
-from criuctl.agent.web import fail
-from criuctl.errors import CriuctlError
-from criuctl.tokens import read_token
+from criuctl.container import containers, runtime
+from criuctl.core import workloads
+from criuctl.core.errors import CriuctlError
+from criuctl.core.tokens import read_token
+from criuctl.engine import criu
+from criuctl.format import bundle
+from criuctl.net import peers
 
 log = logging.getLogger("criuctl.agent")
 
@@ -164,7 +168,7 @@ class Agent:
         for rid in await asyncio.to_thread(self.redirects.pending):
             self.spawn(self.redirects.settle(rid, 0.0))
         self.spawn(self._janitor())
-        handoffs.warm_up()  # the first migration's handoff need not start Python either
+        handoffleases.warm_up()  # the first migration's handoff need not start Python either
 
     async def _stop(self, _app: web.Application) -> None:
         for task in list(self.tasks):

@@ -19,9 +19,8 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from criuctl import checkpoint
 from criuctl.agent import livesend, points, records, transfer
-from criuctl.agent.handoffs import HandoffFailed, HandoffLike
+from criuctl.agent.handoffleases import HandoffFailed, HandoffLike
 from criuctl.agent.protocol import (
     INCOMPLETE,
     SOURCE_FINAL,
@@ -36,7 +35,8 @@ from criuctl.agent.protocol import (
     Timeouts,
     check_transition,
 )
-from criuctl.errors import CriuctlError
+from criuctl.core.errors import CriuctlError
+from criuctl.local import checkpoint
 
 log = logging.getLogger("criuctl.agent")
 

@@ -19,9 +19,8 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from criuctl import durable, placeholder, procinfo
 from criuctl.agent import points, records, verdicts
-from criuctl.agent.handoffs import HandoffFailed, HandoffLike
+from criuctl.agent.handoffleases import HandoffFailed, HandoffLike
 from criuctl.agent.protocol import (
     TARGET_FINAL,
     TIMEOUTS,
@@ -38,7 +37,9 @@ from criuctl.agent.protocol import (
     check_transition,
     signed_state,
 )
-from criuctl.errors import CriuctlError
+from criuctl.container import placeholder
+from criuctl.core import durable, procinfo
+from criuctl.core.errors import CriuctlError
 
 log = logging.getLogger("criuctl.agent")
 

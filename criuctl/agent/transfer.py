@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from criuctl import bundle
 from criuctl.agent import conn as conn_mod
 from criuctl.agent.protocol import TIMEOUTS
-from criuctl.errors import CriuctlError
+from criuctl.core.errors import CriuctlError
+from criuctl.format import bundle
 
 PIECE = 4 << 20
 _BLOCK = tarfile.BLOCKSIZE

@@ -15,7 +15,7 @@ else in criuctl constructs an API object or an ApiClient (tests/test_kube_timeou
 Where a loop already asks again (the agents' moves loop, the PyTorchJob stand-in's poll), it does so
 at its next turn, each attempt bounded; elsewhere a call that got no answer is the caller's failure.
 
-Imports only the standard library, the kubernetes client and criuctl.errors: the local cluster's
+Imports only the standard library, the kubernetes client and criuctl.core.errors: the local cluster's
 PyTorchJob stand-in uses it too.
 """
 
@@ -32,7 +32,7 @@ from typing import Any
 from urllib3.exceptions import TimeoutError as Urllib3Timeout
 from urllib3.util.retry import Retry
 
-from criuctl.errors import CriuctlError
+from criuctl.core.errors import CriuctlError
 
 ENV_KUBE_TIMEOUTS = "CRIUCTL_KUBE_TIMEOUTS"  # JSON object of KubeTimeouts fields, e.g. {"read": 2}
 SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from criuctl import durable, workloads
-from criuctl.agent.client import Node
-from criuctl.errors import CriuctlError
+from criuctl.client.agents import Node
+from criuctl.core import durable, workloads
+from criuctl.core.errors import CriuctlError
 from criuctl.kube import api
 
 SYSTEM_NS = "criuctl-system"
@@ -164,8 +164,8 @@ def agent_for(c: Cluster, node: dict) -> Node:
 def workload_row(agent: Node, cid: str) -> dict | None:
     """The agent's row for container `cid`: by the name it gives containers, or, for a job restored
     into a placeholder (which keeps the name it had on its first node), by its container."""
-    from criuctl import containers
-    from criuctl.agent.client import AgentClient
+    from criuctl.client.agents import AgentClient
+    from criuctl.container import containers
 
     rows = AgentClient(agent, timeout=15).get("/v1/workloads")
     return next(

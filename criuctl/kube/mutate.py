@@ -13,7 +13,7 @@ import copy
 import json
 from typing import Any
 
-from criuctl import containers  # cheap: standard library and psutil, nothing of torch or kubernetes
+from criuctl.container import containers  # cheap: standard library and psutil, nothing of torch or kubernetes
 
 Pod = dict[str, Any]
 
@@ -29,9 +29,9 @@ MOUNT = "/.criuctl"
 INJECT_DIR = str(containers.INJECT_DIR)  # where the node agent writes nsinit.py and the hook
 INIT = f"{MOUNT}/nsinit.py"
 RUN_VOLUME = "criuctl-run"  # an emptyDir for the placeholder init's FIFOs on a read-only rootfs
-RUN_DIR = "/run/criuctl"  # criuctl.nsinit.CONTROL_DIR (not imported: nsinit is the container's init)
+RUN_DIR = "/run/criuctl"  # criuctl.core.nsinit.CONTROL_DIR (not imported: nsinit is the container's init)
 
-POD_UID_ENV = "CRIUCTL_POD_UID"  # criuctl.nsinit.ENV_POD_UID (not imported: it is the container's init)
+POD_UID_ENV = "CRIUCTL_POD_UID"  # criuctl.core.nsinit.ENV_POD_UID (not imported: it is the container's init)
 NO_COMMAND = "the image's entrypoint is not in the pod spec; give the container a command"
 PROBES = ("livenessProbe", "readinessProbe", "startupProbe")
 # The spec fields the webhook rewrites: `patch` replaces these whole and nothing else.
@@ -44,7 +44,7 @@ PRESTOP_GRACE = 300
 
 
 def is_wrapped(container: dict[str, Any]) -> bool:
-    """The container's command starts criuctl's init (`PYTHON [-I] /.criuctl/nsinit.py ...`), put
+    """The container's command starts criuctl's init (`PYTHON [-I] /.criuctl/core/nsinit.py ...`), put
     there by `wrap` or by hand as docs/containers.md shows."""
     return INIT in (container.get("command") or [])[1:3]
 
@@ -92,7 +92,7 @@ def wrap(pod: Pod, prestop_port: int | None = None, namespace: str | None = None
         if not is_wrapped(c):
             c["command"] = [python, "-I", INIT, "--", *c["command"]]
         # the pod's UID, for the init to tell a container the kubelet restarted after its job moved
-        # away from one it must start (criuctl.nsinit.moved_to)
+        # away from one it must start (criuctl.core.nsinit.moved_to)
         if not any(e.get("name") == POD_UID_ENV for e in c.get("env") or []):
             c.setdefault("env", []).append(
                 {"name": POD_UID_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from criuctl.errors import CriuctlError
+from criuctl.core.errors import CriuctlError
 from criuctl.kube import cluster, prestop, successors
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@
     check       pod, node, agents, memory, the container         nothing changed on any refusal
     placeholder a pod pinned to NODE, from the pod's own spec,  on failure: deleted; the source
                 its command criuctl's init in placeholder mode   pod never stopped running
-    migrate     the agents' migration (criuctl.agent.migrate)    before the target commits: the
+    migrate     the agents' migration (criuctl.client.migrate)    before the target commits: the
                 into the placeholder's container                 placeholder is deleted, the
                                                                  source thaws and keeps running
     hand over   after the target commits and before the source   the job runs in the new pod; the
@@ -28,9 +28,9 @@ import contextlib
 import copy
 import time
 
-from criuctl.agent import migrate as agent_migrate
-from criuctl.agent.client import AgentClient
-from criuctl.errors import CriuctlError
+from criuctl.client import migrate as agent_migrate
+from criuctl.client.agents import AgentClient
+from criuctl.core.errors import CriuctlError
 from criuctl.kube import events, moves
 from criuctl.kube.cluster import Cluster, NotFound, call
 from criuctl.kube.podplan import PodPlan, plan

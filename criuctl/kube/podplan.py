@@ -8,8 +8,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from criuctl.agent.client import Node
-from criuctl.errors import CriuctlError
+from criuctl.client.agents import Node
+from criuctl.core.errors import CriuctlError
 from criuctl.kube import events, moves, mutate, owners, podvolumes
 from criuctl.kube.cluster import Cluster, NotFound, agent_for, call, workload_row
 

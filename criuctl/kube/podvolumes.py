@@ -1,6 +1,6 @@
 """Whether a pod's volumes can follow it to a node, from what the API server says of them.
 
-The agents see mounts and decide what a dump carries of each (criuctl.volumes); only the API server
+The agents see mounts and decide what a dump carries of each (criuctl.container.volumes); only the API server
 knows what a volume *is*: which PersistentVolume a claim is bound to, which nodes a local PV lives
 on, whether a disk is attached to one node at a time. `criuctl migrate POD NODE` asks here before
 anything changes, and a preStop checkpoint that picks the node itself passes over the nodes a volume
@@ -21,7 +21,7 @@ from typing import Any
 
 from criuctl.kube.cluster import Cluster, NotFound, call
 
-# what the agents move or the target's kubelet makes alike (criuctl.volumes decides which)
+# what the agents move or the target's kubelet makes alike (criuctl.container.volumes decides which)
 FOLLOWS = frozenset({"emptyDir", "hostPath", "configMap", "secret", "projected", "downwardAPI"})
 # network filesystems: every node mounting them sees the same files
 SHARED = frozenset({"nfs", "cephfs", "glusterfs", "azureFile", "quobyte"})

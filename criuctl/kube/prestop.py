@@ -25,8 +25,8 @@ import logging
 import time
 import uuid
 
-from criuctl.agent.client import AgentClient
-from criuctl.errors import CriuctlError
+from criuctl.client.agents import AgentClient
+from criuctl.core.errors import CriuctlError
 from criuctl.kube import events, moves, mutate, owners, podplan, podvolumes
 from criuctl.kube.cluster import Cluster, NotFound, agent_for, call, container_id, delete_now, workload_row
 

@@ -26,8 +26,8 @@ import contextlib
 import logging
 import time
 
-from criuctl.agent.client import AgentClient
-from criuctl.errors import CriuctlError
+from criuctl.client.agents import AgentClient
+from criuctl.core.errors import CriuctlError
 from criuctl.kube import events, moves, mutate
 from criuctl.kube.cluster import Cluster, NotFound, agent_for, call, container_id, delete_now, workload_row
 

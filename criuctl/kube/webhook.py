@@ -23,8 +23,8 @@ from typing import Any
 
 from aiohttp import web
 
-from criuctl import preflight
-from criuctl.errors import CriuctlError
+from criuctl.agent import preflight
+from criuctl.core.errors import CriuctlError
 from criuctl.kube import api, cluster, moves, mutate
 
 log = logging.getLogger("criuctl.webhook")
@@ -221,7 +221,7 @@ def serve(listen: str, cert: str, key: str, opts: Options | None = None) -> None
     The API server talks to admission webhooks over HTTPS only, verifying the certificate against
     the configuration's caBundle (scripts/webhook-cert.sh makes both). The files are read once:
     a new certificate takes a restart (`kubectl -n criuctl-system rollout restart deploy/criuctl-webhook`).
-    Bad options fail here in one line each (criuctl.preflight), before anything listens."""
+    Bad options fail here in one line each (criuctl.agent.preflight), before anything listens."""
     host, port = preflight.parse_listen(listen)
     preflight.check_tls(Path(cert), Path(key))
     preflight.check_bind(host, port)

@@ -1,5 +1,10 @@
 """Names shared by criuctl (supervisor, agent) and the in-process hook. Constants only, no I/O."""
 
+from pathlib import Path
+
+# The folder to put on PYTHONPATH for the hook (the one holding this package), and what the inject dir copies.
+HOOKS_DIR = Path(__file__).resolve().parent.parent
+
 # Set by `criuctl run` in the workload's environment.
 ENV_WORKLOAD = "CRIUCTL_WORKLOAD"  # the workload's name
 ENV_HOOKS_DIR = "CRIUCTL_HOOKS_DIR"  # the hooks/ directory put on PYTHONPATH

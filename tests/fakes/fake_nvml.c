@@ -1,7 +1,7 @@
 /*
  * A STAND-IN for NVIDIA's libnvidia-ml.so.1 (NVML), for tests only: it is not NVML and sees no GPU.
  *
- * It exports the few calls criuctl.gpus makes, answering from the environment at every call:
+ * It exports the few calls criuctl.gpu.gpus makes, answering from the environment at every call:
  *   FAKE_NVML_GPUS    "NAME=UUID[:TOTAL_BYTES],..." e.g. "NVIDIA H200=GPU-1111...:150754820096";
  *                     unset: nvmlInit_v2 fails with NVML_ERROR_DRIVER_NOT_LOADED, as on a host without
  *                     the driver

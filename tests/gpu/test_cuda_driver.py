@@ -5,7 +5,8 @@ Skipped with the reason on hosts without libcuda.so.1 (development and CI machin
 
 from __future__ import annotations
 
-from criuctl import cuda, doctor
+from criuctl.cli import doctor
+from criuctl.gpu import cuda
 from tests.requirements import needs
 
 pytestmark = needs("gpu")  # no install provides one: a skip with its reason, even under make test

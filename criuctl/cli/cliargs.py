@@ -1,0 +1,309 @@
+"""criuctl's command line as data: each verb's options and help, and the one parser built from them.
+
+Standard library only: `criuctl.cli.main` parses (and a verb checks for root) before anything heavy is
+imported. Which function runs a verb is `criuctl.cli.main`'s business, not this module's.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, NamedTuple
+
+Option = tuple[tuple[str, ...], dict[str, Any]]
+
+
+def opt(*flags: str, **kw: Any) -> Option:
+    """One `add_argument(*flags, **kw)`, as data."""
+    return flags, kw
+
+
+class Verb(NamedTuple):
+    help: str
+    options: tuple[Option, ...] = ()
+    verbs: dict[str, Verb] | None = None  # sub-verbs (`node add`), parsed into `<verb>_verb`
+
+
+DESCRIPTION = (
+    "Freeze a running training job with CRIU and restore it, bit-identical, here or on another node."
+)
+
+STATE_DIR_HELP = (
+    "criuctl's state on this node: workloads, logs, keys, nodes (env CRIUCTL_STATE_DIR; "
+    "default /var/lib/criuctl)"
+)
+
+# In the order `criuctl --help` lists them; every verb also takes --state-dir.
+VERBS: dict[str, Verb] = {
+    "run": Verb(
+        "start a command as a checkpointable workload",
+        (
+            opt("--name", help="workload name (default: the command's name)"),
+            opt(
+                "--allow-io-uring",
+                action="store_true",
+                help="do not block io_uring (CRIU cannot checkpoint a process that uses it)",
+            ),
+            opt("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]"),
+        ),
+    ),
+    "ps": Verb(
+        "list the workloads on this host (or on a node's agent)",
+        (
+            opt("-a", "--all", action="store_true", help="also show exited, moved and checkpointed ones"),
+            opt("--node", help="ask this node's agent instead of reading this host's registry"),
+            opt(
+                "--jobs",
+                action="store_true",
+                help="ask every node and show workloads joined by TCP connections as jobs, rank by rank",
+            ),
+        ),
+    ),
+    "logs": Verb(
+        "a workload's stdout and stderr on this host (or on a node)",
+        (
+            opt("name", metavar="NAME"),
+            opt("--node", help="ask this node's agent"),
+            opt("--tail", type=int, default=0, metavar="N", help="only the last N lines"),
+        ),
+    ),
+    "agent": Verb(
+        "run the node agent (the DaemonSet's process)",
+        (
+            opt("--listen", default="0.0.0.0:7070", metavar="HOST:PORT"),
+            opt("--token-file", required=True, metavar="FILE", help="bearer token, mode 0600"),
+            opt(
+                "--tls-cert",
+                metavar="FILE",
+                help="this node's certificate, PEM, naming the addresses clients use (scripts/agent-cert.sh)",
+            ),
+            opt("--tls-key", metavar="FILE", help="its private key, PEM, unencrypted, mode 0600"),
+            opt(
+                "--insecure",
+                action="store_true",
+                help="serve plain HTTP instead of HTTPS: token and bundles cross the network in the clear "
+                "(private test and benchmark networks only)",
+            ),
+            opt("--name", help="this node's name (default: the host name)"),
+            opt(
+                "--spool-dir",
+                metavar="DIR",
+                help="where bundles in flight go (default: the state dir); a tmpfs keeps the disk out of a "
+                "migration's path, at the cost of RAM for one bundle per migration (env CRIUCTL_SPOOL_DIR)",
+            ),
+            opt(
+                "--lease",
+                type=float,
+                default=120.0,
+                metavar="SECONDS",
+                help="how long a frozen source waits for the client's commit before asking the target",
+            ),
+            opt(
+                "--runtime-endpoint",
+                metavar="SOCKET",
+                help="the container runtime's CRI socket (env CRIUCTL_RUNTIME_ENDPOINT; default: "
+                "containerd's, then CRI-O's, whichever exists)",
+            ),
+            opt(
+                "--inject-dir",
+                metavar="DIR",
+                help="where the agent puts criuctl's init and hook for containers to mount read-only "
+                "(default /var/lib/criuctl-inject)",
+            ),
+            opt(
+                "--prestop-port",
+                type=int,
+                metavar="PORT",
+                help="on Kubernetes: serve criuctl's preStop hook on 127.0.0.1:PORT (the kubelet "
+                "calls it when a migratable pod is deleted) and restore kept bundles into their "
+                "pods' successors; needs in-cluster credentials or --kubeconfig",
+            ),
+            opt("--kubeconfig", metavar="FILE", help="with --prestop-port, outside a pod"),
+        ),
+    ),
+    "node": Verb(
+        "the nodes `migrate` can use: agent addresses and their tokens",
+        verbs={
+            "add": Verb(
+                "add or replace a node",
+                (
+                    opt("name", metavar="NAME"),
+                    opt("url", metavar="URL", help="the agent's address, e.g. https://10.0.0.2:7070"),
+                    opt("--token-file", required=True, metavar="FILE"),
+                    opt(
+                        "--ca",
+                        metavar="FILE",
+                        help="CA certificate that signed the agent's TLS certificate (default: the "
+                        "system's trusted CAs)",
+                    ),
+                ),
+            ),
+            "rm": Verb("forget a node", (opt("name", metavar="NAME"),)),
+            "ls": Verb("list nodes and whether their agents answer"),
+        },
+    ),
+    "migrate": Verb(
+        "move a running workload, or a Kubernetes pod, to another node",
+        (
+            opt("name", metavar="NAME|POD"),
+            opt(
+                "node",
+                nargs="*",
+                metavar="NODE",
+                help="the node to move it to (or --to NODE); with --job: more RANK=NODE pairs",
+            ),
+            opt(
+                "--job",
+                metavar="JOB",
+                help="move ranks of a multi-node job together: criuctl migrate --job JOB RANK=NODE "
+                "[RANK=NODE...] (JOB: the job's name in `criuctl ps`, or any of its ranks)",
+            ),
+            opt(
+                "--break-connections",
+                action="store_true",
+                help="move it alone although its TCP connections to peers outside criuctl cannot follow",
+            ),
+            opt("--to", metavar="NODE", help=argparse.SUPPRESS),
+            opt(
+                "-n",
+                "--namespace",
+                help="a pod's namespace (default: the kubeconfig context's, else 'default'); "
+                "POD is a pod when this, --kubeconfig, $KUBECONFIG or an in-cluster config is "
+                "there and NODE is not a node of `criuctl node ls`",
+            ),
+            opt(
+                "--kubeconfig",
+                metavar="FILE",
+                help="the kubeconfig to use (default: $KUBECONFIG, ~/.kube/config)",
+            ),
+            opt(
+                "--dry-run",
+                action="store_true",
+                help="a pod: check everything, change nothing, say what would happen",
+            ),
+            opt(
+                "-o", "--output", choices=["text", "json"], default="text", help="json: the result on stdout"
+            ),
+            opt("--from", dest="source", metavar="NODE", help="the node it runs on (default: ask them all)"),
+            opt(
+                "--mode",
+                choices=["stop-and-copy", "post-copy"],
+                help="default: post-copy where both kernels have userfaultfd, else stop-and-copy",
+            ),
+            opt(
+                "--into",
+                metavar="CONTAINER",
+                help="a container's job: the placeholder container (ID) on the target to restore it into "
+                "(default: the target's one empty placeholder for the same pod and container)",
+            ),
+            opt("--json", action="store_true", help="also print the result as JSON on stdout"),
+        ),
+    ),
+    "thaw": Verb(
+        "finish a thaw that did not complete (`ps` says so): lift CRIU's network lock, take the "
+        "TCP sockets out of repair mode, give back GPU state; only for a workload that runs again",
+        (opt("name", metavar="NAME"),),
+    ),
+    "dump": Verb(
+        "checkpoint a workload into a bundle directory",
+        (
+            opt("target", metavar="NAME|PID"),
+            opt("-o", "--output", required=True, metavar="DIR", help="new bundle directory"),
+            opt("--leave-running", action="store_true", help="snapshot only: the workload keeps running"),
+            opt(
+                "--state",
+                action="store_true",
+                help="no CRIU: the hook saves models, optimizers, schedulers and RNG at a step boundary "
+                "(the CUDA-aware pre-dump, for GPUs without the driver's checkpoint API); "
+                "restore starts the command again and loads them (docs/gpu.md)",
+            ),
+            opt(
+                "--via-runtime",
+                action="store_true",
+                help="a container: checkpoint it with the runtime's CRI CheckpointContainer (what the "
+                "kubelet calls; containerd >= 2.0, CRI-O) and import its archive; it keeps running",
+            ),
+        ),
+    ),
+    "restore": Verb(
+        "restore a bundle and supervise it in the foreground",
+        (
+            opt("bundle", metavar="DIR"),
+            opt("--name", help="name of the restored workload (default: the checkpointed one's)"),
+            opt(
+                "--into",
+                metavar="CONTAINER",
+                help="a container's bundle: the placeholder container (ID) to restore into",
+            ),
+            opt("--runtime-endpoint", metavar="SOCKET", help="the CRI socket (env CRIUCTL_RUNTIME_ENDPOINT)"),
+        ),
+    ),
+    "inspect": Verb(
+        "describe a bundle: processes, memory, files, checks",
+        (
+            opt("bundle", metavar="DIR|ARCHIVE", help="a bundle, or a kubelet/CRI checkpoint archive"),
+            opt("--output", choices=["text", "json"], default="text"),
+        ),
+    ),
+    "doctor": Verb("check CRIU and the kernel features criuctl needs"),
+    "prestop": Verb(
+        "a pod's preStop command for the migrator API: ask the job to save, wait until it has",
+        (
+            opt(
+                "--signal",
+                metavar="FILE",
+                help="the migrator's signal file (default: $MIGRATION_SIGNAL_PATH, else ./ckpts/signal)",
+            ),
+            opt("--timeout", type=float, default=270.0, metavar="SECONDS", help="give up after this long"),
+        ),
+    ),
+    "webhook": Verb(
+        "serve the admission webhook that makes labelled pods migratable (manifests/webhook.yaml)",
+        (
+            opt("--listen", default="0.0.0.0:8443", metavar="HOST:PORT"),
+            opt("--tls-cert", required=True, metavar="FILE"),
+            opt("--tls-key", required=True, metavar="FILE"),
+            opt(
+                "--prestop-port",
+                type=int,
+                metavar="PORT",
+                help="add criuctl's preStop hook, calling the node agents' --prestop-port",
+            ),
+            opt(
+                "--kubeconfig",
+                metavar="FILE",
+                help="credentials to read pending moves (default: in-cluster; without either, "
+                "controller-owned pods are not made placeholders)",
+            ),
+        ),
+    ),
+    "demo": Verb(
+        "train, freeze, restore, and compare against an uninterrupted run",
+        (
+            opt("--out", default="criuctl-demo", help="directory for the bundle and plot"),
+            opt("--steps", type=int, default=80),
+            opt("--freeze-at", type=int, default=30, help="freeze once this step has been printed"),
+        ),
+    ),
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    """`criuctl`'s parser: the verb lands in `verb` (a sub-verb in `<verb>_verb`), options by name."""
+    p = argparse.ArgumentParser(prog="criuctl", description=DESCRIPTION)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--state-dir", metavar="DIR", help=STATE_DIR_HELP)
+    # `node ls --state-dir D` as well as `node --state-dir D ls`: SUPPRESS, or the sub-verb's
+    # default (None) would overwrite a --state-dir given before it
+    after = argparse.ArgumentParser(add_help=False)
+    after.add_argument("--state-dir", metavar="DIR", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    _add_verbs(p.add_subparsers(dest="verb", required=True, metavar="VERB"), VERBS, common, after)
+    return p
+
+
+def _add_verbs(sub, verbs: dict[str, Verb], common: argparse.ArgumentParser, after: argparse.ArgumentParser):
+    for name, verb in verbs.items():
+        s = sub.add_parser(name, help=verb.help, parents=[common])
+        for flags, kw in verb.options:
+            s.add_argument(*flags, **kw)
+        if verb.verbs:
+            _add_verbs(s.add_subparsers(dest=f"{name}_verb", required=True), verb.verbs, after, after)

@@ -1,0 +1,229 @@
+"""`criuctl node` and `criuctl migrate`, the client's side of moving a workload: the node list, which
+node a workload runs on, and the migration the two agents carry out."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from criuctl.core.errors import CriuctlError
+
+
+def cmd_node(a: argparse.Namespace) -> int:
+    from criuctl.cli import render
+    from criuctl.client import agents
+
+    if a.node_verb == "add":
+        node = agents.Node(
+            a.name, a.url, str(Path(a.token_file).absolute()), a.ca and str(Path(a.ca).absolute())
+        )
+        agents.add_node(node)
+        print(f"criuctl: node {a.name} → {a.url}", file=sys.stderr)
+        if not node.tls:
+            print(f"criuctl: warning: node {a.name} is plain HTTP: its token and every bundle sent to it "
+                  "cross the network unencrypted (its agent runs --insecure); serve HTTPS and add it "
+                  "as https://", file=sys.stderr)  # fmt: skip
+    elif a.node_verb == "rm":
+        agents.remove_node(a.name)
+    else:
+        nodes = list(agents.all_nodes().values())
+        health = {}
+        for n in nodes:
+            try:
+                info = agents.AgentClient(n, timeout=5).get("/v1/info", timeout=5)
+                health[n.name] = f"up ({info['node']}, CRIU {info.get('criu', 'missing')})"
+            except agents.TokenRefused:
+                health[n.name] = "refused: wrong token (the agent is up; see TOKEN FILE)"
+            except agents.CertificateRefused as exc:
+                health[n.name] = f"TLS refused: {exc.what.rpartition(': ')[2]} (see --ca)"
+            except agents.NodeUnreachable as exc:
+                health[n.name] = f"down: {exc.what}"
+            except (CriuctlError, KeyError, TypeError, ValueError) as exc:
+                what = exc.what if isinstance(exc, CriuctlError) else "an answer that is not criuctl's"
+                health[n.name] = f"error: {what}"
+        render.nodes_table(nodes, health)
+    return 0
+
+
+def _source_node(name: str, to: str, given: str | None):
+    """The node workload `name` runs on, checked with every agent, or one line that says where it
+    is instead: already on the target, not on --from, on several nodes, or nowhere that answers."""
+    from criuctl.client import agents
+
+    target = agents.get_node(to)
+    if given is not None:
+        source = agents.get_node(given)
+        if agents.running_here(agents.AgentClient(source, timeout=10).get("/v1/workloads"), name):
+            if source.name == target.name:
+                raise CriuctlError(
+                    f"workload {name!r} already runs on node {to}", "nothing to move: pick another --to"
+                )
+            return source, target
+        others = agents.survey(name, [n for n in agents.all_nodes().values() if n.name != given])
+        where = ", ".join(n.name for n in others.running_on)
+        raise CriuctlError(
+            f"workload {name!r} does not run on node {given}"
+            + (f"; it runs on node {where}" if where else ""),
+            f"pass --from {others.running_on[0].name}"
+            if where
+            else "see `criuctl ps --node NODE` for what runs where",
+        )
+    found = agents.survey(name)
+    if [n.name for n in found.running_on] == [target.name]:
+        raise CriuctlError(
+            f"workload {name!r} already runs on node {to}", "nothing to move: pick another --to"
+        )
+    sources = [n for n in found.running_on if n.name != target.name]
+    if len(sources) > 1:
+        raise CriuctlError(
+            f"workload {name!r} runs on several nodes: {', '.join(n.name for n in sources)}",
+            "say which one to move with --from NODE",
+        )
+    if not sources and found.refused:
+        node, why = next(iter(found.refused.items()))
+        raise CriuctlError(f"{why} (node {node})", "nothing was frozen; the container keeps running")
+    if not sources:
+        silent = f" (no answer from node {', '.join(found.silent)})" if found.silent else ""
+        raise CriuctlError(
+            f"no node runs a workload named {name!r}{silent}",
+            "see `criuctl ps --node NODE`, or pass --from NODE",
+        )
+    return sources[0], target
+
+
+def _target(a: argparse.Namespace) -> str:
+    if len(a.node) > 1:
+        raise CriuctlError(f"more than one node given: {' '.join(a.node)}",
+                           "criuctl migrate NAME NODE, or --job JOB RANK=NODE RANK=NODE")  # fmt: skip
+    a.node = a.node[0] if a.node else None
+    if a.node and a.to and a.node != a.to:
+        raise CriuctlError(f"two target nodes given: {a.node} and --to {a.to}", "give one")
+    to = a.node or a.to
+    if not to:
+        raise CriuctlError("no target node given", "criuctl migrate NAME NODE")
+    return to
+
+
+def _print_json(obj: object) -> None:
+    import dataclasses
+    import json
+
+    print(json.dumps(dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj))
+
+
+def cmd_migrate(a: argparse.Namespace) -> int:
+    from criuctl.cli import render
+    from criuctl.client import agents, migrate
+    from criuctl.container import containers
+    from criuctl.core import workloads
+    from criuctl.kube import cluster
+
+    a.json = a.json or a.output == "json"
+    if a.job:
+        return _migrate_job(a, a.job, _pairs([a.name, *a.node]))
+    to = _target(a)
+    if cluster.wanted(a.kubeconfig, a.namespace) and to not in agents.all_nodes():
+        return _migrate_pod(a, to)
+    if a.dry_run:
+        raise CriuctlError(
+            "--dry-run is for pods", "without Kubernetes, `criuctl ps --node NODE` shows what runs"
+        )
+    a.name = containers.normalize(a.name)
+    workloads.validate_name(a.name)
+    if a.into is not None:
+        from criuctl.container import runtime
+
+        a.into = runtime.check_id(a.into)
+    if a.into is None and not a.break_connections:  # a rank of a job moves with its job, --from or not
+        from criuctl.client import jobs
+
+        job = jobs.job_of(jobs.survey(), a.name)
+        if job is not None and (len(job.ranks) > 1 or job.foreign):
+            rank = job.rank(a.name)
+            if a.source is not None and rank is not None and rank.node != a.source:
+                raise CriuctlError(f"workload {a.name!r} does not run on node {a.source}; it runs on node "
+                                   f"{rank.node}", f"pass --from {rank.node}")  # fmt: skip
+            return _migrate_job(a, a.name, {a.name: to})
+    source, target = _source_node(a.name, to, a.source)
+    with render.migration_progress() as progress:
+        result = migrate.migrate(a.name, source, target, a.mode, progress, into=a.into)
+    render.migration_summary(result)
+    if a.json:
+        _print_json(result)
+    return 0 if result.source_confirmed else 6
+
+
+def _pairs(args: list[str]) -> dict[str, str]:
+    """RANK=NODE arguments as a dict; one line for anything else."""
+    from criuctl.core import workloads
+
+    out: dict[str, str] = {}
+    for arg in args:
+        rank, sep, node = arg.partition("=")
+        if not sep or not rank or not node:
+            raise CriuctlError(f"{arg!r} is not RANK=NODE", "criuctl migrate --job JOB RANK=NODE ...")
+        out[workloads.validate_name(rank)] = node
+    return out
+
+
+def _migrate_job(a: argparse.Namespace, name: str, wanted: dict[str, str]) -> int:
+    """Ranks of a multi-node job move together, their connections re-pointed (criuctl.client.jobmove)."""
+    from criuctl.cli import render
+    from criuctl.client import jobmove, jobs
+    from criuctl.core import workloads
+
+    found = jobs.survey()
+    job = jobs.job_of(found, name)
+    if job is None:
+        silent = f" (no answer from node {', '.join(found.silent)})" if found.silent else ""
+        raise workloads.UnknownWorkload(f"no job or workload named {name!r} runs on any node{silent}",
+                                        "see `criuctl ps --jobs` for the jobs and their ranks")  # fmt: skip
+    plan = jobmove.plan(job, wanted)
+    moved = ", ".join(f"{m.rank.label} → {m.target.name}" for m in plan.moves)
+    print(f"criuctl: job {job.name} ({len(job.ranks)} ranks): moving {moved}", file=sys.stderr)
+    result = jobmove.execute(plan, render.job_progress(), a.mode)
+    render.job_summary(result)
+    if a.json:
+        _print_json(result)
+    return 0 if all(r.source_confirmed for r in result.ranks) else 6
+
+
+def _migrate_pod(a: argparse.Namespace, to: str) -> int:
+    """`criuctl migrate POD NODE` (criuctl.kube.podmigrate): checks, then the move, or the plan."""
+    from criuctl.cli import render
+    from criuctl.kube import cluster, podmigrate
+
+    c = cluster.connect(a.kubeconfig)
+    namespace = a.namespace or c.namespace
+    plan = podmigrate.plan(c, namespace, a.name, to)
+    how = (
+        f"through its successor ({plan.owner} recreates it)"
+        if plan.owner
+        else f"as pod {plan.placeholder_name}"
+    )
+    if a.dry_run:
+        print(
+            f"criuctl: would move pod {namespace}/{plan.pod} ({plan.workload}) from node {plan.source} "
+            f"to node {plan.target} {how}; {plan.memory_needed >> 20} MiB of "
+            f"{plan.memory_free >> 20} MiB free there; nothing was changed",
+            file=sys.stderr,
+        )
+        if a.json:
+            _print_json({"dry_run": True, **plan.summary()})
+        return 0
+    with render.migration_progress() as progress:
+        if plan.owner:
+            result = podmigrate.execute_owned(c, plan, progress)
+        else:
+            result = podmigrate.execute(c, plan, a.mode, progress)
+    render.migration_summary(result)
+    print(f"criuctl: pod {namespace}/{plan.pod} is now pod {plan.placeholder_name} on node {result.target}; "
+          f"follow it with: kubectl -n {namespace} logs -f {plan.placeholder_name}",
+          file=sys.stderr)  # fmt: skip
+    if a.json:
+        import dataclasses
+
+        _print_json({**dataclasses.asdict(result), "pod": plan.pod, "new_pod": plan.placeholder_name,
+                     "namespace": namespace})  # fmt: skip
+    return 0 if result.source_confirmed else 6

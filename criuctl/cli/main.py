@@ -1,0 +1,361 @@
+"""`criuctl` command line: parse, call one workflow, render its result. No mechanism lives here.
+
+The verbs' options and help are data in `cliargs`; `node` and `migrate` live in `climigrate`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from criuctl.cli import climigrate
+from criuctl.cli.cliargs import parser
+from criuctl.core.errors import CriuctlError, require_root
+
+__all__ = ["main", "parser"]
+
+
+def _cmd_run(a: argparse.Namespace) -> int:
+    require_root("run")
+    from criuctl.core import workloads
+    from criuctl.local import supervisor
+
+    if a.name is not None:
+        workloads.validate_name(a.name)  # before anything runs: a name is a path in the state dir
+
+    w, stdio = supervisor.start(a.command, a.name, allow_io_uring=a.allow_io_uring)
+    print(f"criuctl: started {w.name!r} (PID {w.root_pid})", file=sys.stderr, flush=True)
+    return supervisor.supervise(w, stdio)
+
+
+def _cmd_ps(a: argparse.Namespace) -> int:
+    from criuctl.cli import render
+
+    if a.jobs:
+        from criuctl.client import jobs
+
+        found = jobs.survey()
+        render.jobs_table(found.jobs)
+        if found.silent:
+            print(f"criuctl: no answer from node {', '.join(found.silent)}", file=sys.stderr)
+        return 0
+    if a.node:
+        from criuctl.client.agents import AgentClient, get_node
+
+        rows = AgentClient(get_node(a.node)).get("/v1/workloads")
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise CriuctlError(
+                f"node {a.node} sent no workload list", "check that its agent is criuctl's, and its version"
+            )
+        render.workloads_table(rows, all_states=a.all, where=f"node {a.node}")
+    else:
+        render.workloads_table(all_states=a.all)
+    return 0
+
+
+def _cmd_logs(a: argparse.Namespace) -> int:
+    from criuctl.core import workloads
+
+    workloads.validate_name(a.name)  # it becomes a file name here, a URL path segment there
+    if a.node:
+        from criuctl.client.agents import AgentClient, get_node
+
+        text = AgentClient(get_node(a.node)).text(f"/v1/workloads/{a.name}/logs?tail={a.tail}")
+    else:
+        path = workloads.log_path(a.name)
+        if not path.exists():
+            raise workloads.UnknownWorkload(
+                f"no logs for {a.name!r} on this host", "see `criuctl ps -a`, or pass --node NODE"
+            )
+        lines = path.read_text(errors="replace").splitlines(keepends=True)
+        text = "".join(lines[-a.tail :] if a.tail else lines)
+    sys.stdout.write(text)
+    return 0
+
+
+def _cmd_agent(a: argparse.Namespace) -> int:
+    """Check every option the agent could fail on at start-up (one line each), then serve."""
+    require_root("agent")
+    from criuctl.agent import preflight
+    from criuctl.core import tokens
+
+    host, port = preflight.parse_listen(a.listen)
+    preflight.check_transport(a.tls_cert, a.tls_key, a.insecure)
+    tokens.read_token(Path(a.token_file))
+    if a.runtime_endpoint and a.runtime_endpoint != "procfs":
+        from criuctl.container import runtime
+
+        runtime.connect(a.runtime_endpoint)  # its form checked now; the runtime may start later
+    if a.tls_cert:
+        preflight.check_tls(Path(a.tls_cert), Path(a.tls_key))
+    preflight.check_bind(host, port)
+    from criuctl.agent import server
+
+    opts = server.AgentOptions(
+        host=host,
+        port=port,
+        token_file=Path(a.token_file),
+        tls_cert=a.tls_cert and Path(a.tls_cert),
+        tls_key=a.tls_key and Path(a.tls_key),
+        lease_seconds=a.lease,
+        runtime_endpoint=a.runtime_endpoint,
+        inject_dir=a.inject_dir and Path(a.inject_dir),
+    )
+    if a.name:
+        opts.name = a.name
+    # said once the agent's log is set up, as its first lines
+    opts.warnings = (
+        preflight.cert_warnings(Path(a.tls_cert), host, opts.name)
+        if a.tls_cert
+        else [preflight.INSECURE_WARNING]
+    )
+    if a.prestop_port:
+        from criuctl.kube import nodeside
+
+        opts.extensions.append(nodeside.extension(a.prestop_port, a.kubeconfig))
+    if a.spool_dir:
+        from criuctl.core.workloads import ENV_SPOOL_DIR
+
+        os.environ[ENV_SPOOL_DIR] = str(Path(a.spool_dir).absolute())  # handoff processes inherit it
+    try:
+        server.serve(opts)
+    except OSError as exc:  # the port taken between our check and the server's bind, say
+        raise CriuctlError(
+            f"the agent could not serve on {a.listen}: {exc.strerror or exc}", "check --listen and retry"
+        ) from exc
+    return 0
+
+
+def _check_writable(folder: Path) -> None:
+    """Refuse a bundle folder we cannot create, before anything is frozen.
+
+    A real probe (make and remove a folder) rather than os.access: root passes every mode check,
+    but not a read-only mount.
+    """
+    if not folder.is_dir():
+        return  # the dump itself says the parent is missing
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".criuctl-probe-", dir=folder))
+    except OSError as exc:
+        raise CriuctlError(
+            f"cannot write a bundle into {folder}: {exc.strerror}",
+            "pass -o a new folder on a writable file system; nothing was frozen",
+        ) from exc
+
+
+def _cmd_dump(a: argparse.Namespace) -> int:
+    require_root("dump")
+    from criuctl.cli import render
+    from criuctl.container import containers
+    from criuctl.core import workloads
+    from criuctl.local import checkpoint
+
+    a.target = containers.normalize(a.target)
+    if not a.target.isdigit():  # a PID is digits; anything else must be a workload name
+        workloads.validate_name(a.target)
+    _check_writable(Path(a.output).absolute().parent)
+    if a.via_runtime:
+        return _dump_via_runtime(a)
+    containers.resolve(a.target)  # a container is registered as a workload here
+
+    freezer = None
+    if a.state:
+        from criuctl.local import statesnapshot
+
+        freezer = statesnapshot.freeze_state
+    with render.phase_progress() as progress:
+        outcome = checkpoint.dump(
+            a.target, Path(a.output), leave_running=a.leave_running, progress=progress, freezer=freezer
+        )
+    if outcome.thaw is not None and not outcome.thaw.complete:  # the bundle is good; the job is not whole
+        name = outcome.manifest.workload
+        raise CriuctlError(
+            f"checkpointed {name!r} to {outcome.bundle}, and it runs again, but its thaw did not complete: "
+            f"{outcome.thaw.line()}",
+            f"`criuctl ps` shows it until `criuctl thaw {name}` completes it",
+        )
+    render.dump_summary(outcome, a.leave_running)
+    return 0
+
+
+def _cmd_thaw(a: argparse.Namespace) -> int:
+    require_root("thaw")
+    from criuctl.core import workloads
+    from criuctl.local import checkpoint
+
+    w = workloads.resolve(a.name)
+    if not w.thaw_incomplete:
+        raise CriuctlError(f"workload {w.name!r} has no thaw to finish", "`criuctl ps` shows which do")
+    thaw = checkpoint.thaw_tree(w.root_pid, None, None, w.name)
+    if not thaw.complete:
+        raise CriuctlError(f"the thaw of {w.name!r} is still not complete: {thaw.line()}", "try again")
+    print(f"criuctl: the thaw of {w.name!r} is complete", file=sys.stderr)
+    return 0
+
+
+def _dump_via_runtime(a: argparse.Namespace) -> int:
+    """`dump --via-runtime`: the kubelet's checkpoint call, then the archive imported as a bundle."""
+    import time
+
+    from criuctl.container import containers, runtime
+    from criuctl.container.runtime import archive
+    from criuctl.core import workloads
+    from criuctl.format import bundle
+
+    if not a.target.startswith(containers.NAME_PREFIX):
+        raise CriuctlError(
+            f"--via-runtime checkpoints containers, and {a.target!r} is not a container ID",
+            "pass the container's ID (see `criuctl ps --node NODE`)",
+        )
+    started = time.monotonic()
+    key = bundle.load_key(workloads.key_path())
+    ident = a.target.removeprefix(containers.NAME_PREFIX)
+    manifest = archive.checkpoint_via_runtime(runtime.connect(), ident, Path(a.output), key)
+    print(
+        f"criuctl: container {ident} checkpointed by its runtime and imported into {a.output} "
+        f"in {time.monotonic() - started:.2f} s ({len(manifest.processes)} processes); it keeps running",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _cmd_restore(a: argparse.Namespace) -> int:
+    require_root("restore")
+    from criuctl.core import workloads
+    from criuctl.local import restoring
+
+    if a.name is not None:
+        workloads.validate_name(a.name)
+    into = None
+    if a.into:
+        from criuctl.container import placeholder, runtime
+
+        into = placeholder.find(runtime.connect(a.runtime_endpoint), runtime.check_id(a.into))
+    from criuctl.container.runtime import archive
+
+    path = Path(a.bundle)
+    if not archive.is_archive(path):
+        from criuctl.format import bundle
+
+        if path.is_dir() and (m := bundle.read_manifest(path)).state is not None:
+            from criuctl.local import statesnapshot
+
+            m = bundle.verify(path, bundle.load_key(workloads.key_path(), create=False))
+            return statesnapshot.restart(path.absolute(), m, a.name)
+        return restoring.restore(path, a.name, into=into)
+    if into is None:
+        raise CriuctlError(
+            f"{path} is a kubelet/CRI checkpoint archive of a container: it restores only into a placeholder",
+            "start a placeholder (docs/containers.md) and pass --into CONTAINER",
+        )
+    from criuctl.format import bundle
+
+    key = bundle.load_key(workloads.key_path())  # the node that reads the archive signs it
+    with archive.imported(path, key, workloads.state_dir() / "imports") as (root, _manifest):
+        return restoring.restore(root, a.name, into=into)
+
+
+def _cmd_inspect(a: argparse.Namespace) -> int:
+    from criuctl.cli import render
+    from criuctl.container.runtime import archive
+
+    if archive.is_archive(Path(a.bundle)):  # a kubelet/CRI checkpoint archive: imported, shown, removed
+        return render.inspect_archive(Path(a.bundle), as_json=a.output == "json")
+    return render.inspect(Path(a.bundle), as_json=a.output == "json")
+
+
+def _cmd_doctor(a: argparse.Namespace) -> int:
+    from criuctl.cli import doctor, render
+
+    checks = doctor.run_checks()
+    render.doctor(checks)
+    return 0 if all(c.ok or not c.required for c in checks) else 1
+
+
+def _cmd_prestop(a: argparse.Namespace) -> int:
+    from criuctl.core import migsignal
+
+    return migsignal.prestop(a.signal, a.timeout)
+
+
+def _cmd_demo(a: argparse.Namespace) -> int:
+    from criuctl.cli import demo
+
+    require_root("demo")
+    return demo.main(Path(a.out), steps=a.steps, freeze_at=a.freeze_at)
+
+
+def _cmd_webhook(a: argparse.Namespace) -> int:
+    from criuctl.kube import webhook
+
+    opts = webhook.Options(prestop_port=a.prestop_port)
+    if a.kubeconfig or os.environ.get("KUBERNETES_SERVICE_HOST"):
+        opts.pending = webhook.pending_moves(a.kubeconfig)
+    webhook.serve(a.listen, a.tls_cert, a.tls_key, opts)  # runs as the webhook's own user, not root
+    return 0
+
+
+# verb → the function that carries it out; `cliargs.VERBS` has the same keys
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "run": _cmd_run,
+    "ps": _cmd_ps,
+    "logs": _cmd_logs,
+    "agent": _cmd_agent,
+    "node": climigrate.cmd_node,
+    "migrate": climigrate.cmd_migrate,
+    "thaw": _cmd_thaw,
+    "dump": _cmd_dump,
+    "restore": _cmd_restore,
+    "inspect": _cmd_inspect,
+    "doctor": _cmd_doctor,
+    "prestop": _cmd_prestop,
+    "webhook": _cmd_webhook,
+    "demo": _cmd_demo,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    if a.state_dir:
+        from criuctl.core.statedir import ENV_STATE_DIR
+
+        os.environ[ENV_STATE_DIR] = str(Path(a.state_dir).absolute())
+    if a.verb == "run" and a.command and a.command[0] == "--":
+        a.command = a.command[1:]
+    try:
+        from criuctl.core import statedir
+
+        statedir.check_state_dir()
+        return COMMANDS[a.verb](a)
+    except CriuctlError as exc:
+        print(f"criuctl: error: {exc.line()}", file=sys.stderr)
+        if exc.detail and _verbose():
+            print(exc.detail, file=sys.stderr)
+        return exc.exit_code
+    except OSError as exc:
+        # A failure no check foresaw: still one line (the traceback with CRIUCTL_VERBOSE=1).
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(
+            f"criuctl: error: {exc.strerror or exc}{where}: "
+            "unexpected; run again with CRIUCTL_VERBOSE=1 for where it happened",
+            file=sys.stderr,
+        )
+        if _verbose():
+            import traceback
+
+            traceback.print_exc()
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _verbose() -> bool:
+    return os.environ.get("CRIUCTL_VERBOSE") == "1"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,296 @@
+"""Talking to agents: the node list (`criuctl node add/ls`) and an HTTP client for one agent.
+
+Nodes are agent addresses with a token file each, kept in STATE_DIR/nodes.json (root-only, like the
+rest of the state dir). Every failure to reach or convince an agent becomes one `CriuctlError` line
+that names the node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import requests
+
+from criuctl.core import durable, tokens, workloads
+from criuctl.core.errors import CriuctlError
+
+
+class UnknownNode(CriuctlError):
+    exit_code = 3
+
+
+class NodeUnreachable(CriuctlError):
+    """No answer at all: connection refused, timed out, or broken before a response."""
+
+
+class TokenRefused(CriuctlError):
+    """The agent answered, and refused our token (HTTP 401/403): up, but not ours to use."""
+
+
+class CertificateRefused(NodeUnreachable):
+    """We refused the agent: its TLS certificate is not from the CA we trust for it, or does not
+    name the address in its URL. It may well be up; what answers may also not be our agent."""
+
+
+@dataclass
+class Node:
+    name: str
+    url: str
+    token_file: str
+    ca_file: str | None = None  # PEM of the CA that signed the agent's TLS certificate
+
+    @property
+    def host(self) -> str:
+        return urlparse(self.url).hostname or ""
+
+    def token(self) -> str:
+        try:
+            return Path(self.token_file).read_text().strip()
+        except OSError as exc:
+            raise CriuctlError(
+                f"cannot read the token file of node {self.name} ({self.token_file}): {exc.strerror}",
+                f"criuctl node add {self.name} URL --token-file F",
+            ) from exc
+
+    def ca_pem(self) -> str | None:
+        return Path(self.ca_file).read_text() if self.ca_file else None
+
+    @property
+    def tls(self) -> bool:
+        return urlparse(self.url).scheme == "https"
+
+    def transport(self) -> str:
+        """How a client reaches this node's agent, for `node ls`: plain HTTP is said in capitals."""
+        if not self.tls:
+            return "NONE: plain HTTP"
+        return f"verified ({Path(self.ca_file).name})" if self.ca_file else "verified (system CAs)"
+
+
+def _config() -> Path:
+    return workloads.state_dir() / "nodes.json"
+
+
+def all_nodes() -> dict[str, Node]:
+    try:
+        raw = json.loads(_config().read_text())
+    except FileNotFoundError:
+        return {}
+    return {name: Node(**n) for name, n in raw.items()}
+
+
+@contextlib.contextmanager
+def _editing() -> Iterator[dict[str, Node]]:
+    """The node list, to change and write back whole: one editor at a time (two `node add`s at once
+    each keep their node), and a reader sees the old list or the new one."""
+    workloads.logs_dir("")  # creates the state dir, root-only
+    with open(_config().with_name(".nodes.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        nodes = all_nodes()
+        yield nodes
+        durable.replace_json(_config(), {k: asdict(v) for k, v in nodes.items()})
+
+
+def add_node(node: Node) -> None:
+    if urlparse(node.url).scheme not in ("http", "https"):
+        raise CriuctlError(f"{node.url} is not an http(s) URL", "e.g. https://10.0.0.2:7070")
+    if node.ca_file and not node.tls:
+        raise CriuctlError(
+            f"--ca is for an https URL, and {node.url} is plain HTTP",
+            f"add it as https://{urlparse(node.url).netloc} if its agent serves HTTPS, or drop --ca",
+        )
+    if node.ca_file:
+        _check_ca(Path(node.ca_file))
+    node.token()  # readable now, or say so now
+    tokens.read_token(Path(node.token_file))  # and a file the agent would accept, or say so now
+    with _editing() as nodes:
+        nodes[node.name] = node
+
+
+def _check_ca(path: Path) -> None:
+    """The CA file loads as the clients will load it (requests and the source agent's `ssl`)."""
+    import ssl
+
+    try:
+        ssl.create_default_context(cafile=str(path))
+    except (OSError, ssl.SSLError) as exc:
+        # an SSLError is an OSError too, with OpenSSL's code as its strerror
+        why = "not a PEM certificate" if isinstance(exc, ssl.SSLError) else exc.strerror
+        raise CriuctlError(
+            f"cannot use --ca {path}: {why}",
+            "pass the PEM certificate of the CA that signed the agent's (ca.crt of scripts/agent-cert.sh)",
+        ) from exc
+
+
+def remove_node(name: str) -> None:
+    with _editing() as nodes:
+        nodes.pop(get_node(name).name)
+
+
+def get_node(name: str) -> Node:
+    nodes = all_nodes()
+    if name not in nodes:
+        known = ", ".join(sorted(nodes)) or "none yet"
+        raise UnknownNode(
+            f"no node named {name!r} (known: {known})", "add it: criuctl node add NAME URL --token-file F"
+        )
+    return nodes[name]
+
+
+def running_here(rows: list[dict], name: str) -> bool:
+    """Whether an agent's workload list (`GET /v1/workloads`) has `name` alive and running."""
+    return any(r.get("name") == name and r.get("state") == "running" and r.get("alive") for r in rows)
+
+
+@dataclass(frozen=True)
+class Survey:
+    """Where a workload runs, as every node's agent answered; `silent`: nodes that could not be
+    asked (down, or a wrong token) — the workload may run there too."""
+
+    running_on: list[Node]
+    silent: list[str]
+    refused: dict[str, str] = field(default_factory=dict)  # node -> why its container `name` cannot move
+
+
+def survey(name: str, nodes: list[Node] | None = None) -> Survey:
+    """Ask every node (all at once) whether its agent runs workload `name`."""
+    workloads.validate_name(name)
+    nodes = list(all_nodes().values()) if nodes is None else nodes
+
+    why: dict[str, str] = {}
+
+    def ask(node: Node) -> bool | None:
+        try:
+            rows = AgentClient(node, timeout=10).get("/v1/workloads", timeout=10)
+        except CriuctlError:
+            return None
+        for r in rows:
+            if r.get("name") == name and isinstance(r.get("why_not"), str):
+                why[node.name] = r["why_not"]
+        return running_here(rows, name)
+
+    with ThreadPoolExecutor(max_workers=min(16, len(nodes) or 1)) as pool:
+        answers = list(pool.map(ask, nodes))
+    return Survey(
+        running_on=[n for n, a in zip(nodes, answers, strict=True) if a],
+        silent=[n.name for n, a in zip(nodes, answers, strict=True) if a is None],
+        refused=why,
+    )
+
+
+def locate(name: str) -> list[Node]:
+    """The nodes whose agents run workload `name`; nodes that do not answer are left out."""
+    return survey(name).running_on
+
+
+class AgentClient:
+    """Synchronous calls to one agent; errors name the node and say what to do."""
+
+    def __init__(self, node: Node, timeout: float = 30.0) -> None:
+        self.node, self.timeout = node, timeout
+        self.s = requests.Session()
+        self.s.headers["Authorization"] = f"Bearer {node.token()}"
+        # per request, not on the session: requests lets REQUESTS_CA_BUNDLE override Session.verify
+        self.verify: str | bool = node.ca_file or True
+
+    def _call(self, method: str, path: str, body: Any = None, timeout: float | None = None, **kw: Any) -> Any:
+        url = self.node.url.rstrip("/") + path
+        try:
+            resp = self.s.request(
+                method, url, json=body, timeout=(5, timeout or self.timeout), verify=self.verify, **kw
+            )
+        except requests.exceptions.SSLError as exc:
+            raise CertificateRefused(
+                f"node {self.node.name} ({self.node.url}) failed the TLS check: {_tls_reason(exc)}",
+                f"give the CA that signed its certificate (criuctl node add {self.node.name} {self.node.url} "
+                "--token-file F --ca CA.pem), and a certificate that names this address",
+            ) from exc
+        except requests.RequestException as exc:
+            raise NodeUnreachable(
+                f"node {self.node.name} ({self.node.url}) did not answer ({exc.__class__.__name__})",
+                "check that its agent runs and the network between here and there"
+                + ("" if self.node.tls else ", and whether it serves HTTPS (then add it as https://)"),
+            ) from exc
+        if resp.status_code in (401, 403):
+            e = TokenRefused(
+                f"node {self.node.name} ({self.node.url}) refused the token in {self.node.token_file} "
+                f"(HTTP {resp.status_code}: wrong token)",
+                f"use the token its agent was started with: criuctl node add {self.node.name} "
+                f"{self.node.url} --token-file F",
+            )
+            e.status = resp.status_code  # type: ignore[attr-defined]
+            e.body = {"what": e.what, "hint": e.hint}  # type: ignore[attr-defined]
+            raise e
+        if not resp.ok:
+            try:
+                err = resp.json()
+            except ValueError:
+                err = {"what": f"node {self.node.name} answered HTTP {resp.status_code}: {resp.text[:200]}"}
+            e = CriuctlError(err.get("what", f"HTTP {resp.status_code}"), err.get("hint", ""))
+            e.status = resp.status_code  # type: ignore[attr-defined]
+            e.body = err  # type: ignore[attr-defined]
+            raise e
+        return resp
+
+    def get(self, path: str, **kw: Any) -> Any:
+        return self._call("GET", path, **kw).json()
+
+    def post(self, path: str, body: Any = None, **kw: Any) -> Any:
+        return self._call("POST", path, body, **kw).json()
+
+    def delete(self, path: str) -> Any:
+        return self._call("DELETE", path).json()
+
+    def copy_bundle(self, bid: str, to: AgentClient, timeout: float = 3600) -> int:
+        """Stream kept bundle `bid` from this agent to agent `to`, which verifies it before keeping
+        it (its signature with the cluster's key, every checksum); the bytes kept there."""
+        src = self._call("GET", f"/v1/bundles/{bid}", timeout=timeout, stream=True)
+        try:
+            headers = {"Content-Type": "application/x-tar"}  # sent chunked: a generator has no length
+            pieces = src.iter_content(1 << 20)
+            kept = to._call("PUT", f"/v1/bundles/{bid}", timeout=timeout, data=pieces, headers=headers)
+        finally:
+            src.close()
+        return int(kept.json().get("bytes", 0))
+
+    def text(self, path: str) -> str:
+        return self._call("GET", path).text
+
+    def events(self, path: str, body: Any, timeout: float = 3600) -> Iterator[dict]:
+        """POST, then yield the JSON events the agent streams back, one per line."""
+        resp = self._call("POST", path, body, timeout=timeout, stream=True)
+        try:
+            for line in resp.iter_lines():
+                if line:
+                    yield json.loads(line)
+        except requests.RequestException as exc:
+            raise NodeUnreachable(
+                f"lost node {self.node.name}'s agent mid-migration ({exc.__class__.__name__})",
+                "check that its agent runs",
+            ) from exc
+
+
+def _tls_reason(exc: BaseException) -> str:
+    """OpenSSL's own words for a refused handshake, dug out of requests' and urllib3's wrappers."""
+    import ssl
+
+    seen: set[int] = set()
+    todo: list[object] = [exc]
+    while todo:
+        e = todo.pop(0)
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, ssl.SSLCertVerificationError):
+            return str(e.verify_message).rstrip(".")
+        if isinstance(e, ssl.SSLError) and e.reason:
+            return str(e.reason)
+        todo += [*e.args, getattr(e, "reason", None), e.__cause__, e.__context__]
+    return exc.__class__.__name__

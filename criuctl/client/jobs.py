@@ -1,0 +1,136 @@
+"""Which workloads are ranks of one distributed job: joined by their TCP connections, across nodes.
+
+Every agent lists its workloads with their TCP endpoints (`criuctl.net.peers`, each connection's
+remote as the node's kept redirects make it). Two workloads are ranks of one job when a connection
+of one ends at an endpoint of the other; the job is the connected set. A connection that ends
+nowhere criuctl runs (a database, a parameter server outside) is *foreign*: a rank holding one
+cannot move, since the far end would not follow. Loopback endpoints are told apart by node.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from criuctl.client.agents import AgentClient, Node, all_nodes
+from criuctl.core.errors import CriuctlError
+from criuctl.net.peers import Endpoints
+
+Conn = tuple[str, int, str, int]
+
+
+@dataclass
+class Rank:
+    node: str
+    workload: str
+    tcp: Endpoints
+
+    @property
+    def label(self) -> str:
+        return f"{self.workload}@{self.node}"
+
+
+@dataclass
+class Link:
+    """One connection of `rank`, and the rank at its far end (None: foreign)."""
+
+    rank: Rank
+    conn: Conn
+    peer: Rank | None
+
+
+@dataclass
+class Job:
+    ranks: list[Rank]
+    links: list[Link] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        """The ranks' common name prefix ("ddp" for ddp-0, ddp-1), else the first rank's name."""
+        names = sorted(r.workload for r in self.ranks)
+        prefix = ""
+        for chars in zip(*names, strict=False):
+            if len(set(chars)) > 1:
+                break
+            prefix += chars[0]
+        prefix = prefix.rstrip("-_.")
+        return prefix if len(self.ranks) > 1 and prefix else names[0]
+
+    @property
+    def foreign(self) -> list[Link]:
+        return [link for link in self.links if link.peer is None]
+
+    def rank(self, workload: str) -> Rank | None:
+        return next((r for r in self.ranks if r.workload == workload), None)
+
+
+def _key(node: str, addr: str, port: int) -> tuple[str, str, int]:
+    """An endpoint's identity: a loopback address means something only on its own node."""
+    return (node if ipaddress.ip_address(addr).is_loopback else "", addr, port)
+
+
+def group(ranks: list[Rank]) -> list[Job]:
+    """Join ranks into jobs by their connections; a workload with no connection is a job of one."""
+    owner: dict[tuple[str, str, int], Rank] = {}
+    for r in ranks:
+        for la, lp, _, _ in r.tcp.connections:
+            owner[_key(r.node, la, lp)] = r
+        for la, lp in r.tcp.listening:
+            if not ipaddress.ip_address(la).is_unspecified:
+                owner.setdefault(_key(r.node, la, lp), r)
+    parent = {id(r): r for r in ranks}
+
+    def find(r: Rank) -> Rank:
+        while parent[id(r)] is not r:
+            r = parent[id(r)]
+        return r
+
+    links: list[Link] = []
+    for r in ranks:
+        for conn in r.tcp.connections:
+            peer = owner.get(_key(r.node, conn[2], conn[3]))
+            links.append(Link(r, conn, peer))
+            if peer is not None:
+                parent[id(find(peer))] = find(r)
+    jobs: dict[int, Job] = {}
+    for r in ranks:
+        jobs.setdefault(id(find(r)), Job([])).ranks.append(r)
+    for link in links:
+        jobs[id(find(link.rank))].links.append(link)
+    return list(jobs.values())
+
+
+@dataclass
+class JobSurvey:
+    jobs: list[Job]
+    silent: list[str]  # nodes that did not answer: a job may have ranks there too
+
+
+def survey(nodes: list[Node] | None = None) -> JobSurvey:
+    """Every running workload of every node, joined into jobs (all nodes asked at once)."""
+    nodes = list(all_nodes().values()) if nodes is None else nodes
+
+    def ask(node: Node) -> list[dict] | None:
+        try:
+            return AgentClient(node, timeout=10).get("/v1/workloads", timeout=10)
+        except CriuctlError:
+            return None
+
+    with ThreadPoolExecutor(max_workers=min(16, len(nodes) or 1)) as pool:
+        answers = list(pool.map(ask, nodes))
+    ranks = [
+        Rank(node.name, row["name"], Endpoints.from_json(row["tcp"]))
+        for node, rows in zip(nodes, answers, strict=True)
+        for row in rows or []
+        if row.get("state") == "running" and row.get("alive") and isinstance(row.get("tcp"), dict)
+    ]
+    silent = [n.name for n, a in zip(nodes, answers, strict=True) if a is None]
+    return JobSurvey(group(ranks), silent)
+
+
+def job_of(found: JobSurvey, name: str) -> Job | None:
+    """The job named `name`, or the job one of whose ranks is workload `name`."""
+    return next((j for j in found.jobs if j.name == name and len(j.ranks) > 1), None) or next(
+        (j for j in found.jobs if j.rank(name) is not None), None
+    )

@@ -1,0 +1,387 @@
+"""`criuctl migrate NAME --to NODE`: drive the source and target agents through one migration.
+
+    phase      source agent                 target agent                on failure
+    -------    -------------------------    -------------------------   -----------------------------
+    prepare                                 POST /incoming (ticket)     nothing frozen yet
+    freeze     POST /outgoing: freeze …                                 source thaws, job runs on there
+    transfer   … stream to target (ticket)  verify every byte           source thaws
+    restore                                 restore, *stopped*          target kills its copy; source
+                                                                        asks it, then thaws
+    commit                                  let it run                  ask the target; see below
+               end the tree (after asking
+               the target; post-copy: once
+               all pages are pulled)
+
+The client never decides for the source once the bundle was sent: it tells the target, and the
+source asks the target before it thaws or ends (`criuctl.agent.protocol`). The only moment the
+outcome is unknown to the client is a commit whose answer is lost; then it asks the target for a
+while, and if it stays silent says so — the source stays frozen, not lost, not doubled, and its
+agent keeps asking the target until it can tell which side should run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from criuctl.agent import points
+from criuctl.agent.protocol import INCOMPLETE, TIMEOUTS, Mode, Point, Ticket
+from criuctl.client.agents import AgentClient, Node, NodeUnreachable
+from criuctl.core.errors import CriuctlError
+
+Progress = Callable[..., None]  # progress(phase, **facts)
+
+
+class MigrationFailed(CriuctlError):
+    exit_code = 4
+    # the job runs on the source again, but its thaw did not complete (what is left): its agent
+    # retries; the caller says so wherever it reports (an Event on Kubernetes)
+    thaw_left: str | None = None
+
+
+class MigrationInDoubt(CriuctlError):
+    exit_code = 5
+    # (source outgoing id, target incoming id): where a caller can watch the agents settle it
+    ids: tuple[str | None, str] | None = None
+
+
+ENV_STREAM = "CRIUCTL_STREAM"  # "sealed": stream the bundle only once sealed (default: while CRIU writes)
+STOP_AND_COPY, POST_COPY = Mode.STOP_AND_COPY, Mode.POST_COPY
+MODES = tuple(str(m) for m in Mode)
+
+
+@dataclass
+class MigrationResult:
+    workload: str
+    source: str
+    target: str
+    mode: str
+    # source frozen → running on the target: measured by the source agent, or — when the source did
+    # not confirm its commit — by the client, from when the source said it froze to the target's
+    # commit answer (`downtime_measured_by`); never the total time
+    downtime_seconds: float
+    total_seconds: float  # command start → source tree gone (post-copy: last page pulled)
+    bytes_moved: int
+    freeze_seconds: float
+    transfer_seconds: float
+    restore_seconds: float
+    pages_seconds: float | None = None  # post-copy: commit → last page pulled
+    source_confirmed: bool = True  # False: the source agent did not confirm that its copy ended
+    # a controller's pod moved through a kept bundle into its recreated pod (criuctl.kube.podmigrate):
+    # downtime and total are then the delete → running again, and only the freeze is known apart
+    via_successor: bool = False
+    # seconds per step inside freeze and restore (criu_dump, seal, verify, criu_restore, handoff…)
+    phases: dict[str, float] = field(default_factory=dict)
+    downtime_measured_by: str = "source"  # or "client" (the source did not confirm)
+
+
+def _quiet(_phase: str, **_facts: object) -> None:
+    pass
+
+
+def choose_mode(wanted: str | None, source: dict, target: dict) -> str:
+    """The mode to use: `wanted`, checked against both kernels, or the fastest both allow."""
+    if wanted == POST_COPY or wanted is None:
+        ok = source.get("lazy_pages") and target.get("lazy_pages")
+        if ok:
+            return POST_COPY
+        if wanted == POST_COPY:
+            lacking = source["node"] if not source.get("lazy_pages") else target["node"]
+            raise MigrationFailed(
+                f"post-copy needs userfaultfd, which node {lacking}'s kernel lacks",
+                "use --mode stop-and-copy",
+            )
+    if wanted not in (None, *MODES):
+        raise MigrationFailed(f"unknown mode {wanted!r}", f"choose one of {', '.join(MODES)}")
+    return STOP_AND_COPY
+
+
+def _check_target(dst: AgentClient) -> dict:
+    info = dst.get("/v1/info", timeout=10)
+    if "criu_error" in info:
+        raise MigrationFailed(
+            f"node {dst.node.name} cannot restore: {info['criu_error']}",
+            "install CRIU there (scripts/install-criu.sh); nothing was frozen",
+        )
+    return info
+
+
+class Move:
+    """One workload's migration in phases: `migrate` runs them in a row; a job's move
+    (`criuctl.client.jobmove`) runs each phase for every rank before the next.
+
+    Each phase raises `MigrationFailed`/`MigrationInDoubt` with the hint a user needs; `undo` turns
+    a failure after `prepare` into the error to raise once both sides are settled (target first).
+    """
+
+    def __init__(
+        self, name: str, source: Node, target: Node, mode: str | None = None, progress: Progress = _quiet,
+        into: str | None = None, readdress: list | None = None, boundary: bool = True,
+        cut: list | None = None, follow: Ticket | None = None,
+    ) -> None:  # fmt: skip
+        if source.name == target.name:
+            raise MigrationFailed(f"{name!r} already runs on node {target.name}", "pick another --to node")
+        self.name, self.source, self.target, self.mode = name, source, target, mode
+        self.progress, self.into, self.readdress, self.boundary, self.cut = (
+            progress, into, readdress, boundary, cut)  # fmt: skip
+        self.follow = follow
+        self.src, self.dst = AgentClient(source), AgentClient(target)
+        self.started = time.monotonic()
+        self.inc: dict = {}
+        self.ticket: Ticket | None = None
+        self.og_id: str | None = None
+        self.port: int | None = None
+        self.facts = {"bytes": 0, "freeze": 0.0, "transfer": 0.0, "restore": 0.0}
+        self.phases: dict[str, float] = {}
+        self.downtime: float | None = None
+        self.downtime_by = "source"
+        # on the client's clock: when the tree froze (the source's word, less its freeze time) and
+        # when the target answered that it runs: a job's downtime spans its ranks' (`jobmove`)
+        self.frozen_at: float | None = None
+        self.running_at: float | None = None
+        self.confirmed = True
+        self.pages: float | None = None
+
+    def _in_doubt(self, exc: MigrationInDoubt) -> MigrationInDoubt:
+        exc.ids = (self.og_id, self.inc.get("id", ""))
+        return exc
+
+    def prepare(self) -> None:
+        """The target makes room (and, for a job's rank, cuts its connections off); nothing frozen."""
+        self.progress("prepare")
+        try:
+            dst_info = _check_target(self.dst)
+            src_info = self.src.get("/v1/info", timeout=TIMEOUTS.info)
+            self.mode = choose_mode(self.mode, src_info, dst_info)
+            body = {"workload": self.name, "mode": self.mode, "into": self.into}
+            if self.cut:
+                body["cut"] = self.cut
+            if self.follow is not None:
+                body["follow"] = self.follow.to_json()
+            self.inc = self.dst.post("/v1/incoming", body)
+        except CriuctlError as exc:
+            raise MigrationFailed(
+                exc.what, f"{exc.hint}; nothing was frozen, {self.name!r} runs on {self.source.name}"
+            ) from exc
+        points.reach(Point.CLIENT_PREPARED)
+        self.ticket = Ticket(self.target.url, self.inc["id"], self.inc["ticket"], self.target.name,
+                             self.target.ca_pem())  # fmt: skip
+
+    def send(self) -> None:
+        """Freeze on the source and stream the bundle; the source's word decides until "sent"."""
+        assert self.ticket is not None
+        phase_started = time.monotonic()
+        self.progress("freeze")
+        body: dict = {"workload": self.name, "mode": self.mode, "target": self.ticket.to_json()}
+        if self.readdress is not None:
+            body["readdress"] = self.readdress
+        if not self.boundary:
+            body["boundary"] = False
+        if os.environ.get(ENV_STREAM) == "sealed":  # for comparisons: no overlap of dump and transfer
+            body["live"] = False
+        for ev in self.src.events("/v1/outgoing", body):
+            kind = ev["event"]
+            if kind == "started":
+                self.og_id = ev["id"]
+            elif kind == "frozen":
+                self.facts["freeze"], self.port = time.monotonic() - phase_started, ev["page_server_port"]
+                self.frozen_at = time.monotonic() - float(ev.get("freeze_seconds") or 0.0)
+                self.phases.update(ev.get("phases", {}))
+                phase_started = time.monotonic()
+                self.progress("transfer", done=0, total=ev["bytes"])
+            elif kind == "transfer":
+                self.progress("transfer", done=ev["done"], total=ev["total"])
+            elif kind == "sent":
+                self.facts["bytes"], self.facts["transfer"] = ev["bytes"], time.monotonic() - phase_started
+                break
+            elif kind == "error":
+                if ev.get("thawed", True) is True:
+                    raise MigrationFailed(ev["what"], ev.get("hint", ""))
+                if ev.get("thawed") == INCOMPLETE:
+                    raise _thaw_incomplete(ev["what"], ev.get("left") or "", self.name, self.source.name)
+                why = _frozen_hint(self.name, self.source.name, self.target.name, "thawed: unconfirmed")
+                raise self._in_doubt(MigrationInDoubt(ev["what"], why))
+        else:
+            raise NodeUnreachable(
+                f"node {self.source.name}'s agent stopped answering mid-migration",
+                "its handoff process settles the job with the target by itself",
+            )
+        points.reach(Point.CLIENT_SENT)
+
+    def restore(self) -> None:
+        """The target restores the tree stopped: it has not run yet."""
+        phase_started = time.monotonic()
+        self.progress("restore")
+        body = {"page_server": f"{self.source.host}:{self.port}"} if self.mode == POST_COPY else {}
+        answer = self.dst.post(f"/v1/incoming/{self.inc['id']}/restore", body, timeout=TIMEOUTS.restore)
+        self.facts["restore"] = time.monotonic() - phase_started
+        self.phases.update(answer.get("phases", {}) if isinstance(answer, dict) else {})
+        points.reach(Point.CLIENT_RESTORED)
+
+    def undo(self, exc: CriuctlError) -> CriuctlError:
+        """A phase failed: abort both sides (target first); the error to raise."""
+        if isinstance(exc, MigrationInDoubt):
+            return self._in_doubt(exc)
+        err = _aborted(self.src, self.dst, self.og_id, self.inc["id"], exc, self.name, self.source.name)
+        return self._in_doubt(err) if isinstance(err, MigrationInDoubt) else err
+
+    def commit_target(self) -> None:
+        """Let the restored tree run: from here on the job runs on the target."""
+        self.progress("commit")
+        try:
+            _commit_target(self.src, self.dst, self.og_id, self.inc["id"], self.name, self.source.name)
+        except MigrationInDoubt as exc:
+            raise self._in_doubt(exc) from None
+        self.running_at = time.monotonic()
+        points.reach(Point.CLIENT_TARGET_COMMITTED)
+
+    def commit_source(self) -> None:
+        """The source ends its tree (it checks with the target first)."""
+        try:
+            answer = self.src.post(f"/v1/outgoing/{self.og_id}/commit", timeout=TIMEOUTS.source_commit)
+        except CriuctlError:  # the job runs on the target; the source's handoff ends its copy on its word
+            answer, self.confirmed = {}, False
+        self.downtime = answer.get("downtime_seconds")
+        if self.downtime is None:  # the source cannot say: what the client saw (an upper bound)
+            self.downtime, self.downtime_by = self.client_downtime(), "client"
+        points.reach(Point.CLIENT_SOURCE_COMMITTED)
+
+    def client_downtime(self) -> float:
+        """Frozen → running as the client saw it: from the source's "frozen" (less its freeze time)
+        to the target's commit answer."""
+        assert self.running_at is not None
+        return self.running_at - (self.frozen_at if self.frozen_at is not None else self.started)
+
+    def wait_pages(self) -> None:
+        if self.mode == POST_COPY and self.confirmed:
+            self.progress("pages")
+            self.pages = _wait_pages(self.src, self.og_id)
+
+    def result(self) -> MigrationResult:
+        f = self.facts
+        return MigrationResult(
+            self.name, self.source.name, self.target.name, str(self.mode), self.downtime or 0.0,
+            time.monotonic() - self.started, f["bytes"], f["freeze"], f["transfer"], f["restore"],
+            self.pages, self.confirmed, phases=self.phases, downtime_measured_by=self.downtime_by,
+        )  # fmt: skip
+
+
+def migrate(
+    name: str,
+    source: Node,
+    target: Node,
+    mode: str | None = None,
+    progress: Progress = _quiet,
+    into: str | None = None,
+    target_committed: Callable[[], None] | None = None,
+) -> MigrationResult:
+    """Move workload `name`; a container goes `into` that placeholder container on the target
+    (default: the target's one empty placeholder for the same pod and container).
+    `target_committed` runs once the job runs on the target and before the source's copy ends:
+    where something must learn of the move before the source tree dies (Kubernetes deletes the
+    source pod there, so that its kubelet does not restart the container it sees die)."""
+    move = Move(name, source, target, mode, progress, into)
+    move.prepare()
+    try:
+        move.send()
+        move.restore()
+    except CriuctlError as exc:
+        raise move.undo(exc) from exc
+    move.commit_target()
+    if target_committed is not None:
+        target_committed()
+    move.commit_source()
+    move.wait_pages()
+    return move.result()
+
+
+def _frozen_hint(name: str, source: str, target: str, why: str) -> str:
+    return (
+        f"{name!r} stays frozen on {source} ({why}) until its agent hears from {target}; "
+        f"see `criuctl ps --node {source}` and `criuctl ps --node {target}`"
+    )
+
+
+def _keeps_running(hint: str, name: str, node: str) -> str:
+    return "; ".join(filter(None, [hint, f"{name!r} keeps running on {node}"]))
+
+
+def _thaw_incomplete(what: str, left: str, name: str, node: str) -> MigrationFailed:
+    """A failed migration whose source runs the job again with its thaw not complete: never said
+    as "keeps running" alone, since e.g. its connections may still be blocked."""
+    err = MigrationFailed(
+        what,
+        f"{name!r} runs on {node} again, but its thaw did not complete ({left}); node {node}'s agent "
+        f"keeps trying (`criuctl ps --node {node}` shows it until done)",
+    )
+    err.thaw_left = left
+    return err
+
+
+def _aborted(
+    src: AgentClient,
+    dst: AgentClient,
+    og_id: str | None,
+    inc_id: str,
+    exc: CriuctlError,
+    name: str,
+    source: str,
+) -> CriuctlError:
+    """Undo both sides, target first: the source thaws only once the target's copy is dead."""
+    with contextlib.suppress(CriuctlError):  # a dead target agent's handoff kills its copy itself
+        dst.delete(f"/v1/incoming/{inc_id}")
+    if og_id is None:
+        return MigrationFailed(exc.what, _keeps_running(exc.hint, name, source))
+    try:
+        answer = src.delete(f"/v1/outgoing/{og_id}")
+    except CriuctlError as err:
+        if getattr(err, "status", None) == 404:  # the stream failed before "sent": the source thawed
+            return MigrationFailed(exc.what, _keeps_running(exc.hint, name, source))
+        answer = getattr(err, "body", None) or {"state": "unknown"}
+    if answer.get("state") == "thawed" or answer.get("thawed") is True:
+        return MigrationFailed(exc.what, _keeps_running(exc.hint, name, source))
+    if answer.get("thawed") == INCOMPLETE:
+        return _thaw_incomplete(exc.what, answer.get("left") or "", name, source)
+    return MigrationInDoubt(exc.what, _frozen_hint(name, source, dst.node.name, "thawed: unconfirmed"))
+
+
+def _commit_target(
+    src: AgentClient, dst: AgentClient, og_id: str, inc_id: str, name: str, source: str
+) -> None:
+    try:
+        dst.post(f"/v1/incoming/{inc_id}/commit", timeout=TIMEOUTS.target_commit)
+        return
+    except CriuctlError as exc:
+        first = exc
+    deadline = time.monotonic() + TIMEOUTS.in_doubt
+    while time.monotonic() < deadline:
+        try:
+            state = dst.get(f"/v1/incoming/{inc_id}", timeout=5)["state"]
+        except NodeUnreachable:
+            time.sleep(1)
+            continue
+        except CriuctlError as exc:
+            state = getattr(exc, "body", {}).get("state", "unknown")
+        if state == "running":
+            return
+        raise _aborted(src, dst, og_id, inc_id, first, name, source)
+    raise MigrationInDoubt(
+        f"node {dst.node.name} did not confirm that {name!r} runs there ({first.what})",
+        _frozen_hint(name, source, dst.node.name, "the target's answer was lost"),
+    )
+
+
+def _wait_pages(src: AgentClient, og_id: str, timeout: float = TIMEOUTS.pages) -> float | None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            st = src.get(f"/v1/outgoing/{og_id}", timeout=10)
+        except CriuctlError:
+            return None
+        if st["state"] == "done":
+            return st.get("pages_seconds")
+        time.sleep(0.1)
+    return None

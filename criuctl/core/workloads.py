@@ -1,0 +1,268 @@
+"""The node's registry of workloads: one JSON record per workload under the state directory.
+
+`criuctl run` writes a record when it starts a workload; `ps`, `dump` and (later) the agent read it.
+Records are replaced atomically (write to a temp file, rename), so a reader never sees half a record.
+The state directory is root-only: it holds the bundle signing key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from criuctl.core import durable, procinfo
+from criuctl.core.errors import CriuctlError
+from criuctl.core.statedir import DEFAULT_STATE_DIR as DEFAULT_STATE_DIR
+from criuctl.core.statedir import ENV_STATE_DIR as ENV_STATE_DIR
+from criuctl.core.statedir import StateDirError as StateDirError
+from criuctl.core.statedir import check_state_dir as check_state_dir
+from criuctl.core.statedir import ensure as _ensure
+from criuctl.core.statedir import state_dir
+
+RUNNING, CHECKPOINTED, MIGRATED, EXITED = "running", "checkpointed", "migrated", "exited"
+
+NAME_MAX = 63  # a DNS label's length: a name may become a pod or a metric label
+NAME_RULE = (
+    f"a workload name is 1-{NAME_MAX} characters of letters, digits, '_', '.' and '-', "
+    "starting with a letter or digit, without '..'"
+)
+_NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.-]{{0,{NAME_MAX - 1}}}")
+_NOT_NAME_CHAR = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+class BadName(CriuctlError):
+    """A workload name that could leave the state dir, or break a URL path or a table.
+
+    Names become file names (`workloads/NAME.json`, `logs/NAME.log`) and URL path segments, so
+    every boundary that takes one (CLI, HTTP path and body, registry) checks it with
+    `validate_name` before building anything from it.
+    """
+
+    exit_code = 2
+
+
+def validate_name(name: str) -> str:
+    """`name` if it is a safe workload name; BadName saying what is wrong and what is allowed."""
+    if not isinstance(name, str):
+        raise BadName(f"a workload name must be a string, not {type(name).__name__}", NAME_RULE)
+    if _NAME.fullmatch(name) and ".." not in name:
+        return name
+    shown = repr(name if len(name) <= 40 else name[:40] + "…")
+    if not name:
+        what = "a workload name cannot be empty"
+    elif len(name) > NAME_MAX:
+        what = f"workload name {shown} is {len(name)} characters long"
+    elif ".." in name:
+        what = f"workload name {shown} contains '..'"
+    elif bad := _NOT_NAME_CHAR.search(name):
+        what = f"workload name {shown} contains {bad.group()!r}"
+    else:
+        what = f"workload name {shown} starts with {name[0]!r}"
+    raise BadName(what, NAME_RULE)
+
+
+def name_for(program: str) -> str:
+    """A valid default name for a workload started as `program` (its file name, made safe)."""
+    base = _NOT_NAME_CHAR.sub("-", Path(program).name)
+    base = re.sub(r"\.{2,}", ".", base).lstrip("_.-")[:NAME_MAX]
+    return base or "job"
+
+
+ENV_BUNDLE_KEY = "CRIUCTL_BUNDLE_KEY"
+
+
+def key_path() -> Path:
+    """The cluster signing key: the file $CRIUCTL_BUNDLE_KEY names (the DaemonSet points it at its
+    Secret), else `bundle.key` in the state dir."""
+    return Path(os.environ.get(ENV_BUNDLE_KEY) or state_dir() / "bundle.key")
+
+
+def logs_dir(kind: str = "logs") -> Path:
+    """A root-only folder under the state dir: 'logs' (workload output, CRIU logs), 'restores'..."""
+    return _ensure(state_dir() / kind)
+
+
+ENV_SPOOL_DIR = "CRIUCTL_SPOOL_DIR"
+
+
+def spool_dir(kind: str) -> Path:
+    """Where bundles in flight are written (`kind`: 'outgoing', 'incoming'), root-only; only bundles
+    (records go to `records_dir`).
+
+    The state dir by default. A tmpfs here takes the disk out of a migration's path (dump and
+    receive run at memory speed) at the cost of holding a bundle — about the job's RSS — in RAM
+    until the move is over.
+    """
+    return _ensure(Path(os.environ.get(ENV_SPOOL_DIR) or state_dir()) / kind)
+
+
+def records_dir(kind: str) -> Path:
+    """Where durable records live (`kind`: 'outgoing', 'incoming', 'redirects'): always the state
+    dir, on disk, never the spool, which may be a tmpfs. A reboot that empties the spool loses the
+    bundles in flight (the trees they came from died with the node too), but the records are what
+    a restarted agent settles every migration by: a frozen source asking what became of its copy
+    must still hear the truth."""
+    return _ensure(state_dir() / kind)
+
+
+def log_path(name: str) -> Path:
+    """Where a workload's stdout and stderr are kept on this node (`criuctl logs NAME`)."""
+    return logs_dir() / f"{validate_name(name)}.log"
+
+
+@dataclass
+class Workload:
+    name: str
+    command: list[str]
+    root_pid: int  # host PID of the workload's PID-namespace init (the tree CRIU dumps)
+    supervisor_pid: int
+    stdio_pipes: dict[str, str]  # "stdout" -> "pipe:[inode]" the workload writes to
+    state: str = RUNNING
+    started: float = field(default_factory=time.time)
+    bundle: str | None = None  # set when checkpointed and stopped
+    restored_from: str | None = None
+    exit_code: int | None = None
+    moved_to: str | None = None  # node it was migrated to
+    node: str | None = None  # node whose agent restored it here (None: started here)
+    container: str | None = None  # the runtime's container ID when the workload is a container
+    pod_uid: str | None = None  # its pod's UID (Kubernetes), for the moved marker (containers.mark_moved)
+    runtime: str | None = None  # the runtime endpoint that runs that container
+    pod: str | None = None  # "namespace/pod/container" when the runtime's labels name them
+    control: str | None = (
+        None  # the hook's control directory (criuctl.local.stepboundary), as the job's env names it
+    )
+    # the root's start time and the boot: with root_pid, what names the process for good (a PID
+    # alone may name another process after a reboot or once the job ended); None in older records
+    root_start: int | None = None
+    boot_id: str = ""
+    # a thaw of this workload that did not complete (what is left undone): it runs, but e.g. its
+    # TCP connections stay blocked until that is done (criuctl.local.checkpoint.thaw_tree)
+    thaw_incomplete: str | None = None
+
+    @classmethod
+    def of_tree(cls, root_pid: int, **facts: Any) -> Workload:
+        """A new record for the live tree rooted at `root_pid`, its identity taken now."""
+        me = procinfo.Identity.of(root_pid)
+        return cls(root_pid=root_pid, root_start=me.start, boot_id=me.boot, **facts)
+
+    @property
+    def identity(self) -> procinfo.Identity:
+        boot = self.boot_id or procinfo.boot_id()  # older records: this boot (no PID outlives one)
+        return procinfo.Identity(self.root_pid, self.root_start, boot, born_by=self.started)
+
+    def alive(self) -> bool:
+        """Its very tree runs here: the PID exists *and* is the process this record was made for."""
+        return self.identity.alive()
+
+    def stale(self) -> str | None:
+        """Why this record no longer names its process, when its PID now names another one."""
+        if self.state == RUNNING and self.identity.recycled():
+            return (
+                f"workload {self.name!r} was PID {self.root_pid}, which is now another process "
+                "(the workload ended, or the node rebooted)"
+            )
+        return None
+
+
+class UnknownWorkload(CriuctlError):
+    exit_code = 3
+
+
+def _dir() -> Path:
+    d = _ensure(state_dir() / "workloads")
+    os.chmod(state_dir(), 0o700)
+    return d
+
+
+def save(w: Workload) -> None:
+    validate_name(w.name)
+    durable.replace_json(_dir() / f"{w.name}.json", asdict(w))
+
+
+_FIELDS = frozenset(f.name for f in fields(Workload))
+
+
+def _parse(raw: str) -> Workload:
+    d = json.loads(raw)
+    if not isinstance(d, dict):
+        raise ValueError("a workload record is a JSON object")
+    return Workload(**{k: v for k, v in d.items() if k in _FIELDS})  # a newer version's extra fields
+
+
+def load(name: str) -> Workload | None:
+    validate_name(name)
+    try:
+        return _parse((_dir() / f"{name}.json").read_text())
+    except FileNotFoundError:
+        return None
+
+
+def all_workloads() -> list[Workload]:
+    out = []
+    for p in sorted(_dir().glob("*.json")):
+        try:
+            out.append(_parse(p.read_text()))
+        except (ValueError, TypeError, OSError):
+            continue
+    return out
+
+
+def rows() -> list[dict]:
+    """Every record with whether it is alive and its tree's RSS: what `ps` and the agent show."""
+    out = []
+    for w in all_workloads():
+        alive = w.alive()
+        rss = procinfo.rss_bytes(w.root_pid) if alive and w.state == RUNNING else None
+        out.append({**asdict(w), "alive": alive, "rss_bytes": rss})
+    return out
+
+
+def unique_name(wanted: str) -> str:
+    """`wanted`, or `wanted-2`, `-3`… when a live workload already has that name."""
+    name, n = validate_name(wanted), 1
+    while (w := load(name)) is not None and w.state == RUNNING and w.alive():
+        n += 1
+        suffix = f"-{n}"
+        name = wanted[: NAME_MAX - len(suffix)] + suffix
+    return name
+
+
+def resolve(target: str) -> Workload:
+    """A running workload by name, or by any PID of its tree or its supervisor."""
+    if not target.isdigit():
+        validate_name(target)
+    w = load(target) if len(target) <= NAME_MAX else None  # a PID is digits: always a valid name
+    if w is not None and w.state == RUNNING and w.alive():
+        return w
+    if w is not None and (why := w.stale()):  # never act on whatever now holds its PID
+        raise UnknownWorkload(why, "see `criuctl ps --all`; nothing was touched")
+    if target.isdigit():
+        pid = int(target)
+        for w in all_workloads():
+            if w.state != RUNNING or not w.alive():
+                continue
+            if pid in (w.root_pid, w.supervisor_pid) or _descends_from(pid, w.root_pid):
+                return w
+        if psutil.pid_exists(pid):
+            raise UnknownWorkload(
+                f"PID {pid} is not part of a criuctl workload",
+                "start the job with `criuctl run -- CMD` so it can be checkpointed",
+            )
+    raise UnknownWorkload(
+        f"no running workload named or with PID {target!r} on this host",
+        "see `criuctl ps` for the workloads here",
+    )
+
+
+def _descends_from(pid: int, root: int) -> bool:
+    try:
+        return any(p.pid == root for p in psutil.Process(pid).parents())
+    except psutil.NoSuchProcess:
+        return False

@@ -1,0 +1,500 @@
+"""Local checkpoint and restore workflows: wire the engine, the bundle and the supervisor together.
+
+Exactly once, nothing lost. A dump leaves the tree *frozen* (CRIU's leave-stopped), seals the
+bundle in a staging directory and renames it into place; only then is the workload killed (or, with
+--leave-running, thawed). Any failure before that point thaws the tree and removes the staging
+directory, so the job is still running exactly once.
+
+    phase        on failure
+    ---------    --------------------------------------------------------------
+    resolve      nothing touched
+    lock         another dump holds the workload: refused at once, nothing touched
+    freeze+dump  CRIU thaws the tree itself; we SIGCONT anything left stopped
+    seal         tree thawed (`thaw_tree`), staging removed
+    commit       bundle in place and on disk: kill the tree (or `thaw_tree` with
+                 --leave-running); either way CRIU's network lock table goes
+
+A successful CRIU dump leaves its nftables lock table and the tree's TCP sockets in repair mode
+(see `netlock`, `tcprepair`): every thaw of a dumped tree goes through `thaw_tree`, which undoes
+both before the tree runs, so its connections keep working.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from criuctl.container import containers, rootfsdiff
+from criuctl.core import durable, procinfo, workloads
+from criuctl.core.errors import CriuctlError
+from criuctl.engine import criu
+from criuctl.format import bundle, imagetail
+from criuctl.gpu import gpustate
+from criuctl.local import locks, stepboundary
+from criuctl.net import netlock, peers, readdress, tcprepair
+
+_COMMON = criu.TREE_OPTIONS
+
+Progress = Callable[[str], None]
+
+
+def _quiet(_msg: str) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class DumpOutcome:
+    bundle: Path
+    manifest: bundle.Manifest
+    freeze_seconds: float  # CRIU dump, the tree frozen throughout
+    total_seconds: float
+    size_bytes: int
+    phases: dict[str, float] = field(default_factory=dict)  # criu_dump, seal (hash + fsync)
+    thaw: Thaw | None = None  # --leave-running: how the thaw went (incomplete: what is left)
+
+
+def _check_out_dir(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CriuctlError(f"{out} already exists and is not empty", "pass a new directory to -o")
+    if not out.parent.is_dir():
+        raise CriuctlError(f"{out.parent} does not exist", "create the parent directory first")
+
+
+@dataclass(frozen=True)
+class Thaw:
+    """What a thaw did. The tree always got its SIGCONT: it runs. `left` names each step that failed
+    — CRIU's network lock still dropping its connections, sockets still in repair mode, CUDA state
+    the driver still holds — and is never called success: the caller records it, reports it, and
+    retries (`thaw_tree` again: every step is idempotent) until nothing is left."""
+
+    left: tuple[str, ...] = ()
+
+    @property
+    def complete(self) -> bool:
+        return not self.left
+
+    def line(self) -> str:
+        return "; ".join(self.left)
+
+
+def thaw_tree(
+    root_pid: int, images_dir: Path | None = None, table: str | None = None, workload: str | None = None
+) -> Thaw:
+    """Let a frozen (dumped or not) tree run on where it is: the one thaw every path uses.
+
+    Before any process runs: CRIU's network lock for this tree is lifted (the table named in
+    `images_dir`'s inventory when given, and any lock table holding one of the tree's TCP
+    connections) and its TCP sockets are taken out of repair mode; then every process gets
+    SIGCONT. `table` (`Frozen.netlock_table`, kept in a record) names the table when the images
+    are gone. With neither, a tree with no TCP connection may leave an (empty, harmless) table
+    behind. Idempotent; acts in the caller's network namespace (a workload shares the host's).
+    Last, processes whose CUDA state the driver holds (a dump that got that far) get it back.
+
+    Each step is best effort and the SIGCONT comes whatever failed before it: a tree left stopped
+    because its lock could not be lifted would be a job lost while every record says it runs. What
+    failed is in the returned `Thaw`, and in `workload`'s record (`ps` shows it) until a later
+    thaw completes.
+    """
+    pids = procinfo.tree_pids(root_pid)
+    left: list[str] = []
+    try:
+        _step(left, "CRIU's network lock still drops its TCP connections",
+              lambda: lift_network_lock(pids, images_dir, table))  # fmt: skip
+        reuse = tcprepair.reuseaddr_from_images(images_dir) if images_dir else None
+        _step(left, "its TCP sockets are still in repair mode", lambda: tcprepair.release(pids, reuse))
+    finally:
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                procinfo.send_signal(pid, signal.SIGCONT)
+    # running again: GPU state the driver holds goes back (GPU nodes)
+    _step(left, "the GPU driver still holds its CUDA state", lambda: gpustate.release_tree(pids))
+    thaw = Thaw(tuple(left))
+    if workload is not None:
+        _record_thaw(workload, root_pid, thaw)
+    return thaw
+
+
+def _step(left: list[str], what: str, step: Callable[[], object]) -> None:
+    try:
+        step()
+    except Exception as exc:  # best effort: the tree must still get its SIGCONT; this is reported
+        why = exc.line() if isinstance(exc, CriuctlError) else f"{type(exc).__name__}: {exc}"
+        left.append(f"{what} ({why})")
+
+
+def _record_thaw(name: str, root_pid: int, thaw: Thaw) -> None:
+    """Keep an incomplete thaw in the workload's record (what `ps` shows), or clear it once done."""
+    with contextlib.suppress(CriuctlError, OSError, ValueError, TypeError):
+        w = workloads.load(name)
+        now = None if thaw.complete else thaw.line()
+        if w is not None and w.root_pid == root_pid and w.thaw_incomplete != now:
+            w.thaw_incomplete = now
+            workloads.save(w)
+
+
+def lift_network_lock(pids: list[int], images_dir: Path | None = None, table: str | None = None) -> list[str]:
+    """Delete `table`, the lock table of the dump in `images_dir`, and those holding `pids`' connections."""
+    found = [table] if table else []
+    if images_dir is not None and (t := netlock.table_for_images(images_dir)):
+        found.append(t)
+    found += netlock.tables_holding({(c.laddr.ip, c.laddr.port, c.raddr.ip, c.raddr.port)
+                                     for c in peers.sockets(pids) if c.laddr and c.raddr})  # fmt: skip
+    return [t for t in dict.fromkeys(found) if netlock.lift(t)]
+
+
+@dataclass
+class Frozen:
+    """A workload whose tree is stopped and whose sealed bundle is in `bundle_dir`: not yet committed.
+
+    Exactly one of `commit` (the tree dies, the bundle is the job now) or `thaw` (the tree runs on,
+    the bundle goes) must follow. In post-copy (`lazy`) CRIU is still running, serving the pages
+    that are not in the bundle; it ends when the last page has been pulled.
+    """
+
+    workload: workloads.Workload
+    bundle_dir: Path
+    manifest: bundle.Manifest
+    freeze_seconds: float  # freeze start to bundle sealed
+    lazy: bool = False
+    lock: locks.WorkloadLock | None = None  # held from before the freeze until commit or thaw ends
+    netlock_table: str | None = None  # CRIU's lock table for this dump, once CRIU has dumped
+    boundary: stepboundary.Reached | None = None  # the trainers held at a step boundary
+    gpu: bundle.GpuFacts | None = None  # CUDA state the driver moved to host memory
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per step of the freeze, for benchmarks
+    _criu: threading.Thread | None = None
+    _session: criu.Session | None = None
+    _error: list[BaseException] = field(default_factory=list)
+
+    @property
+    def pids(self) -> list[int]:
+        return procinfo.tree_pids(self.workload.root_pid)
+
+    @property
+    def images_dir(self) -> Path:
+        return self.bundle_dir / bundle.IMAGES_DIR
+
+    def thaw(self, remove_bundle: bool = True) -> Thaw:
+        """Let the tree run on where it was, connections working; remove the bundle (unless told not to).
+
+        An incomplete thaw (`Thaw.left`) still lets the tree run; `netlock_table` keeps the name of
+        its lock for the retries, the images being gone."""
+        try:
+            if self._criu is not None:
+                # post-copy: CRIU still holds the tree (ptrace) to serve its pages, and its death
+                # lets every process run at once — with its TCP sockets still in repair mode
+                # (a read fails with EPERM, and the job dies). A SIGSTOP queued first makes them
+                # stop instead, until thaw_tree has released the sockets and sends SIGCONT.
+                for pid in self.pids:
+                    with contextlib.suppress(OSError):
+                        procinfo.send_signal(pid, signal.SIGSTOP)
+                self._session.kill()
+                self._criu.join()
+            self.netlock_table = self.netlock_table or netlock.table_for_images(self.images_dir)
+            thaw = thaw_tree(self.workload.root_pid, self.images_dir, self.netlock_table, self.workload.name)
+            stepboundary.release(self.workload, self.boundary)
+            if remove_bundle:
+                shutil.rmtree(self.bundle_dir, ignore_errors=True)
+            return thaw
+        finally:
+            self.release()
+
+    def retry_thaw(self) -> Thaw:
+        """Once more, what an incomplete `thaw` left undone (the tree already runs)."""
+        return thaw_tree(self.workload.root_pid, None, self.netlock_table, self.workload.name)
+
+    def release(self) -> None:
+        """Let another dump of this workload start. Commit and thaw do it; call it only if neither runs."""
+        if self.lock is not None:
+            self.lock.release()
+
+    def commit(self, state: str = workloads.CHECKPOINTED, **record: str) -> None:
+        """The job now lives in the bundle (or on the node that restored it): end the tree.
+
+        In post-copy, first queue a SIGSTOP to every process: should CRIU fail while serving
+        pages, it lets the tree go, and the tree must not run on beside its copy. Then wait for
+        the last page to be pulled before killing.
+        """
+        w = self.workload
+        w.state = state
+        for k, v in record.items():
+            setattr(w, k, v)
+        workloads.save(w)
+        if state in (workloads.MIGRATED, workloads.CHECKPOINTED):  # the job lives elsewhere now
+            from criuctl.container import containers
+
+            where = w.moved_to if state == workloads.MIGRATED else None
+            containers.mark_moved(w, where or "another node")
+        try:
+            if self._criu is not None:
+                for pid in self.pids:
+                    procinfo.send_signal(pid, signal.SIGSTOP)
+                self._criu.join()
+            own_ns = True  # PID 1 of its namespace (unless on a GPU node, `supervisor.pid_namespace`)
+            with contextlib.suppress(OSError):
+                own_ns = procinfo.ns_pid(w.root_pid) == 1
+            procinfo.kill_tree(w.root_pid, wait=0.0 if own_ns else 5.0)  # PIDs kept: free them first
+            if self.netlock_table:
+                netlock.lift(self.netlock_table)  # the tree is gone: its lock would only outlive it
+            stepboundary.release(w, self.boundary)  # the request would only outlive it too
+        finally:
+            self.release()
+
+
+def freeze(
+    target: str,
+    parent: Path,
+    lazy_port: int | None = None,
+    progress: Progress = _quiet,
+    endpoints: readdress.EndpointMap | None = None,
+    boundary: bool = True,
+    durable: bool = True,
+    on_dumping: Callable[[Path], None] | None = None,
+) -> Frozen:
+    """Freeze workload `target` (name or PID) and seal its bundle in a new directory under `parent`.
+
+    With `lazy_port` (post-copy) memory pages stay out of the bundle: CRIU serves them on that port
+    once the bundle is sealed. `endpoints` gives the images' TCP sockets new addresses before the
+    seal (a rank of a multi-node job that moves). Without `boundary` the trainers are frozen where
+    they are (ranks of one job frozen together would each wait at a boundary for the others). On
+    any failure the tree is thawed and nothing is left behind. `durable=False` skips the fsyncs of
+    the seal: a migration's source keeps its tree frozen in memory until the target decides, so its
+    bundle is only the stream's buffer and a power loss takes the tree with it either way.
+    `on_dumping(folder)` is called as CRIU starts writing the bundle there (a migration streams it).
+    """
+    started = time.monotonic()
+    criu.require_version()
+    w = workloads.resolve(target)
+    key = bundle.load_key(workloads.key_path())
+    lock = locks.lock_workload(w.name, _purpose())
+    try:
+        return _freeze_locked(
+            w, key, lock, parent, lazy_port, progress, started, endpoints, boundary, durable, on_dumping
+        )
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _purpose() -> str:
+    """What this process is, for the message another dump of the same workload gets."""
+    with contextlib.suppress(psutil.Error):
+        argv = psutil.Process().cmdline()
+        if "criuctl.agent.handoff" in argv:
+            return "a migration's handoff"
+        if "dump" in argv:
+            return "criuctl " + " ".join(argv[argv.index("dump") :])
+    return "criuctl"
+
+
+def _freeze_locked(
+    w: workloads.Workload,
+    key: bytes,
+    lock: locks.WorkloadLock,
+    parent: Path,
+    lazy_port: int | None,
+    progress: Progress,
+    started: float,
+    endpoints: readdress.EndpointMap | None = None,
+    boundary: bool = True,
+    durable: bool = True,
+    on_dumping: Callable[[Path], None] | None = None,
+) -> Frozen:
+    now = workloads.load(w.name)
+    if now is None or now.root_pid != w.root_pid or now.state != workloads.RUNNING or not w.alive():
+        raise workloads.UnknownWorkload(  # a dump that held the lock before us committed it
+            f"workload {w.name!r} is no longer running here",
+            "see `criuctl ps --all`; nothing was frozen",
+        )
+    processes = procinfo.describe(w.root_pid)
+    pids = [p.pid for p in processes]
+    for pid, fd, what, fix in procinfo.unsupported_resources(pids)[:1]:
+        name = next(p.name for p in processes if p.pid == pid)
+        raise CriuctlError(
+            f"PID {pid} ({name}) holds {what} (fd {fd}), which CRIU cannot checkpoint",
+            f"{fix}; nothing was frozen, the workload keeps running",
+        )
+    plan = containers.plan(w, pids) if w.container else None  # refusals come before the freeze
+    staging = Path(tempfile.mkdtemp(prefix=f".{w.name}.partial-", dir=parent))
+    images = staging / bundle.IMAGES_DIR
+    images.mkdir(mode=0o700)
+    options = criu.DumpOptions(
+        pid=w.root_pid,
+        images_dir=images,
+        work_dir=staging,
+        leave_stopped=True,
+        log_file=bundle.DUMP_LOG,
+        lazy_pages=lazy_port is not None,
+        page_server_port=lazy_port or 0,
+        external=plan.external if plan else [],
+        **_COMMON,
+    )
+    frozen = Frozen(w, staging, None, 0.0, lazy=lazy_port is not None, lock=lock)  # type: ignore[arg-type]
+    try:
+        if w.control and boundary:
+            progress("step boundary")
+            t0 = time.monotonic()
+            frozen.boundary = stepboundary.reach(w)
+            frozen.phases["boundary"] = time.monotonic() - t0
+            started = time.monotonic()  # the job ran on while it finished its step: not frozen time
+        progress("freezing")
+        frozen.gpu = gpustate.suspend(pids, stepboundary.timeout())
+        with locks.host_dump_slot():
+            t0 = time.monotonic()
+            frozen.phases["prepare"] = t0 - started  # facts, GPU, the dump slot (not the boundary)
+            tail = None if frozen.lazy else imagetail.Tail(images).start()
+            if on_dumping is not None:
+                on_dumping(staging)
+            try:
+                _run_dump(frozen, options)
+            finally:
+                known = tail.finish() if tail is not None else {}
+            frozen.phases["criu_dump"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        frozen.netlock_table = netlock.table_for_images(images)
+        if endpoints is not None:
+            readdress.apply(images, endpoints)  # before the seal: the digests cover the new addresses
+        progress("sealing")
+        if plan is not None:
+            _carry_files(staging, plan)
+        manifest = bundle.Manifest(
+            workload=w.name,
+            command=w.command,
+            processes=processes,
+            open_files=procinfo.open_files(pids),
+            uses_gpu=frozen.gpu is not None or procinfo.uses_gpu(pids),
+            criu_version=".".join(map(str, criu.version())),
+            stdio_pipes=w.stdio_pipes,
+            lazy_pages=frozen.lazy,
+            container=plan.facts if plan else None,
+            control_dir=w.control or "",
+            boundary=frozen.boundary.facts() if frozen.boundary else None,
+            gpu=frozen.gpu,
+        )
+        manifest.freeze_seconds = time.monotonic() - started
+        frozen.manifest = bundle.seal(staging, manifest, key, durable, known)
+        frozen.freeze_seconds = manifest.freeze_seconds
+        frozen.phases["seal"] = time.monotonic() - t0
+    except BaseException as exc:
+        log = _keep_log(staging / bundle.DUMP_LOG, w.name)
+        thawed = frozen.thaw()  # lifts the network lock CRIU left, if it got that far; releases the lock
+        if isinstance(exc, CriuctlError) and not thawed.complete:
+            exc.hint += f"; it runs again, but its thaw did not complete: {thawed.line()}"
+        if isinstance(exc, criu.CriuError) and not w.alive():
+            raise CriuctlError(
+                f"workload {w.name!r} ended while it was being frozen",
+                f"nothing was checkpointed; see `criuctl logs {w.name}` for how it ended",
+            ) from exc
+        if isinstance(exc, CriuctlError) and log:
+            exc.hint += f" (CRIU log: {log})"
+        if isinstance(exc, OSError) and exc.errno == 28:
+            raise CriuctlError(
+                f"disk full while writing {parent}",
+                "free space or write the bundle elsewhere; the workload keeps running",
+            ) from exc
+        raise
+    return frozen
+
+
+def _carry_files(staging: Path, plan: containers.DumpPlan) -> None:
+    """A container's files the images do not hold, taken while the tree is frozen (sizes match)."""
+    if plan.upperdir:
+        plan.facts.rootfs_diff = ROOTFS_DIFF
+        plan.facts.deleted = rootfsdiff.write(Path(plan.upperdir), staging / ROOTFS_DIFF)
+    plan.carry_volumes(staging, VOLUMES_DIR)
+
+
+ROOTFS_DIFF = "rootfs-diff.tar"
+VOLUMES_DIR = "volumes"
+
+
+def _run_dump(frozen: Frozen, options: criu.DumpOptions) -> None:
+    """Run CRIU; in post-copy, in a thread, returning once the images are written and pages served."""
+    if not frozen.lazy:
+        criu.dump(options)
+        return
+    ready = threading.Event()
+
+    def on_notify(name: str) -> bool:
+        if name == "status-ready":
+            ready.set()
+        return True
+
+    def serve() -> None:
+        try:
+            criu.dump(options, on_notify, frozen._session)
+        except BaseException as exc:  # reported to whoever waits
+            frozen._error.append(exc)
+        finally:
+            ready.set()
+
+    frozen._session = criu.Session()
+    frozen._criu = threading.Thread(target=serve, name="criu-lazy-dump", daemon=True)
+    frozen._criu.start()
+    ready.wait()
+    if frozen._error:
+        frozen._criu.join()
+        frozen._criu = None
+        raise frozen._error[0]
+
+
+def dump(
+    target: str,
+    out: Path,
+    leave_running: bool = False,
+    progress: Progress = _quiet,
+    freezer: Callable[..., Frozen] | None = None,
+) -> DumpOutcome:
+    """Checkpoint workload `target` (name or PID) into bundle directory `out` (`freezer`: how;
+    CRIU by default, `statesnapshot.freeze_state` for the training-state snapshot)."""
+    started = time.monotonic()
+    out = out.absolute()
+    _check_out_dir(out)
+    if freezer is None:  # a snapshot leaves the tree running: its bundle needs no fsync to be safe
+        frozen = freeze(target, out.parent, progress=progress, durable=not leave_running)
+    else:
+        frozen = freezer(target, out.parent, progress=progress)
+    try:
+        if out.exists():
+            out.rmdir()
+        os.rename(frozen.bundle_dir, out)
+        durable.fsync_dir(out.parent)  # the rename itself on disk before the tree dies
+    except OSError as exc:
+        thawed = frozen.thaw()
+        raise CriuctlError(
+            f"cannot move the bundle into {out}: {exc.strerror}",
+            "nothing was checkpointed, the workload keeps running"
+            + ("" if thawed.complete else f" (its thaw did not complete: {thawed.line()})")
+            + "; pass a new, empty -o directory",
+        ) from exc
+    except BaseException:
+        frozen.thaw()
+        raise
+    frozen.bundle_dir = out
+    # Commit: the bundle is complete, signed and on disk.
+    thaw = None
+    if leave_running:
+        thaw = frozen.thaw(remove_bundle=False)
+    else:
+        frozen.commit(bundle=str(out))
+    size = bundle.size_bytes(out)
+    took = time.monotonic() - started
+    return DumpOutcome(out, frozen.manifest, frozen.freeze_seconds, took, size, frozen.phases, thaw)
+
+
+def _keep_log(log: Path, name: str) -> Path | None:
+    """Keep a failed dump's CRIU log (the staging directory is about to go)."""
+    if not log.exists():
+        return None
+    kept = workloads.logs_dir("logs") / f"dump-{name}-{time.strftime('%Y%m%dT%H%M%S')}.log"
+    shutil.move(log, kept)
+    return kept

@@ -1,0 +1,266 @@
+"""The local restore workflow: verify a bundle, recreate its tree as our child, then let it run.
+
+
+Interrupt-safe: from the moment CRIU starts until the restored tree is supervised (or killed),
+SIGINT, SIGTERM and SIGHUP are deferred (`interrupts`). One that arrived while CRIU restored kills
+what CRIU restored, and the command exits with one line and 128 + the signal's number; one that
+arrives after the tree runs is forwarded to it, as `criuctl run` does. Never a stopped copy of the
+job left behind, reparented to PID 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from criuctl.container import placeholder
+from criuctl.core import procinfo, workloads
+from criuctl.core.errors import CriuctlError
+from criuctl.engine import criu
+from criuctl.format import bundle
+from criuctl.gpu import gpustate
+from criuctl.local import interrupts, stepboundary, supervisor
+
+
+def _quiet(_msg: str) -> None:
+    pass
+
+
+@dataclass
+class Restored:
+    """A tree CRIU recreated, still stopped: `start` lets it run (and registers it), `abort` kills it."""
+
+    workload: workloads.Workload
+    stdio: supervisor.Stdio | None  # None in a placeholder: the tree writes to the container's pipes
+    criu_seconds: float
+    lazy_daemon: subprocess.Popen | None = None
+    into: placeholder.Placeholder | None = None
+    manifest: bundle.Manifest | None = None
+    gpu_map: dict[str, str] = field(default_factory=dict)  # old -> new GPU UUIDs (gpustate.plan)
+    gpu_seconds: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per step, for benchmarks
+
+    def start(self, **record: object) -> None:
+        w = self.workload
+        for k, v in record.items():
+            setattr(w, k, v)
+        workloads.save(w)
+        if self.stdio is not None:
+            self.stdio.close_write_ends()
+        if self.into is not None:
+            self.into.close_fds()
+            self.into.tell(f"running {w.name} (host PID {w.root_pid})")
+        m = self.manifest
+        if m is not None and m.boundary is not None:  # a trainer held at its step boundary goes on
+            stepboundary.released_on_target(m.control_dir, m.boundary.request_id)
+        for pid in procinfo.tree_pids(w.root_pid):  # CRIU's restore lifted its lock and repair mode
+            procinfo.send_signal(pid, signal.SIGCONT)
+        if m is not None and m.gpu is not None:  # running: the driver's restore thread can work
+            self.gpu_seconds = gpustate.resume(m.gpu, w.root_pid, self.gpu_map)
+
+    def abort(self, why: str = "the migration did not commit") -> None:
+        _kill_and_reap(self.workload.root_pid)
+        if self.lazy_daemon is not None:
+            self.lazy_daemon.kill()
+            self.lazy_daemon.wait()
+        _close(self.stdio, self.into, why)
+
+    def supervise(self, echo: bool = True, keeper: bool = False) -> int:
+        """Stand by the running tree until it ends; the exit status for this command. A `keeper`
+        (the agent's target handoff) joins the placeholder's cgroups (`placeholder.keep`)."""
+        if self.into is None:
+            assert self.stdio is not None
+            return supervisor.supervise(self.workload, self.stdio, echo=echo)
+        code = placeholder.keep(self.into, self.workload.root_pid, join_cgroups=keeper)
+        w = self.workload
+        now = workloads.load(w.name)
+        if now is None or now.state == workloads.RUNNING:
+            w.state, w.exit_code = workloads.EXITED, code
+            workloads.save(w)
+        self.into.tell(f"exit {code}")  # last: the placeholder then ends, and its cgroups with it
+        return code
+
+
+def _close(stdio: supervisor.Stdio | None, into: placeholder.Placeholder | None, why: str) -> None:
+    if stdio is not None:
+        for fd in (stdio.out_r, stdio.out_w, stdio.err_r, stdio.err_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    if into is not None:
+        into.close_fds()
+        into.tell(f"aborted {why}")
+
+
+def _kill_and_reap(pid: int) -> None:
+    """SIGKILL a restored namespace init (the namespace goes with it) and reap it (it is our child)."""
+    procinfo.kill_tree(pid)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
+
+
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children()}
+
+
+def restore_stopped(
+    bundle_dir: Path,
+    name: str | None = None,
+    page_server: tuple[str, int] | None = None,
+    digests: dict[str, str] | None = None,
+    progress=_quiet,
+    into: placeholder.Placeholder | None = None,
+) -> Restored:
+    """Verify a bundle and recreate its tree, stopped, as our child (see `Restored`).
+
+    A post-copy bundle needs `page_server` (the source's address and port): a `criu lazy-pages`
+    daemon pulls the missing pages from it, on demand and in the background. Raises
+    `interrupts.Interrupted` if SIGINT/SIGTERM/SIGHUP came while CRIU restored: by then what CRIU
+    restored is dead and reaped. A container's bundle is restored only `into` a placeholder
+    container (`criuctl.container.placeholder`), which then holds the tree's files, namespaces and cgroups.
+    """
+    bundle_dir = bundle_dir.absolute()
+    t0 = time.monotonic()
+    manifest = bundle.verify(bundle_dir, bundle.load_key(workloads.key_path(), create=False), digests)
+    verified = time.monotonic() - t0
+    criu.require_version()
+    if manifest.lazy_pages and page_server is None:
+        raise CriuctlError(
+            f"{bundle_dir} is a post-copy bundle: its memory is still on the source node",
+            "it can only be restored by `criuctl migrate --mode post-copy`",
+        )
+    name = workloads.unique_name(name or manifest.workload)
+    gpu_map = gpustate.plan(manifest.gpu)  # a node without the GPUs is refused before CRIU runs
+    images = bundle_dir / bundle.IMAGES_DIR
+    work = Path(tempfile.mkdtemp(prefix=f"restore-{name}-", dir=workloads.logs_dir("restores")))
+    stdio, inherit, into_options = _destination(bundle_dir, manifest, into)
+    lazy = None
+    result: criu.RestoreResult | None = None
+    before = _children()
+    progress("restoring")
+    with interrupts.deferred() as caught:
+        try:
+            if page_server is not None:
+                lazy = criu.lazy_pages_daemon(images, work, *page_server)
+            result = criu.restore(
+                criu.RestoreOptions(
+                    images_dir=images,
+                    work_dir=work,
+                    inherit_fds=inherit,
+                    leave_stopped=True,
+                    lazy_pages=lazy is not None,
+                    **into_options,
+                    **criu.TREE_OPTIONS,
+                )
+            )
+        except BaseException as exc:
+            _undo(None, lazy, stdio, before, into, f"CRIU could not restore: {exc}")
+            raise
+    if caught.first is not None:
+        _undo(result, lazy, stdio, before, into, f"interrupted by {caught.first.name}")
+        raise interrupts.Interrupted(
+            caught.first,
+            f"restore of {bundle_dir} interrupted by {caught.first.name}: what CRIU had restored was killed",
+            f"the bundle is untouched; restore it again with: criuctl restore {bundle_dir}",
+        )
+    w = workloads.Workload.of_tree(
+        result.pid,
+        name=name,
+        command=manifest.command,
+        supervisor_pid=os.getpid(),
+        # into a placeholder, the job now writes to the placeholder's pipes: those are what a next
+        # dump must name (the bundle's were the first container's, gone with it)
+        stdio_pipes=stdio.keys() if stdio else _placeholder_pipes(into, manifest),
+        restored_from=str(bundle_dir),
+        container=into.container.id if into else None,
+        pod_uid=(into.container.pod_uid or None) if into else None,
+        runtime=into.container.runtime if into else None,
+        control=manifest.control_dir or None,
+    )
+    phases = {"verify": verified, "criu_restore": result.seconds}
+    return Restored(w, stdio, result.seconds, lazy, into, manifest, gpu_map, phases=phases)
+
+
+def _placeholder_pipes(into: placeholder.Placeholder | None, manifest: bundle.Manifest) -> dict[str, str]:
+    from criuctl.container import containers
+
+    return containers.stdio_pipes(into.pid) if into is not None else manifest.stdio_pipes
+
+
+def _destination(
+    bundle_dir: Path, manifest: bundle.Manifest, into: placeholder.Placeholder | None
+) -> tuple[supervisor.Stdio | None, dict[str, int], dict]:
+    """Where the tree goes: our own pipes (a process tree), or into a placeholder (a container's)."""
+    if manifest.container is None:
+        if into is not None:
+            raise CriuctlError(
+                f"{bundle_dir} holds a process tree, not a container: it restores without a placeholder",
+                "restore it with `criuctl restore BUNDLE` (no --into)",
+            )
+        stdio = supervisor.Stdio.create()
+        inherit = {
+            manifest.stdio_pipes[k]: fd
+            for k, fd in (("stdout", stdio.out_w), ("stderr", stdio.err_w))
+            if k in manifest.stdio_pipes
+        }
+        return stdio, inherit, {}
+    if into is None:
+        raise CriuctlError(
+            f"{bundle_dir} holds container {manifest.container.id[:12]}: it restores only into a "
+            "placeholder container",
+            "start a placeholder (docs/containers.md) and restore with --into CONTAINER, or use migrate",
+        )
+    into.tell(f"restoring {manifest.workload} from node {manifest.host}")
+    try:
+        placeholder.prepare(into, bundle_dir, manifest.container)
+        options = placeholder.restore_options(into, manifest.container, manifest.stdio_pipes)
+    except BaseException as exc:
+        _close(None, into, f"cannot prepare the placeholder: {exc}")
+        raise
+    return None, options.pop("inherit_fds"), options
+
+
+def _undo(
+    result: criu.RestoreResult | None,
+    lazy: subprocess.Popen | None,
+    stdio: supervisor.Stdio | None,
+    before: set[int],
+    into: placeholder.Placeholder | None = None,
+    why: str = "",
+) -> None:
+    """Kill and reap whatever this restore created: the restored init, any other new child, the daemon."""
+    if result is not None:
+        _kill_and_reap(result.pid)
+    for pid in _children() - before - {lazy.pid if lazy else -1}:
+        _kill_and_reap(pid)  # CRIU failed half-way: a restored init it did not name
+    if lazy is not None:
+        lazy.kill()
+        lazy.wait()
+    _close(stdio, into, why)
+
+
+def restore(
+    bundle_dir: Path, name: str | None = None, progress=_quiet, into: placeholder.Placeholder | None = None
+) -> int:
+    """Verify and restore a bundle, then supervise it in the foreground; returns its exit status."""
+    with interrupts.deferred() as caught:
+        r = restore_stopped(bundle_dir, name, progress=progress, into=into)
+        r.start()
+        supervisor.forward_signals(r.workload.root_pid)  # before the signals are let through
+    for sig in caught.signals:  # came after CRIU was done: the running job gets it, as under `run`
+        procinfo.send_signal(r.workload.root_pid, sig)
+    print(
+        f"criuctl: restored {r.workload.name!r} from {r.workload.restored_from} in {r.criu_seconds:.2f} s "
+        f"(PID {r.workload.root_pid}; verified in {r.phases.get('verify', 0.0):.2f} s)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return r.supervise()

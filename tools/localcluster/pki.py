@@ -1,0 +1,72 @@
+"""The local cluster's keys and tokens, made with openssl: one CA signs the API server's, the agents'
+and the webhook's serving certificates; clients authenticate with static tokens (a token file is
+the API server's simplest real authenticator); the service-account key pair signs pod tokens."""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+from localcluster.layout import Layout, sh
+
+SERVICE_IP = "10.96.0.1"  # the `kubernetes` Service's address in --service-cluster-ip-range
+
+
+def _cert(pki: Path, name: str, cn: str, sans: list[str]) -> None:
+    key, csr, crt, ext = (pki / f"{name}.{s}" for s in ("key", "csr", "crt", "ext"))
+    ext.write_text("subjectAltName=" + ",".join(sans) + "\nextendedKeyUsage=serverAuth,clientAuth\n")
+    sh("openssl", "req", "-new", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr),
+       "-subj", f"/CN={cn}")  # fmt: skip
+    sh("openssl", "x509", "-req", "-in", str(csr), "-CA", str(pki / "ca.crt"), "-CAkey", str(pki / "ca.key"),
+       "-CAcreateserial", "-days", "365", "-out", str(crt), "-extfile", str(ext))  # fmt: skip
+    key.chmod(0o600)
+
+
+def make(lay: Layout) -> dict[str, str]:
+    """Every key, certificate and token the cluster needs; returns the tokens by user."""
+    pki = lay.pki
+    pki.mkdir(parents=True, exist_ok=True)
+    pki.chmod(0o700)
+    sh("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(pki / "ca.key"),
+       "-out", str(pki / "ca.crt"), "-days", "365", "-subj", "/CN=criuctl-local-cluster-ca")  # fmt: skip
+    ips = [lay.host_ip, "127.0.0.1", SERVICE_IP]
+    names = ["kubernetes", "kubernetes.default", "kubernetes.default.svc", "localhost"]
+    _cert(pki, "apiserver", "kube-apiserver", [f"IP:{i}" for i in ips] + [f"DNS:{n}" for n in names])
+    node_ips = [lay.node(n).ip for n in lay.nodes]
+    _cert(pki, "agent", "criuctl-agent", [f"IP:{i}" for i in [*node_ips, "127.0.0.1"]])
+    _cert(pki, "webhook", "criuctl-webhook", [f"IP:{lay.host_ip}", "DNS:criuctl-webhook.criuctl-system.svc"])
+    sh("openssl", "genrsa", "-out", str(pki / "sa.key"), "2048")
+    sh("openssl", "rsa", "-in", str(pki / "sa.key"), "-pubout", "-out", str(pki / "sa.pub"))
+    users = {
+        "admin": ("admin", "system:masters"),
+        "kube-scheduler": ("system:kube-scheduler", ""),
+        "kube-controller-manager": ("system:kube-controller-manager", ""),
+        **{f"node-{n}": (f"system:node:{n}", "system:nodes") for n in lay.nodes},
+    }
+    tokens = {u: secrets.token_hex(16) for u in users}
+    lines = [f'{tokens[u]},{name},{name},"{group}"' for u, (name, group) in users.items()]
+    (pki / "tokens.csv").write_text("\n".join(lines) + "\n")
+    (pki / "tokens.csv").chmod(0o600)
+    (pki / "agent-token").write_text(secrets.token_hex(32) + "\n")
+    (pki / "bundle.key").write_text(secrets.token_hex(32) + "\n")
+    for f in ("agent-token", "bundle.key"):
+        (pki / f).chmod(0o400)
+    return tokens
+
+
+def kubeconfig(lay: Layout, path: Path, token: str, server: str | None = None) -> Path:
+    """A kubeconfig for one user (YAML is JSON's superset: written as JSON, read by every client)."""
+    import json
+
+    cfg = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "local", "cluster": {"server": server or lay.api_url,
+                                                   "certificate-authority": str(lay.pki / "ca.crt")}}],
+        "users": [{"name": "user", "user": {"token": token}}],
+        "contexts": [{"name": "local", "context": {"cluster": "local", "user": "user"}}],
+        "current-context": "local",
+    }  # fmt: skip
+    path.write_text(json.dumps(cfg, indent=1))
+    path.chmod(0o600)
+    return path
