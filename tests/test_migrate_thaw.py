@@ -33,7 +33,7 @@ STEPS = ("--steps", "40")
 
 def _tables(c: Cluster, node: str) -> list[str]:
     """CRIU lock tables in the node's network namespace (they are per namespace)."""
-    code = "import json; from criuctl import netlock; print(json.dumps(netlock.tables()))"
+    code = "import json; from criuctl.net import netlock; print(json.dumps(netlock.tables()))"
     r = subprocess.run([*c.nodes[node].inside(), sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)

@@ -65,7 +65,7 @@ def where(c: Cluster, world: int) -> list[str]:
 
 
 def tables(c: Cluster, node: str, prefix: str) -> list[str]:
-    code = f"from criuctl import netcut; print(' '.join(netcut.tables({prefix!r})))"
+    code = f"from criuctl.net import netcut; print(' '.join(netcut.tables({prefix!r})))"
     r = subprocess.run([*c.nodes[node].inside(), sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     return r.stdout.split()

@@ -160,7 +160,7 @@ def test_redirect_rules_refuse_anything_else(raw):
 
 NETNS_SCRIPT = """
 import json, sys
-from criuctl import netcut
+from criuctl.net import netcut
 netcut.cut("t1", [("10.9.0.4", 40001, "10.9.0.2", 29500)])
 netcut.redirect("r1", [("10.9.0.2", 29500, "10.9.0.3", 40001, "10.9.0.4")])
 netcut.redirect("r2", [("10.9.0.2", 29500, "10.9.0.4", 40001, "10.9.0.5")])
