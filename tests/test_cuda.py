@@ -317,7 +317,8 @@ def test_resume_in_another_process_with_a_gpu_map(driver, fake, spawn, monkeypat
     monkeypatch.setenv("FAKE_CUDA_PRESENT", f"{B},{C}")
     gpu_map = {A: B, B: C}
     script = (
-        f"from criuctl.gpu import cuda, cudasteps; cudasteps.resume(cuda.Driver.load(), {pids!r}, {gpu_map!r})"
+        "from criuctl.gpu import cuda, cudasteps; "
+        f"cudasteps.resume(cuda.Driver.load(), {pids!r}, {gpu_map!r})"
     )
     subprocess.run([sys.executable, "-c", script], check=True, cwd=Path(__file__).parent.parent)
     assert [driver.state(p) for p in pids] == [ProcessState.RUNNING] * 2
