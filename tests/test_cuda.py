@@ -287,7 +287,7 @@ def test_suspend_says_so_when_the_rollback_fails_too(driver, spawn, monkeypatch)
 def test_release_after_a_failed_dump_restores_and_unlocks(driver, fake, spawn):
     p1, p2 = pids = spawn(2)
     cudasteps.suspend(driver, pids, 5)
-    done = cudasteps.release(driver, pids)  # as if CRIU's dump failed next
+    done = cudasteps.undo_suspend(driver, pids)  # as if CRIU's dump failed next
     assert done.ok and (done.restored, done.unlocked, done.already_running) == ([p2, p1], [p2, p1], [])
     assert [driver.state(p) for p in pids] == [ProcessState.RUNNING] * 2
     assert fake.calls()[-4:] == [
@@ -296,7 +296,7 @@ def test_release_after_a_failed_dump_restores_and_unlocks(driver, fake, spawn):
         f"unlock {p2}",
         f"unlock {p1}",
     ]
-    again = cudasteps.release(driver, pids)
+    again = cudasteps.undo_suspend(driver, pids)
     assert again.ok and again.already_running == [p2, p1] and len(fake.calls()) == 8
 
 
@@ -304,7 +304,7 @@ def test_release_goes_on_past_a_vanished_pid(driver, spawn):
     p1, p2 = spawn(2)
     gone = dead_pid()
     cudasteps.suspend(driver, [p1, p2], 5)
-    done = cudasteps.release(driver, [p1, gone, p2])
+    done = cudasteps.undo_suspend(driver, [p1, gone, p2])
     assert not done.ok and [e.pid for e in done.errors] == [gone]
     assert done.unlocked == [p2, p1] and driver.state(p1) is ProcessState.RUNNING
 
@@ -461,9 +461,9 @@ def test_a_thawed_tree_gets_its_gpu_state_back_whoever_locked_it(driver, fake, s
 
     pids = spawn(2)
     cudasteps.suspend(driver, pids, 5)  # ... and the process that did this is gone
-    gpustate.release_tree(pids)
+    gpustate.give_back_tree(pids)
     assert [driver.state(p) for p in pids] == [ProcessState.RUNNING] * 2
-    gpustate.release_tree(pids)  # a second thaw finds nothing to do
+    gpustate.give_back_tree(pids)  # a second thaw finds nothing to do
     assert len(fake.calls(("restore",))) == 2 and len(fake.calls(("unlock",))) == 2
 
 
@@ -471,7 +471,7 @@ def test_no_driver_means_nothing_to_give_back(monkeypatch, tmp_path, spawn):
     from criuctl.gpu import gpustate
 
     monkeypatch.setenv(cuda.ENV_LIBCUDA, str(tmp_path / "no-libcuda.so.1"))
-    gpustate.release_tree(spawn(1))  # returns quietly: a CPU node's thaw is unchanged
+    gpustate.give_back_tree(spawn(1))  # returns quietly: a CPU node's thaw is unchanged
 
 
 def test_gpustate_suspends_what_the_driver_holds_and_undoes_a_dead_dumpers_lock(
@@ -490,5 +490,5 @@ def test_gpustate_suspends_what_the_driver_holds_and_undoes_a_dead_dumpers_lock(
     assert [d.uuid for d in facts.devices] == [A]
     assert [driver.state(p) for p in (locked, fresh)] == [ProcessState.CHECKPOINTED] * 2
     assert fake.calls(("unlock",)) == [f"unlock {locked}"]  # the leftover lock was undone first
-    gpustate.release_tree([cpu_only, locked, fresh])
+    gpustate.give_back_tree([cpu_only, locked, fresh])
     assert [driver.state(p) for p in (locked, fresh)] == [ProcessState.RUNNING] * 2

@@ -135,7 +135,7 @@ def test_a_mount_only_the_node_has_is_reached_and_attached_here(tmp_path) -> Non
         here = view.attach(m)
         assert here is not None and Path(here, "f").read_text() == "kept\n"
         assert any(x.point == here for x in mounts.of("self")), "not a mount of our namespace"
-        view.release()
+        view.detach()
         assert not os.path.exists(here) and not any(x.point == here for x in mounts.of("self"))
     finally:
         node.kill()

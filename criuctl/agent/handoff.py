@@ -55,6 +55,7 @@ from criuctl.agent.protocol import (
 from criuctl.container import placeholder, runtime
 from criuctl.core import procinfo, workloads
 from criuctl.core.errors import CriuctlError
+from criuctl.core.retry import Backoff
 from criuctl.engine import criu
 from criuctl.format import bundle
 from criuctl.local import checkpoint, restoring
@@ -159,7 +160,7 @@ class _Source:
 
     def _settle(self, cmd: str) -> None:
         """SENT: whatever we are told, the target's answer decides. Returns once settled."""
-        backoff = 1.0
+        backoff = Backoff(TIMEOUTS.ask_backoff_max)
         while True:
             if cmd == Command.COMMIT:
                 state = verdicts.ask_state(self.spec.ticket)
@@ -177,21 +178,19 @@ class _Source:
                 _emit(Event.IN_DOUBT)
                 cmd = _command()
                 continue
-            time.sleep(backoff)  # the lease broke and the target is silent: frozen, not lost
-            backoff = min(backoff * 2, TIMEOUTS.ask_backoff_max)
+            backoff.sleep()  # the lease broke and the target is silent: frozen, not lost
 
     def _thaw(self) -> None:
         """The tree runs here again. A thaw that did not complete (its lock could not be lifted, say)
         is said at once (THAW_INCOMPLETE, with what is left) and retried here until it completes;
         only then THAWED. The tree runs meanwhile: it got its SIGCONT whatever failed."""
         assert self.frozen is not None
-        thaw, backoff = self.frozen.thaw(), 1.0
+        thaw, backoff = self.frozen.thaw(), Backoff(TIMEOUTS.thaw_retry_max)
         while not thaw.complete:
             if self.rec is not None and self.rec.thaw_left != thaw.line():
                 self._advance(SourceState.THAW_INCOMPLETE, thaw_left=thaw.line())
                 _emit(Event.THAW_INCOMPLETE, left=thaw.line())
-            time.sleep(backoff)
-            backoff = min(backoff * 2, TIMEOUTS.thaw_retry_max)
+            backoff.sleep()
             thaw = self.frozen.retry_thaw()
         self._advance(SourceState.THAWED, thaw_left=None)
         _emit(Event.THAWED)
@@ -286,15 +285,14 @@ def target(spec_file: Path) -> int:
 
 def _follow(leader: Ticket) -> str:
     """COMMIT once the job's first moved rank runs on its target, ABORT once it never will."""
-    backoff = 1.0
+    backoff = Backoff(TIMEOUTS.ask_backoff_max)
     while True:
         state = verdicts.ask_state(leader)
         if state == TargetState.RUNNING:
             return Command.COMMIT
         if state in (TargetState.ABORTED, TargetState.FAILED):
             return Command.ABORT
-        time.sleep(backoff)  # stopped, never ran: it waits for the word, as a frozen source does
-        backoff = min(backoff * 2, TIMEOUTS.ask_backoff_max)
+        backoff.sleep()  # stopped, never ran: it waits for the word, as a frozen source does
 
 
 def _placeholder(spec: TargetSpec) -> placeholder.Placeholder | None:

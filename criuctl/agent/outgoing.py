@@ -40,6 +40,7 @@ from criuctl.container import containers
 from criuctl.core import procinfo, workloads
 from criuctl.core.errors import CriuctlError
 from criuctl.core.procinfo import Identity
+from criuctl.core.retry import Backoff
 from criuctl.engine import criu
 from criuctl.format import bundle
 from criuctl.local import checkpoint
@@ -265,10 +266,9 @@ class Outgoing:
         """A record whose handoff died, still unsettled: a frozen tree in SENT asks the target until
         it answers and acts on its verdict; a thaw that did not complete is tried until it does."""
         if rec.state == SourceState.SENT:
-            backoff = 1.0
+            backoff = Backoff(TIMEOUTS.ask_backoff_max)
             while (verdict := await asyncio.to_thread(verdicts.ask_abort, rec.ticket)) == Verdict.UNKNOWN:
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, TIMEOUTS.ask_backoff_max)
+                await backoff.asleep()
             log.warning("recovered outgoing", extra={"id": rec.migration, "verdict": str(verdict)})
             if verdict == Verdict.RUNNING and (tree := rec.tree()) is not None:
                 await asyncio.to_thread(_end, tree, rec)

@@ -31,6 +31,7 @@ from criuctl.agent.httpjson import body_json, error, fail, valid_id
 from criuctl.agent.protocol import TIMEOUTS, TargetState, Ticket
 from criuctl.core import workloads
 from criuctl.core.errors import CriuctlError
+from criuctl.core.retry import Backoff
 from criuctl.net import netcut
 from criuctl.net.readdress import canonical
 
@@ -141,7 +142,7 @@ class Redirects:
     async def settle(self, rid: str, seconds: float) -> None:
         """The client did not settle it in time: the moved rank's target says what is true."""
         await asyncio.sleep(seconds)
-        backoff = 1.0
+        backoff = Backoff(TIMEOUTS.ask_backoff_max)
         while (rec := await asyncio.to_thread(self._load, rid)) is not None and rec.state == PENDING:
             state = await asyncio.to_thread(verdicts.ask_state, rec.ticket)
             log.warning("redirect lease expired", extra={"id": rid, "target_state": state})
@@ -151,8 +152,7 @@ class Redirects:
             elif state in (TargetState.ABORTED, TargetState.FAILED):
                 await asyncio.to_thread(self._drop, rec)
             else:
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, TIMEOUTS.ask_backoff_max)
+                await backoff.asleep()
 
     def pending(self) -> list[str]:
         """At start-up: the redirects a previous agent left unsettled."""

@@ -36,6 +36,7 @@ from criuctl.agent.protocol import (
     check_transition,
 )
 from criuctl.core.errors import CriuctlError
+from criuctl.core.retry import Backoff
 from criuctl.local import checkpoint
 
 log = logging.getLogger("criuctl.agent")
@@ -51,10 +52,9 @@ ThawFromRecord = Callable[[SourceRecord], checkpoint.Thaw]
 async def thaw_until_done(attempt: Callable[[], checkpoint.Thaw], backoff_max: float) -> None:
     """Try `attempt` (in a thread) until a thaw completes: the tree already runs, what is left (its
     network lock, say) is retried with a backoff for as long as it takes."""
-    backoff = 1.0
+    backoff = Backoff(backoff_max)
     while not (await asyncio.to_thread(attempt)).complete:
-        await asyncio.sleep(backoff)
-        backoff = min(backoff * 2, backoff_max)
+        await backoff.asleep()
 
 
 class SourceMachine:
@@ -303,10 +303,9 @@ class SourceMachine:
     async def lease_loop(self, seconds: float) -> None:
         """No word from the client in time: settle with the target, asking again while it is silent."""
         await asyncio.sleep(seconds)
-        backoff = 1.0
+        backoff = Backoff(self.t.ask_backoff_max)
         while self.state == SourceState.SENT:
             out = await self.abort()
             log.warning("lease expired", extra={"id": self.id, "state": str(out.state), "what": out.what})
             if self.state == SourceState.SENT:
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self.t.ask_backoff_max)
+                await backoff.asleep()

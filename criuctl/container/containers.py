@@ -21,14 +21,14 @@ import psutil
 from criuctl.container import mounts, volumes
 from criuctl.container.nodeview import NodeView
 from criuctl.container.runtime import Container, Runtime
-from criuctl.core import durable, procinfo, workloads
+from criuctl.core import durable, nsinit, procinfo, workloads
 from criuctl.core.errors import CriuctlError
 from criuctl.format.bundle import ContainerFacts
 
 NAME_PREFIX = "ctr-"
 # Devices a checkpoint can hold open: CRIU reopens them by path on the target.
 KNOWN_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty")
-PLACEHOLDER_FLAG = "--placeholder"
+PLACEHOLDER_FLAG = nsinit.PLACEHOLDER
 
 
 class NotCheckpointable(CriuctlError):
@@ -56,9 +56,13 @@ def cmdline(pid: int) -> list[str]:
 
 
 def runs_criuctl_init(pid: int) -> bool:
-    """PID `pid` is criuctl's namespace init: `python -I …/nsinit.py -- CMD` or `-m criuctl.core.nsinit`."""
+    """PID `pid` is criuctl's namespace init: `python -I …/nsinit.py -- CMD` or `-m criuctl.core.nsinit`
+    (or `-m criuctl.nsinit`: a job started, or restored from a bundle, before the package was
+    regrouped keeps the argv it started with)."""
     argv = cmdline(pid)
-    return any(a.endswith("nsinit.py") or a == "criuctl.core.nsinit" for a in argv[:4])
+    return any(
+        a.endswith(nsinit.INJECT_NAME) or a in ("criuctl.core.nsinit", "criuctl.nsinit") for a in argv[:4]
+    )
 
 
 def is_placeholder(pid: int) -> bool:
@@ -288,12 +292,12 @@ def mark_moved(w: workloads.Workload, node: str) -> bool:
     if not w.container or not w.pod_uid or "/" in w.pod_uid:
         return False
     try:
-        init = next(a for a in cmdline(w.root_pid) if a.endswith("/nsinit.py"))
+        init = next(a for a in cmdline(w.root_pid) if a.endswith(f"/{nsinit.INJECT_NAME}"))
         seen = mounts.by_point(mounts.of(w.root_pid)).get(os.path.dirname(init))
         dest = mounts.host_path(seen, mounts.of("self")) if seen else None
         if dest is None:
             return False
-        moved = Path(dest) / "moved"  # criuctl.core.nsinit.MOVED_DIR
+        moved = Path(dest) / nsinit.MOVED_DIR
         moved.mkdir(mode=0o755, exist_ok=True)
         durable.replace(moved / w.pod_uid, (node + "\n").encode(), 0o644)
         return True
@@ -310,7 +314,6 @@ def write_inject_dir(dest: Path = INJECT_DIR) -> Path:
     import shutil
     import tempfile
 
-    from criuctl.core import nsinit
     from criuctl_hook.contract import HOOKS_DIR
 
     sources = [

@@ -140,7 +140,7 @@ class NodeView:
         self.attached.append(home)
         return home
 
-    def release(self) -> None:
+    def detach(self) -> None:
         """Unmount what `attach` mounted (a restored tree keeps its own copies of those mounts)."""
         while self.attached:
             home = self.attached.pop()

@@ -72,7 +72,7 @@ class Placeholder:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self.fds.clear()
-        self.view.release()
+        self.view.detach()
 
     def mount(self, point: str) -> mounts.Mount | None:
         """The placeholder's mount at `point` (the last one mounted there)."""

@@ -44,6 +44,10 @@ MOVED_DIR = "moved"
 # (criuctl.container.placeholder).
 CONTROL_DIR = "/run/criuctl"
 PLACEHOLDER = "--placeholder"
+# A container gets this file and the hook from the node's inject dir, mounted read-only here, and
+# runs `python3 -I INJECT_MOUNT/INJECT_NAME -- CMD` (the webhook rewrites its command so).
+INJECT_MOUNT = "/.criuctl"
+INJECT_NAME = "nsinit.py"
 
 # seccomp/BPF constants (linux/seccomp.h, linux/filter.h, linux/audit.h)
 _PR_SET_NO_NEW_PRIVS, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 38, 22, 2

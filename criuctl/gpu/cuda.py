@@ -124,7 +124,7 @@ class CudaError(CriuctlError):
     ) -> None:
         super().__init__(what, hint, detail)
         self.function, self.pid, self.code = function, pid, code
-        self.rollback: object | None = None  # a cudasteps.Released, set by `suspend` after undoing its work
+        self.rollback: object | None = None  # a cudasteps.Undone, set by `suspend` after undoing its work
 
     @property
     def timed_out(self) -> bool:

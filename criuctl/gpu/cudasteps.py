@@ -16,7 +16,7 @@ from criuctl.gpu.cuda import CudaError, CUresult, Driver, ProcessState
 
 
 @dataclass
-class Released:
+class Undone:
     """What undoing a suspension did, pid by pid; one pid's failure does not stop the others."""
 
     restored: list[int] = field(default_factory=list)
@@ -49,7 +49,7 @@ def suspend(driver: Driver, pids: list[int], timeout_s: float) -> list[int]:
         for pid in pids:
             driver.checkpoint(pid)
     except CudaError as exc:
-        exc.rollback = release(driver, touched)
+        exc.rollback = undo_suspend(driver, touched)
         if exc.rollback.ok:
             exc.hint = "; ".join(filter(None, [exc.hint, "the job was left running"]))
         else:
@@ -119,13 +119,13 @@ def _attempt(
     return True
 
 
-def release(driver: Driver, pids: list[int]) -> Released:
+def undo_suspend(driver: Driver, pids: list[int]) -> Undone:
     """Undo `suspend` on the source (a later step such as the CRIU dump failed): restore, then unlock.
 
     Goes in reverse order, restores every checkpointed pid before unlocking any, skips pids already
     RUNNING, and never raises: it runs on an error path whose own error must reach the user.
     """
-    out = Released()
+    out = Undone()
     states: dict[int, ProcessState] = {}
     for pid in reversed(pids):
         _attempt(out.errors, pid, lambda p: states.__setitem__(p, driver.state(p)))
@@ -138,5 +138,7 @@ def release(driver: Driver, pids: list[int]) -> Released:
         elif state is ProcessState.RUNNING:
             out.already_running.append(pid)
         elif state is ProcessState.FAILED:
-            out.errors.append(CudaError(f"pid {pid} is in CUDA state FAILED", function="release", pid=pid))
+            out.errors.append(
+                CudaError(f"pid {pid} is in CUDA state FAILED", function="undo_suspend", pid=pid)
+            )
     return out

@@ -62,7 +62,7 @@ def suspend(pids: list[int], timeout_s: float) -> bundle.GpuFacts | None:
     if not users:
         return None
     if stale := [p for p in users if driver.state(p) != cuda.ProcessState.RUNNING]:
-        cudasteps.release(driver, stale)
+        cudasteps.undo_suspend(driver, stale)
     devices = _facts(users)  # before the checkpoint closes their device files
     started = time.monotonic()
     cudasteps.suspend(driver, users, timeout_s)  # rolls back what it did before raising
@@ -75,7 +75,7 @@ def suspend(pids: list[int], timeout_s: float) -> bundle.GpuFacts | None:
     )
 
 
-def release_tree(pids: list[int]) -> None:
+def give_back_tree(pids: list[int]) -> None:
     """A thawed tree's processes get back the CUDA state the driver holds for them (restore + unlock).
 
     Asks the driver itself, not a record: whoever locked them may have died between the lock and
@@ -89,7 +89,7 @@ def release_tree(pids: list[int]) -> None:
     except cuda.CudaError:
         return  # no driver here, or a process gone meanwhile: nothing this thaw can do
     if held:
-        cudasteps.release(driver, held)
+        cudasteps.undo_suspend(driver, held)
 
 
 def plan(facts: bundle.GpuFacts | None) -> dict[str, str]:

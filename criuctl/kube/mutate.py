@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 from criuctl.container import containers  # cheap: standard library and psutil, nothing of torch or kubernetes
+from criuctl.core import nsinit
 
 Pod = dict[str, Any]
 
@@ -25,13 +26,14 @@ PLACEHOLDER_FOR = "criuctl.io/placeholder-for"  # "NAMESPACE/POD": the pod whose
 DEFAULT_PYTHON = "python3"
 
 VOLUME = "criuctl-inject"
-MOUNT = "/.criuctl"
+# The init/pod contract is the init's own (criuctl.core.nsinit): where the inject dir is mounted,
+# the init's file there, the placeholder's FIFO folder, the variable naming the pod to the init.
+MOUNT = nsinit.INJECT_MOUNT
 INJECT_DIR = str(containers.INJECT_DIR)  # where the node agent writes nsinit.py and the hook
-INIT = f"{MOUNT}/nsinit.py"
+INIT = f"{MOUNT}/{nsinit.INJECT_NAME}"
 RUN_VOLUME = "criuctl-run"  # an emptyDir for the placeholder init's FIFOs on a read-only rootfs
-RUN_DIR = "/run/criuctl"  # criuctl.core.nsinit.CONTROL_DIR (not imported: nsinit is the container's init)
-
-POD_UID_ENV = "CRIUCTL_POD_UID"  # criuctl.core.nsinit.ENV_POD_UID (not imported: it is the container's init)
+RUN_DIR = nsinit.CONTROL_DIR
+POD_UID_ENV = nsinit.ENV_POD_UID
 NO_COMMAND = "the image's entrypoint is not in the pod spec; give the container a command"
 PROBES = ("livenessProbe", "readinessProbe", "startupProbe")
 # The spec fields the webhook rewrites: `patch` replaces these whole and nothing else.

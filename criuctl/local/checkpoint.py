@@ -111,13 +111,13 @@ def thaw_tree(
         _step(left, "CRIU's network lock still drops its TCP connections",
               lambda: lift_network_lock(pids, images_dir, table))  # fmt: skip
         reuse = tcprepair.reuseaddr_from_images(images_dir) if images_dir else None
-        _step(left, "its TCP sockets are still in repair mode", lambda: tcprepair.release(pids, reuse))
+        _step(left, "its TCP sockets are still in repair mode", lambda: tcprepair.leave_repair(pids, reuse))
     finally:
         for pid in pids:
             with contextlib.suppress(OSError):
                 procinfo.send_signal(pid, signal.SIGCONT)
     # running again: GPU state the driver holds goes back (GPU nodes)
-    _step(left, "the GPU driver still holds its CUDA state", lambda: gpustate.release_tree(pids))
+    _step(left, "the GPU driver still holds its CUDA state", lambda: gpustate.give_back_tree(pids))
     thaw = Thaw(tuple(left))
     if workload is not None:
         _record_thaw(workload, root_pid, thaw)
@@ -201,18 +201,18 @@ class Frozen:
                 self._criu.join()
             self.netlock_table = self.netlock_table or netlock.table_for_images(self.images_dir)
             thaw = thaw_tree(self.workload.root_pid, self.images_dir, self.netlock_table, self.workload.name)
-            stepboundary.release(self.workload, self.boundary)
+            stepboundary.let_go(self.workload, self.boundary)
             if remove_bundle:
                 shutil.rmtree(self.bundle_dir, ignore_errors=True)
             return thaw
         finally:
-            self.release()
+            self.unlock()
 
     def retry_thaw(self) -> Thaw:
         """Once more, what an incomplete `thaw` left undone (the tree already runs)."""
         return thaw_tree(self.workload.root_pid, None, self.netlock_table, self.workload.name)
 
-    def release(self) -> None:
+    def unlock(self) -> None:
         """Let another dump of this workload start. Commit and thaw do it; call it only if neither runs."""
         if self.lock is not None:
             self.lock.release()
@@ -245,9 +245,9 @@ class Frozen:
             procinfo.kill_tree(w.root_pid, wait=0.0 if own_ns else 5.0)  # PIDs kept: free them first
             if self.netlock_table:
                 netlock.lift(self.netlock_table)  # the tree is gone: its lock would only outlive it
-            stepboundary.release(w, self.boundary)  # the request would only outlive it too
+            stepboundary.let_go(w, self.boundary)  # the request would only outlive it too
         finally:
-            self.release()
+            self.unlock()
 
 
 def freeze(

@@ -61,7 +61,7 @@ class Restored:
             self.into.tell(f"running {w.name} (host PID {w.root_pid})")
         m = self.manifest
         if m is not None and m.boundary is not None:  # a trainer held at its step boundary goes on
-            stepboundary.released_on_target(m.control_dir, m.boundary.request_id)
+            stepboundary.let_go_on_target(m.control_dir, m.boundary.request_id)
         for pid in procinfo.tree_pids(w.root_pid):  # CRIU's restore lifted its lock and repair mode
             procinfo.send_signal(pid, signal.SIGCONT)
         if m is not None and m.gpu is not None:  # running: the driver's restore thread can work

@@ -159,7 +159,7 @@ def _why_not(missing: int, timed_out: bool) -> str:
     return f"{missing} trainer(s) were held inside their step by a stopped peer"
 
 
-def release(w: workloads.Workload, reached: Reached | None) -> None:
+def let_go(w: workloads.Workload, reached: Reached | None) -> None:
     """Let the held trainers go on (the dump failed, or thawed): remove the request."""
     if reached is None or not w.control:
         return
@@ -170,7 +170,7 @@ def release(w: workloads.Workload, reached: Reached | None) -> None:
             (Path(w.control) / contract.REQUEST).unlink()
 
 
-def released_on_target(control: str, request_id: str) -> None:
+def let_go_on_target(control: str, request_id: str) -> None:
     """On the node that restored a held copy: tell it to go on (the request may still be visible)."""
     if not control or not request_id:
         return

@@ -48,7 +48,7 @@ def _socket_fds(pid: int) -> dict[int, int]:
     return out
 
 
-def release(pids: list[int], reuseaddr: dict[int, bool] | None = None) -> list[int]:
+def leave_repair(pids: list[int], reuseaddr: dict[int, bool] | None = None) -> list[int]:
     """Turn repair mode off on every TCP socket of `pids` that is in it; their inodes.
 
     `reuseaddr` (socket inode -> SO_REUSEADDR at dump time, from the images) restores that option;
