@@ -36,15 +36,14 @@ from criuctl.agent.protocol import (
     check_transition,
 )
 from criuctl.agent.source import SourceMachine, thaw_until_done
-from criuctl.container import containers
-from criuctl.core import procinfo, workloads
+from criuctl.core import workloads
 from criuctl.core.errors import CriuctlError
 from criuctl.core.procinfo import Identity
 from criuctl.core.retry import Backoff
 from criuctl.engine import criu
 from criuctl.format import bundle
 from criuctl.local import checkpoint
-from criuctl.net import netlock, readdress
+from criuctl.net import readdress
 
 if TYPE_CHECKING:
     from criuctl.agent.server import Agent
@@ -307,17 +306,10 @@ def _end(tree: Identity, rec: SourceRecord) -> None:
     """The job runs on the target: end the frozen source tree (PID 1 of its namespace takes the rest),
     if it is still the very tree the record names."""
     w = workloads.load(rec.workload)
-    if w is not None and w.root_pid == tree.pid:
-        w.state, w.moved_to = workloads.MIGRATED, rec.ticket.node
-        workloads.save(w)
-        containers.mark_moved(w, rec.ticket.node)
-    if tree.alive():
-        procinfo.kill_tree(tree.pid)
-    if rec.netlock_table:  # the tree is gone: its lock would only outlive it
-        try:
-            netlock.lift(rec.netlock_table)
-        except CriuctlError as exc:  # it blocks connections of a tree that is gone: harmless, said
-            log.error("network lock of an ended tree left", extra={"id": rec.migration, "error": exc.line()})
+    if w is not None:
+        w.moved_to = rec.ticket.node
+    if left := checkpoint.end_frozen(tree, w, workloads.MIGRATED, rec.netlock_table):
+        log.error("network lock of an ended tree left", extra={"id": rec.migration, "error": left})
 
 
 def _images(rec: SourceRecord) -> Path | None:

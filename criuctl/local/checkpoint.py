@@ -225,29 +225,57 @@ class Frozen:
         the last page to be pulled before killing.
         """
         w = self.workload
-        w.state = state
         for k, v in record.items():
             setattr(w, k, v)
-        workloads.save(w)
-        if state in (workloads.MIGRATED, workloads.CHECKPOINTED):  # the job lives elsewhere now
-            from criuctl.container import containers
-
-            where = w.moved_to if state == workloads.MIGRATED else None
-            containers.mark_moved(w, where or "another node")
+        tree = w.identity
         try:
             if self._criu is not None:
                 for pid in self.pids:
                     procinfo.send_signal(pid, signal.SIGSTOP)
                 self._criu.join()
-            own_ns = True  # PID 1 of its namespace (unless on a GPU node, `supervisor.pid_namespace`)
-            with contextlib.suppress(OSError):
-                own_ns = procinfo.ns_pid(w.root_pid) == 1
-            procinfo.kill_tree(w.root_pid, wait=0.0 if own_ns else 5.0)  # PIDs kept: free them first
-            if self.netlock_table:
-                netlock.lift(self.netlock_table)  # the tree is gone: its lock would only outlive it
-            stepboundary.let_go(w, self.boundary)  # the request would only outlive it too
+            left = end_frozen(tree, w, state, self.netlock_table, self.boundary)
         finally:
             self.unlock()
+        if left:
+            raise CriuctlError(left, "it blocks only the ended tree's connections; remove the table it names")
+
+
+def end_frozen(
+    tree: procinfo.Identity,
+    w: workloads.Workload | None,
+    state: str,
+    netlock_table: str | None,
+    boundary: stepboundary.Reached | None = None,
+) -> str | None:
+    """The job lives elsewhere now (or in a bundle): the one way a frozen tree ends, whoever ends it
+    (the handoff that froze it, or an agent recovering its record after the handoff died).
+
+    Records `state` (if `w` is still the very tree), marks its pod's job as moved (a restarted
+    container must not run it again), kills the tree (waiting for its PIDs to be free when it shares
+    a PID namespace), lifts CRIU's network lock and lets go of the step-boundary request: both would
+    only outlive it. Returns what could not be done (the lock left), None when all was done.
+    """
+    if w is not None and w.root_pid == tree.pid:
+        w.state = state
+        workloads.save(w)
+        if state in (workloads.MIGRATED, workloads.CHECKPOINTED):
+            from criuctl.container import containers
+
+            where = w.moved_to if state == workloads.MIGRATED else None
+            containers.mark_moved(w, where or "another node")
+    if tree.alive():
+        own_ns = True  # PID 1 of its namespace (unless on a GPU node, `supervisor.pid_namespace`)
+        with contextlib.suppress(OSError):
+            own_ns = procinfo.ns_pid(tree.pid) == 1
+        procinfo.kill_tree(tree.pid, wait=0.0 if own_ns else 5.0)  # PIDs kept: free them first
+    if w is not None:
+        stepboundary.let_go(w, boundary)
+    if netlock_table:
+        try:
+            netlock.lift(netlock_table)
+        except CriuctlError as exc:  # it blocks connections of a tree that is gone: said, not fatal
+            return f"the network lock of the ended tree was left: {exc.line()}"
+    return None
 
 
 def freeze(
