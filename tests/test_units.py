@@ -191,3 +191,11 @@ def test_the_image_tail_hashes_pages_as_they_are_written_and_the_seal_trusts_onl
     m = bundle.seal(root, _manifest(), key, durable=False, known=known)
     assert m.files["images/pages-1.img"] == blake3.blake3(b"".join(chunks) + b"late").hexdigest()
     assert bundle.verify(root, key).files == m.files
+
+
+def test_backoff_doubles_up_to_its_cap() -> None:
+    from criuctl.core.retry import Backoff
+
+    b = Backoff(cap=5.0)
+    assert [b.next() for _ in range(5)] == [1.0, 2.0, 4.0, 5.0, 5.0]
+    assert Backoff(cap=0.5).next() == 0.5  # a cap below the first wait wins
