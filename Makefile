@@ -17,7 +17,7 @@ demo: install
 # with one line per missing thing; never a skip (tests/requirements.py). Only a GPU is a skip.
 test: install
 	@bash scripts/test-fixtures.sh
-	CRIUCTL_TESTS_REQUIRE_ALL=1 $(VENV)/bin/python -m pytest -ra tests
+	CRIUCTL_TESTS_REQUIRE_ALL=1 $(VENV)/bin/python -m pytest -ra --durations=25 tests
 
 bench: install
 	$(VENV)/bin/python bench/dump_restore.py
