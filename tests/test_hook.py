@@ -22,6 +22,9 @@ from tests.jobs import CRIUCTL, WORKLOADS, Job, Reference, assert_continues_exac
 pytestmark = [needs_criu, pytest.mark.slow]
 
 
+NAP = "import time; print('up', flush=True); time.sleep(60)"  # a job that never trains
+
+
 def test_a_dump_during_a_long_step_lands_after_it(tmp_path):
     """The request comes 1 s into a 4 s step: the dump waits for the step's end, says so, and the
     restored job finishes that step's bookkeeping and continues bit-identically."""
@@ -45,10 +48,8 @@ def test_a_dump_during_a_long_step_lands_after_it(tmp_path):
 
 
 def test_a_job_without_optimizer_steps_is_dumped_at_once(tmp_path):
-    sleeper = Job(
-        [*CRIUCTL, "run", "--name", "nap", "--", sys.executable, "-c", "import time; time.sleep(60)"]
-    )
-    time.sleep(1.5)
+    sleeper = Job([*CRIUCTL, "run", "--name", "nap", "--", sys.executable, "-c", NAP])
+    sleeper.wait_for(r"^up")
     r = criuctl("dump", "nap", "-o", str(tmp_path / "b"))
     assert r.returncode == 0, r.stderr
     shown = criuctl("inspect", str(tmp_path / "b")).stdout
@@ -115,10 +116,8 @@ def test_state_predump_of_a_migrator_script_is_exact(tmp_path, monkeypatch):
 
 
 def test_state_predump_refused_for_a_job_that_does_not_train(tmp_path):
-    sleeper = Job(
-        [*CRIUCTL, "run", "--name", "nap", "--", sys.executable, "-c", "import time; time.sleep(60)"]
-    )
-    time.sleep(1.5)
+    sleeper = Job([*CRIUCTL, "run", "--name", "nap", "--", sys.executable, "-c", NAP])
+    sleeper.wait_for(r"^up")
     r = criuctl("dump", "nap", "--state", "-o", str(tmp_path / "b"))
     assert r.returncode != 0
     assert "its state could not be saved at a step boundary" in r.stderr, r.stderr

@@ -182,9 +182,9 @@ def moved_to() -> str | None:
 
 def stay_moved(node: str) -> int:
     """The job runs on `node` now: wait, doing nothing, until the container is stopped."""
-    _say(f"this pod's job moved to node {node} (criuctl migrate); it is not started here again")
-    for sig in FORWARDED:
+    for sig in FORWARDED:  # first: a stop that comes as soon as it is said ends it cleanly
         signal.signal(sig, lambda n, _f: os._exit(0))
+    _say(f"this pod's job moved to node {node} (criuctl migrate); it is not started here again")
     while True:
         signal.pause()
 
