@@ -217,7 +217,7 @@ class Containerd:
 
 JOB = REPO / "tests" / "workloads" / "train_cnn_loader.py"
 PY = str(REPO / ".venv" / "bin" / "python")
-INIT = [PY, "-I", "/.criuctl/core/nsinit.py"]  # criuctl's init, from the inject volume at /.criuctl
+INIT = [PY, "-I", "/.criuctl/nsinit.py"]  # criuctl's init, from the inject volume at /.criuctl
 _STEP = re.compile(r" (?:stdout|stderr) [FP] step (\d+) loss (\S+)$")
 _FINAL = re.compile(r" stdout [FP] final ([0-9a-f]{64})$")
 

@@ -85,7 +85,7 @@ def test_container_moves_into_a_placeholder(nodes: Nodes, reference, tmp_path, m
     ref = reference(JOB.name, "--steps", str(STEPS), "--workers", "2", "--log", "/dev/null")
     pod = f"trainer-{mode}"
     src_scratch, dst_scratch = nodes.empty_dir("a", f"{pod}-a"), nodes.empty_dir("b", f"{pod}-b")
-    init = [PY, "-I", "/.criuctl/core/nsinit.py"]
+    init = [PY, "-I", "/.criuctl/nsinit.py"]
     job = nodes.pod("a", pod, [*init, "--", *_job_argv("/workspace/train.log")], src_scratch)
     holder = nodes.pod("b", pod, [*init, "--placeholder"], dst_scratch)
     wait_until(lambda: "placeholder ready" in holder.log.read_text(errors="replace"), 30, "the placeholder")

@@ -470,7 +470,7 @@ def test_archive_restores_into_a_placeholder_under_containerd_16(
         placeholder = [
             str(REPO / ".venv" / "bin" / "python"),
             "-I",
-            "/.criuctl/core/nsinit.py",
+            "/.criuctl/nsinit.py",
             "--placeholder",
         ]
         holder = old.run_pod("trainer-0", placeholder, mounts=mounts, container="trainer", namespace="ml")

@@ -47,7 +47,7 @@ def test_webhook_called_by_the_api_server(local_cluster) -> None:
     _, k = local_cluster
     wrapped = _dry_run(k, training_pod("w1"))
     c = wrapped["spec"]["containers"][0]
-    assert c["command"][1:4] == ["-I", "/.criuctl/core/nsinit.py", "--"], c["command"]
+    assert c["command"][1:4] == ["-I", "/.criuctl/nsinit.py", "--"], c["command"]
     assert c["command"][4:] == training_pod("w1")["spec"]["containers"][0]["command"]
     assert c["args"] == training_pod("w1")["spec"]["containers"][0]["args"], "args must stay as written"
     assert {"name": "criuctl-inject", "mountPath": "/.criuctl", "readOnly": True} in c["volumeMounts"]
@@ -60,7 +60,7 @@ def test_webhook_called_by_the_api_server(local_cluster) -> None:
     try:
         k("label", "namespace", "mig", "criuctl.io/migratable=true")
         in_ns = _dry_run(k, _sleeper("n1"), "mig")
-        assert in_ns["spec"]["containers"][0]["command"][2:4] == ["/.criuctl/core/nsinit.py", "--"]
+        assert in_ns["spec"]["containers"][0]["command"][2:4] == ["/.criuctl/nsinit.py", "--"]
         out = _dry_run(k, _sleeper("n2", {"criuctl.io/migratable": "false"}), "mig")
         assert out["spec"]["containers"][0]["command"] == ["/bin/sleep", "3600"]
     finally:

@@ -46,7 +46,7 @@ PRESTOP_GRACE = 300
 
 
 def is_wrapped(container: dict[str, Any]) -> bool:
-    """The container's command starts criuctl's init (`PYTHON [-I] /.criuctl/core/nsinit.py ...`), put
+    """The container's command starts criuctl's init (`PYTHON [-I] /.criuctl/nsinit.py ...`), put
     there by `wrap` or by hand as docs/containers.md shows."""
     return INIT in (container.get("command") or [])[1:3]
 
