@@ -1,7 +1,7 @@
 """`scripts/local-cluster`: two clusters side by side (a test's and a user's, each with its own --dir
 and --net), and its options checked in one line.
 
-The option tests run the real CLI (`python -m localcluster`) and start nothing: each input is
+The option tests run the real CLI (`scripts/local-cluster`) and start nothing: each input is
 refused before anything starts. The slow test starts a user's cluster through the CLI next to the
 session's `local_cluster` and takes it down again while the other keeps working.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def local_cluster_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "localcluster", *args], cwd=REPO,
+    return subprocess.run([str(REPO / "scripts" / "local-cluster"), *args], cwd=REPO,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
 
 
