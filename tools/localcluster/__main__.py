@@ -120,10 +120,12 @@ def up(lay: Layout) -> Layout:
     for name in lay.nodes:
         node.start(lay, name, tokens[f"node-{name}"])
     _wait("every node Ready", lambda: _nodes_ready(lay), 120)
-    # the training operator cannot run here: its stand-in (localcluster.pytorchjob)
+    # the training operator cannot run here: its stand-in (localcluster.pytorchjob, beside the
+    # package in tools/, not in it: hence its PYTHONPATH)
     pytorchjob.install(str(lay.kubeconfig))
     control.spawn(lay, "pytorchjob-standin", [str(REPO / ".venv" / "bin" / "python"), "-m",
-                  "localcluster.pytorchjob", "--kubeconfig", str(lay.kubeconfig)])  # fmt: skip
+                  "localcluster.pytorchjob", "--kubeconfig", str(lay.kubeconfig)],
+                  env={"PYTHONPATH": str(REPO / "tools")})  # fmt: skip
     start_webhook(lay)
     addons.apply(lay, addons.render(lay))
     _wait("criuctl's agent Ready on every node", lambda: _agents_ready(lay), 180)
