@@ -37,7 +37,6 @@ from typing import IO
 
 from criuctl.agent import points, records, verdicts, warmstart
 from criuctl.agent.protocol import (
-    TIMEOUTS,
     BadTransition,
     Command,
     Event,
@@ -51,6 +50,7 @@ from criuctl.agent.protocol import (
     Ticket,
     Verdict,
     check_transition,
+    timeouts,
 )
 from criuctl.container import placeholder, runtime
 from criuctl.core import procinfo, workloads
@@ -178,7 +178,7 @@ class _Source:
                 cmd = _command()
                 continue
             time.sleep(backoff)  # the lease broke and the target is silent: frozen, not lost
-            backoff = min(backoff * 2, TIMEOUTS.ask_backoff_max)
+            backoff = min(backoff * 2, timeouts().ask_backoff_max)
 
     def _thaw(self) -> None:
         """The tree runs here again. A thaw that did not complete (its lock could not be lifted, say)
@@ -191,7 +191,7 @@ class _Source:
                 self._advance(SourceState.THAW_INCOMPLETE, thaw_left=thaw.line())
                 _emit(Event.THAW_INCOMPLETE, left=thaw.line())
             time.sleep(backoff)
-            backoff = min(backoff * 2, TIMEOUTS.thaw_retry_max)
+            backoff = min(backoff * 2, timeouts().thaw_retry_max)
             thaw = self.frozen.retry_thaw()
         self._advance(SourceState.THAWED, thaw_left=None)
         _emit(Event.THAWED)
@@ -294,7 +294,7 @@ def _follow(leader: Ticket) -> str:
         if state in (TargetState.ABORTED, TargetState.FAILED):
             return Command.ABORT
         time.sleep(backoff)  # stopped, never ran: it waits for the word, as a frozen source does
-        backoff = min(backoff * 2, TIMEOUTS.ask_backoff_max)
+        backoff = min(backoff * 2, timeouts().ask_backoff_max)
 
 
 def _placeholder(spec: TargetSpec) -> placeholder.Placeholder | None:

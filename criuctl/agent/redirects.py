@@ -28,8 +28,8 @@ from aiohttp import web
 
 from criuctl.agent import records, verdicts
 from criuctl.agent.httpjson import body_json, error, fail, valid_id
-from criuctl.agent.protocol import TIMEOUTS, TargetState, Ticket
-from criuctl.core import workloads
+from criuctl.agent.protocol import TargetState, Ticket, timeouts
+from criuctl.core import statedir
 from criuctl.core.errors import CriuctlError
 from criuctl.net import netcut
 from criuctl.net.readdress import canonical
@@ -79,7 +79,7 @@ class Redirects:
 
     @property
     def folder(self) -> Path:
-        return workloads.records_dir("redirects")
+        return statedir.REDIRECTS.ensure()
 
     def _path(self, rid: str) -> Path:
         return self.folder / f"{rid}.json"
@@ -152,7 +152,7 @@ class Redirects:
                 await asyncio.to_thread(self._drop, rec)
             else:
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, TIMEOUTS.ask_backoff_max)
+                backoff = min(backoff * 2, timeouts().ask_backoff_max)
 
     def pending(self) -> list[str]:
         """At start-up: the redirects a previous agent left unsettled."""
