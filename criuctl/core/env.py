@@ -100,6 +100,10 @@ class Var(str, Generic[T]):
         except (ValueError, TypeError) as exc:
             raise BadVariable(self, raw) from exc
 
+    def __reduce__(self) -> tuple[type[str], tuple[str]]:
+        """Copied or pickled (a pod spec holding the name, say), it is the name: a plain str."""
+        return str, (str(self),)
+
     def export(self, value: str) -> None:
         """Set it in this process's environment, for the processes it starts (`--state-dir`)."""
         os.environ[self] = value
