@@ -110,6 +110,18 @@ def test_the_readme_lists_the_state_dirs_layout() -> None:
     assert len(statedir.LAYOUT) == len(named)
 
 
+def test_the_layout_keeps_the_names_an_upgraded_node_finds(state_dir: Path, monkeypatch) -> None:
+    """The names every earlier version used: a node upgraded in place finds its records there."""
+    monkeypatch.delenv(env.SPOOL_DIR, raising=False)
+    names = "workloads logs handoffs restores locks control bundles imports outgoing incoming redirects"
+    more = "bundle.key nodes.json .nodes.lock kube"
+    found = {p.path().relative_to(state_dir).as_posix() for p in statedir.LAYOUT}
+    assert found == set(names.split()) | set(more.split())
+    monkeypatch.setenv(env.SPOOL_DIR, str(state_dir / "spool"))
+    spooled = {p.path() for p in statedir.LAYOUT if p.spooled}
+    assert spooled == {state_dir / "spool" / "outgoing", state_dir / "spool" / "incoming"}
+
+
 # ----------------------------------------------------------------------------- the one home stays one
 
 

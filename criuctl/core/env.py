@@ -165,13 +165,13 @@ def overrides(var: Var[dict[str, float]], cls: Callable[..., D], raw: str | None
     to its field's type (`retries` stays an int); a name `cls` has not is refused in one line, as a
     typo would otherwise leave a wait unbounded."""
     raw = os.environ.get(var) if raw is None else raw
-    known = {f.name: type(f.default) for f in fields(cls)}  # type: ignore[arg-type]
-    hint = f"name only {', '.join(sorted(known))}, e.g. '{var.example}'; or unset it"
+    defaults = {f.name: f.default for f in fields(cls)}  # type: ignore[arg-type]
+    hint = f"name only {', '.join(sorted(defaults))}, e.g. '{var.example}'; or unset it"
     try:
         given = var.parse(raw) if raw else {}
-        if set(given) - set(known):
+        if set(given) - set(defaults):
             raise ValueError(raw)
-        return cls(**{k: known[k](v) for k, v in given.items()})
+        return cls(**{k: int(v) if isinstance(defaults[k], int) else v for k, v in given.items()})
     except (ValueError, TypeError) as exc:
         raise BadVariable(var, raw or "", hint) from exc
 
