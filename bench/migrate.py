@@ -75,7 +75,7 @@ def bench_criuctl(c: Cluster, gib: float, mode: str, stream: str = "live") -> di
     """`stream="sealed"`: the bundle leaves only once sealed (the dump and the transfer in turn)."""
     name = f"m{mode[:4]}"
     job = _start(c, name, gib)
-    os.environ["CRIUCTL_STREAM"] = stream  # the client's knob (`criuctl.client.migrate.ENV_STREAM`)
+    os.environ["CRIUCTL_STREAM"] = stream  # the client's knob (`criuctl.core.env.STREAM`)
     r = c.migrate(name, "b", "--mode", mode)
     if r.returncode != 0:
         job.kill()

@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import os
 import secrets
 import threading
 import time
@@ -36,7 +35,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from criuctl.core import durable, migsignal
+from criuctl.core import durable, env, migsignal
 from criuctl.core.errors import CriuctlError
 from criuctl.core.migsignal import INIT, RESUME, SAVE
 
@@ -57,11 +56,9 @@ class Migrator:
     """One per process (`migrator`): what to carry, and the signal that says when."""
 
     def __init__(self) -> None:
-        self.ckpt_path = Path(os.environ.get("MIGRATION_CKPT_PATH", "./ckpts/migration.pth"))
+        self.ckpt_path = env.MIGRATION_CKPT_PATH.get()
         self.signal_path = migsignal.default_path()
-        self.key_path = Path(
-            os.environ.get("MIGRATION_KEY_PATH", str(self.ckpt_path.parent / ".migration.key"))
-        )
+        self.key_path = env.MIGRATION_KEY_PATH.get() or self.ckpt_path.parent / ".migration.key"
         self.ckpt_path.parent.mkdir(parents=True, exist_ok=True)
         self.signal_path.parent.mkdir(parents=True, exist_ok=True)
         if not self.signal_path.exists():
@@ -73,7 +70,7 @@ class Migrator:
 
     def _criuctl_state(self) -> Path | None:
         """The state file of this rank in the bundle criuctl restarted the job from, if it is ours."""
-        directory = os.environ.get("CRIUCTL_RESUME_STATE")
+        directory = env.RESUME_STATE.get()
         if not directory:
             return None
         from criuctl_hook import contract, resume

@@ -2,7 +2,7 @@ import subprocess
 
 import pytest
 
-from criuctl.core.workloads import ENV_STATE_DIR
+from criuctl.core.env import STATE_DIR
 from tests import requirements
 from tests.requirements import needs
 
@@ -42,7 +42,7 @@ def nodes(tmp_path_factory):
 def state_dir(tmp_path, monkeypatch):
     """Each test gets its own criuctl state dir (registry, signing key), like its own node."""
     d = tmp_path / "state"
-    monkeypatch.setenv(ENV_STATE_DIR, str(d))
+    monkeypatch.setenv(STATE_DIR, str(d))
     return d
 
 

@@ -27,7 +27,9 @@ from pathlib import Path
 import pytest
 from localcluster.layout import BUSYBOX_TAR, CACHE, K8S_BIN
 
-ENV_REQUIRE_ALL = "CRIUCTL_TESTS_REQUIRE_ALL"  # set by `make test` (Makefile), so by .ci/run
+from criuctl.core.env import CRIU, TESTS_REQUIRE_ALL
+
+ENV_REQUIRE_ALL = TESTS_REQUIRE_ALL  # set by `make test` (Makefile), so by .ci/run
 MARK = "requires"
 CONTAINERD2 = Path(os.environ.get("CRIUCTL_CONTAINERD2", CACHE / "containerd-2"))
 OLD_CRIU = CACHE / "criu-3.17" / "usr" / "sbin" / "criu"  # unpacked by scripts/test-fixtures.sh
@@ -102,7 +104,7 @@ def _root() -> str | None:
 
 
 def _criu() -> str | None:
-    criu = os.environ.get("CRIUCTL_CRIU", "criu")
+    criu = CRIU.get()
     if shutil.which(criu) is None:
         return f"no {criu} on PATH (CRIU >= 4.0): run `make install` (scripts/install-criu.sh)"
     return None

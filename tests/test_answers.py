@@ -28,6 +28,7 @@ from criuctl.agent import outgoing as outgoing_mod
 from criuctl.agent import verdicts
 from criuctl.agent.protocol import SourceRecord, SourceState, Ticket, Verdict, signed_state, verdict_key
 from criuctl.core import durable, faults, procinfo, workloads
+from criuctl.core.env import FAULT_DIR, SPOOL_DIR
 from criuctl.local import checkpoint
 from criuctl.net import netlock
 from tests.jobs import criuctl
@@ -81,7 +82,7 @@ def test_a_thaw_whose_lock_cannot_be_lifted_still_lets_the_tree_run_and_says_so(
         w = workloads.Workload.of_tree(sleeper.pid, name="job", command=["sleep"], supervisor_pid=0,
                                        stdio_pipes={})  # fmt: skip
         workloads.save(w)
-        monkeypatch.setenv(faults.ENV_FAULT_DIR, str(tmp_path))
+        monkeypatch.setenv(FAULT_DIR, str(tmp_path))
         (tmp_path / faults.Fault.NETLOCK_LIFT).touch()  # the kernel refuses to delete the table
 
         thaw = checkpoint.thaw_tree(sleeper.pid, table=lock_table, workload="job")
@@ -194,7 +195,7 @@ def test_recovery_settles_each_hold_record_on_its_own(tmp_path, monkeypatch, cap
 def test_records_go_to_the_state_dir_and_only_bundles_to_the_spool(tmp_path, monkeypatch):
     """A tmpfs spool loses its contents in a reboot: the records a recovery needs must not be there."""
     spool = tmp_path / "spool"
-    monkeypatch.setenv(workloads.ENV_SPOOL_DIR, str(spool))
+    monkeypatch.setenv(SPOOL_DIR, str(spool))
     og = outgoing_mod.Outgoing(agent=None)  # type: ignore[arg-type]
     assert og.records == workloads.state_dir() / "outgoing" and og.spool == spool / "outgoing"
     from criuctl.agent.incoming import Incoming

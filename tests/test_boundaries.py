@@ -21,8 +21,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from criuctl.agent.points import ARMED, ENV_PAUSE_DIR
+from criuctl.agent.points import ARMED
 from criuctl.agent.protocol import Point
+from criuctl.core.env import PAUSE_DIR
 from tests.cluster import Cluster
 from tests.conftest import needs_criu
 from tests.jobs import CRIUCTL
@@ -89,7 +90,7 @@ def _restart_agent(c: Cluster, node: str, pause: Path) -> None:
     n = c.nodes[node]
     n.agent.kill()
     n.agent.wait()
-    n.start_agent(env={ENV_PAUSE_DIR: str(pause)}, lease=LEASE)  # a DaemonSet brings it back
+    n.start_agent(env={PAUSE_DIR: str(pause)}, lease=LEASE)  # a DaemonSet brings it back
 
 
 class Shared:
@@ -103,7 +104,7 @@ class Shared:
         if self.cluster is None:
             self.n += 1
             with pytest.MonkeyPatch.context() as mp:
-                mp.setenv(ENV_PAUSE_DIR, str(self.pause))  # agents read the armed points from there
+                mp.setenv(PAUSE_DIR, str(self.pause))  # agents read the armed points from there
                 self.cluster = Cluster(self.root / f"c{self.n}", lease=LEASE).__enter__()
         return self.cluster
 
@@ -139,7 +140,7 @@ def _one_case(c: Cluster, pause: Path, name: str, point: Point, fault: str, mode
     c.wait_step(name, 5)
     sampler = Sampler(c, name)
     sampler.start()
-    env = {**os.environ, "CRIUCTL_STATE_DIR": str(c.client_state), ENV_PAUSE_DIR: str(pause)}
+    env = {**os.environ, "CRIUCTL_STATE_DIR": str(c.client_state), PAUSE_DIR: str(pause)}
     p = subprocess.Popen([*CRIUCTL, "migrate", name, "--to", "b", "--mode", mode],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
     try:

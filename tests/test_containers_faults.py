@@ -18,9 +18,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from criuctl.agent.points import ENV_PAUSE_AT, ENV_PAUSE_DIR
 from criuctl.agent.protocol import Point
 from criuctl.container import containers
+from criuctl.core.env import PAUSE_AT, PAUSE_DIR
 from tests.conftest import needs_criu
 from tests.jobs import CRIUCTL
 from tests.requirements import missing, needs
@@ -97,7 +97,7 @@ def test_placeholder_stopped_before_the_commit(nodes: Nodes, tmp_path: Path, poi
     pause = tmp_path / "pause"
     pause.mkdir()
     env = {**os.environ, "CRIUCTL_STATE_DIR": str(nodes.cluster.client_state)}
-    env.update({ENV_PAUSE_AT: str(point), ENV_PAUSE_DIR: str(pause)})
+    env.update({PAUSE_AT: str(point), PAUSE_DIR: str(pause)})
     name = containers.name_of(job.container)
     p = subprocess.Popen([*CRIUCTL, "migrate", name, "--to", "b"], env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -167,7 +167,7 @@ def test_target_agent_and_handoff_killed_after_the_restore(nodes: Nodes, tmp_pat
     pause = tmp_path / "pause"
     pause.mkdir()
     env = {**os.environ, "CRIUCTL_STATE_DIR": str(nodes.cluster.client_state)}
-    env.update({ENV_PAUSE_AT: str(Point.CLIENT_RESTORED), ENV_PAUSE_DIR: str(pause)})
+    env.update({PAUSE_AT: str(Point.CLIENT_RESTORED), PAUSE_DIR: str(pause)})
     name = containers.name_of(job.container)
     p = subprocess.Popen([*CRIUCTL, "migrate", name, "--to", "b"], env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)  # fmt: skip

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from criuctl.cli import doctor
+from criuctl.core.env import LIBCUDA, LIBNVML
 from criuctl.gpu import cuda, cudasteps, gpus
 from criuctl.gpu.cuda import CudaError, ProcessState
 from criuctl.gpu.gpus import GpuInfo, GpuMismatch
@@ -69,8 +70,8 @@ def fake(fake_libs, tmp_path, monkeypatch) -> Fake:
     state = tmp_path / "fake-cuda"
     state.mkdir()
     monkeypatch.setenv("FAKE_CUDA_STATE_DIR", str(state))
-    monkeypatch.setenv(cuda.ENV_LIBCUDA, str(fake_libs["cuda"]))
-    monkeypatch.setenv(gpus.ENV_LIBNVML, str(fake_libs["nvml"]))
+    monkeypatch.setenv(LIBCUDA, str(fake_libs["cuda"]))
+    monkeypatch.setenv(LIBNVML, str(fake_libs["nvml"]))
     return Fake(state)
 
 
@@ -392,12 +393,12 @@ def test_doctor_reports_version_api_and_remap(fake_libs, fake, monkeypatch):
     assert doctor._cuda().detail.endswith(
         "restore only onto the same GPUs: remapping them needs driver r580+ (CUDA 13.0)"
     )
-    monkeypatch.setenv(cuda.ENV_LIBCUDA, str(fake_libs["cuda_r550"]))
+    monkeypatch.setenv(LIBCUDA, str(fake_libs["cuda_r550"]))
     check = doctor._cuda()
     assert not check.ok and check.detail.startswith(
         "driver 580.95.05 (CUDA 12.9) lacks cuCheckpointProcessLock, "
     )
-    monkeypatch.setenv(cuda.ENV_LIBCUDA, "/nonexistent/libcuda.so.1")
+    monkeypatch.setenv(LIBCUDA, "/nonexistent/libcuda.so.1")
     assert doctor._cuda().detail == "no CUDA driver (/nonexistent/libcuda.so.1) on this host"
 
 
@@ -439,7 +440,7 @@ def test_list_gpus_and_driver_version_through_nvml(fake, monkeypatch):
         GpuInfo.from_dict({**found[0].to_dict(), "index": True})
     monkeypatch.delenv("FAKE_NVML_GPUS")  # NVML refuses to start, as without the driver
     assert gpus.list_gpus() == [] and gpus.driver_version() is None
-    monkeypatch.setenv(gpus.ENV_LIBNVML, "/nonexistent/libnvidia-ml.so.1")
+    monkeypatch.setenv(LIBNVML, "/nonexistent/libnvidia-ml.so.1")
     assert gpus.list_gpus() == []
 
 
@@ -470,7 +471,7 @@ def test_a_thawed_tree_gets_its_gpu_state_back_whoever_locked_it(driver, fake, s
 def test_no_driver_means_nothing_to_give_back(monkeypatch, tmp_path, spawn):
     from criuctl.gpu import gpustate
 
-    monkeypatch.setenv(cuda.ENV_LIBCUDA, str(tmp_path / "no-libcuda.so.1"))
+    monkeypatch.setenv(LIBCUDA, str(tmp_path / "no-libcuda.so.1"))
     gpustate.give_back_tree(spawn(1))  # returns quietly: a CPU node's thaw is unchanged
 
 

@@ -26,6 +26,7 @@ import aiohttp
 import pytest
 from localcluster import pytorchjob
 
+from criuctl.core.env import KUBE_TIMEOUTS
 from criuctl.core.errors import CriuctlError
 from criuctl.kube import api, cluster, events, moves, mutate, owners, prestop, successors
 from tests.jobs import CRIUCTL, criuctl
@@ -95,7 +96,7 @@ def kubeconfig(folder: Path, port: int, scheme: str) -> Path:
 
 def bare_env() -> dict[str, str]:
     """The environment less anything that would point the client at another cluster or timeouts."""
-    drop = ("KUBECONFIG", "KUBERNETES_SERVICE_HOST", api.ENV_KUBE_TIMEOUTS)
+    drop = ("KUBECONFIG", "KUBERNETES_SERVICE_HOST", KUBE_TIMEOUTS)
     return {k: v for k, v in os.environ.items() if k not in drop}
 
 
@@ -107,7 +108,7 @@ def test_migrate_gives_up_on_a_silent_api_server_in_bounded_time_with_one_line(
     silent: Silent, tmp_path: Path, scheme: str
 ) -> None:
     config = kubeconfig(tmp_path, silent.port, scheme)
-    env = {**bare_env(), api.ENV_KUBE_TIMEOUTS: json.dumps({"connect": FAST.connect, "read": FAST.read})}
+    env = {**bare_env(), KUBE_TIMEOUTS: json.dumps({"connect": FAST.connect, "read": FAST.read})}
     accepted = len(silent.held)
     started = time.monotonic()
     r = criuctl("migrate", "train", "b", "--state-dir", str(tmp_path / "state"), "--kubeconfig", str(config),
@@ -127,10 +128,10 @@ def test_a_bad_timeouts_setting_is_one_line() -> None:
     for raw in ('{"read": -1}', '{"reed": 2}', "[1]", "nan", '{"read": "soon"}', '{"connect": 1e999}'):
         with pytest.raises(CriuctlError) as e:
             api.timeouts(raw)
-        assert e.value.line().startswith(f"{api.ENV_KUBE_TIMEOUTS}=") and "\n" not in e.value.line()
+        assert e.value.line().startswith(f"{KUBE_TIMEOUTS}=") and "\n" not in e.value.line()
     assert api.timeouts('{"read": 2, "retries": 0}') == api.KubeTimeouts(read=2.0, retries=0)
     r = criuctl("migrate", "train", "b", "--kubeconfig", "/nonexistent", timeout=60,
-                env={**bare_env(), api.ENV_KUBE_TIMEOUTS: "{"})  # fmt: skip
+                env={**bare_env(), KUBE_TIMEOUTS: "{"})  # fmt: skip
     assert r.returncode == 1 and len(r.stderr.splitlines()) == 1, r.stderr
 
 
@@ -244,7 +245,7 @@ def test_an_event_that_gets_no_answer_is_given_up_in_time(silent: Silent, tmp_pa
 @pytest.mark.timeout(60)
 def test_the_pytorchjob_stand_in_ends_each_poll(silent: Silent, tmp_path: Path, monkeypatch, caplog) -> None:
     config = str(kubeconfig(tmp_path, silent.port, "http"))
-    monkeypatch.setenv(api.ENV_KUBE_TIMEOUTS, json.dumps({"connect": FAST.connect, "read": FAST.read}))
+    monkeypatch.setenv(KUBE_TIMEOUTS, json.dumps({"connect": FAST.connect, "read": FAST.read}))
     for step in (lambda: pytorchjob.install(config), lambda: pytorchjob.Controller(
             api.api_client(config, FAST)[0], FAST).sync()):  # fmt: skip
         started = time.monotonic()

@@ -27,7 +27,8 @@ import pytest
 from criuctl.agent import preflight
 from criuctl.cli import main
 from criuctl.container import containers, runtime
-from criuctl.core import statedir, tokens, workloads
+from criuctl.core import statedir, tokens
+from criuctl.core.env import BUNDLE_KEY, STATE_DIR
 from criuctl.format import bundle
 from tests.requirements import needs, require
 
@@ -305,11 +306,11 @@ def test_the_token_and_tls_files_come_from_secrets_the_agent_accepts(objects: li
 
 def test_the_signing_key_comes_from_the_secret_through_the_env_the_code_reads(objects: list[Obj]) -> None:
     env = {e["name"]: e.get("value") for e in agent_container(objects)["env"]}
-    key_file = env[workloads.ENV_BUNDLE_KEY]
+    key_file = env[BUNDLE_KEY]
     secret, key, _ = secret_file(objects, key_file)
     assert (secret["metadata"]["name"], key) == ("criuctl-agent", "bundle.key")
     # the same state dir as `criuctl run` on the host, mounted from the host at the same path
-    assert env[statedir.ENV_STATE_DIR] == str(statedir.DEFAULT_STATE_DIR)
+    assert env[STATE_DIR] == str(statedir.DEFAULT_STATE_DIR)
     mounts = {path: hp for path, _, hp in host_mounts(objects)}
     assert mounts[str(statedir.DEFAULT_STATE_DIR)]["path"] == str(statedir.DEFAULT_STATE_DIR)
 
@@ -530,13 +531,13 @@ def test_the_signing_key_is_taken_from_the_file_the_env_names(tmp_path: Path, mo
     path = tmp_path / "secret" / "bundle.key"
     path.parent.mkdir()
     path.write_text(key.hex() + "\n")
-    monkeypatch.setenv(workloads.ENV_BUNDLE_KEY, str(path))
-    assert workloads.key_path() == path
-    assert bundle.load_key(workloads.key_path(), create=False) == key
+    monkeypatch.setenv(BUNDLE_KEY, str(path))
+    assert statedir.key_path() == path
+    assert bundle.load_key(statedir.key_path(), create=False) == key
 
 
 def test_without_the_env_the_signing_key_is_in_the_state_dir(state_dir: Path, monkeypatch) -> None:
-    monkeypatch.delenv(workloads.ENV_BUNDLE_KEY, raising=False)
-    assert workloads.key_path() == state_dir / "bundle.key"
-    monkeypatch.setenv(workloads.ENV_BUNDLE_KEY, "")
-    assert workloads.key_path() == state_dir / "bundle.key"
+    monkeypatch.delenv(BUNDLE_KEY, raising=False)
+    assert statedir.key_path() == state_dir / "bundle.key"
+    monkeypatch.setenv(BUNDLE_KEY, "")
+    assert statedir.key_path() == state_dir / "bundle.key"

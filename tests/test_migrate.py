@@ -19,7 +19,7 @@ import psutil
 import pytest
 import requests
 
-from criuctl.agent.protocol import ENV_TIMEOUTS
+from criuctl.core.env import TIMEOUTS
 from tests.cluster import Cluster
 from tests.conftest import needs_criu
 from tests.jobs import CRIUCTL, Ref
@@ -245,7 +245,7 @@ def _wait_for_bytes(folder: Path, n: int, p: subprocess.Popen) -> None:
 
 
 def test_link_cut_mid_transfer(tmp_path, monkeypatch, mlp_ref):
-    monkeypatch.setenv(ENV_TIMEOUTS, json.dumps({"stall": 5}))  # both agents give up after 5 s, not 20
+    monkeypatch.setenv(TIMEOUTS, json.dumps({"stall": 5}))  # both agents give up after 5 s, not 20
     with Cluster(tmp_path / "c") as c:
         _mlp_on_a(c, 10)
         p = _background_migrate(c, "mlp", "b", "--mode", "stop-and-copy")

@@ -30,9 +30,10 @@ import psutil
 import pytest
 import requests
 
-from criuctl.agent.points import ARMED, ENV_PAUSE_DIR
+from criuctl.agent.points import ARMED
 from criuctl.agent.protocol import Point
-from criuctl.core.faults import ENV_FAULT_DIR, Fault
+from criuctl.core.env import FAULT_DIR, PAUSE_DIR
+from criuctl.core.faults import Fault
 from tests.cluster import PORT, Cluster, Node
 from tests.conftest import needs_criu
 from tests.jobs import CRIUCTL, Job
@@ -50,7 +51,7 @@ def ref(reference):
 
 
 def _migrate(c: Cluster, name: str, pause: Path, *flags: str) -> subprocess.Popen:
-    env = {**os.environ, "CRIUCTL_STATE_DIR": str(c.client_state), ENV_PAUSE_DIR: str(pause)}
+    env = {**os.environ, "CRIUCTL_STATE_DIR": str(c.client_state), PAUSE_DIR: str(pause)}
     return subprocess.Popen([*CRIUCTL, "migrate", name, "--to", "b", "--mode", "stop-and-copy", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
 
@@ -187,7 +188,7 @@ def test_a_source_whose_spool_was_emptied_still_thaws_from_its_record(tmp_path, 
     tmpfs at a reboot). Before: the hold record was in the spool, so nobody ever thawed the tree."""
     pause = tmp_path / "pause"
     _arm(pause, Point.SOURCE_FROZEN)
-    env = {"a": {ENV_PAUSE_DIR: str(pause)}}
+    env = {"a": {PAUSE_DIR: str(pause)}}
     with Cluster(tmp_path / "c", lease=LEASE, spool=True, agent_env=env) as c:
         with _stopped_at(c, ref, pause, Point.SOURCE_FROZEN):
             handoff = next(h for h in c.handoffs() if " source " in " ".join(h.cmdline()))
@@ -196,7 +197,7 @@ def test_a_source_whose_spool_was_emptied_still_thaws_from_its_record(tmp_path, 
             psutil.wait_procs([handoff], timeout=10)
             assert _frozen_on(c.nodes["a"], "job")
             _empty(c.nodes["a"].spool)
-            c.nodes["a"].start_agent(env={ENV_PAUSE_DIR: ""}, lease=LEASE)
+            c.nodes["a"].start_agent(env={PAUSE_DIR: ""}, lease=LEASE)
         assert "recovered outgoing" in c.nodes["a"].agent_log()
 
 
@@ -257,7 +258,7 @@ def test_a_failed_migration_whose_lock_cannot_be_lifted_runs_on_and_says_so_unti
     faults = tmp_path / "faults"
     faults.mkdir()
     (faults / Fault.NETLOCK_LIFT).touch()
-    env = {"a": {ENV_FAULT_DIR: str(faults), "CRIUCTL_TIMEOUTS": json.dumps({"thaw_retry_max": 2})}}
+    env = {"a": {FAULT_DIR: str(faults), "CRIUCTL_TIMEOUTS": json.dumps({"thaw_retry_max": 2})}}
     with Cluster(tmp_path / "c", tmpfs={"b": "48m"}, agent_env=env) as c:
         c.run("a", "job", script, *steps)
         c.wait_step("job", 5)

@@ -19,8 +19,8 @@ import time
 import psutil
 import pytest
 
-from criuctl.agent.points import ENV_PAUSE_AT, ENV_PAUSE_DIR
 from criuctl.agent.protocol import Point
+from criuctl.core.env import PAUSE_AT, PAUSE_DIR
 from tests.cluster import Cluster
 from tests.conftest import needs_criu
 from tests.jobs import CRIUCTL, WORKLOADS, Job
@@ -51,8 +51,8 @@ def test_failed_migration_thaws_with_connections_intact(tmp_path, monkeypatch, r
     pause = tmp_path / "pause"
     pause.mkdir()
     if path != "abort":
-        monkeypatch.setenv(ENV_PAUSE_AT, str(Point.CLIENT_SENT))
-        monkeypatch.setenv(ENV_PAUSE_DIR, str(pause))
+        monkeypatch.setenv(PAUSE_AT, str(Point.CLIENT_SENT))
+        monkeypatch.setenv(PAUSE_DIR, str(pause))
     tmpfs = {"b": "48m"} if path == "abort" else None
     with Cluster(tmp_path / "c", lease=3, tmpfs=tmpfs) as c:
         server = None
@@ -81,7 +81,7 @@ def test_failed_migration_thaws_with_connections_intact(tmp_path, monkeypatch, r
                     handoff.kill()
                     psutil.wait_procs([handoff], timeout=10)
                     c.nodes["a"].agent.wait()
-                    c.nodes["a"].start_agent(env={ENV_PAUSE_AT: ""}, lease=3)
+                    c.nodes["a"].start_agent(env={PAUSE_AT: ""}, lease=3)
             c.wait_finished("job", timeout=240)
             assert c.steps("job") == ref.steps
             assert c.final("job") == [ref.final], "final weights differ from an uninterrupted run"

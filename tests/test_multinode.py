@@ -19,8 +19,8 @@ import time
 
 import pytest
 
-from criuctl.agent.points import ENV_PAUSE_AT, ENV_PAUSE_DIR
 from criuctl.agent.protocol import Point
+from criuctl.core.env import PAUSE_AT, PAUSE_DIR
 from tests.cluster import Cluster
 from tests.conftest import needs_criu
 from tests.jobs import CRIUCTL, WORKLOADS, Job, workload_cmd
@@ -195,8 +195,8 @@ def test_a_party_killed_mid_move(tmp_path, monkeypatch, who, point):
     lands = "c" if (who, point) == ("peer-agent", Point.CLIENT_REDIRECTED) else "b"
     with Cluster(tmp_path / "c", names=("a", "b", "c"), lease=3) as c:
         start(c, ["a", "b"])
-        env = {**os.environ, "CRIUCTL_STATE_DIR": str(c.client_state), ENV_PAUSE_AT: str(point),
-               ENV_PAUSE_DIR: str(pause)}  # fmt: skip
+        env = {**os.environ, "CRIUCTL_STATE_DIR": str(c.client_state), PAUSE_AT: str(point),
+               PAUSE_DIR: str(pause)}  # fmt: skip
         p = subprocess.Popen([*CRIUCTL, "migrate", "ddp-1", "c"], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)  # fmt: skip
         _wait_paused(pause, point, p)
@@ -258,8 +258,8 @@ def test_client_killed_between_the_ranks_commits(tmp_path, monkeypatch):
     point = Point.CLIENT_TARGET_COMMITTED
     with Cluster(tmp_path / "c", names=("a", "b", "c", "d", "e"), lease=3) as c:
         start(c, ["a", "b", "c"])
-        env = {**os.environ, "CRIUCTL_STATE_DIR": str(c.client_state), ENV_PAUSE_AT: str(point),
-               ENV_PAUSE_DIR: str(pause)}  # fmt: skip
+        env = {**os.environ, "CRIUCTL_STATE_DIR": str(c.client_state), PAUSE_AT: str(point),
+               PAUSE_DIR: str(pause)}  # fmt: skip
         p = subprocess.Popen([*CRIUCTL, "migrate", "--job", "ddp", "ddp-1=d", "ddp-2=e"], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
         _wait_paused(pause, point, p)

@@ -38,6 +38,7 @@ from criuctl.agent.protocol import (
 )
 from criuctl.agent.source import SourceMachine
 from criuctl.agent.target import TargetMachine
+from criuctl.core.env import PAUSE_AT, PAUSE_DIR
 from criuctl.local.checkpoint import Thaw
 
 TICKET = Ticket("http://10.0.0.3:7070", "f" * 32, "secret-secret-secret", "b")
@@ -530,10 +531,10 @@ def test_points_cost_nothing_unless_armed_and_pause_where_armed(tmp_path, monkey
     from criuctl.agent import points
     from criuctl.agent.protocol import Point
 
-    monkeypatch.delenv(points.ENV_PAUSE_AT, raising=False)
-    monkeypatch.delenv(points.ENV_PAUSE_DIR, raising=False)
+    monkeypatch.delenv(PAUSE_AT, raising=False)
+    monkeypatch.delenv(PAUSE_DIR, raising=False)
     points.reach(Point.CLIENT_SENT)  # not armed: returns at once
-    monkeypatch.setenv(points.ENV_PAUSE_DIR, str(tmp_path))
+    monkeypatch.setenv(PAUSE_DIR, str(tmp_path))
     (tmp_path / points.ARMED).write_text("client.restored\n")
     points.reach(Point.CLIENT_SENT)  # another point is armed: returns at once
     t = threading.Thread(target=points.reach, args=(Point.CLIENT_RESTORED,), daemon=True)

@@ -19,7 +19,8 @@ import psutil
 import pytest
 
 from criuctl.core import workloads
-from criuctl.core.faults import ENV_FAULT_DIR, Fault
+from criuctl.core.env import FAULT_DIR
+from criuctl.core.faults import Fault
 from criuctl.net import netlock
 from tests.conftest import needs_criu
 from tests.jobs import CRIUCTL, WORKLOADS, Job, criuctl
@@ -115,7 +116,7 @@ def test_leave_running_whose_lock_cannot_be_lifted_runs_and_says_so_until_thawed
     faults = tmp_path / "faults"
     faults.mkdir()
     (faults / Fault.NETLOCK_LIFT).touch()
-    env = {**os.environ, ENV_FAULT_DIR: str(faults)}
+    env = {**os.environ, FAULT_DIR: str(faults)}
     r = criuctl("dump", name, "-o", str(tmp_path / "b"), "--leave-running", env=env)
     line = assert_error_line(r, "runs again, but its thaw did not complete", "network lock", "criuctl thaw")
     assert r.returncode == 1, line

@@ -31,8 +31,8 @@ from aiohttp import web
 from criuctl.agent import transfer
 from criuctl.agent.handoffleases import Handoff, HandoffFailed
 from criuctl.agent.httpjson import BadInto, body_json, container_id, error, fail, valid_id
-from criuctl.agent.protocol import TIMEOUTS, Command, Event, TargetSpec
-from criuctl.core import durable, workloads
+from criuctl.agent.protocol import Command, Event, TargetSpec, timeouts
+from criuctl.core import durable, statedir, workloads
 from criuctl.core.errors import CriuctlError
 from criuctl.format import bundle
 from criuctl.local import checkpoint
@@ -54,7 +54,7 @@ class Bundles:
 
     @property
     def root(self) -> Path:
-        return workloads.logs_dir("bundles")
+        return statedir.BUNDLES.ensure()
 
     def routes(self, r: web.UrlDispatcher) -> None:
         r.add_post("/v1/workloads/{name}/checkpoint", self.checkpoint)
@@ -84,7 +84,7 @@ class Bundles:
             return fail(400, f"{str(bid)[:80]!r} is not a bundle id", "bundle ids are 32 hex digits")
         if (self.root / bid).exists():
             return fail(409, f"bundle {bid} already exists on node {self.agent.name}")
-        work = workloads.logs_dir("handoffs") / bid
+        work = statedir.HANDOFF_LOGS.ensure() / bid
         work.mkdir(mode=0o700)
         spec = {
             "workload": w.name,
@@ -93,7 +93,7 @@ class Bundles:
         }
         h = await Handoff.spawn("dump", json.dumps(spec), work, work / "handoff.log")
         try:
-            ev = await h.until({Event.DONE}, TIMEOUTS.freeze)
+            ev = await h.until({Event.DONE}, timeouts().freeze)
         except HandoffFailed as exc:
             return self.agent.error_response(exc)
         except TimeoutError:
@@ -163,15 +163,15 @@ class Bundles:
         if used.exists():
             return fail(409, f"bundle {path.name} on node {self.agent.name} was restored already",
                         "a bundle restores once: see `criuctl ps` there")  # fmt: skip
-        work = workloads.logs_dir("handoffs")
+        work = statedir.HANDOFF_LOGS.ensure()
         spec = TargetSpec(None, str(path), self.agent.name, name=name, placeholder=into,
                           runtime=self.agent.runtimes.endpoint if into else None)  # fmt: skip
         h = await Handoff.spawn("target", spec.to_json(), work, work / f"restore-{path.name}.log")
         try:
-            ev = await h.until({Event.RESTORED}, TIMEOUTS.restore)
+            ev = await h.until({Event.RESTORED}, timeouts().restore)
             await asyncio.to_thread(_mark_used, used)  # before the copy may run: never restored twice
             try:
-                running = await h.ask(Command.COMMIT, {Event.RUNNING}, TIMEOUTS.target_commit)
+                running = await h.ask(Command.COMMIT, {Event.RUNNING}, timeouts().target_commit)
             except BaseException:
                 used.unlink(missing_ok=True)  # the copy never ran (the handoff kills it on failure)
                 raise

@@ -37,7 +37,6 @@ from typing import IO
 
 from criuctl.agent import points, records, verdicts, warmstart
 from criuctl.agent.protocol import (
-    TIMEOUTS,
     BadTransition,
     Command,
     Event,
@@ -51,6 +50,7 @@ from criuctl.agent.protocol import (
     Ticket,
     Verdict,
     check_transition,
+    timeouts,
 )
 from criuctl.container import placeholder, runtime
 from criuctl.core import procinfo, workloads
@@ -160,7 +160,7 @@ class _Source:
 
     def _settle(self, cmd: str) -> None:
         """SENT: whatever we are told, the target's answer decides. Returns once settled."""
-        backoff = Backoff(TIMEOUTS.ask_backoff_max)
+        backoff = Backoff(timeouts().ask_backoff_max)
         while True:
             if cmd == Command.COMMIT:
                 state = verdicts.ask_state(self.spec.ticket)
@@ -185,7 +185,7 @@ class _Source:
         is said at once (THAW_INCOMPLETE, with what is left) and retried here until it completes;
         only then THAWED. The tree runs meanwhile: it got its SIGCONT whatever failed."""
         assert self.frozen is not None
-        thaw, backoff = self.frozen.thaw(), Backoff(TIMEOUTS.thaw_retry_max)
+        thaw, backoff = self.frozen.thaw(), Backoff(timeouts().thaw_retry_max)
         while not thaw.complete:
             if self.rec is not None and self.rec.thaw_left != thaw.line():
                 self._advance(SourceState.THAW_INCOMPLETE, thaw_left=thaw.line())
@@ -285,7 +285,7 @@ def target(spec_file: Path) -> int:
 
 def _follow(leader: Ticket) -> str:
     """COMMIT once the job's first moved rank runs on its target, ABORT once it never will."""
-    backoff = Backoff(TIMEOUTS.ask_backoff_max)
+    backoff = Backoff(timeouts().ask_backoff_max)
     while True:
         state = verdicts.ask_state(leader)
         if state == TargetState.RUNNING:

@@ -20,7 +20,7 @@ from typing import IO, Protocol
 
 from criuctl.agent import warmstart
 from criuctl.agent.protocol import Command, Event
-from criuctl.core import durable
+from criuctl.core import durable, env
 from criuctl.core.errors import CriuctlError
 
 
@@ -171,9 +171,6 @@ async def _start(role: str, spec: str, out: int | IO[bytes]) -> _Process:
 _EVENT_MAX = 1 << 20  # an event with a CRIU log tail is a few KiB
 
 
-ENV_NO_WARM = "CRIUCTL_NO_WARM_HANDOFF"  # set: every handoff starts cold (for comparisons)
-
-
 class _Warm:
     """At most one handoff process started ahead, waiting for its role (`criuctl.agent.warmstart`)."""
 
@@ -192,7 +189,7 @@ class _Warm:
 
     def refill(self) -> None:
         busy = self.starting is not None and not self.starting.done()
-        if os.environ.get(ENV_NO_WARM) or self.proc is not None or busy:
+        if env.NO_WARM_HANDOFF.get() or self.proc is not None or busy:
             return
 
         async def start() -> None:

@@ -30,7 +30,6 @@ from criuctl.agent.handoffleases import Handoff
 from criuctl.agent.httpjson import BadInto, body_json, container_id, error, fail, outcome_response, valid_id
 from criuctl.agent.protocol import (
     TARGET_FINAL,
-    TIMEOUTS,
     Mode,
     TargetRecord,
     TargetSpec,
@@ -38,10 +37,11 @@ from criuctl.agent.protocol import (
     Ticket,
     Verdict,
     secret_digest,
+    timeouts,
     verdict_key,
 )
 from criuctl.agent.target import TargetMachine
-from criuctl.core import workloads
+from criuctl.core import statedir, workloads
 from criuctl.core.errors import CriuctlError
 from criuctl.engine import criu
 from criuctl.format import bundle
@@ -55,7 +55,7 @@ log = logging.getLogger("criuctl.agent")
 
 async def spawn_target(spec: TargetSpec, folder: Path) -> Handoff:
     return await Handoff.spawn(
-        "target", spec.to_json(), folder, workloads.logs_dir("handoffs") / f"target-{folder.name}.log"
+        "target", spec.to_json(), folder, statedir.HANDOFF_LOGS.ensure() / f"target-{folder.name}.log"
     )
 
 
@@ -78,12 +78,12 @@ class Incoming:
     @property
     def spool(self) -> Path:
         """Bundles in flight (may be a tmpfs)."""
-        return workloads.spool_dir("incoming")
+        return statedir.INCOMING_SPOOL.ensure()
 
     @property
     def records(self) -> Path:
         """Migration records and tombstones (on disk: they outlive a reboot)."""
-        return workloads.records_dir("incoming")
+        return statedir.INCOMING.ensure()
 
     def machine(self, rec: TargetRecord) -> TargetMachine:
         return TargetMachine(
@@ -145,7 +145,7 @@ class Incoming:
             await asyncio.to_thread(criu.require_version)
             if mode == Mode.POST_COPY:
                 await asyncio.to_thread(criu.ensure_lazy_pages)
-            bundle.load_key(workloads.key_path(), create=False)
+            bundle.load_key(statedir.key_path(), create=False)
         except CriuctlError as exc:
             return fail(503, f"node {self.agent.name} cannot restore: {exc.what}", exc.hint)
         w = await asyncio.to_thread(workloads.load, name)
@@ -294,7 +294,7 @@ def _lift_cut(rec: TargetRecord) -> None:
 
 
 def _forget_tombstones(folder: Path, live: set[str]) -> None:
-    horizon = time.time() - TIMEOUTS.tombstone
+    horizon = time.time() - timeouts().tombstone
     for path, rec in records.scan(folder, "*.json", TargetRecord.from_json):
         if isinstance(rec, TargetRecord) and rec.migration not in live and rec.updated < horizon:
             path.unlink(missing_ok=True)

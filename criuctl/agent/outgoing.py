@@ -26,7 +26,6 @@ from criuctl.agent.handoffleases import Handoff
 from criuctl.agent.httpjson import body_json, error, fail, outcome_response, valid_id
 from criuctl.agent.protocol import (
     SOURCE_FINAL,
-    TIMEOUTS,
     Mode,
     SourceRecord,
     SourceSpec,
@@ -34,9 +33,10 @@ from criuctl.agent.protocol import (
     Ticket,
     Verdict,
     check_transition,
+    timeouts,
 )
 from criuctl.agent.source import SourceMachine, thaw_until_done
-from criuctl.core import workloads
+from criuctl.core import statedir, workloads
 from criuctl.core.errors import CriuctlError
 from criuctl.core.procinfo import Identity
 from criuctl.core.retry import Backoff
@@ -59,7 +59,7 @@ def _free_port() -> int:
 
 async def spawn_source(spec: SourceSpec, folder: Path) -> Handoff:
     return await Handoff.spawn(
-        "source", spec.to_json(), folder, workloads.logs_dir("handoffs") / f"source-{folder.name}.log"
+        "source", spec.to_json(), folder, statedir.HANDOFF_LOGS.ensure() / f"source-{folder.name}.log"
     )
 
 
@@ -80,12 +80,12 @@ class Outgoing:
     @property
     def spool(self) -> Path:
         """Bundles in flight (may be a tmpfs)."""
-        return workloads.spool_dir("outgoing")
+        return statedir.OUTGOING_SPOOL.ensure()
 
     @property
     def records(self) -> Path:
         """Hold records (on disk: a frozen tree's record must outlive anything that empties the spool)."""
-        return workloads.records_dir("outgoing")
+        return statedir.OUTGOING.ensure()
 
     def _get(self, r: web.Request) -> SourceMachine:
         m = self.machines.get(r.match_info["id"]) if valid_id(r.match_info["id"]) else None
@@ -265,7 +265,7 @@ class Outgoing:
         """A record whose handoff died, still unsettled: a frozen tree in SENT asks the target until
         it answers and acts on its verdict; a thaw that did not complete is tried until it does."""
         if rec.state == SourceState.SENT:
-            backoff = Backoff(TIMEOUTS.ask_backoff_max)
+            backoff = Backoff(timeouts().ask_backoff_max)
             while (verdict := await asyncio.to_thread(verdicts.ask_abort, rec.ticket)) == Verdict.UNKNOWN:
                 await backoff.asleep()
             log.warning("recovered outgoing", extra={"id": rec.migration, "verdict": str(verdict)})
@@ -273,7 +273,7 @@ class Outgoing:
                 await asyncio.to_thread(_end, tree, rec)
                 await asyncio.to_thread(self._remove, rec.migration)
                 return
-        await thaw_until_done(lambda: self._thaw_record(rec), TIMEOUTS.thaw_retry_max)
+        await thaw_until_done(lambda: self._thaw_record(rec), timeouts().thaw_retry_max)
         await asyncio.to_thread(self._remove, rec.migration)
 
     def _thaw_record(self, rec: SourceRecord) -> checkpoint.Thaw:

@@ -16,24 +16,22 @@ import time
 from pathlib import Path
 
 from criuctl.agent.protocol import Point
-from criuctl.core import durable
+from criuctl.core import durable, env
 
-ENV_PAUSE_AT = "CRIUCTL_PAUSE_AT"
-ENV_PAUSE_DIR = "CRIUCTL_PAUSE_DIR"
 ARMED = "armed"
 
 
 def _armed(point: Point) -> Path | None:
-    wanted, folder = os.environ.get(ENV_PAUSE_AT), os.environ.get(ENV_PAUSE_DIR)
+    wanted, folder = env.PAUSE_AT.get(), env.PAUSE_DIR.get()
     if not wanted and not folder:
         return None
-    armed = set((wanted or "").split(","))
+    armed = set(wanted.split(","))
     if folder:
         with contextlib.suppress(OSError):
-            armed |= set((Path(folder) / ARMED).read_text().split())
+            armed |= set((folder / ARMED).read_text().split())
     if str(point) not in armed:
         return None
-    here = Path(folder or "/tmp")
+    here = folder or Path("/tmp")
     # whole or absent: a test that sees the file reads the PID, never an empty file being written
     durable.replace(here / str(point), str(os.getpid()).encode(), 0o644, sync=False)
     return here / f"{point}.go"

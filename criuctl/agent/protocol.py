@@ -27,12 +27,12 @@ import enum
 import hashlib
 import hmac
 import json
-import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypeVar
 
 import blake3
 
+from criuctl.core import env
 from criuctl.core.procinfo import Identity
 
 
@@ -178,20 +178,11 @@ class Timeouts:
     tombstone: float = 7 * 24 * 3600.0  # final records kept to answer late verdict requests
 
 
-ENV_TIMEOUTS = "CRIUCTL_TIMEOUTS"  # JSON object of Timeouts fields, e.g. {"stall": 5}: tests and tuning
-
-
-def timeouts_from(raw: str | None) -> Timeouts:
-    """Timeouts with the named fields overridden; a bad value is ignored rather than fatal at import."""
-    try:
-        given = json.loads(raw) if raw else {}
-        known = {f.name for f in fields(Timeouts)}
-        return Timeouts(**{k: float(v) for k, v in given.items() if k in known})
-    except (ValueError, TypeError, AttributeError):
-        return Timeouts()
-
-
-TIMEOUTS = timeouts_from(os.environ.get(ENV_TIMEOUTS))
+def timeouts() -> Timeouts:
+    """Timeouts with the fields $CRIUCTL_TIMEOUTS names overridden (tests and tuning), read when
+    asked; a malformed value, or a name that is not a field, is refused in one line (the CLI checks
+    the variable before any verb runs, and the agent asks once as it starts)."""
+    return env.overrides(env.TIMEOUTS, Timeouts)
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ from aiohttp import web
 
 from criuctl.agent import records, verdicts
 from criuctl.agent.httpjson import body_json, error, fail, valid_id
-from criuctl.agent.protocol import TIMEOUTS, TargetState, Ticket
-from criuctl.core import workloads
+from criuctl.agent.protocol import TargetState, Ticket, timeouts
+from criuctl.core import statedir
 from criuctl.core.errors import CriuctlError
 from criuctl.core.retry import Backoff
 from criuctl.net import netcut
@@ -80,7 +80,7 @@ class Redirects:
 
     @property
     def folder(self) -> Path:
-        return workloads.records_dir("redirects")
+        return statedir.REDIRECTS.ensure()
 
     def _path(self, rid: str) -> Path:
         return self.folder / f"{rid}.json"
@@ -142,7 +142,7 @@ class Redirects:
     async def settle(self, rid: str, seconds: float) -> None:
         """The client did not settle it in time: the moved rank's target says what is true."""
         await asyncio.sleep(seconds)
-        backoff = Backoff(TIMEOUTS.ask_backoff_max)
+        backoff = Backoff(timeouts().ask_backoff_max)
         while (rec := await asyncio.to_thread(self._load, rid)) is not None and rec.state == PENDING:
             state = await asyncio.to_thread(verdicts.ask_state, rec.ticket)
             log.warning("redirect lease expired", extra={"id": rid, "target_state": state})

@@ -50,7 +50,7 @@ from criuctl.agent.outgoing import Outgoing
 from criuctl.agent.redirects import Redirects
 from criuctl.agent.runtimes import Runtimes
 from criuctl.container import containers, runtime
-from criuctl.core import workloads
+from criuctl.core import statedir, workloads
 from criuctl.core.errors import CriuctlError
 from criuctl.core.tokens import read_token
 from criuctl.engine import criu
@@ -251,7 +251,7 @@ class Agent:
             with contextlib.suppress(asyncio.CancelledError, transfer.TransferError):
                 await dog
         self.metrics.bytes.labels("received").inc(counter.done)
-        key = bundle.load_key(workloads.key_path(), create=False)
+        key = bundle.load_key(statedir.key_path(), create=False)
         await asyncio.to_thread(bundle.verify, dest, key, digests)
         return digests
 

@@ -19,12 +19,11 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from criuctl.agent import livesend, points, records, transfer
+from criuctl.agent import livesend, points, protocol, records, transfer
 from criuctl.agent.handoffleases import HandoffFailed, HandoffLike
 from criuctl.agent.protocol import (
     INCOMPLETE,
     SOURCE_FINAL,
-    TIMEOUTS,
     Command,
     Event,
     Outcome,
@@ -61,9 +60,15 @@ class SourceMachine:
     """One outgoing migration on this node."""
 
     def __init__(
-        self, spec: SourceSpec, spawn: Spawn, send: Send, thaw: ThawFromRecord, timeouts: Timeouts = TIMEOUTS,
-    ) -> None:  # fmt: skip
-        self.spec, self._spawn, self._send, self._thaw, self.t = spec, spawn, send, thaw, timeouts
+        self,
+        spec: SourceSpec,
+        spawn: Spawn,
+        send: Send,
+        thaw: ThawFromRecord,
+        timeouts: Timeouts | None = None,
+    ) -> None:
+        self.spec, self._spawn, self._send, self._thaw = spec, spawn, send, thaw
+        self.t = timeouts or protocol.timeouts()  # read when the migration starts
         self.state = SourceState.FREEZING
         self.handoff: HandoffLike | None = None
         self.freeze_started = 0.0  # monotonic

@@ -19,11 +19,10 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from criuctl.agent import points, records, verdicts
+from criuctl.agent import points, protocol, records, verdicts
 from criuctl.agent.handoffleases import HandoffFailed, HandoffLike
 from criuctl.agent.protocol import (
     TARGET_FINAL,
-    TIMEOUTS,
     Command,
     Event,
     Mode,
@@ -52,9 +51,15 @@ class TargetMachine:
     the state dir, on disk: it must outlive a reboot that empties a tmpfs spool) the record."""
 
     def __init__(
-        self, rec: TargetRecord, folder: Path, record_path: Path, spawn: Spawn, timeouts: Timeouts = TIMEOUTS
+        self,
+        rec: TargetRecord,
+        folder: Path,
+        record_path: Path,
+        spawn: Spawn,
+        timeouts: Timeouts | None = None,
     ) -> None:
-        self.rec, self.dir, self.record_path, self._spawn, self.t = rec, folder, record_path, spawn, timeouts
+        self.rec, self.dir, self.record_path, self._spawn = rec, folder, record_path, spawn
+        self.t = timeouts or protocol.timeouts()  # read when the migration starts
         self.handoff: HandoffLike | None = None
         self.lock = asyncio.Lock()  # receive-done, restore, commit and abort never overlap
         self.cleanup: asyncio.Future | None = None  # the images removed after a commit, in the background
@@ -91,8 +96,9 @@ class TargetMachine:
 
     @classmethod
     def create(cls, migration: str, workload: str, mode: Mode, secret_sha256: str, spool: Path,
-               records_dir: Path, spawn: Spawn, timeouts: Timeouts = TIMEOUTS, placeholder: str | None = None,
-               runtime: str | None = None, verdict_key: str = "") -> TargetMachine:  # fmt: skip
+               records_dir: Path, spawn: Spawn, timeouts: Timeouts | None = None,
+               placeholder: str | None = None, runtime: str | None = None,
+               verdict_key: str = "") -> TargetMachine:  # fmt: skip
         rec = TargetRecord(migration, workload, str(mode), TargetState.NEW, secret_sha256, procinfo.boot_id(),
                            updated=time.time(), history=[f"new@{time.time():.3f}"], placeholder=placeholder,
                            runtime=runtime, verdict_key=verdict_key)  # fmt: skip

@@ -4,7 +4,7 @@ A sealed bundle goes out as plain ustar records, manifest.json and its signature
 exact Content-Length; a bundle CRIU is still writing goes out as a record stream (chunked), its
 manifest last. Either way the bytes leave with `sendfile` from the page cache, and the receiver
 (`criuctl.agent.receiver`) hashes each file as it writes it. Neither side trusts the network to
-say it broke: no progress for `TIMEOUTS.stall` seconds ends the transfer.
+say it broke: no progress for `Timeouts.stall` seconds ends the transfer.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Protocol
 from urllib.parse import urlsplit
 
 from criuctl.agent import conn as conn_mod
-from criuctl.agent.protocol import TIMEOUTS
+from criuctl.agent.protocol import timeouts
 from criuctl.core.errors import CriuctlError
 from criuctl.format import bundle
 
@@ -88,15 +88,15 @@ async def tar_pieces(root: Path, counter: Counter | None = None) -> AsyncIterato
 
 
 async def watchdog(counter: Counter, task: asyncio.Future, what: str) -> None:
-    """Cancel `task` when `counter` has not moved for `TIMEOUTS.stall` s (a cut link sends no RST)."""
+    """Cancel `task` when `counter` has not moved for `Timeouts.stall` s (a cut link sends no RST)."""
     last, since = counter.done + counter.beats, time.monotonic()
     while not task.done():
         await asyncio.sleep(0.5)
         if counter.done + counter.beats != last:
             last, since = counter.done + counter.beats, time.monotonic()
-        elif time.monotonic() - since > TIMEOUTS.stall:
+        elif time.monotonic() - since > timeouts().stall:
             task.cancel()
-            stalled = f"{what} stalled: no progress for {TIMEOUTS.stall:.0f} s"
+            stalled = f"{what} stalled: no progress for {timeouts().stall:.0f} s"
             raise TransferError(stalled, "check the network")
 
 
@@ -149,7 +149,7 @@ class _Put:
         conn = self.conn = conn_mod.connect(self.url, self.ca_pem, 5)
         try:
             conn.connect()  # within 5 s, as before
-            conn.sock.settimeout(TIMEOUTS.stall)  # a send or the answer that stalls this long fails
+            conn.sock.settimeout(timeouts().stall)  # a send or the answer that stalls this long fails
             u = urlsplit(self.url)
             conn.putrequest("PUT", u.path + (f"?{u.query}" if u.query else ""), skip_accept_encoding=True)
             conn.putheader("Authorization", f"Bearer {self.token}")

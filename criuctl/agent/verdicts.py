@@ -16,14 +16,14 @@ import json
 from urllib.parse import urlsplit
 
 from criuctl.agent.conn import connect
-from criuctl.agent.protocol import TIMEOUTS, TargetState, Ticket, Verdict, checked_state
+from criuctl.agent.protocol import TargetState, Ticket, Verdict, checked_state, timeouts
 
 _MAX_ANSWER = 1 << 16  # a verdict is a few hundred bytes; nothing at that address may make us read more
 
 
 def _signed_state(method: str, ticket: Ticket) -> str | None:
     """The target's signed state of the ticket's migration, after a GET or DELETE; None otherwise."""
-    c = connect(ticket.base(), ticket.ca, TIMEOUTS.ask_target)
+    c = connect(ticket.base(), ticket.ca, timeouts().ask_target)
     try:
         c.request(method, urlsplit(ticket.base()).path, headers={"Authorization": f"Bearer {ticket.secret}"})
         resp = c.getresponse()

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from typing import Any, NamedTuple
 
+from criuctl.core import env
+
 Option = tuple[tuple[str, ...], dict[str, Any]]
 
 
@@ -28,8 +30,8 @@ DESCRIPTION = (
 )
 
 STATE_DIR_HELP = (
-    "criuctl's state on this node: workloads, logs, keys, nodes (env CRIUCTL_STATE_DIR; "
-    "default /var/lib/criuctl)"
+    f"criuctl's state on this node: workloads, logs, keys, nodes (env {env.STATE_DIR}; "
+    f"default {env.STATE_DIR.default})"
 )
 
 # In the order `criuctl --help` lists them; every verb also takes --state-dir.
@@ -88,7 +90,7 @@ VERBS: dict[str, Verb] = {
                 "--spool-dir",
                 metavar="DIR",
                 help="where bundles in flight go (default: the state dir); a tmpfs keeps the disk out of a "
-                "migration's path, at the cost of RAM for one bundle per migration (env CRIUCTL_SPOOL_DIR)",
+                f"migration's path, at the cost of RAM for one bundle per migration (env {env.SPOOL_DIR})",
             ),
             opt(
                 "--lease",
@@ -100,7 +102,7 @@ VERBS: dict[str, Verb] = {
             opt(
                 "--runtime-endpoint",
                 metavar="SOCKET",
-                help="the container runtime's CRI socket (env CRIUCTL_RUNTIME_ENDPOINT; default: "
+                help=f"the container runtime's CRI socket (env {env.RUNTIME_ENDPOINT}; default: "
                 "containerd's, then CRI-O's, whichever exists)",
             ),
             opt(
@@ -234,7 +236,7 @@ VERBS: dict[str, Verb] = {
                 metavar="CONTAINER",
                 help="a container's bundle: the placeholder container (ID) to restore into",
             ),
-            opt("--runtime-endpoint", metavar="SOCKET", help="the CRI socket (env CRIUCTL_RUNTIME_ENDPOINT)"),
+            opt("--runtime-endpoint", metavar="SOCKET", help=f"the CRI socket (env {env.RUNTIME_ENDPOINT})"),
         ),
     ),
     "inspect": Verb(
@@ -251,7 +253,8 @@ VERBS: dict[str, Verb] = {
             opt(
                 "--signal",
                 metavar="FILE",
-                help="the migrator's signal file (default: $MIGRATION_SIGNAL_PATH, else ./ckpts/signal)",
+                help=f"the migrator's signal file (default: ${env.MIGRATION_SIGNAL_PATH}, "
+                f"else {env.MIGRATION_SIGNAL_PATH.shown})",
             ),
             opt("--timeout", type=float, default=270.0, metavar="SECONDS", help="give up after this long"),
         ),

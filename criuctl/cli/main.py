@@ -12,6 +12,7 @@ from pathlib import Path
 
 from criuctl.cli import climigrate
 from criuctl.cli.cliargs import parser
+from criuctl.core import env, statedir
 from criuctl.core.errors import CriuctlError, require_root
 
 __all__ = ["main", "parser"]
@@ -78,9 +79,10 @@ def _cmd_logs(a: argparse.Namespace) -> int:
 def _cmd_agent(a: argparse.Namespace) -> int:
     """Check every option the agent could fail on at start-up (one line each), then serve."""
     require_root("agent")
-    from criuctl.agent import preflight
+    from criuctl.agent import preflight, protocol
     from criuctl.core import tokens
 
+    protocol.timeouts()  # a name in $CRIUCTL_TIMEOUTS that is no wait fails the start, not a migration
     host, port = preflight.parse_listen(a.listen)
     preflight.check_transport(a.tls_cert, a.tls_key, a.insecure)
     tokens.read_token(Path(a.token_file))
@@ -116,9 +118,7 @@ def _cmd_agent(a: argparse.Namespace) -> int:
 
         opts.extensions.append(nodeside.extension(a.prestop_port, a.kubeconfig))
     if a.spool_dir:
-        from criuctl.core.workloads import ENV_SPOOL_DIR
-
-        os.environ[ENV_SPOOL_DIR] = str(Path(a.spool_dir).absolute())  # handoff processes inherit it
+        env.SPOOL_DIR.export(str(Path(a.spool_dir).absolute()))  # handoff processes inherit it
     try:
         server.serve(opts)
     except OSError as exc:  # the port taken between our check and the server's bind, say
@@ -203,7 +203,6 @@ def _dump_via_runtime(a: argparse.Namespace) -> int:
 
     from criuctl.container import containers, runtime
     from criuctl.container.runtime import archive
-    from criuctl.core import workloads
     from criuctl.format import bundle
 
     if not a.target.startswith(containers.NAME_PREFIX):
@@ -212,7 +211,7 @@ def _dump_via_runtime(a: argparse.Namespace) -> int:
             "pass the container's ID (see `criuctl ps --node NODE`)",
         )
     started = time.monotonic()
-    key = bundle.load_key(workloads.key_path())
+    key = bundle.load_key(statedir.key_path())
     ident = a.target.removeprefix(containers.NAME_PREFIX)
     manifest = archive.checkpoint_via_runtime(runtime.connect(), ident, Path(a.output), key)
     print(
@@ -244,7 +243,7 @@ def _cmd_restore(a: argparse.Namespace) -> int:
         if path.is_dir() and (m := bundle.read_manifest(path)).state is not None:
             from criuctl.local import statesnapshot
 
-            m = bundle.verify(path, bundle.load_key(workloads.key_path(), create=False))
+            m = bundle.verify(path, bundle.load_key(statedir.key_path(), create=False))
             return statesnapshot.restart(path.absolute(), m, a.name)
         return restoring.restore(path, a.name, into=into)
     if into is None:
@@ -254,8 +253,8 @@ def _cmd_restore(a: argparse.Namespace) -> int:
         )
     from criuctl.format import bundle
 
-    key = bundle.load_key(workloads.key_path())  # the node that reads the archive signs it
-    with archive.imported(path, key, workloads.state_dir() / "imports") as (root, _manifest):
+    key = bundle.load_key(statedir.key_path())  # the node that reads the archive signs it
+    with archive.imported(path, key, statedir.IMPORTS.path()) as (root, _manifest):
         return restoring.restore(root, a.name, into=into)
 
 
@@ -321,14 +320,11 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 def main(argv: Sequence[str] | None = None) -> int:
     a = parser().parse_args(argv)
     if a.state_dir:
-        from criuctl.core.statedir import ENV_STATE_DIR
-
-        os.environ[ENV_STATE_DIR] = str(Path(a.state_dir).absolute())
+        env.STATE_DIR.export(str(Path(a.state_dir).absolute()))
     if a.verb == "run" and a.command and a.command[0] == "--":
         a.command = a.command[1:]
     try:
-        from criuctl.core import statedir
-
+        env.check()  # a malformed variable: one line now, not a traceback (or a failure) later
         statedir.check_state_dir()
         return COMMANDS[a.verb](a)
     except CriuctlError as exc:
@@ -341,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f" ({exc.filename})" if exc.filename else ""
         print(
             f"criuctl: error: {exc.strerror or exc}{where}: "
-            "unexpected; run again with CRIUCTL_VERBOSE=1 for where it happened",
+            f"unexpected; run again with {env.VERBOSE}=1 for where it happened",
             file=sys.stderr,
         )
         if _verbose():
@@ -354,7 +350,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _verbose() -> bool:
-    return os.environ.get("CRIUCTL_VERBOSE") == "1"
+    try:
+        return env.VERBOSE.get()
+    except env.BadVariable:
+        return False  # said already, by `env.check`
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ def workloads_table(
             out.print(f"No workloads on {where}. Start one there with: criuctl run -- CMD")
         else:
             out.print(
-                f"No workloads on {where} (state dir {workloads.state_dir()}). "
+                f"No workloads on {where} (state dir {statedir.state_dir()}). "
                 "Start one with: criuctl run -- CMD"
             )
         return
@@ -226,7 +226,7 @@ def dump_summary(o, leave_running: bool) -> None:
 
 def _checks(root: Path) -> tuple[bool | None, list[str]]:
     try:
-        key = bundle.load_key(workloads.key_path(), create=False)
+        key = bundle.load_key(statedir.key_path(), create=False)
     except bundle.BundleError:
         return None, []
     v = bundle.check(root, key)
@@ -328,10 +328,10 @@ def inspect_archive(path: Path, as_json: bool) -> int:
     """`criuctl inspect ARCHIVE`: import into the state dir, describe the bundle, remove it."""
     from criuctl.container.runtime import archive  # its readers load pycriu: only for archives
 
-    statedir.ensure(workloads.state_dir())  # one line, not a traceback, where it cannot be written
-    key = bundle.load_key(workloads.key_path())
+    statedir.ensure_state_dir()  # one line, not a traceback, where it cannot be written
+    key = bundle.load_key(statedir.key_path())
     started = time.monotonic()
-    with archive.imported(path, key, workloads.state_dir() / "imports") as (root, manifest):
+    with archive.imported(path, key, statedir.IMPORTS.path()) as (root, manifest):
         c = manifest.container
         assert c is not None
         if not as_json:

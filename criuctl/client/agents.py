@@ -19,7 +19,7 @@ from urllib.parse import urlparse
 
 import requests
 
-from criuctl.core import durable, tokens, workloads
+from criuctl.core import durable, statedir, tokens, workloads
 from criuctl.core.errors import CriuctlError
 
 
@@ -75,7 +75,7 @@ class Node:
 
 
 def _config() -> Path:
-    return workloads.state_dir() / "nodes.json"
+    return statedir.NODES.path()
 
 
 def all_nodes() -> dict[str, Node]:
@@ -90,8 +90,8 @@ def all_nodes() -> dict[str, Node]:
 def _editing() -> Iterator[dict[str, Node]]:
     """The node list, to change and write back whole: one editor at a time (two `node add`s at once
     each keep their node), and a reader sees the old list or the new one."""
-    workloads.logs_dir("")  # creates the state dir, root-only
-    with open(_config().with_name(".nodes.lock"), "a") as lock:
+    statedir.ensure_state_dir()
+    with open(statedir.NODES_LOCK.path(), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         nodes = all_nodes()
         yield nodes

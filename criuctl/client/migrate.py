@@ -22,14 +22,14 @@ agent keeps asking the target until it can tell which side should run.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from criuctl.agent import points
-from criuctl.agent.protocol import INCOMPLETE, TIMEOUTS, Mode, Point, Ticket
+from criuctl.agent.protocol import INCOMPLETE, Mode, Point, Ticket, timeouts
 from criuctl.client.agents import AgentClient, Node, NodeUnreachable
+from criuctl.core import env
 from criuctl.core.errors import CriuctlError
 
 Progress = Callable[..., None]  # progress(phase, **facts)
@@ -48,7 +48,6 @@ class MigrationInDoubt(CriuctlError):
     ids: tuple[str | None, str] | None = None
 
 
-ENV_STREAM = "CRIUCTL_STREAM"  # "sealed": stream the bundle only once sealed (default: while CRIU writes)
 STOP_AND_COPY, POST_COPY = Mode.STOP_AND_COPY, Mode.POST_COPY
 MODES = tuple(str(m) for m in Mode)
 
@@ -154,7 +153,7 @@ class Move:
         self.progress("prepare")
         try:
             dst_info = _check_target(self.dst)
-            src_info = self.src.get("/v1/info", timeout=TIMEOUTS.info)
+            src_info = self.src.get("/v1/info", timeout=timeouts().info)
             self.mode = choose_mode(self.mode, src_info, dst_info)
             body = {"workload": self.name, "mode": self.mode, "into": self.into}
             if self.cut:
@@ -180,7 +179,7 @@ class Move:
             body["readdress"] = self.readdress
         if not self.boundary:
             body["boundary"] = False
-        if os.environ.get(ENV_STREAM) == "sealed":  # for comparisons: no overlap of dump and transfer
+        if env.STREAM.get() == "sealed":  # for comparisons: no overlap of dump and transfer
             body["live"] = False
         for ev in self.src.events("/v1/outgoing", body):
             kind = ev["event"]
@@ -216,7 +215,7 @@ class Move:
         phase_started = time.monotonic()
         self.progress("restore")
         body = {"page_server": f"{self.source.host}:{self.port}"} if self.mode == POST_COPY else {}
-        answer = self.dst.post(f"/v1/incoming/{self.inc['id']}/restore", body, timeout=TIMEOUTS.restore)
+        answer = self.dst.post(f"/v1/incoming/{self.inc['id']}/restore", body, timeout=timeouts().restore)
         self.facts["restore"] = time.monotonic() - phase_started
         self.phases.update(answer.get("phases", {}) if isinstance(answer, dict) else {})
         points.reach(Point.CLIENT_RESTORED)
@@ -241,7 +240,7 @@ class Move:
     def commit_source(self) -> None:
         """The source ends its tree (it checks with the target first)."""
         try:
-            answer = self.src.post(f"/v1/outgoing/{self.og_id}/commit", timeout=TIMEOUTS.source_commit)
+            answer = self.src.post(f"/v1/outgoing/{self.og_id}/commit", timeout=timeouts().source_commit)
         except CriuctlError:  # the job runs on the target; the source's handoff ends its copy on its word
             answer, self.confirmed = {}, False
         self.downtime = answer.get("downtime_seconds")
@@ -352,11 +351,11 @@ def _commit_target(
     src: AgentClient, dst: AgentClient, og_id: str, inc_id: str, name: str, source: str
 ) -> None:
     try:
-        dst.post(f"/v1/incoming/{inc_id}/commit", timeout=TIMEOUTS.target_commit)
+        dst.post(f"/v1/incoming/{inc_id}/commit", timeout=timeouts().target_commit)
         return
     except CriuctlError as exc:
         first = exc
-    deadline = time.monotonic() + TIMEOUTS.in_doubt
+    deadline = time.monotonic() + timeouts().in_doubt
     while time.monotonic() < deadline:
         try:
             state = dst.get(f"/v1/incoming/{inc_id}", timeout=5)["state"]
@@ -374,8 +373,8 @@ def _commit_target(
     )
 
 
-def _wait_pages(src: AgentClient, og_id: str, timeout: float = TIMEOUTS.pages) -> float | None:
-    deadline = time.monotonic() + timeout
+def _wait_pages(src: AgentClient, og_id: str, timeout: float | None = None) -> float | None:
+    deadline = time.monotonic() + (timeouts().pages if timeout is None else timeout)
     while time.monotonic() < deadline:
         try:
             st = src.get(f"/v1/outgoing/{og_id}", timeout=10)

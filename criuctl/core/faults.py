@@ -13,9 +13,8 @@ one environment lookup. Standard library only.
 from __future__ import annotations
 
 import enum
-import os
 
-ENV_FAULT_DIR = "CRIUCTL_FAULT_DIR"
+from criuctl.core import env
 
 
 class Fault(enum.StrEnum):
@@ -23,5 +22,5 @@ class Fault(enum.StrEnum):
 
 
 def injected(fault: Fault) -> bool:
-    folder = os.environ.get(ENV_FAULT_DIR)
-    return bool(folder) and os.path.exists(os.path.join(folder, str(fault)))
+    folder = env.FAULT_DIR.get()
+    return folder is not None and (folder / str(fault)).exists()

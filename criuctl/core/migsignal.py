@@ -8,21 +8,18 @@ place, so a reader never sees half a word.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
 
-from criuctl.core import durable
+from criuctl.core import durable, env
 
 INIT, SAVE, RESUME = "init", "save", "resume"
 SIGNALS = (INIT, SAVE, RESUME)
-ENV_SIGNAL = "MIGRATION_SIGNAL_PATH"
-DEFAULT_SIGNAL = "./ckpts/signal"
 
 
 def default_path() -> Path:
-    return Path(os.environ.get(ENV_SIGNAL, DEFAULT_SIGNAL))
+    return env.MIGRATION_SIGNAL_PATH.get()
 
 
 def write(path: Path, signal: str) -> None:
@@ -44,7 +41,7 @@ def prestop(path: str | None, timeout: float) -> int:
     if not signal.parent.is_dir():
         print(
             f"criuctl prestop: {signal.parent} does not exist: the job's checkpoint volume is not mounted "
-            f"here (set {ENV_SIGNAL} or --signal to the job's signal file)",
+            f"here (set {env.MIGRATION_SIGNAL_PATH} or --signal to the job's signal file)",
             file=sys.stderr,
         )
         return 1

@@ -38,6 +38,9 @@ ENV_REPORT_FD = "CRIUCTL_INIT_REPORT_FD"
 # container is one the kubelet restarted after the job left: starting the command again would run
 # the job a second time, from its first step, beside its moved copy. It waits instead.
 ENV_POD_UID = "CRIUCTL_POD_UID"
+# criuctl_hook.contract.ENV_HOOKS_DIR: this file runs alone in a container, where it cannot import
+# the hook's contract, so the name is written here too (tests/test_env.py checks the two agree).
+ENV_HOOKS_DIR = "CRIUCTL_HOOKS_DIR"
 MOVED_DIR = "moved"
 # In a placeholder container: where the init listens for the restorer ("ctl") and writes the
 # signals it gets ("signals"). The restorer reaches them through /proc/PID/root
@@ -163,8 +166,8 @@ def _hooks_env() -> None:
     """Put the hook shipped beside this file on PYTHONPATH (a container gets both in one volume)."""
     here = os.path.dirname(os.path.abspath(__file__))
     hooks = os.path.join(here, "hooks")
-    if os.path.isdir(os.path.join(hooks, "criuctl_hook")) and "CRIUCTL_HOOKS_DIR" not in os.environ:
-        os.environ["CRIUCTL_HOOKS_DIR"] = hooks
+    if os.path.isdir(os.path.join(hooks, "criuctl_hook")) and ENV_HOOKS_DIR not in os.environ:
+        os.environ[ENV_HOOKS_DIR] = hooks
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [hooks, os.environ.get("PYTHONPATH")]))
 
 

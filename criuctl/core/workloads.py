@@ -17,13 +17,8 @@ from typing import Any
 
 import psutil
 
-from criuctl.core import durable, procinfo
+from criuctl.core import durable, procinfo, statedir
 from criuctl.core.errors import CriuctlError
-from criuctl.core.statedir import DEFAULT_STATE_DIR as DEFAULT_STATE_DIR
-from criuctl.core.statedir import ENV_STATE_DIR as ENV_STATE_DIR
-from criuctl.core.statedir import StateDirError as StateDirError
-from criuctl.core.statedir import check_state_dir as check_state_dir
-from criuctl.core.statedir import ensure as _ensure
 from criuctl.core.statedir import state_dir
 
 RUNNING, CHECKPOINTED, MIGRATED, EXITED = "running", "checkpointed", "migrated", "exited"
@@ -75,46 +70,9 @@ def name_for(program: str) -> str:
     return base or "job"
 
 
-ENV_BUNDLE_KEY = "CRIUCTL_BUNDLE_KEY"
-
-
-def key_path() -> Path:
-    """The cluster signing key: the file $CRIUCTL_BUNDLE_KEY names (the DaemonSet points it at its
-    Secret), else `bundle.key` in the state dir."""
-    return Path(os.environ.get(ENV_BUNDLE_KEY) or state_dir() / "bundle.key")
-
-
-def logs_dir(kind: str = "logs") -> Path:
-    """A root-only folder under the state dir: 'logs' (workload output, CRIU logs), 'restores'..."""
-    return _ensure(state_dir() / kind)
-
-
-ENV_SPOOL_DIR = "CRIUCTL_SPOOL_DIR"
-
-
-def spool_dir(kind: str) -> Path:
-    """Where bundles in flight are written (`kind`: 'outgoing', 'incoming'), root-only; only bundles
-    (records go to `records_dir`).
-
-    The state dir by default. A tmpfs here takes the disk out of a migration's path (dump and
-    receive run at memory speed) at the cost of holding a bundle — about the job's RSS — in RAM
-    until the move is over.
-    """
-    return _ensure(Path(os.environ.get(ENV_SPOOL_DIR) or state_dir()) / kind)
-
-
-def records_dir(kind: str) -> Path:
-    """Where durable records live (`kind`: 'outgoing', 'incoming', 'redirects'): always the state
-    dir, on disk, never the spool, which may be a tmpfs. A reboot that empties the spool loses the
-    bundles in flight (the trees they came from died with the node too), but the records are what
-    a restarted agent settles every migration by: a frozen source asking what became of its copy
-    must still hear the truth."""
-    return _ensure(state_dir() / kind)
-
-
 def log_path(name: str) -> Path:
     """Where a workload's stdout and stderr are kept on this node (`criuctl logs NAME`)."""
-    return logs_dir() / f"{validate_name(name)}.log"
+    return statedir.LOGS.ensure() / f"{validate_name(name)}.log"
 
 
 @dataclass
@@ -176,7 +134,7 @@ class UnknownWorkload(CriuctlError):
 
 
 def _dir() -> Path:
-    d = _ensure(state_dir() / "workloads")
+    d = statedir.WORKLOADS.ensure()
     os.chmod(state_dir(), 0o700)
     return d
 

@@ -1,6 +1,6 @@
 """The CRIU engine: typed options in, typed results out, over pycriu's RPC (`criu swrk`).
 
-Bottom layer of criuctl: imports nothing of criuctl but `errors`. Build, then execute: the
+Bottom layer of criuctl: imports nothing of criuctl but `errors` and `env`. Build, then execute: the
 `build_*_request` functions are pure (they turn options into the RPC message you can look at);
 `dump`, `restore` and `check` run CRIU. No CLI output is ever parsed. Every failure raises `CriuError`
 with the tail of CRIU's own log and a hint in words a user understands.
@@ -22,24 +22,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from criuctl.core import env
 from criuctl.core.errors import CriuctlError
 
 MIN_VERSION = (4, 0)
 POSTCOPY_PIPE_SIZE = 8 << 20  # fs.pipe-max-size CRIU's page server needs (it sizes a pipe to ~3.3 MB)
-ENV_CRIU_BINARY = "CRIUCTL_CRIU"  # path or name of the criu binary; default "criu" on PATH
 LOG_LEVEL_DEBUG = 4
-# Warnings and errors, as the criu CLI logs by default; debug logging costs ~20% of dump time at
-# GiB sizes (measured in bench/dump_restore.py). CRIUCTL_CRIU_LOG_LEVEL=4 for a full trace.
-LOG_LEVEL = int(os.environ.get("CRIUCTL_CRIU_LOG_LEVEL", "2"))
-# The options dump and restore agree on: a training tree holds TCP (DDP), unix sockets, file locks.
-# CRIUCTL_NETWORK_LOCK=skip: a node whose kernel has no nf_tables (the GPU check host may not), for
-# jobs without TCP connections to lock
-TREE_OPTIONS: dict = dict(
-    tcp_established=True,
-    ext_unix_sk=True,
-    file_locks=True,
-    network_lock=os.environ.get("CRIUCTL_NETWORK_LOCK", "nftables"),
-)
+# CRIU's log level is $CRIUCTL_CRIU_LOG_LEVEL (criuctl.core.env): by default warnings and errors, as
+# the criu CLI logs; debug logging costs ~20% of dump time at GiB sizes (bench/dump_restore.py).
+
+
+def tree_options() -> dict:
+    """The options dump and restore agree on: a training tree holds TCP (DDP), unix sockets, file
+    locks. $CRIUCTL_NETWORK_LOCK=skip: a node whose kernel has no nf_tables (the GPU check host may
+    not), for jobs without TCP connections to lock."""
+    return dict(tcp_established=True, ext_unix_sk=True, file_locks=True, network_lock=env.NETWORK_LOCK.get())
 
 
 class CriuError(CriuctlError):
@@ -127,7 +124,7 @@ class DumpOptions:
     ghost_limit: int = 1 << 30  # deleted-but-open files (DataLoader shared memory) up to 1 GiB
     lazy_pages: bool = False  # post-copy: keep memory pages back and serve them on `page_server_port`
     page_server_port: int = 0
-    log_level: int = LOG_LEVEL
+    log_level: int = field(default_factory=env.CRIU_LOG_LEVEL.get)
     log_file: str = "dump.log"
 
 
@@ -147,7 +144,7 @@ class RestoreOptions:
     external: list[str] = field(default_factory=list)
     leave_stopped: bool = False  # recreate the tree but keep it stopped until the caller commits
     lazy_pages: bool = False  # post-copy: memory comes from a `lazy_pages_daemon` on the same work_dir
-    log_level: int = LOG_LEVEL
+    log_level: int = field(default_factory=env.CRIU_LOG_LEVEL.get)
     log_file: str = "restore.log"
     # Restoring into another container (a placeholder): its rootfs as the tree's root, namespaces
     # to join ({"uts": "/proc/PID/ns/uts"}), external mounts mapped to host paths ({"/data": "/var/…"}),
@@ -184,7 +181,7 @@ def _pycriu() -> Any:
 
 def binary() -> str:
     """Absolute path of the criu binary, or a CriuError saying how to get one."""
-    name = os.environ.get(ENV_CRIU_BINARY, "criu")
+    name = env.CRIU.get()
     path = shutil.which(name)
     if path is None:
         raise CriuError(
@@ -388,7 +385,7 @@ def lazy_pages_daemon(
     log = work_dir / "lazy-pages.log"
     argv = [
         binary(), "lazy-pages", "--page-server", "--address", address, "--port", str(port),
-        "-D", str(images_dir), "-W", str(work_dir), "-o", log.name, f"-v{LOG_LEVEL}",
+        "-D", str(images_dir), "-W", str(work_dir), "-o", log.name, f"-v{env.CRIU_LOG_LEVEL.get()}",
         "--status-fd", str(ready_w),
     ]  # fmt: skip
     proc = subprocess.Popen(argv, pass_fds=(ready_w,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)

@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import ctypes
 import enum
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from criuctl.core import env
 from criuctl.core.errors import CriuctlError
 
-ENV_LIBCUDA = "CRIUCTL_LIBCUDA"
-LIBCUDA = "libcuda.so.1"
 REMAP_VERSION = 13000  # r580 (CUDA 13.0): CUcheckpointRestoreArgs.gpuPairs, restore onto other GPUs
 CHECKPOINT_SYMBOLS = (
     "cuCheckpointProcessLock",
@@ -133,7 +131,7 @@ class CudaError(CriuctlError):
 
 
 def library_path() -> str:
-    return os.environ.get(ENV_LIBCUDA) or LIBCUDA
+    return env.LIBCUDA.get()
 
 
 def version_text(version: int) -> str:

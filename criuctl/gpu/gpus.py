@@ -19,10 +19,9 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from criuctl.core import env
 from criuctl.core.errors import CriuctlError
 
-ENV_LIBNVML = "CRIUCTL_LIBNVML"
-LIBNVML = "libnvidia-ml.so.1"
 NAME_SIZE = 96  # NVML_DEVICE_NAME_V2_BUFFER_SIZE
 UUID_SIZE = 96  # NVML_DEVICE_UUID_V2_BUFFER_SIZE
 VERSION_SIZE = 80  # NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE
@@ -59,7 +58,7 @@ class GpuInfo:
 
 
 def library_path() -> str:
-    return os.environ.get(ENV_LIBNVML) or LIBNVML
+    return env.LIBNVML.get()
 
 
 @contextmanager

@@ -10,15 +10,12 @@ keeps training there.
 
 from __future__ import annotations
 
-import os
 import time
 
-from criuctl.core import procinfo
+from criuctl.core import env, procinfo
 from criuctl.core.errors import CriuctlError
 from criuctl.format import bundle
 from criuctl.gpu import cuda, cudasteps, gpus
-
-ENV_REMAP = "CRIUCTL_CUDA_REMAP"
 
 
 def _driver() -> cuda.Driver:
@@ -115,6 +112,6 @@ def resume(facts: bundle.GpuFacts | None, root_pid: int, gpu_map: dict[str, str]
         )
     # r580+ takes the pairs for every checkpointed GPU, moved or not; CRIUCTL_CUDA_REMAP=0 passes
     # none (the same GPUs), which tests/gpu/check.sh uses to try both paths of the driver
-    pairs = gpu_map if os.environ.get(ENV_REMAP, "1") != "0" else {}
+    pairs = gpu_map if env.CUDA_REMAP.get() else {}
     cudasteps.resume(_driver(), [by_ns[n] for n in facts.ns_pids], pairs or None)
     return round(time.monotonic() - started, 3)

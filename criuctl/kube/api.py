@@ -22,19 +22,17 @@ PyTorchJob stand-in uses it too.
 from __future__ import annotations
 
 import functools
-import json
-import math
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from urllib3.exceptions import TimeoutError as Urllib3Timeout
 from urllib3.util.retry import Retry
 
+from criuctl.core import env
 from criuctl.core.errors import CriuctlError
 
-ENV_KUBE_TIMEOUTS = "CRIUCTL_KUBE_TIMEOUTS"  # JSON object of KubeTimeouts fields, e.g. {"read": 2}
 SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
@@ -61,25 +59,9 @@ class KubeTimeouts:
 
 
 def timeouts(raw: str | None = None) -> KubeTimeouts:
-    """KubeTimeouts with the fields named in CRIUCTL_KUBE_TIMEOUTS (or `raw`) overridden; a value
+    """KubeTimeouts with the fields named in $CRIUCTL_KUBE_TIMEOUTS (or `raw`) overridden; a value
     that is not one is refused in one line (a typo would otherwise leave a wait unbounded)."""
-    raw = os.environ.get(ENV_KUBE_TIMEOUTS) if raw is None else raw
-    if not raw:
-        return KubeTimeouts()
-    known = {f.name for f in fields(KubeTimeouts)}
-    try:
-        given = json.loads(raw)
-        if not isinstance(given, dict) or set(given) - known:
-            raise ValueError(raw)
-        values = {k: int(v) if k == "retries" else float(v) for k, v in given.items()}
-        if not all(math.isfinite(v) and v >= 0 for v in values.values()):
-            raise ValueError(raw)
-    except (ValueError, TypeError) as exc:
-        raise CriuctlError(
-            f"{ENV_KUBE_TIMEOUTS}={raw!r} is not a JSON object of non-negative seconds",
-            f"name only {', '.join(sorted(known))}, e.g. '{{\"read\": 10}}'; or unset it",
-        ) from exc
-    return KubeTimeouts(**values)
+    return env.overrides(env.KUBE_TIMEOUTS, KubeTimeouts, raw)
 
 
 class NoAnswer(TimeoutError):
@@ -88,7 +70,7 @@ class NoAnswer(TimeoutError):
 
     def __init__(self, t: KubeTimeouts) -> None:
         super().__init__(
-            f"no reply within its timeouts (connect {t.connect:g} s, read {t.read:g} s; {ENV_KUBE_TIMEOUTS})"
+            f"no reply within its timeouts (connect {t.connect:g} s, read {t.read:g} s; {env.KUBE_TIMEOUTS})"
         )
         self.timeouts = t
 

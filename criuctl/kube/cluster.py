@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from criuctl.client.agents import Node
-from criuctl.core import durable, workloads
+from criuctl.core import durable, statedir
 from criuctl.core.errors import CriuctlError
 from criuctl.kube import api
 
@@ -119,8 +119,7 @@ def _secret_file(c: Cluster, secret: str, key: str, dest: Path) -> str | None:
 def _credentials(c: Cluster) -> tuple[str, str | None]:
     """The agents' token and CA from the Secrets `manifests/` installs: read once per command."""
     if c.credentials is None:
-        home = workloads.state_dir() / "kube"
-        home.mkdir(parents=True, exist_ok=True, mode=0o700)
+        home = statedir.KUBE.ensure()
         token = _secret_file(c, "criuctl-agent", "token", home / "token")
         if token is None:
             raise CriuctlError(f"secret {SYSTEM_NS}/criuctl-agent has no token", "docs/deploy.md, Secrets")

@@ -14,7 +14,7 @@ import json
 from typing import Any
 
 from criuctl.container import containers  # cheap: standard library and psutil, nothing of torch or kubernetes
-from criuctl.core import nsinit
+from criuctl.core import env, nsinit
 
 Pod = dict[str, Any]
 
@@ -33,7 +33,7 @@ INJECT_DIR = str(containers.INJECT_DIR)  # where the node agent writes nsinit.py
 INIT = f"{MOUNT}/{nsinit.INJECT_NAME}"
 RUN_VOLUME = "criuctl-run"  # an emptyDir for the placeholder init's FIFOs on a read-only rootfs
 RUN_DIR = nsinit.CONTROL_DIR
-POD_UID_ENV = nsinit.ENV_POD_UID
+
 NO_COMMAND = "the image's entrypoint is not in the pod spec; give the container a command"
 PROBES = ("livenessProbe", "readinessProbe", "startupProbe")
 # The spec fields the webhook rewrites: `patch` replaces these whole and nothing else.
@@ -95,9 +95,9 @@ def wrap(pod: Pod, prestop_port: int | None = None, namespace: str | None = None
             c["command"] = [python, "-I", INIT, "--", *c["command"]]
         # the pod's UID, for the init to tell a container the kubelet restarted after its job moved
         # away from one it must start (criuctl.core.nsinit.moved_to)
-        if not any(e.get("name") == POD_UID_ENV for e in c.get("env") or []):
+        if not any(e.get("name") == env.POD_UID for e in c.get("env") or []):
             c.setdefault("env", []).append(
-                {"name": POD_UID_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}
+                {"name": env.POD_UID, "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}
             )
         # a hand-wrapped container may mount the files under another volume name: one mount is enough
         if not _mounts(c, MOUNT):

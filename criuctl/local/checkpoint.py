@@ -35,15 +35,13 @@ from pathlib import Path
 import psutil
 
 from criuctl.container import containers, rootfsdiff
-from criuctl.core import durable, procinfo, workloads
+from criuctl.core import durable, procinfo, statedir, workloads
 from criuctl.core.errors import CriuctlError
 from criuctl.engine import criu
 from criuctl.format import bundle, imagetail
 from criuctl.gpu import gpustate
 from criuctl.local import locks, stepboundary
 from criuctl.net import netlock, peers, readdress, tcprepair
-
-_COMMON = criu.TREE_OPTIONS
 
 Progress = Callable[[str], None]
 
@@ -302,7 +300,7 @@ def freeze(
     started = time.monotonic()
     criu.require_version()
     w = workloads.resolve(target)
-    key = bundle.load_key(workloads.key_path())
+    key = bundle.load_key(statedir.key_path())
     lock = locks.lock_workload(w.name, _purpose())
     try:
         return _freeze_locked(
@@ -364,7 +362,7 @@ def _freeze_locked(
         lazy_pages=lazy_port is not None,
         page_server_port=lazy_port or 0,
         external=plan.external if plan else [],
-        **_COMMON,
+        **criu.tree_options(),
     )
     frozen = Frozen(w, staging, None, 0.0, lazy=lazy_port is not None, lock=lock)  # type: ignore[arg-type]
     try:
@@ -523,6 +521,6 @@ def _keep_log(log: Path, name: str) -> Path | None:
     """Keep a failed dump's CRIU log (the staging directory is about to go)."""
     if not log.exists():
         return None
-    kept = workloads.logs_dir("logs") / f"dump-{name}-{time.strftime('%Y%m%dT%H%M%S')}.log"
+    kept = statedir.LOGS.ensure() / f"dump-{name}-{time.strftime('%Y%m%dT%H%M%S')}.log"
     shutil.move(log, kept)
     return kept

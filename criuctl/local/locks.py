@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from criuctl.core import workloads
+from criuctl.core import statedir
 from criuctl.core.errors import CriuctlError
 
 HOST_DUMP_LOCK = Path("/run/criuctl-dump.lock")
@@ -66,7 +66,7 @@ class WorkloadLock:
 
 
 def lock_path(name: str) -> Path:
-    return workloads.logs_dir("locks") / f"{name}.lock"
+    return statedir.LOCKS.ensure() / f"{name}.lock"
 
 
 def lock_workload(name: str, purpose: str) -> WorkloadLock:

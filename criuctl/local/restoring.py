@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 
 from criuctl.container import placeholder
-from criuctl.core import procinfo, workloads
+from criuctl.core import procinfo, statedir, workloads
 from criuctl.core.errors import CriuctlError
 from criuctl.engine import criu
 from criuctl.format import bundle
@@ -129,7 +129,7 @@ def restore_stopped(
     """
     bundle_dir = bundle_dir.absolute()
     t0 = time.monotonic()
-    manifest = bundle.verify(bundle_dir, bundle.load_key(workloads.key_path(), create=False), digests)
+    manifest = bundle.verify(bundle_dir, bundle.load_key(statedir.key_path(), create=False), digests)
     verified = time.monotonic() - t0
     criu.require_version()
     if manifest.lazy_pages and page_server is None:
@@ -140,7 +140,7 @@ def restore_stopped(
     name = workloads.unique_name(name or manifest.workload)
     gpu_map = gpustate.plan(manifest.gpu)  # a node without the GPUs is refused before CRIU runs
     images = bundle_dir / bundle.IMAGES_DIR
-    work = Path(tempfile.mkdtemp(prefix=f"restore-{name}-", dir=workloads.logs_dir("restores")))
+    work = Path(tempfile.mkdtemp(prefix=f"restore-{name}-", dir=statedir.RESTORES.ensure()))
     stdio, inherit, into_options = _destination(bundle_dir, manifest, into)
     lazy = None
     result: criu.RestoreResult | None = None
@@ -158,7 +158,7 @@ def restore_stopped(
                     leave_stopped=True,
                     lazy_pages=lazy is not None,
                     **into_options,
-                    **criu.TREE_OPTIONS,
+                    **criu.tree_options(),
                 )
             )
         except BaseException as exc:

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import psutil
 
-from criuctl.core import procinfo, workloads
+from criuctl.core import procinfo, statedir, workloads
+from criuctl.core.env import BOUNDARY_TIMEOUT
 from criuctl.core.errors import CriuctlError
 from criuctl.format import bundle
 from criuctl.local import checkpoint, locks, stepboundary, supervisor
@@ -68,7 +69,7 @@ def freeze_state(
             f"workload {w.name!r} was not started with criuctl's hook, so its state cannot be saved",
             "a state dump needs a job started by `criuctl run`; `criuctl dump` without --state works",
         )
-    key = bundle.load_key(workloads.key_path())
+    key = bundle.load_key(statedir.key_path())
     lock = locks.lock_workload(w.name, "criuctl dump --state")
     staging = Path(tempfile.mkdtemp(prefix=f".{w.name}.partial-", dir=parent))
     frozen = checkpoint.Frozen(w, staging, None, 0.0, lock=lock)  # type: ignore[arg-type]
@@ -83,7 +84,7 @@ def freeze_state(
                 f"workload {w.name!r}: its state could not be saved at a step boundary "
                 f"({reached.why or 'a trainer did not save'})",
                 "nothing was saved and the job keeps running; check that it is training, or use "
-                f"`criuctl dump` (CRIU) without --state; a longer wait: {stepboundary.ENV_TIMEOUT}=SECONDS",
+                f"`criuctl dump` (CRIU) without --state; a longer wait: {BOUNDARY_TIMEOUT}=SECONDS",
             )
         progress("sealing")
         manifest = bundle.Manifest(

@@ -26,12 +26,10 @@ from pathlib import Path
 
 import psutil
 
-from criuctl.core import durable, procinfo, workloads
+from criuctl.core import durable, env, procinfo, statedir, workloads
 from criuctl.format import bundle
 from criuctl_hook import contract
 
-ENV_TIMEOUT = "CRIUCTL_BOUNDARY_TIMEOUT"
-DEFAULT_TIMEOUT = 30.0  # seconds for a trainer's step to end
 PEER_GRACE = 2.0  # once one trainer stopped, seconds for the others
 
 
@@ -62,7 +60,7 @@ class Reached:
 
 
 def control_dir(name: str) -> Path:
-    return workloads.state_dir() / "control" / workloads.validate_name(name)
+    return statedir.CONTROL.path() / workloads.validate_name(name)
 
 
 def prepare(path: Path) -> None:
@@ -72,10 +70,8 @@ def prepare(path: Path) -> None:
 
 
 def timeout() -> float:
-    try:
-        return float(os.environ.get(ENV_TIMEOUT, DEFAULT_TIMEOUT))
-    except ValueError:
-        return DEFAULT_TIMEOUT
+    """Seconds for a trainer's step to end ($CRIUCTL_BOUNDARY_TIMEOUT)."""
+    return env.BOUNDARY_TIMEOUT.get()
 
 
 def _live_trainers(control: Path, root_pid: int) -> dict[str, int]:
@@ -155,7 +151,9 @@ def _heartbeat(request: Path, beating: threading.Event) -> None:
 
 def _why_not(missing: int, timed_out: bool) -> str:
     if timed_out:
-        return f"{missing} trainer(s) did not end their step within {timeout():.0f} s ({ENV_TIMEOUT})"
+        return (
+            f"{missing} trainer(s) did not end their step within {timeout():.0f} s ({env.BOUNDARY_TIMEOUT})"
+        )
     return f"{missing} trainer(s) were held inside their step by a stopped peer"
 
 

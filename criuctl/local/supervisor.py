@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from criuctl.core import procinfo, workloads
+from criuctl.core.env import PID_NAMESPACE
 from criuctl.core.errors import CriuctlError
 from criuctl.core.nsinit import ENV_ALLOW_IO_URING, ENV_REPORT_FD, exit_code
 from criuctl.local import stepboundary
@@ -116,9 +117,6 @@ class CannotStart(CriuctlError):
         self.exit_code = 127 if err == errno.ENOENT else 126
 
 
-ENV_PID_NAMESPACE = "CRIUCTL_PID_NAMESPACE"
-
-
 def pid_namespace() -> bool:
     """Whether `run` gives the job its own PID namespace: yes, except on an NVIDIA GPU node.
 
@@ -128,9 +126,9 @@ def pid_namespace() -> bool:
     they were: they must be free on the target (they are, once the source's tree is gone).
     CRIUCTL_PID_NAMESPACE=1 or 0 decides instead.
     """
-    forced = os.environ.get(ENV_PID_NAMESPACE)
-    if forced in ("0", "1"):
-        return forced == "1"
+    forced = PID_NAMESPACE.get()
+    if forced is not None:
+        return forced
     return not os.path.exists("/dev/nvidiactl")
 
 

@@ -19,9 +19,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from criuctl.core import env
 from criuctl.core.errors import CriuctlError
 
-ENV_RUNTIME_ENDPOINT = "CRIUCTL_RUNTIME_ENDPOINT"
 # Where the common runtimes listen, in the order a node agent tries them.
 DEFAULT_ENDPOINTS = ("unix:///run/containerd/containerd.sock", "unix:///var/run/crio/crio.sock")
 
@@ -100,7 +100,7 @@ def pick(ident: str, found: list[Container]) -> Container:
 
 def endpoint() -> str:
     """The runtime socket to use: $CRIUCTL_RUNTIME_ENDPOINT, else the first default that exists."""
-    if configured := os.environ.get(ENV_RUNTIME_ENDPOINT):
+    if configured := env.RUNTIME_ENDPOINT.get():
         return configured
     for ep in DEFAULT_ENDPOINTS:
         if os.path.exists(ep.removeprefix("unix://")):

@@ -13,13 +13,13 @@ import os
 from typing import Any
 
 from criuctl.container.runtime import (
-    ENV_RUNTIME_ENDPOINT,
     Container,
     RuntimeUnavailable,
     UnknownContainer,
     Unsupported,
     pick,
 )
+from criuctl.core import env
 
 _STATES = {0: "created", 1: "running", 2: "exited", 3: "unknown"}
 _CALL_TIMEOUT = 10.0
@@ -68,7 +68,7 @@ class CRIRuntime:
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise RuntimeUnavailable(
                     f"the container runtime at {self.endpoint} does not answer ({code.name.lower()})",
-                    f"check that containerd or CRI-O runs and listens there, or set {ENV_RUNTIME_ENDPOINT}",
+                    f"check that containerd or CRI-O runs and listens there, or set {env.RUNTIME_ENDPOINT}",
                 ) from None
             if code == grpc.StatusCode.NOT_FOUND:
                 raise UnknownContainer(

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 from criuctl.container.runtime import Container, pick
+from criuctl.core import env
 
 _ID = re.compile(r"(?:^|[/:-])([0-9a-f]{64})(?:\.scope)?$")
 
@@ -59,5 +60,5 @@ class ProcfsRuntime:
 
         raise Unsupported(
             "without a runtime socket there is no runtime checkpoint",
-            "set CRIUCTL_RUNTIME_ENDPOINT to the runtime's CRI socket",
+            f"set {env.RUNTIME_ENDPOINT} to the runtime's CRI socket",
         )
