@@ -20,7 +20,7 @@ from criuctl.core import durable
 T = TypeVar("T")
 
 
-def write(path: Path, data: dict) -> None:
+def write(path: Path, data: dict[str, Any]) -> None:
     """Replace `path` with `data` as JSON, atomically and durably (root-only)."""
     durable.replace_json(path, data)
 

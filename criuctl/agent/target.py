@@ -29,6 +29,7 @@ from criuctl.agent.protocol import (
     Mode,
     Outcome,
     Point,
+    SignedState,
     TargetRecord,
     TargetSpec,
     TargetState,
@@ -57,7 +58,8 @@ class TargetMachine:
         self.rec, self.dir, self.record_path, self._spawn, self.t = rec, folder, record_path, spawn, timeouts
         self.handoff: HandoffLike | None = None
         self.lock = asyncio.Lock()  # receive-done, restore, commit and abort never overlap
-        self.cleanup: asyncio.Future | None = None  # the images removed after a commit, in the background
+        # the images removed after a commit, in the background
+        self.cleanup: asyncio.Future[None] | None = None
 
     @property
     def id(self) -> str:
@@ -71,7 +73,7 @@ class TargetMachine:
     def bundle_dir(self) -> Path:
         return self.dir / "bundle"
 
-    def answer(self) -> dict[str, str]:
+    def answer(self) -> SignedState:
         """This migration's state as the source may act on it: signed with the ticket's key, with
         this node's boot (a source's question is answered by what is true now, on this boot)."""
         return signed_state(self.rec.verdict_key, self.id, str(self.state), procinfo.boot_id())

@@ -24,4 +24,6 @@ class Fault(enum.StrEnum):
 
 def injected(fault: Fault) -> bool:
     folder = os.environ.get(ENV_FAULT_DIR)
-    return bool(folder) and os.path.exists(os.path.join(folder, str(fault)))
+    if not folder:
+        return False
+    return os.path.exists(os.path.join(folder, str(fault)))
