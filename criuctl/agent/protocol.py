@@ -246,7 +246,7 @@ class Ticket:
     ca: str | None = None  # PEM of the CA of the target's TLS certificate
 
     @classmethod
-    def from_json(cls, raw: Any) -> Ticket:
+    def from_json(cls, raw: object) -> Ticket:
         if not isinstance(raw, dict):
             raise ValueError("ticket must be an object")
         names = {f.name for f in fields(cls)}
@@ -409,7 +409,7 @@ class SourceRecord:
         return {**asdict(self), "ticket": self.ticket.to_json(), "state": str(self.state)}
 
     @classmethod
-    def from_json(cls, d: Any) -> SourceRecord:
+    def from_json(cls, d: object) -> SourceRecord:
         return cls(**_object(d, ticket=Ticket.from_json, state=SourceState))
 
 
@@ -454,14 +454,14 @@ class TargetRecord:
         return {**asdict(self), "state": str(self.state)}
 
     @classmethod
-    def from_json(cls, d: Any) -> TargetRecord:
+    def from_json(cls, d: object) -> TargetRecord:
         rec = cls(**_object(d, state=TargetState))
         if isinstance(rec.follow, dict):
             rec.follow = Ticket.from_json(rec.follow)
         return rec
 
 
-def _object(d: Any, **convert: Any) -> dict[str, Any]:
+def _object(d: object, **convert: Any) -> dict[str, Any]:
     """A record's JSON object with the named fields converted; ValueError for anything else."""
     if not isinstance(d, dict):
         raise ValueError("not an object")

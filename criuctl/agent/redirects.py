@@ -58,7 +58,7 @@ class RedirectRecord:
         return {**asdict(self), "ticket": self.ticket.to_json()}
 
     @classmethod
-    def from_json(cls, d: Any) -> RedirectRecord:
+    def from_json(cls, d: object) -> RedirectRecord:
         if not isinstance(d, dict):
             raise ValueError("not an object")
         return cls(**{**d, "ticket": Ticket.from_json(d["ticket"])})

@@ -263,7 +263,8 @@ def row(w: Workload) -> WorkloadRow:
     """The record with whether it is alive and its tree's RSS."""
     alive = w.alive()
     rss = procinfo.rss_bytes(w.root_pid) if alive and w.state == RUNNING else None
-    # `asdict` is untyped: WorkloadRow names every field of Workload (tests/test_units.py checks)
+    # `asdict` is untyped: WorkloadRow names every field of Workload (tests/test_agent_units.py
+    # checks the rows the agent really sends against it)
     return cast(WorkloadRow, {**asdict(w), "alive": alive, "rss_bytes": rss})
 
 
