@@ -24,6 +24,7 @@ from criuctl.core import workloads
 from criuctl.core.errors import CriuctlError
 from criuctl.core.tokens import read_token
 from criuctl.format import bundle
+from tests.requirements import needs
 
 
 def _bundle(tmp_path, key: bytes):
@@ -277,6 +278,7 @@ def _fits(answer: object, kind: type) -> None:
     assert required <= set(answer), f"{kind.__name__} lacks {sorted(required - set(answer))}"
 
 
+@needs("criu")  # making room for a migration asks CRIU its version
 def test_the_agents_answers_have_the_fields_their_types_name(tmp_path, state_dir):
     """The real agent app, in-process: each answer's fields are those its type in
     `criuctl.agent.messages` names (the type the client reads it with): a workload row, a node's
