@@ -26,12 +26,14 @@ bench: install
 bench-migrate: install
 	$(VENV)/bin/python bench/migrate.py
 
-# ruff, the formatter, and the layer contract (pyproject.toml [tool.importlinter]): a module that
-# imports a layer above its own fails here, as does the hook importing criuctl
+# ruff, the formatter, the layer contract (pyproject.toml [tool.importlinter]): a module that
+# imports a layer above its own fails here, as does the hook importing criuctl; and the type check
+# ([tool.mypy]: strict on core, engine, format, agent, client, whose JSON is typed in agent/messages)
 lint: install
 	$(VENV)/bin/ruff check criuctl hooks tools tests bench
 	$(VENV)/bin/ruff format --check criuctl hooks tools tests bench
 	PYTHONPATH=hooks $(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) .pytest_cache

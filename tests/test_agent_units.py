@@ -1,22 +1,30 @@
-"""The agent's pure parts, without CRIU: the bundle stream, mode choice, token rules, the node list."""
+"""The agent's pure parts, without CRIU: the bundle stream, mode choice, token rules, the node list,
+the JSON its routes answer."""
 
 from __future__ import annotations
 
 import asyncio
 import io
 import os
+import secrets
+import subprocess
 import tarfile
 import threading
 import time
+import typing
 
 import pytest
 from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 
-from criuctl.agent import livesend, receiver, transfer
+from criuctl.agent import livesend, messages, protocol, receiver, transfer
+from criuctl.agent.server import Agent, AgentOptions
 from criuctl.client import agents, migrate
+from criuctl.core import workloads
 from criuctl.core.errors import CriuctlError
 from criuctl.core.tokens import read_token
 from criuctl.format import bundle
+from tests.requirements import needs
 
 
 def _bundle(tmp_path, key: bytes):
@@ -253,3 +261,70 @@ def test_a_warm_handoff_exits_when_its_agent_closes_the_lease_and_takes_its_titl
     )
     shown = subprocess.run([sys.executable, "-c", probe, warmstart.blank()], capture_output=True, text=True)
     assert shown.stdout.split("\0")[:5] == [sys.executable, "-m", "criuctl.agent.handoff", "dump", str(spec)]
+
+
+def _fits(answer: object, kind: type) -> None:
+    """`answer` is what the TypedDict `kind` says: an object with every required field and no field
+    it does not name (its annotations read with Required/NotRequired, as mypy reads them)."""
+    assert isinstance(answer, dict), answer
+    hints = typing.get_type_hints(kind, include_extras=True)
+    required = {
+        k
+        for k, h in hints.items()
+        if typing.get_origin(h) is typing.Required
+        or (typing.get_origin(h) is not typing.NotRequired and k in kind.__required_keys__)
+    }
+    assert set(answer) <= set(hints), f"{kind.__name__} does not name {sorted(set(answer) - set(hints))}"
+    assert required <= set(answer), f"{kind.__name__} lacks {sorted(required - set(answer))}"
+
+
+@needs("criu")  # making room for a migration asks CRIU its version
+def test_the_agents_answers_have_the_fields_their_types_name(tmp_path, state_dir):
+    """The real agent app, in-process: each answer's fields are those its type in
+    `criuctl.agent.messages` names (the type the client reads it with): a workload row, a node's
+    facts, a migration made, its state, its abort, refusals. Field names are checked by mypy where
+    they are written; this checks what the agent really sends, rows built from records included."""
+    token = tmp_path / "token"
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    (state_dir / "bundle.key").write_text(secrets.token_bytes(32).hex())
+    (state_dir / "bundle.key").chmod(0o600)
+    job = subprocess.Popen(["sleep", "60"])
+    record = workloads.Workload.of_tree(
+        job.pid, name="probe", command=["sleep", "60"], supervisor_pid=job.pid, stdio_pipes={}
+    )
+    workloads.save(record)
+    agent = Agent(AgentOptions("127.0.0.1", 0, token, name="probe", runtime_endpoint="unix:///nonexistent"))
+    auth = {"Authorization": f"Bearer {token.read_text()}"}
+
+    async def go() -> None:
+        async with TestClient(TestServer(agent.app())) as client:
+
+            async def call(method: str, path: str, status: int, kind: type, body: object = None) -> dict:
+                resp = await client.request(method, path, headers=auth, json=body)
+                assert resp.status == status, await resp.text()
+                answer = await resp.json()
+                _fits(answer, kind)
+                return answer
+
+            _fits(await (await client.get("/healthz")).json(), messages.Healthz)
+            await call("GET", "/v1/info", 200, messages.NodeInfo)
+            rows = await (await client.get("/v1/workloads", headers=auth)).json()
+            assert [r["name"] for r in rows] == ["probe"] and "tcp" in rows[0]
+            _fits(rows[0], workloads.WorkloadRow)
+            _fits(rows[0]["tcp"], workloads.EndpointsJson)
+            await call("POST", "/v1/incoming", 400, messages.ErrorAnswer, {"workload": "w", "mode": "x"})
+            await call("GET", f"/v1/incoming/{'0' * 32}", 404, messages.ErrorAnswer)
+            made = await call("POST", "/v1/incoming", 200, messages.IncomingAnswer, {"workload": "w"})
+            await call("GET", f"/v1/incoming/{made['id']}", 200, messages.IncomingStatus)
+            await call("POST", f"/v1/incoming/{made['id']}/commit", 409, messages.ErrorAnswer)
+            await call("DELETE", f"/v1/incoming/{made['id']}", 200, protocol.SignedState)
+            await call("DELETE", f"/v1/incoming/{made['id']}/cut", 200, messages.StateAnswer)
+            await call("GET", f"/v1/outgoing/{'0' * 32}", 404, messages.ErrorAnswer)
+
+    try:
+        asyncio.run(go())
+    finally:
+        job.kill()
+        job.wait()

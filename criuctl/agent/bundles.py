@@ -31,6 +31,14 @@ from aiohttp import web
 from criuctl.agent import transfer
 from criuctl.agent.handoffleases import Handoff, HandoffFailed
 from criuctl.agent.httpjson import BadInto, body_json, container_id, error, fail, valid_id
+from criuctl.agent.messages import (
+    BundleDeleted,
+    BundleKept,
+    BundleRestored,
+    BundleRestoreRequest,
+    CheckpointAnswer,
+    CheckpointRequest,
+)
 from criuctl.agent.protocol import Command, Event, TargetSpec, timeouts
 from criuctl.core import durable, statedir, workloads
 from criuctl.core.errors import CriuctlError
@@ -71,7 +79,7 @@ class Bundles:
         return self.root / bid
 
     async def checkpoint(self, r: web.Request) -> web.Response:
-        body = await body_json(r)
+        body: CheckpointRequest = await body_json(r)
         try:
             name = workloads.validate_name(r.match_info["name"])
             w = await asyncio.to_thread(self.agent.runtimes.resolve, name)
@@ -108,7 +116,7 @@ class Bundles:
         finally:
             await h.close()
             await asyncio.to_thread(shutil.rmtree, work, True)
-        answer = {"id": bid, "bytes": ev["bytes"], "freeze_seconds": ev["freeze_seconds"]}
+        answer = CheckpointAnswer(id=bid, bytes=ev["bytes"], freeze_seconds=ev["freeze_seconds"])
         if ev.get("thaw_left"):  # --leave-running: the bundle is good, the job runs, not whole yet
             answer["thaw_incomplete"] = ev["thaw_left"]
         return web.json_response(answer)
@@ -145,11 +153,13 @@ class Bundles:
         except (CriuctlError, OSError) as exc:
             await asyncio.to_thread(shutil.rmtree, path, True)
             return self.agent.error_response(exc)
-        return web.json_response({"id": path.name, "bytes": await asyncio.to_thread(bundle.size_bytes, path)})
+        return web.json_response(
+            BundleKept(id=path.name, bytes=await asyncio.to_thread(bundle.size_bytes, path))
+        )
 
     async def restore(self, r: web.Request) -> web.Response:
         path = self._path(r)
-        body = await body_json(r)
+        body: BundleRestoreRequest = await body_json(r)
         try:
             name = workloads.validate_name(body["name"]) if body.get("name") else None
             into = container_id(body.get("into"))
@@ -181,11 +191,11 @@ class Bundles:
         finally:
             await h.close()
         await asyncio.to_thread(shutil.rmtree, path, True)  # the job runs: its pages need not stay on disk
-        return web.json_response({"pid": running["pid"], "criu_seconds": ev["criu_seconds"]})
+        return web.json_response(BundleRestored(pid=running["pid"], criu_seconds=ev["criu_seconds"]))
 
     async def delete(self, r: web.Request) -> web.Response:
         path = self._path(r)
         if not path.exists():
             return fail(404, f"no bundle {path.name} on node {self.agent.name}")
         await asyncio.to_thread(shutil.rmtree, path)
-        return web.json_response({"deleted": path.name})
+        return web.json_response(BundleDeleted(deleted=path.name))

@@ -307,7 +307,7 @@ def _placeholder(spec: TargetSpec) -> placeholder.Placeholder | None:
     return placeholder.match(rt, facts)
 
 
-def _collect(lazy: subprocess.Popen, bundle_dir: Path) -> None:
+def _collect(lazy: subprocess.Popen[bytes], bundle_dir: Path) -> None:
     lazy.wait()
     shutil.rmtree(bundle_dir, ignore_errors=True)
 

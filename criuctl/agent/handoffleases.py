@@ -16,12 +16,15 @@ import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO, Any, Protocol
 
 from criuctl.agent import warmstart
 from criuctl.agent.protocol import Command, Event
 from criuctl.core import durable, env
 from criuctl.core.errors import CriuctlError
+
+# one line of a handoff's stdout: {"event": Event, ...that event's fields} (`criuctl.agent.handoff`)
+HandoffEvent = dict[str, Any]
 
 
 class HandoffFailed(CriuctlError):
@@ -33,10 +36,12 @@ class HandoffLike(Protocol):
 
     @property
     def alive(self) -> bool: ...
-    async def event(self, timeout: float | None = None) -> dict: ...
-    async def until(self, wanted: set[Event], timeout: float | None = None) -> dict: ...
+    async def event(self, timeout: float | None = None) -> HandoffEvent: ...
+    async def until(self, wanted: set[Event], timeout: float | None = None) -> HandoffEvent: ...
     async def send(self, command: Command) -> None: ...
-    async def ask(self, command: Command, wanted: set[Event], timeout: float | None = None) -> dict: ...
+    async def ask(
+        self, command: Command, wanted: set[Event], timeout: float | None = None
+    ) -> HandoffEvent: ...
     async def close(self) -> None: ...
     async def kill_group(self) -> None: ...
 
@@ -82,7 +87,7 @@ class Handoff:
     def alive(self) -> bool:
         return self.proc.returncode is None
 
-    async def event(self, timeout: float | None = None) -> dict:
+    async def event(self, timeout: float | None = None) -> HandoffEvent:
         """The next event; HandoffFailed for an error event, a line that is not an event, or a
         process that ended."""
         try:
@@ -107,7 +112,7 @@ class Handoff:
             raise HandoffFailed(ev["what"], ev.get("hint", ""), ev.get("detail", ""))
         return ev
 
-    async def until(self, wanted: set[Event], timeout: float | None = None) -> dict:
+    async def until(self, wanted: set[Event], timeout: float | None = None) -> HandoffEvent:
         """Events until one named in `wanted` (all within `timeout`)."""
         async with asyncio.timeout(timeout):
             while True:
@@ -121,7 +126,7 @@ class Handoff:
             self.proc.stdin.write(f"{command}\n".encode())
             await self.proc.stdin.drain()
 
-    async def ask(self, command: Command, wanted: set[Event], timeout: float | None = None) -> dict:
+    async def ask(self, command: Command, wanted: set[Event], timeout: float | None = None) -> HandoffEvent:
         """Send `command` and wait for one of the events in `wanted`."""
         await self.send(command)
         return await self.until(wanted, timeout)
@@ -176,7 +181,7 @@ class _Warm:
 
     def __init__(self) -> None:
         self.proc: _Process | None = None
-        self.starting: asyncio.Task | None = None
+        self.starting: asyncio.Task[None] | None = None
 
     def take(self) -> _Process | None:
         """The warm process, if one is up (one still starting is left: a cold start is no slower)."""

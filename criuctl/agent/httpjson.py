@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Unpack
 
 from aiohttp import web
 
+from criuctl.agent.messages import ErrorAnswer, Refusal, StepAnswer
 from criuctl.agent.protocol import Outcome
 
 _ID = re.compile(r"^[0-9a-f]{32}$")
 
 
-def fail(status: int, what: str, hint: str = "", **extra: Any) -> web.Response:
+def fail(status: int, what: str, hint: str = "", **extra: Unpack[Refusal]) -> web.Response:
     """One JSON error; `what` and `hint` become the client's one line."""
-    return web.json_response({"what": what, "hint": hint, **extra}, status=status)
+    return web.json_response(ErrorAnswer(what=what, hint=hint, **extra), status=status)
 
 
 _ERRORS: dict[int, type[web.HTTPException]] = {
@@ -26,10 +27,10 @@ _ERRORS: dict[int, type[web.HTTPException]] = {
 }
 
 
-def error(status: int, what: str, hint: str = "", **extra: Any) -> web.HTTPException:
+def error(status: int, what: str, hint: str = "", **extra: Unpack[Refusal]) -> web.HTTPException:
     """The same JSON error as `fail`, as an exception a handler can raise from deep inside."""
     return _ERRORS[status](
-        text=json.dumps({"what": what, "hint": hint, **extra}), content_type="application/json"
+        text=json.dumps(ErrorAnswer(what=what, hint=hint, **extra)), content_type="application/json"
     )
 
 
@@ -51,8 +52,11 @@ def valid_id(value: str) -> bool:
     return bool(_ID.match(value))
 
 
-async def body_json(r: web.Request) -> dict:
-    """The request's JSON object (empty when there is no body); a 400 for anything else."""
+async def body_json(r: web.Request) -> Any:
+    """The request's JSON object (empty when there is no body); a 400 for anything else.
+
+    Any JSON object: a route annotates it with its request's type (`criuctl.agent.messages`), so
+    that the names of its fields are checked against the client's, and still checks each field."""
     if not r.can_read_body:
         return {}
     try:
@@ -64,7 +68,9 @@ async def body_json(r: web.Request) -> dict:
     return body
 
 
-def outcome_response(out: Outcome, extra: dict | None = None) -> web.Response:
+def outcome_response(out: Outcome, state: str | None = None) -> web.Response:
+    """A step's answer: its state (or `state`, where the machine's own is newer) and its facts; a
+    409 with the same for a step that did not go through."""
     if out.ok:
-        return web.json_response({"state": out.state, **out.facts, **(extra or {})})
+        return web.json_response(StepAnswer(state=state or out.state, **out.facts))
     return fail(409, out.what, out.hint, state=out.state, **out.facts)

@@ -28,6 +28,13 @@ from aiohttp import web
 from criuctl.agent import records
 from criuctl.agent.handoffleases import Handoff
 from criuctl.agent.httpjson import BadInto, body_json, container_id, error, fail, outcome_response, valid_id
+from criuctl.agent.messages import (
+    IncomingAnswer,
+    IncomingRequest,
+    IncomingStatus,
+    RestoreRequest,
+    StateAnswer,
+)
 from criuctl.agent.protocol import (
     TARGET_FINAL,
     Mode,
@@ -35,6 +42,7 @@ from criuctl.agent.protocol import (
     TargetSpec,
     TargetState,
     Ticket,
+    UploadAnswer,
     Verdict,
     secret_digest,
     timeouts,
@@ -125,7 +133,7 @@ class Incoming:
     # ----------------------------------------------------------------------------------- routes
 
     async def new(self, r: web.Request) -> web.Response:
-        body = await body_json(r)
+        body: IncomingRequest = await body_json(r)
         try:
             name = workloads.validate_name(str(body.get("workload", "")))
             into = container_id(body.get("into"))
@@ -180,7 +188,7 @@ class Incoming:
                             exc.hint)  # fmt: skip
             await asyncio.to_thread(records.write, m.record_path, m.rec.to_json())
         log.info("incoming", extra={"id": m.id, "workload": name, "mode": str(mode)})
-        return web.json_response({"id": m.id, "ticket": secret})
+        return web.json_response(IncomingAnswer(id=m.id, ticket=secret))
 
     async def upload(self, r: web.Request) -> web.Response:
         m = self._get(r)
@@ -194,11 +202,11 @@ class Incoming:
         if not out.ok:
             return fail(409, out.what, out.hint, state=out.state)
         size = await asyncio.to_thread(bundle.size_bytes, m.bundle_dir)
-        return web.json_response({"bytes": size, "seconds": time.monotonic() - started})
+        return web.json_response(UploadAnswer(bytes=size, seconds=time.monotonic() - started))
 
     async def restore(self, r: web.Request) -> web.Response:
         m = self._get(r)
-        body = await body_json(r)
+        body: RestoreRequest = await body_json(r)
         page_server = body.get("page_server")
         if page_server is not None and not isinstance(page_server, str):
             return fail(400, "page_server must be HOST:PORT")
@@ -214,11 +222,11 @@ class Incoming:
         if out.ok:
             self.agent.metrics.migrations.labels("target", m.rec.mode, "succeeded").inc()
             await asyncio.to_thread(_lift_cut, m.rec)  # the rank runs here: its peers may reach it
-        return outcome_response(out, {"state": str(m.state)})
+        return outcome_response(out, str(m.state))
 
     async def status(self, r: web.Request) -> web.Response:
         m = self._get(r)
-        return web.json_response({**m.answer(), "workload": m.rec.workload})
+        return web.json_response(IncomingStatus(**m.answer(), workload=m.rec.workload))
 
     async def abort(self, r: web.Request) -> web.Response:
         m = self._get(r)
@@ -239,7 +247,7 @@ class Incoming:
             return fail(409, f"migration {m.id} is {m.state}: its cut stays until it runs or is aborted",
                         state=str(m.state))  # fmt: skip
         await asyncio.to_thread(_lift_cut, m.rec)
-        return web.json_response({"state": str(m.state)})
+        return web.json_response(StateAnswer(state=str(m.state)))
 
     # ----------------------------------------------------------------------------------- upkeep
 

@@ -24,6 +24,7 @@ from aiohttp import web
 from criuctl.agent import records, transfer, verdicts
 from criuctl.agent.handoffleases import Handoff
 from criuctl.agent.httpjson import body_json, error, fail, outcome_response, valid_id
+from criuctl.agent.messages import Failed, OutgoingEvent, OutgoingRequest, OutgoingStatus, Sent, Started
 from criuctl.agent.protocol import (
     SOURCE_FINAL,
     Mode,
@@ -31,6 +32,7 @@ from criuctl.agent.protocol import (
     SourceSpec,
     SourceState,
     Ticket,
+    UploadAnswer,
     Verdict,
     check_transition,
     timeouts,
@@ -54,7 +56,8 @@ log = logging.getLogger("criuctl.agent")
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 async def spawn_source(spec: SourceSpec, folder: Path) -> Handoff:
@@ -69,7 +72,7 @@ class Outgoing:
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
         self.machines: dict[str, SourceMachine] = {}
-        self.settling: set[asyncio.Task] = set()
+        self.settling: set[asyncio.Task[None]] = set()
 
     def routes(self, r: web.UrlDispatcher) -> None:
         r.add_post("/v1/outgoing", self.start)
@@ -94,7 +97,7 @@ class Outgoing:
         return m
 
     async def start(self, r: web.Request) -> web.StreamResponse:
-        body = await body_json(r)
+        body: OutgoingRequest = await body_json(r)
         try:
             name = workloads.validate_name(str(body.get("workload", "")))
             mode = Mode(body.get("mode", Mode.STOP_AND_COPY))
@@ -121,33 +124,33 @@ class Outgoing:
                           ticket, _free_port() if mode == Mode.POST_COPY else None, endpoints,
                           boundary, live)  # fmt: skip
 
-        def send(source: Path | transfer.Source, counter: transfer.Counter):
+        async def send(source: Path | transfer.Source, counter: transfer.Counter) -> UploadAnswer:
             url = f"{ticket.base()}/bundle"
-            return transfer.send(source, url, ticket.secret, ticket.ca, counter, ticket.node)
+            return await transfer.send(source, url, ticket.secret, ticket.ca, counter, ticket.node)
 
         m = SourceMachine(spec, spawn_source, send, self._thaw_record)
         self.machines[mid] = m
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(r)
 
-        async def say(event: str, **fields: object) -> None:
+        async def say(event: OutgoingEvent) -> None:
             try:
-                await resp.write(json.dumps({"event": event, **fields}).encode() + b"\n")
+                await resp.write(json.dumps(event).encode() + b"\n")
             except (ConnectionError, RuntimeError):
                 m.client_gone = True
 
-        await say("started", id=mid)
+        await say(Started(event="started", id=mid))
         out = await m.run(say)
         if out.ok:
             self.agent.metrics.bytes.labels("sent").inc(out.facts["bytes"])
             m.lease = asyncio.ensure_future(self._lease(m))
-            facts = {k: out.facts[k] for k in ("bytes", "seconds", "target")}
-            await say("sent", **facts)
+            f = out.facts
+            await say(Sent(event="sent", bytes=f["bytes"], seconds=f["seconds"], target=f["target"]))
         else:
             self.agent.metrics.migrations.labels("source", str(mode), "failed").inc()
             log.warning("outgoing failed", extra={"id": mid, "error": out.what})
-            await say("error", what=out.what, hint=out.hint, thawed=out.facts.get("thawed", "unconfirmed"),
-                      left=out.facts.get("left"))  # fmt: skip
+            thawed, left = out.facts.get("thawed", "unconfirmed"), out.facts.get("left")
+            await say(Failed(event="error", what=out.what, hint=out.hint, thawed=thawed, left=left))
             await self._after_failure(m)
         with contextlib.suppress(ConnectionError, RuntimeError):
             await resp.write_eof()
@@ -163,7 +166,9 @@ class Outgoing:
         m = self._get(r)
         out = await m.commit()
         if out.ok and out.facts.pop("now", False):  # this call committed it (not the lease, not a retry)
-            self.agent.metrics.downtime.labels(m.spec.mode).observe(out.facts["downtime_seconds"])
+            downtime = out.facts.get("downtime_seconds")
+            assert downtime is not None  # the commit that says "now" measured it
+            self.agent.metrics.downtime.labels(m.spec.mode).observe(downtime)
             self.agent.metrics.migrations.labels("source", m.spec.mode, "succeeded").inc()
             fin = asyncio.ensure_future(self._forget_when_done(m))
             self.settling.add(fin)
@@ -172,7 +177,7 @@ class Outgoing:
 
     async def status(self, r: web.Request) -> web.Response:
         m = self._get(r)
-        return web.json_response({"state": str(m.state), "pages_seconds": m.pages_seconds})
+        return web.json_response(OutgoingStatus(state=str(m.state), pages_seconds=m.pages_seconds))
 
     async def abort(self, r: web.Request) -> web.Response:
         m = self._get(r)

@@ -188,7 +188,7 @@ def _local_ips(host: str) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
             return {ipaddress.ip_address(host)}
         except ValueError:
             infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-            return {ipaddress.ip_address(a[4][0].partition("%")[0]) for a in infos}
+            return {ipaddress.ip_address(str(a[4][0]).partition("%")[0]) for a in infos}
     import psutil
 
     every = {

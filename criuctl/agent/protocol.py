@@ -28,7 +28,7 @@ import hashlib
 import hmac
 import json
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, TypeVar
+from typing import Any, NotRequired, TypedDict, TypeVar
 
 import blake3
 
@@ -105,8 +105,10 @@ class BadTransition(Exception):
 
 
 def check_transition(current: S, new: S) -> S:
-    table: dict = SOURCE_TRANSITIONS if isinstance(current, SourceState) else TARGET_TRANSITIONS
-    if new != current and new not in table[current]:
+    allowed: frozenset[SourceState] | frozenset[TargetState] = (
+        SOURCE_TRANSITIONS[current] if isinstance(current, SourceState) else TARGET_TRANSITIONS[current]
+    )
+    if new != current and new not in allowed:
         raise BadTransition(f"{type(current).__name__}: {current} → {new} is not allowed")
     return new
 
@@ -122,6 +124,35 @@ class Verdict(enum.StrEnum):
     UNKNOWN = "unknown"  # no answer: stay frozen and ask again
 
 
+class UploadAnswer(TypedDict):
+    """The target's answer to the source agent's `PUT /v1/incoming/ID/bundle`: the bundle is whole."""
+
+    bytes: int
+    seconds: float
+
+
+class Facts(TypedDict, total=False):
+    """What a step says besides its state (`Outcome.facts`): the HTTP layer sends them along with
+    the state, in the answer and in a refusal alike (`criuctl.agent.messages.StepAnswer`)."""
+
+    # source: True once the tree runs here again; INCOMPLETE when it runs with its thaw not complete
+    # (`left` says what is left); "unconfirmed" when it cannot be told
+    thawed: bool | str
+    left: str | None
+    downtime_seconds: float | None  # source commit: frozen → the client said the target runs it
+    now: bool  # source commit: this very call committed it (dropped before it is answered)
+    # source, sent: the bytes and seconds of the stream, the target's answer; on the agent's clock
+    # when the freeze started, and how long the stream ran in all (the agent's own use)
+    bytes: int
+    seconds: float
+    target: UploadAnswer
+    started: float
+    stream_seconds: float
+    pid: int  # target restore and commit: the restored tree's PID
+    criu_seconds: float  # target restore: CRIU's own time
+    phases: dict[str, float]  # target restore: seconds per step (verify, criu_restore, handoff…)
+
+
 @dataclass
 class Outcome:
     """What a step of either side ended in: the HTTP layer renders it; no exception crosses over."""
@@ -130,7 +161,7 @@ class Outcome:
     ok: bool
     what: str = ""
     hint: str = ""
-    facts: dict[str, Any] = field(default_factory=dict)
+    facts: Facts = field(default_factory=lambda: Facts())
 
 
 class Event(enum.StrEnum):
@@ -185,6 +216,16 @@ def timeouts() -> Timeouts:
     return env.overrides(env.TIMEOUTS, Timeouts)
 
 
+class TicketJson(TypedDict):
+    """A `Ticket` as it travels (client → source agent, in records, in a job's `follow`)."""
+
+    url: str
+    incoming: str
+    secret: str
+    node: str
+    ca: NotRequired[str | None]
+
+
 @dataclass(frozen=True)
 class Ticket:
     """What the source needs to reach the target's side of one migration (minted by the target)."""
@@ -196,7 +237,7 @@ class Ticket:
     ca: str | None = None  # PEM of the CA of the target's TLS certificate
 
     @classmethod
-    def from_json(cls, raw: Any) -> Ticket:
+    def from_json(cls, raw: object) -> Ticket:
         if not isinstance(raw, dict):
             raise ValueError("ticket must be an object")
         names = {f.name for f in fields(cls)}
@@ -205,8 +246,14 @@ class Ticket:
             raise ValueError(f"bad ticket fields (missing {sorted(missing)})")
         return cls(**{k: raw[k] for k in names if k in raw})
 
-    def to_json(self) -> dict:
-        return asdict(self)
+    def to_json(self) -> TicketJson:
+        return {
+            "url": self.url,
+            "incoming": self.incoming,
+            "secret": self.secret,
+            "node": self.node,
+            "ca": self.ca,
+        }
 
     def base(self) -> str:
         return f"{self.url.rstrip('/')}/v1/incoming/{self.incoming}"
@@ -232,7 +279,17 @@ def verdict_mac(key: str, migration: str, state: str, boot: str) -> str:
     return blake3.blake3(f"{migration}\n{state}\n{boot}".encode(), key=bytes.fromhex(key)).hexdigest()
 
 
-def signed_state(key: str, migration: str, state: str, boot: str) -> dict[str, str]:
+class SignedState(TypedDict):
+    """The target's answer about one migration (`GET`/`DELETE /v1/incoming/ID`), which a source may
+    act on once `checked_state` finds it signed."""
+
+    state: str
+    migration: str
+    boot: str
+    mac: NotRequired[str]  # absent for a record made before verdicts were signed
+
+
+def signed_state(key: str, migration: str, state: str, boot: str) -> SignedState:
     """What the target answers about a migration: its state, signed (unsigned, hence worth nothing
     to a source, for a record made before verdicts were signed)."""
     if not key:
@@ -245,13 +302,15 @@ def signed_state(key: str, migration: str, state: str, boot: str) -> dict[str, s
     }
 
 
-def checked_state(ticket: Ticket, answer: Any) -> str | None:
+def checked_state(ticket: Ticket, answer: object) -> str | None:
     """The state in a target's answer about the ticket's migration if the answer is signed with the
     ticket's key; None for anything else (no answer, another migration, a 404 page, a forgery)."""
     if not isinstance(answer, dict):
         return None
     state, migration, boot, mac = (answer.get(k) for k in ("state", "migration", "boot", "mac"))
-    if not all(isinstance(v, str) for v in (state, migration, boot, mac)) or migration != ticket.incoming:
+    if not (isinstance(state, str) and isinstance(migration, str) and isinstance(boot, str)):
+        return None
+    if not isinstance(mac, str) or migration != ticket.incoming:
         return None
     want = verdict_mac(verdict_key(ticket.secret), migration, state, boot)
     return state if hmac.compare_digest(want, mac) else None
@@ -271,7 +330,7 @@ class SourceSpec:
     lazy_port: int | None = None  # post-copy: serve pages here
     # a rank of a multi-node job: its images' endpoints that move ([[old, port, new], ...],
     # `readdress.EndpointMap`), and whether its trainers are first held at a step boundary
-    readdress: list | None = None
+    readdress: list[list[str | int]] | None = None
     boundary: bool = True
     live: bool = True  # stream page images while CRIU writes them (False: only once sealed)
 
@@ -300,7 +359,7 @@ class TargetSpec:
     digests: dict[str, str] | None = None  # the bundle format's digests, computed as it arrived
     placeholder: str | None = None  # a container's bundle: the placeholder container (ID) to restore into
     runtime: str | None = None  # the runtime endpoint that runs the placeholder
-    follow: dict | None = None  # `TargetRecord.follow` as JSON: asked when the lease breaks
+    follow: TicketJson | None = None  # `TargetRecord.follow` as JSON: asked when the lease breaks
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -337,11 +396,11 @@ class SourceRecord:
     def tree(self) -> Identity | None:
         return Identity(self.root_pid, self.root_start, self.boot_id) if self.root_pid else None
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "ticket": self.ticket.to_json(), "state": str(self.state)}
 
     @classmethod
-    def from_json(cls, d: Any) -> SourceRecord:
+    def from_json(cls, d: object) -> SourceRecord:
         return cls(**_object(d, ticket=Ticket.from_json, state=SourceState))
 
 
@@ -382,18 +441,18 @@ class TargetRecord:
         pid = self.placeholder_pid
         return Identity(pid, self.placeholder_start, self.boot_id) if pid else None
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "state": str(self.state)}
 
     @classmethod
-    def from_json(cls, d: Any) -> TargetRecord:
+    def from_json(cls, d: object) -> TargetRecord:
         rec = cls(**_object(d, state=TargetState))
         if isinstance(rec.follow, dict):
             rec.follow = Ticket.from_json(rec.follow)
         return rec
 
 
-def _object(d: Any, **convert: Any) -> dict:
+def _object(d: object, **convert: Any) -> dict[str, Any]:
     """A record's JSON object with the named fields converted; ValueError for anything else."""
     if not isinstance(d, dict):
         raise ValueError("not an object")

@@ -20,7 +20,7 @@ from criuctl.core import durable
 T = TypeVar("T")
 
 
-def write(path: Path, data: dict) -> None:
+def write(path: Path, data: dict[str, Any]) -> None:
     """Replace `path` with `data` as JSON, atomically and durably (root-only)."""
     durable.replace_json(path, data)
 
@@ -33,7 +33,7 @@ class Unreadable:
     why: str
 
 
-def read(path: Path, parse: Callable[[Any], T]) -> T | Unreadable | None:
+def read(path: Path, parse: Callable[[object], T]) -> T | Unreadable | None:
     """The record at `path` parsed by `parse`; None when there is none; Unreadable when it is bad."""
     try:
         raw = path.read_bytes()
@@ -47,7 +47,7 @@ def read(path: Path, parse: Callable[[Any], T]) -> T | Unreadable | None:
         return Unreadable(path, f"{exc.__class__.__name__}: {exc}")
 
 
-def scan(folder: Path, pattern: str, parse: Callable[[Any], T]) -> Iterator[tuple[Path, T | Unreadable]]:
+def scan(folder: Path, pattern: str, parse: Callable[[object], T]) -> Iterator[tuple[Path, T | Unreadable]]:
     """Every record matching `pattern` under `folder` (temp files of a torn write are skipped)."""
     for path in sorted(folder.glob(pattern)):
         if path.name.startswith("."):

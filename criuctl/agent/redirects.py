@@ -28,6 +28,7 @@ from aiohttp import web
 
 from criuctl.agent import records, verdicts
 from criuctl.agent.httpjson import body_json, error, fail, valid_id
+from criuctl.agent.messages import RedirectAnswer, RedirectRequest, Rows, StateAnswer
 from criuctl.agent.protocol import TargetState, Ticket, timeouts
 from criuctl.core import statedir
 from criuctl.core.errors import CriuctlError
@@ -36,6 +37,8 @@ from criuctl.net import netcut
 from criuctl.net.readdress import canonical
 
 if TYPE_CHECKING:
+    from psutil._ntuples import sconn
+
     from criuctl.agent.server import Agent
 
 log = logging.getLogger("criuctl.agent")
@@ -46,17 +49,17 @@ PENDING, KEPT = "pending", "kept"
 @dataclass
 class RedirectRecord:
     id: str
-    rules: list[list]  # [[local, port, old remote, port, new remote], ...]
+    rules: Rows  # [[local, port, old remote, port, new remote], ...]
     ticket: Ticket  # the moved rank's migration on its target: its outcome decides
     table: str
     state: str = PENDING
     created: float = field(default_factory=time.time)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "ticket": self.ticket.to_json()}
 
     @classmethod
-    def from_json(cls, d: Any) -> RedirectRecord:
+    def from_json(cls, d: object) -> RedirectRecord:
         if not isinstance(d, dict):
             raise ValueError("not an object")
         return cls(**{**d, "ticket": Ticket.from_json(d["ticket"])})
@@ -100,7 +103,7 @@ class Redirects:
     # ----------------------------------------------------------------------------------- routes
 
     async def new(self, r: web.Request) -> web.Response:
-        body = await body_json(r)
+        body: RedirectRequest = await body_json(r)
         try:
             rules = parse_rules(body.get("rules"))
             ticket = Ticket.from_json(body.get("ticket"))
@@ -117,13 +120,13 @@ class Redirects:
                         exc.hint)  # fmt: skip
         self.agent.spawn(self.settle(rid, self.agent.opts.lease_seconds))
         log.info("redirect", extra={"id": rid, "rules": len(rules), "target": ticket.node})
-        return web.json_response({"id": rid})
+        return web.json_response(RedirectAnswer(id=rid))
 
     async def keep(self, r: web.Request) -> web.Response:
         rec = self._get(r)
         rec.state = KEPT
         await asyncio.to_thread(records.write, self._path(rec.id), rec.to_json())
-        return web.json_response({"state": KEPT})
+        return web.json_response(StateAnswer(state=KEPT))
 
     async def remove(self, r: web.Request) -> web.Response:
         rec = self._get(r)
@@ -131,7 +134,7 @@ class Redirects:
             return fail(409, f"redirect {rec.id} is kept: the rank it follows runs on its new node",
                         state=KEPT)  # fmt: skip
         await asyncio.to_thread(self._drop, rec)
-        return web.json_response({"state": "removed"})
+        return web.json_response(StateAnswer(state="removed"))
 
     # ----------------------------------------------------------------------------------- upkeep
 
@@ -166,8 +169,9 @@ class Redirects:
         """Kept redirects whose connections are all gone (the job ended) go too."""
         live = {(canonical(c.laddr.ip), c.laddr.port) for c in _tcp() if c.laddr}
         for _, rec in records.scan(self.folder, "*.json", RedirectRecord.from_json):
-            kept = isinstance(rec, RedirectRecord) and rec.state == KEPT
-            if kept and not any((la, lp) in live for la, lp, *_ in rec.rules):
+            if not isinstance(rec, RedirectRecord) or rec.state != KEPT:
+                continue
+            if not any((la, lp) in live for la, lp, *_ in rec.rules):
                 self._drop(rec)
 
     def kept(self) -> list[RedirectRecord]:
@@ -188,12 +192,12 @@ class Redirects:
             for rec in kept:
                 for a, p, old, q, new in rec.rules:
                     if (a, p, old, q) == (la, lp, ra, rp):
-                        ra = new
+                        ra = str(new)
             out.append((la, lp, ra, rp))
         return out
 
 
-def _tcp() -> list:
+def _tcp() -> list[sconn]:
     with contextlib.suppress(psutil.Error, OSError):
         return psutil.net_connections(kind="tcp")
     return []

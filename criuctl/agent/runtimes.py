@@ -33,12 +33,12 @@ class Runtimes:
         self.endpoint = agent.opts.runtime_endpoint or runtime.endpoint()
 
     def routes(self, r: web.UrlDispatcher) -> None:
-        r.add_get("/v1/containers", self.list)
+        r.add_get("/v1/containers", self.list_containers)
 
     def connect(self) -> runtime.Runtime:
         return runtime.connect(self.endpoint)
 
-    async def list(self, _r: web.Request) -> web.Response:
+    async def list_containers(self, _r: web.Request) -> web.Response:
         try:
             return web.json_response(await asyncio.to_thread(lambda: containers.rows(self.connect())))
         except CriuctlError as exc:
@@ -48,7 +48,7 @@ class Runtimes:
         """A workload by name or PID, or a container by `ctr-<id>` or ID (registered on the way)."""
         return containers.resolve(name, self.endpoint)
 
-    def register_all(self) -> list[dict]:
+    def register_all(self) -> list[workloads.WorkloadRow]:
         """Register every checkpointable container; rows for the others (why they are not workloads).
         A node without a runtime has no containers: not an error."""
         sock = self.endpoint.removeprefix("unix://")

@@ -28,11 +28,13 @@ import os
 import socket
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -46,6 +48,7 @@ from criuctl.agent import handoffleases, receiver, transfer
 from criuctl.agent.bundles import Bundles
 from criuctl.agent.httpjson import fail
 from criuctl.agent.incoming import Incoming
+from criuctl.agent.messages import Healthz, NodeInfo
 from criuctl.agent.outgoing import Outgoing
 from criuctl.agent.redirects import Redirects
 from criuctl.agent.runtimes import Runtimes
@@ -122,7 +125,7 @@ class Agent:
         self.bundles = Bundles(self)
         self.runtimes = Runtimes(self)
         self.redirects = Redirects(self)
-        self.tasks: set[asyncio.Task] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
 
     @property
     def name(self) -> str:
@@ -153,7 +156,7 @@ class Agent:
             extend(self, app)
         return app
 
-    def spawn(self, coro) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """A background task the agent keeps (and cancels at shutdown)."""
         task = asyncio.ensure_future(coro)
         self.tasks.add(task)
@@ -185,7 +188,7 @@ class Agent:
                 log.exception("janitor")
 
     @web.middleware
-    async def _log_requests(self, request: web.Request, handler):
+    async def _log_requests(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         started = time.monotonic()
         resp = await handler(request)
         log.info(
@@ -196,7 +199,7 @@ class Agent:
         return resp
 
     @web.middleware
-    async def _auth(self, request: web.Request, handler):
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path == "/healthz":
             return await handler(request)
         given = request.headers.get("Authorization", "")
@@ -243,8 +246,8 @@ class Agent:
         try:
             digests = await job
         except asyncio.CancelledError:
-            if dog.done() and dog.exception() is not None:
-                raise dog.exception() from None
+            if dog.done() and (stalled := dog.exception()) is not None:
+                raise stalled from None
             raise
         finally:
             dog.cancel()
@@ -258,7 +261,7 @@ class Agent:
     # ------------------------------------------------------------------------------- node
 
     async def healthz(self, _r: web.Request) -> web.Response:
-        return web.json_response({"ok": True, "node": self.name})
+        return web.json_response(Healthz(ok=True, node=self.name))
 
     async def metrics_page(self, _r: web.Request) -> web.Response:
         self.metrics.thaws_incomplete.set(await asyncio.to_thread(self.outgoing.thaws_incomplete))
@@ -267,7 +270,7 @@ class Agent:
         )
 
     async def info(self, _r: web.Request) -> web.Response:
-        out: dict = {"node": self.name, "tls": self.opts.tls_cert is not None}
+        out = NodeInfo(node=self.name, tls=self.opts.tls_cert is not None)
         try:
             out["criu"] = ".".join(map(str, await asyncio.to_thread(criu.require_version)))
             f = await asyncio.to_thread(criu.features)
@@ -280,7 +283,7 @@ class Agent:
         others = await asyncio.to_thread(self.runtimes.register_all)  # containers become workloads here
         return web.json_response(await asyncio.to_thread(self._rows) + others)
 
-    def _rows(self) -> list[dict]:
+    def _rows(self) -> list[workloads.WorkloadRow]:
         """Every workload here; a running one with its TCP endpoints (what joins ranks into jobs)."""
         out = workloads.rows()
         kept = self.redirects.kept()  # read once for the whole listing
@@ -291,7 +294,7 @@ class Agent:
                 row["tcp"] = ends.to_json()
         return out
 
-    async def workload_logs(self, r: web.Request) -> web.Response:
+    async def workload_logs(self, r: web.Request) -> web.StreamResponse:
         try:
             name = workloads.validate_name(r.match_info["name"])
             tail = int(r.query.get("tail", "0"))

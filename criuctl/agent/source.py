@@ -20,18 +20,21 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from criuctl.agent import livesend, points, protocol, records, transfer
-from criuctl.agent.handoffleases import HandoffFailed, HandoffLike
+from criuctl.agent.handoffleases import HandoffEvent, HandoffFailed, HandoffLike
+from criuctl.agent.messages import Frozen, OutgoingEvent, Transferring
 from criuctl.agent.protocol import (
     INCOMPLETE,
     SOURCE_FINAL,
     Command,
     Event,
+    Facts,
     Outcome,
     Point,
     SourceRecord,
     SourceSpec,
     SourceState,
     Timeouts,
+    UploadAnswer,
     check_transition,
 )
 from criuctl.core.errors import CriuctlError
@@ -42,8 +45,8 @@ log = logging.getLogger("criuctl.agent")
 
 
 Spawn = Callable[[SourceSpec, Path], Awaitable[HandoffLike]]
-Send = Callable[[Path | transfer.Source, transfer.Counter], Awaitable[dict]]
-Say = Callable[..., Awaitable[None]]  # say(event, **fields): to the client's event stream
+Send = Callable[[Path | transfer.Source, transfer.Counter], Awaitable[UploadAnswer]]
+Say = Callable[[OutgoingEvent], Awaitable[None]]  # one event of the client's stream
 # one thaw of a tree from its hold record (its handoff is gone), which the record then says
 ThawFromRecord = Callable[[SourceRecord], checkpoint.Thaw]
 
@@ -75,8 +78,9 @@ class SourceMachine:
         self.pages_seconds: float | None = None
         self.downtime: float | None = None
         self.lock = asyncio.Lock()  # commit, abort and the lease never overlap
-        self.lease: asyncio.Task | None = None
-        self.finisher: asyncio.Task | None = None  # after a commit: until DONE; after a thaw: until THAWED
+        self.lease: asyncio.Task[None] | None = None
+        # after a commit: until DONE; after a thaw: until THAWED
+        self.finisher: asyncio.Task[None] | None = None
         self.thaw_left: str | None = None  # THAW_INCOMPLETE: what is left
         self.client_gone = False  # set by the server when the client's event stream broke
 
@@ -105,7 +109,7 @@ class SourceMachine:
         started = time.monotonic()
         counter = transfer.Counter(started=time.monotonic())
         live: livesend.Live | None = None
-        job: asyncio.Future | None = None
+        job: asyncio.Future[UploadAnswer] | None = None
         try:
             self.handoff = await self._spawn(self.spec, Path(self.spec.parent))
             async with asyncio.timeout(self.t.freeze):
@@ -131,9 +135,9 @@ class SourceMachine:
         counter.total = await asyncio.to_thread(transfer.stream_size, bdir)
         if live is not None:
             live.sealed.set()
-        await say("frozen", freeze_seconds=frozen["freeze_seconds"], bytes=counter.total,
-                  page_server_port=self.spec.lazy_port, phases=frozen.get("phases", {}),
-                  streamed=counter.done)  # fmt: skip
+        await say(Frozen(event="frozen", freeze_seconds=frozen["freeze_seconds"], bytes=counter.total,
+                         page_server_port=self.spec.lazy_port, phases=frozen.get("phases", {}),
+                         streamed=counter.done))  # fmt: skip
         await points.areach(Point.SOURCE_FROZEN)
         self._to(SourceState.SENDING)
         sending = time.monotonic()
@@ -142,7 +146,7 @@ class SourceMachine:
         try:
             while not job.done():
                 await asyncio.wait([job], timeout=0.25)
-                await say("transfer", done=counter.done, total=counter.total)
+                await say(Transferring(event="transfer", done=counter.done, total=counter.total))
             answer = job.result()
             if self.client_gone:  # nobody will restore or commit the target: keep the job here
                 raise CriuctlError("the client went away during the transfer", "nothing was committed")
@@ -157,7 +161,9 @@ class SourceMachine:
             "started": started, "stream_seconds": time.monotonic() - counter.started,
         })  # fmt: skip
 
-    async def _stop_stream(self, live: livesend.Live | None, job: asyncio.Future | None) -> None:
+    async def _stop_stream(
+        self, live: livesend.Live | None, job: asyncio.Future[UploadAnswer] | None
+    ) -> None:
         """The freeze failed while its bundle was streaming: end the stream (the target drops the
         partial bundle, which has no manifest). The sender sees `stopped` within ~10 ms; a sender
         stuck on the network is cut."""
@@ -172,7 +178,7 @@ class SourceMachine:
     async def _failed_before_sent(self, exc: CriuctlError, kill: bool) -> Outcome:
         """The target never had a whole bundle: the tree runs on here."""
         thawed = await self._thaw_before_sent(kill)
-        facts: dict = {"thawed": thawed if thawed is not False else "unconfirmed"}
+        facts = Facts(thawed=thawed if thawed is not False else "unconfirmed")
         if thawed == INCOMPLETE:
             facts["left"] = self.thaw_left
         return Outcome(self.state, False, exc.what, exc.hint, facts)
@@ -198,7 +204,7 @@ class SourceMachine:
             return INCOMPLETE
         return False
 
-    async def _thawed(self, ev: dict) -> bool | str:
+    async def _thawed(self, ev: HandoffEvent) -> bool | str:
         """The handoff thawed the tree (THAWED), or it runs with its thaw not complete yet: then
         the handoff retries, and says THAWED once done."""
         assert self.handoff is not None

@@ -28,6 +28,7 @@ from criuctl.agent.protocol import (
     Mode,
     Outcome,
     Point,
+    SignedState,
     TargetRecord,
     TargetSpec,
     TargetState,
@@ -62,7 +63,8 @@ class TargetMachine:
         self.t = timeouts or protocol.timeouts()  # read when the migration starts
         self.handoff: HandoffLike | None = None
         self.lock = asyncio.Lock()  # receive-done, restore, commit and abort never overlap
-        self.cleanup: asyncio.Future | None = None  # the images removed after a commit, in the background
+        # the images removed after a commit, in the background
+        self.cleanup: asyncio.Future[None] | None = None
 
     @property
     def id(self) -> str:
@@ -76,7 +78,7 @@ class TargetMachine:
     def bundle_dir(self) -> Path:
         return self.dir / "bundle"
 
-    def answer(self) -> dict[str, str]:
+    def answer(self) -> SignedState:
         """This migration's state as the source may act on it: signed with the ticket's key, with
         this node's boot (a source's question is answered by what is true now, on this boot)."""
         return signed_state(self.rec.verdict_key, self.id, str(self.state), procinfo.boot_id())

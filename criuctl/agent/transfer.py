@@ -20,11 +20,12 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from criuctl.agent import conn as conn_mod
-from criuctl.agent.protocol import timeouts
+from criuctl.agent.messages import ErrorAnswer
+from criuctl.agent.protocol import UploadAnswer, timeouts
 from criuctl.core.errors import CriuctlError
 from criuctl.format import bundle
 
@@ -87,7 +88,7 @@ async def tar_pieces(root: Path, counter: Counter | None = None) -> AsyncIterato
     yield bytes(2 * _BLOCK)
 
 
-async def watchdog(counter: Counter, task: asyncio.Future, what: str) -> None:
+async def watchdog(counter: Counter, task: asyncio.Future[Any], what: str) -> None:
     """Cancel `task` when `counter` has not moved for `Timeouts.stall` s (a cut link sends no RST)."""
     last, since = counter.done + counter.beats, time.monotonic()
     while not task.done():
@@ -145,7 +146,8 @@ class _Put:
         self.source, self.url, self.token, self.ca_pem, self.counter = source, url, token, ca_pem, counter
         self.conn: http.client.HTTPConnection | None = None
 
-    def run(self) -> tuple[int, dict]:
+    def run(self) -> tuple[int, Any]:
+        """The answer's HTTP status and its JSON, as sent."""
         conn = self.conn = conn_mod.connect(self.url, self.ca_pem, 5)
         try:
             conn.connect()  # within 5 s, as before
@@ -170,12 +172,13 @@ class _Put:
     def cut(self) -> None:
         """From another thread: end a stalled transfer now (its blocked send returns an error)."""
         with contextlib.suppress(OSError, AttributeError):
-            self.conn.sock.shutdown(socket.SHUT_RDWR)
+            if self.conn is not None:
+                self.conn.sock.shutdown(socket.SHUT_RDWR)
 
 
 async def send(
     source: Path | Source, url: str, token: str, ca_pem: str | None, counter: Counter, node: str
-) -> dict:
+) -> UploadAnswer:
     """PUT a bundle (a sealed folder, or a `livesend.Live` one) to another agent; its JSON answer,
     or TransferError."""
     put = _Put(Sealed(source) if isinstance(source, Path) else source, url, token, ca_pem, counter)
@@ -185,8 +188,8 @@ async def send(
         status, answer = await asyncio.shield(job)
     except (OSError, http.client.HTTPException, asyncio.CancelledError) as exc:
         put.cut()
-        if dog.done() and dog.exception() is not None:
-            raise dog.exception() from exc
+        if dog.done() and (stalled := dog.exception()) is not None:
+            raise stalled from exc
         raise TransferError(
             f"lost the connection to node {node} while sending the bundle ({exc.__class__.__name__})",
             "check the network between the nodes",
@@ -196,5 +199,7 @@ async def send(
         with contextlib.suppress(asyncio.CancelledError, TransferError):
             await dog
     if status >= 400:
-        raise TransferError(answer.get("what", f"node {node} answered {status}"), answer.get("hint", ""))
-    return answer
+        refused: ErrorAnswer = answer
+        raise TransferError(refused.get("what", f"node {node} answered {status}"), refused.get("hint", ""))
+    kept: UploadAnswer = answer
+    return kept

@@ -6,8 +6,13 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from criuctl.core.errors import CriuctlError
+
+if TYPE_CHECKING:
+    from criuctl.agent.messages import NodeInfo
+    from criuctl.core.workloads import WorkloadRow
 
 
 def cmd_node(a: argparse.Namespace) -> int:
@@ -31,7 +36,7 @@ def cmd_node(a: argparse.Namespace) -> int:
         health = {}
         for n in nodes:
             try:
-                info = agents.AgentClient(n, timeout=5).get("/v1/info", timeout=5)
+                info: NodeInfo = agents.AgentClient(n, timeout=5).get("/v1/info", timeout=5)
                 health[n.name] = f"up ({info['node']}, CRIU {info.get('criu', 'missing')})"
             except agents.TokenRefused:
                 health[n.name] = "refused: wrong token (the agent is up; see TOKEN FILE)"
@@ -54,7 +59,8 @@ def _source_node(name: str, to: str, given: str | None):
     target = agents.get_node(to)
     if given is not None:
         source = agents.get_node(given)
-        if agents.running_here(agents.AgentClient(source, timeout=10).get("/v1/workloads"), name):
+        rows: list[WorkloadRow] = agents.AgentClient(source, timeout=10).get("/v1/workloads")
+        if agents.running_here(rows, name):
             if source.name == target.name:
                 raise CriuctlError(
                     f"workload {name!r} already runs on node {to}", "nothing to move: pick another --to"

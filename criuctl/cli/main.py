@@ -9,11 +9,15 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from criuctl.cli import climigrate
 from criuctl.cli.cliargs import parser
 from criuctl.core import env, statedir
 from criuctl.core.errors import CriuctlError, require_root
+
+if TYPE_CHECKING:
+    from criuctl.core.workloads import WorkloadRow
 
 __all__ = ["main", "parser"]
 
@@ -45,7 +49,7 @@ def _cmd_ps(a: argparse.Namespace) -> int:
     if a.node:
         from criuctl.client.agents import AgentClient, get_node
 
-        rows = AgentClient(get_node(a.node)).get("/v1/workloads")
+        rows: list[WorkloadRow] = AgentClient(get_node(a.node)).get("/v1/workloads")
         if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
             raise CriuctlError(
                 f"node {a.node} sent no workload list", "check that its agent is criuctl's, and its version"

@@ -39,7 +39,7 @@ def short_command(argv: list[str], width: int = 90) -> str:
 
 
 def workloads_table(
-    rows: list[dict] | None = None, all_states: bool = False, where: str = "this host"
+    rows: list[workloads.WorkloadRow] | None = None, all_states: bool = False, where: str = "this host"
 ) -> None:
     """Workloads as a table: this node's registry, or `rows` an agent sent (`ps --node`)."""
     remote = rows is not None
@@ -75,8 +75,8 @@ def workloads_table(
     t = Table(box=None, header_style="bold")
     for col in ("NAME", "POD", "PID", "COMMAND", "RSS", "STATE"):
         t.add_column(col, no_wrap=True)
-    for r in table:
-        t.add_row(*r)
+    for cells in table:
+        t.add_row(*cells)
     out.print(t)
     for note in notes:
         err.print(escape(note))

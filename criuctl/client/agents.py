@@ -19,8 +19,10 @@ from urllib.parse import urlparse
 
 import requests
 
+from criuctl.agent.messages import BundleKept, ErrorAnswer
 from criuctl.core import durable, statedir, tokens, workloads
 from criuctl.core.errors import CriuctlError
+from criuctl.core.workloads import WorkloadRow
 
 
 class UnknownNode(CriuctlError):
@@ -31,7 +33,16 @@ class NodeUnreachable(CriuctlError):
     """No answer at all: connection refused, timed out, or broken before a response."""
 
 
-class TokenRefused(CriuctlError):
+class AgentError(CriuctlError):
+    """The agent answered with an HTTP error: its status, and its JSON answer (`what`, `hint`,
+    where it is about a migration its state)."""
+
+    def __init__(self, what: str, hint: str, status: int, body: ErrorAnswer) -> None:
+        super().__init__(what, hint)
+        self.status, self.body = status, body
+
+
+class TokenRefused(AgentError):
     """The agent answered, and refused our token (HTTP 401/403): up, but not ours to use."""
 
 
@@ -144,7 +155,7 @@ def get_node(name: str) -> Node:
     return nodes[name]
 
 
-def running_here(rows: list[dict], name: str) -> bool:
+def running_here(rows: list[WorkloadRow], name: str) -> bool:
     """Whether an agent's workload list (`GET /v1/workloads`) has `name` alive and running."""
     return any(r.get("name") == name and r.get("state") == "running" and r.get("alive") for r in rows)
 
@@ -168,12 +179,12 @@ def survey(name: str, nodes: list[Node] | None = None) -> Survey:
 
     def ask(node: Node) -> bool | None:
         try:
-            rows = AgentClient(node, timeout=10).get("/v1/workloads", timeout=10)
+            rows: list[WorkloadRow] = AgentClient(node, timeout=10).get("/v1/workloads", timeout=10)
         except CriuctlError:
             return None
         for r in rows:
-            if r.get("name") == name and isinstance(r.get("why_not"), str):
-                why[node.name] = r["why_not"]
+            if r.get("name") == name and isinstance(why_not := r.get("why_not"), str):
+                why[node.name] = why_not
         return running_here(rows, name)
 
     with ThreadPoolExecutor(max_workers=min(16, len(nodes) or 1)) as pool:
@@ -200,7 +211,9 @@ class AgentClient:
         # per request, not on the session: requests lets REQUESTS_CA_BUNDLE override Session.verify
         self.verify: str | bool = node.ca_file or True
 
-    def _call(self, method: str, path: str, body: Any = None, timeout: float | None = None, **kw: Any) -> Any:
+    def _call(
+        self, method: str, path: str, body: Any = None, timeout: float | None = None, **kw: Any
+    ) -> requests.Response:
         url = self.node.url.rstrip("/") + path
         try:
             resp = self.s.request(
@@ -219,24 +232,24 @@ class AgentClient:
                 + ("" if self.node.tls else ", and whether it serves HTTPS (then add it as https://)"),
             ) from exc
         if resp.status_code in (401, 403):
-            e = TokenRefused(
+            what = (
                 f"node {self.node.name} ({self.node.url}) refused the token in {self.node.token_file} "
-                f"(HTTP {resp.status_code}: wrong token)",
-                f"use the token its agent was started with: criuctl node add {self.node.name} "
-                f"{self.node.url} --token-file F",
+                f"(HTTP {resp.status_code}: wrong token)"
             )
-            e.status = resp.status_code  # type: ignore[attr-defined]
-            e.body = {"what": e.what, "hint": e.hint}  # type: ignore[attr-defined]
-            raise e
+            hint = (
+                f"use the token its agent was started with: criuctl node add {self.node.name} "
+                f"{self.node.url} --token-file F"
+            )
+            raise TokenRefused(what, hint, resp.status_code, {"what": what, "hint": hint})
         if not resp.ok:
+            err: ErrorAnswer
             try:
                 err = resp.json()
             except ValueError:
                 err = {"what": f"node {self.node.name} answered HTTP {resp.status_code}: {resp.text[:200]}"}
-            e = CriuctlError(err.get("what", f"HTTP {resp.status_code}"), err.get("hint", ""))
-            e.status = resp.status_code  # type: ignore[attr-defined]
-            e.body = err  # type: ignore[attr-defined]
-            raise e
+            raise AgentError(
+                err.get("what", f"HTTP {resp.status_code}"), err.get("hint", ""), resp.status_code, err
+            )
         return resp
 
     def get(self, path: str, **kw: Any) -> Any:
@@ -258,13 +271,15 @@ class AgentClient:
             kept = to._call("PUT", f"/v1/bundles/{bid}", timeout=timeout, data=pieces, headers=headers)
         finally:
             src.close()
-        return int(kept.json().get("bytes", 0))
+        answer: BundleKept = kept.json()
+        return int(answer.get("bytes", 0))
 
     def text(self, path: str) -> str:
         return self._call("GET", path).text
 
-    def events(self, path: str, body: Any, timeout: float = 3600) -> Iterator[dict]:
-        """POST, then yield the JSON events the agent streams back, one per line."""
+    def events(self, path: str, body: Any, timeout: float = 3600) -> Iterator[Any]:
+        """POST, then yield the JSON events the agent streams back, one per line (as sent: the
+        caller names their type, e.g. `criuctl.agent.messages.OutgoingEvent`)."""
         resp = self._call("POST", path, body, timeout=timeout, stream=True)
         try:
             for line in resp.iter_lines():

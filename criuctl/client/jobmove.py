@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from criuctl.agent import points
+from criuctl.agent.messages import RedirectAnswer, RedirectRequest, Rows
 from criuctl.agent.protocol import Point
 from criuctl.client.agents import AgentClient, Node, get_node
 from criuctl.client.jobs import Job, Rank
@@ -52,14 +53,14 @@ class RankMove:
     target: Node
     old: str  # the rank's address on its node
     new: str  # its address on the target
-    cut: list[list] = field(default_factory=list)  # its connections as the target will see them
+    cut: Rows = field(default_factory=list)  # its connections as the target will see them
 
 
 @dataclass
 class Redirect:
     node: Node
     rank: str  # the moved rank the rules follow
-    rules: list[list]  # [[local, port, old remote, port, new remote], ...]
+    rules: Rows  # [[local, port, old remote, port, new remote], ...]
 
 
 @dataclass
@@ -201,8 +202,8 @@ def execute(p: JobPlan, progress: Progress = _quiet, mode: str | None = STOP_AND
             for r in p.redirects:
                 m = next(m for m in moves if m.name == r.rank)
                 assert m.ticket is not None
-                body = {"rules": r.rules, "ticket": m.ticket.to_json()}
-                answer = AgentClient(r.node).post("/v1/redirects", body)
+                body = RedirectRequest(rules=r.rules, ticket=m.ticket.to_json())
+                answer: RedirectAnswer = AgentClient(r.node).post("/v1/redirects", body)
                 installed.append((r, answer["id"]))
             points.reach(Point.CLIENT_REDIRECTED)
             failed = {f"rank {k}": v for k, v in _each(Move.restore, moves).items()}
@@ -214,7 +215,7 @@ def execute(p: JobPlan, progress: Progress = _quiet, mode: str | None = STOP_AND
         m.commit_target()
     for m in moves:
         with contextlib.suppress(CriuctlError):  # its target lifted it on commit; this is a retry
-            m.dst.delete(f"/v1/incoming/{m.inc['id']}/cut")
+            m.dst.delete(f"/v1/incoming/{m.inc_id}/cut")
     for r, rid in installed:
         with contextlib.suppress(CriuctlError):  # unkept, it settles with the rank's target itself
             AgentClient(r.node).post(f"/v1/redirects/{rid}/keep")
@@ -245,7 +246,7 @@ def _roll_back(
             pointed = True
     for m in moves if not pointed else ():  # else the cut stays (2 leases) so nothing answers a reset
         with contextlib.suppress(CriuctlError):
-            m.dst.delete(f"/v1/incoming/{m.inc['id']}/cut")
+            m.dst.delete(f"/v1/incoming/{m.inc_id}/cut")
     where, exc = next(iter(failed.items()))
     if doubt:
         return MigrationInDoubt(

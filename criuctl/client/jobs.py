@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from criuctl.client.agents import AgentClient, Node, all_nodes
 from criuctl.core.errors import CriuctlError
+from criuctl.core.workloads import WorkloadRow
 from criuctl.net.peers import Endpoints
 
 Conn = tuple[str, int, str, int]
@@ -111,9 +112,10 @@ def survey(nodes: list[Node] | None = None) -> JobSurvey:
     """Every running workload of every node, joined into jobs (all nodes asked at once)."""
     nodes = list(all_nodes().values()) if nodes is None else nodes
 
-    def ask(node: Node) -> list[dict] | None:
+    def ask(node: Node) -> list[WorkloadRow] | None:
         try:
-            return AgentClient(node, timeout=10).get("/v1/workloads", timeout=10)
+            rows: list[WorkloadRow] = AgentClient(node, timeout=10).get("/v1/workloads", timeout=10)
+            return rows
         except CriuctlError:
             return None
 

@@ -25,10 +25,24 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 from criuctl.agent import points
+from criuctl.agent.messages import (
+    ErrorAnswer,
+    IncomingAnswer,
+    IncomingRequest,
+    IncomingStatus,
+    NodeInfo,
+    OutgoingEvent,
+    OutgoingRequest,
+    OutgoingStatus,
+    RestoreRequest,
+    Rows,
+    StepAnswer,
+)
 from criuctl.agent.protocol import INCOMPLETE, Mode, Point, Ticket, timeouts
-from criuctl.client.agents import AgentClient, Node, NodeUnreachable
+from criuctl.client.agents import AgentClient, AgentError, Node, NodeUnreachable
 from criuctl.core import env
 from criuctl.core.errors import CriuctlError
 
@@ -81,7 +95,7 @@ def _quiet(_phase: str, **_facts: object) -> None:
     pass
 
 
-def choose_mode(wanted: str | None, source: dict, target: dict) -> str:
+def choose_mode(wanted: str | None, source: NodeInfo, target: NodeInfo) -> str:
     """The mode to use: `wanted`, checked against both kernels, or the fastest both allow."""
     if wanted == POST_COPY or wanted is None:
         ok = source.get("lazy_pages") and target.get("lazy_pages")
@@ -98,14 +112,23 @@ def choose_mode(wanted: str | None, source: dict, target: dict) -> str:
     return STOP_AND_COPY
 
 
-def _check_target(dst: AgentClient) -> dict:
-    info = dst.get("/v1/info", timeout=10)
+def _check_target(dst: AgentClient) -> NodeInfo:
+    info: NodeInfo = dst.get("/v1/info", timeout=10)
     if "criu_error" in info:
         raise MigrationFailed(
             f"node {dst.node.name} cannot restore: {info['criu_error']}",
             "install CRIU there (scripts/install-criu.sh); nothing was frozen",
         )
     return info
+
+
+class _Measured(TypedDict):
+    """What the client measures of one move's phases, on its own clock (and the bytes moved)."""
+
+    bytes: int
+    freeze: float
+    transfer: float
+    restore: float
 
 
 class Move:
@@ -118,8 +141,8 @@ class Move:
 
     def __init__(
         self, name: str, source: Node, target: Node, mode: str | None = None, progress: Progress = _quiet,
-        into: str | None = None, readdress: list | None = None, boundary: bool = True,
-        cut: list | None = None, follow: Ticket | None = None,
+        into: str | None = None, readdress: Rows | None = None, boundary: bool = True,
+        cut: Rows | None = None, follow: Ticket | None = None,
     ) -> None:  # fmt: skip
         if source.name == target.name:
             raise MigrationFailed(f"{name!r} already runs on node {target.name}", "pick another --to node")
@@ -129,11 +152,11 @@ class Move:
         self.follow = follow
         self.src, self.dst = AgentClient(source), AgentClient(target)
         self.started = time.monotonic()
-        self.inc: dict = {}
+        self.inc_id = ""  # the target's migration id, once prepared
         self.ticket: Ticket | None = None
         self.og_id: str | None = None
         self.port: int | None = None
-        self.facts = {"bytes": 0, "freeze": 0.0, "transfer": 0.0, "restore": 0.0}
+        self.facts = _Measured(bytes=0, freeze=0.0, transfer=0.0, restore=0.0)
         self.phases: dict[str, float] = {}
         self.downtime: float | None = None
         self.downtime_by = "source"
@@ -145,7 +168,7 @@ class Move:
         self.pages: float | None = None
 
     def _in_doubt(self, exc: MigrationInDoubt) -> MigrationInDoubt:
-        exc.ids = (self.og_id, self.inc.get("id", ""))
+        exc.ids = (self.og_id, self.inc_id)
         return exc
 
     def prepare(self) -> None:
@@ -153,50 +176,52 @@ class Move:
         self.progress("prepare")
         try:
             dst_info = _check_target(self.dst)
-            src_info = self.src.get("/v1/info", timeout=timeouts().info)
+            src_info: NodeInfo = self.src.get("/v1/info", timeout=timeouts().info)
             self.mode = choose_mode(self.mode, src_info, dst_info)
-            body = {"workload": self.name, "mode": self.mode, "into": self.into}
+            body = IncomingRequest(workload=self.name, mode=self.mode, into=self.into)
             if self.cut:
                 body["cut"] = self.cut
             if self.follow is not None:
                 body["follow"] = self.follow.to_json()
-            self.inc = self.dst.post("/v1/incoming", body)
+            inc: IncomingAnswer = self.dst.post("/v1/incoming", body)
         except CriuctlError as exc:
             raise MigrationFailed(
                 exc.what, f"{exc.hint}; nothing was frozen, {self.name!r} runs on {self.source.name}"
             ) from exc
         points.reach(Point.CLIENT_PREPARED)
-        self.ticket = Ticket(self.target.url, self.inc["id"], self.inc["ticket"], self.target.name,
-                             self.target.ca_pem())  # fmt: skip
+        self.inc_id = inc["id"]
+        self.ticket = Ticket(
+            self.target.url, inc["id"], inc["ticket"], self.target.name, self.target.ca_pem()
+        )
 
     def send(self) -> None:
         """Freeze on the source and stream the bundle; the source's word decides until "sent"."""
         assert self.ticket is not None
         phase_started = time.monotonic()
         self.progress("freeze")
-        body: dict = {"workload": self.name, "mode": self.mode, "target": self.ticket.to_json()}
+        body = OutgoingRequest(workload=self.name, mode=str(self.mode), target=self.ticket.to_json())
         if self.readdress is not None:
             body["readdress"] = self.readdress
         if not self.boundary:
             body["boundary"] = False
         if env.STREAM.get() == "sealed":  # for comparisons: no overlap of dump and transfer
             body["live"] = False
+        ev: OutgoingEvent
         for ev in self.src.events("/v1/outgoing", body):
-            kind = ev["event"]
-            if kind == "started":
+            if ev["event"] == "started":
                 self.og_id = ev["id"]
-            elif kind == "frozen":
+            elif ev["event"] == "frozen":
                 self.facts["freeze"], self.port = time.monotonic() - phase_started, ev["page_server_port"]
                 self.frozen_at = time.monotonic() - float(ev.get("freeze_seconds") or 0.0)
                 self.phases.update(ev.get("phases", {}))
                 phase_started = time.monotonic()
                 self.progress("transfer", done=0, total=ev["bytes"])
-            elif kind == "transfer":
+            elif ev["event"] == "transfer":
                 self.progress("transfer", done=ev["done"], total=ev["total"])
-            elif kind == "sent":
+            elif ev["event"] == "sent":
                 self.facts["bytes"], self.facts["transfer"] = ev["bytes"], time.monotonic() - phase_started
                 break
-            elif kind == "error":
+            elif ev["event"] == "error":
                 if ev.get("thawed", True) is True:
                     raise MigrationFailed(ev["what"], ev.get("hint", ""))
                 if ev.get("thawed") == INCOMPLETE:
@@ -214,8 +239,10 @@ class Move:
         """The target restores the tree stopped: it has not run yet."""
         phase_started = time.monotonic()
         self.progress("restore")
-        body = {"page_server": f"{self.source.host}:{self.port}"} if self.mode == POST_COPY else {}
-        answer = self.dst.post(f"/v1/incoming/{self.inc['id']}/restore", body, timeout=timeouts().restore)
+        body = RestoreRequest(page_server=f"{self.source.host}:{self.port}") if self.mode == POST_COPY else {}
+        answer: StepAnswer = self.dst.post(
+            f"/v1/incoming/{self.inc_id}/restore", body, timeout=timeouts().restore
+        )
         self.facts["restore"] = time.monotonic() - phase_started
         self.phases.update(answer.get("phases", {}) if isinstance(answer, dict) else {})
         points.reach(Point.CLIENT_RESTORED)
@@ -224,14 +251,14 @@ class Move:
         """A phase failed: abort both sides (target first); the error to raise."""
         if isinstance(exc, MigrationInDoubt):
             return self._in_doubt(exc)
-        err = _aborted(self.src, self.dst, self.og_id, self.inc["id"], exc, self.name, self.source.name)
+        err = _aborted(self.src, self.dst, self.og_id, self.inc_id, exc, self.name, self.source.name)
         return self._in_doubt(err) if isinstance(err, MigrationInDoubt) else err
 
     def commit_target(self) -> None:
         """Let the restored tree run: from here on the job runs on the target."""
         self.progress("commit")
         try:
-            _commit_target(self.src, self.dst, self.og_id, self.inc["id"], self.name, self.source.name)
+            _commit_target(self.src, self.dst, self.og_id, self.inc_id, self.name, self.source.name)
         except MigrationInDoubt as exc:
             raise self._in_doubt(exc) from None
         self.running_at = time.monotonic()
@@ -240,10 +267,12 @@ class Move:
     def commit_source(self) -> None:
         """The source ends its tree (it checks with the target first)."""
         try:
-            answer = self.src.post(f"/v1/outgoing/{self.og_id}/commit", timeout=timeouts().source_commit)
+            answer: StepAnswer = self.src.post(
+                f"/v1/outgoing/{self.og_id}/commit", timeout=timeouts().source_commit
+            )
+            self.downtime = answer.get("downtime_seconds")
         except CriuctlError:  # the job runs on the target; the source's handoff ends its copy on its word
-            answer, self.confirmed = {}, False
-        self.downtime = answer.get("downtime_seconds")
+            self.downtime, self.confirmed = None, False
         if self.downtime is None:  # the source cannot say: what the client saw (an upper bound)
             self.downtime, self.downtime_by = self.client_downtime(), "client"
         points.reach(Point.CLIENT_SOURCE_COMMITTED)
@@ -334,12 +363,13 @@ def _aborted(
         dst.delete(f"/v1/incoming/{inc_id}")
     if og_id is None:
         return MigrationFailed(exc.what, _keeps_running(exc.hint, name, source))
+    answer: StepAnswer | ErrorAnswer
     try:
         answer = src.delete(f"/v1/outgoing/{og_id}")
     except CriuctlError as err:
-        if getattr(err, "status", None) == 404:  # the stream failed before "sent": the source thawed
+        if isinstance(err, AgentError) and err.status == 404:  # failed before "sent": the source thawed
             return MigrationFailed(exc.what, _keeps_running(exc.hint, name, source))
-        answer = getattr(err, "body", None) or {"state": "unknown"}
+        answer = err.body if isinstance(err, AgentError) and err.body else {"state": "unknown"}
     if answer.get("state") == "thawed" or answer.get("thawed") is True:
         return MigrationFailed(exc.what, _keeps_running(exc.hint, name, source))
     if answer.get("thawed") == INCOMPLETE:
@@ -348,7 +378,7 @@ def _aborted(
 
 
 def _commit_target(
-    src: AgentClient, dst: AgentClient, og_id: str, inc_id: str, name: str, source: str
+    src: AgentClient, dst: AgentClient, og_id: str | None, inc_id: str, name: str, source: str
 ) -> None:
     try:
         dst.post(f"/v1/incoming/{inc_id}/commit", timeout=timeouts().target_commit)
@@ -358,12 +388,13 @@ def _commit_target(
     deadline = time.monotonic() + timeouts().in_doubt
     while time.monotonic() < deadline:
         try:
-            state = dst.get(f"/v1/incoming/{inc_id}", timeout=5)["state"]
+            status: IncomingStatus = dst.get(f"/v1/incoming/{inc_id}", timeout=5)
+            state = status["state"]
         except NodeUnreachable:
             time.sleep(1)
             continue
         except CriuctlError as exc:
-            state = getattr(exc, "body", {}).get("state", "unknown")
+            state = exc.body.get("state", "unknown") if isinstance(exc, AgentError) else "unknown"
         if state == "running":
             return
         raise _aborted(src, dst, og_id, inc_id, first, name, source)
@@ -373,11 +404,11 @@ def _commit_target(
     )
 
 
-def _wait_pages(src: AgentClient, og_id: str, timeout: float | None = None) -> float | None:
+def _wait_pages(src: AgentClient, og_id: str | None, timeout: float | None = None) -> float | None:
     deadline = time.monotonic() + (timeouts().pages if timeout is None else timeout)
-    while time.monotonic() < deadline:
+    while og_id is not None and time.monotonic() < deadline:
         try:
-            st = src.get(f"/v1/outgoing/{og_id}", timeout=10)
+            st: OutgoingStatus = src.get(f"/v1/outgoing/{og_id}", timeout=10)
         except CriuctlError:
             return None
         if st["state"] == "done":

@@ -127,23 +127,24 @@ def resolve(target: str, endpoint: str | None = None) -> workloads.Workload:
     return register(runtime.connect(endpoint), ident)
 
 
-def unsupported_rows(rt: Runtime) -> list[dict]:
+def unsupported_rows(rt: Runtime) -> list[workloads.WorkloadRow]:
     """Register every checkpointable container; the others as rows that say why they are not
     workloads (`GET /v1/workloads`, so `ps --node` and `migrate` can tell the user)."""
     out = []
     for r in rows(rt):
         if r["checkpointable"] or r["state"] != "running" or is_placeholder(r["root_pid"]):
             continue
-        out.append({**r, "state": "unsupported", "command": cmdline(r["root_pid"])})
+        r["state"], r["command"] = "unsupported", cmdline(r["root_pid"])
+        out.append(r)
     return out
 
 
-def rows(rt: Runtime) -> list[dict]:
+def rows(rt: Runtime) -> list[workloads.WorkloadRow]:
     """Every container on the node, with whether criuctl can checkpoint it (for `ps --node`)."""
     out = []
     for c in rt.containers():
         reason = why_not(c)
-        row = {
+        row: workloads.WorkloadRow = {
             "name": name_of(c.id),
             "container": c.id,
             "pod": f"{c.pod_namespace}/{c.pod_name}" if c.pod_name else "",

@@ -82,7 +82,7 @@ def block_io_uring() -> bool:
     libc.prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
     if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         return False
-    return libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.addressof(fbuf), 0, 0) == 0
+    return bool(libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.addressof(fbuf), 0, 0) == 0)
 
 
 def exit_code(status: int) -> int:

@@ -13,7 +13,7 @@ import re
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NotRequired, TypedDict, cast
 
 import psutil
 
@@ -172,14 +172,63 @@ def all_workloads() -> list[Workload]:
     return out
 
 
-def rows() -> list[dict]:
+class EndpointsJson(TypedDict):
+    """A tree's TCP endpoints as an agent lists them (`criuctl.net.peers.Endpoints`):
+    [[address, port], ...] and [[local, port, remote, port], ...]."""
+
+    listening: list[list[str | int]]
+    connections: list[list[str | int]]
+
+
+class WorkloadRow(TypedDict):
+    """A row of `ps` and of the agent's `GET /v1/workloads`: a record (every field of `Workload`),
+    whether its tree is alive, and its RSS. A container the runtime runs but criuctl cannot
+    checkpoint has a row too (`criuctl.container.containers.rows`): fewer of the record's fields,
+    and what the runtime says of it. The agent adds a running `criuctl run` job's TCP endpoints
+    (`tcp`: what joins ranks into jobs)."""
+
+    name: str
+    state: str
+    root_pid: int
+    alive: bool
+    rss_bytes: int | None
+    command: NotRequired[list[str]]
+    supervisor_pid: NotRequired[int]
+    stdio_pipes: NotRequired[dict[str, str]]
+    started: NotRequired[float]
+    bundle: NotRequired[str | None]
+    restored_from: NotRequired[str | None]
+    exit_code: NotRequired[int | None]
+    moved_to: NotRequired[str | None]
+    node: NotRequired[str | None]
+    container: NotRequired[str | None]
+    pod_uid: NotRequired[str | None]
+    runtime: NotRequired[str | None]
+    pod: NotRequired[str | None]
+    control: NotRequired[str | None]
+    root_start: NotRequired[int | None]
+    boot_id: NotRequired[str]
+    thaw_incomplete: NotRequired[str | None]
+    # a container, as the runtime lists it
+    container_name: NotRequired[str]
+    image: NotRequired[str]
+    checkpointable: NotRequired[bool]
+    why_not: NotRequired[str | None]  # why criuctl cannot checkpoint it (None: it can)
+    tcp: NotRequired[EndpointsJson]
+
+
+def row(w: Workload) -> WorkloadRow:
+    """The record with whether it is alive and its tree's RSS."""
+    alive = w.alive()
+    rss = procinfo.rss_bytes(w.root_pid) if alive and w.state == RUNNING else None
+    # `asdict` is untyped: WorkloadRow names every field of Workload (tests/test_agent_units.py
+    # checks the rows the agent really sends against it)
+    return cast(WorkloadRow, {**asdict(w), "alive": alive, "rss_bytes": rss})
+
+
+def rows() -> list[WorkloadRow]:
     """Every record with whether it is alive and its tree's RSS: what `ps` and the agent show."""
-    out = []
-    for w in all_workloads():
-        alive = w.alive()
-        rss = procinfo.rss_bytes(w.root_pid) if alive and w.state == RUNNING else None
-        out.append({**asdict(w), "alive": alive, "rss_bytes": rss})
-    return out
+    return [row(w) for w in all_workloads()]
 
 
 def unique_name(wanted: str) -> str:

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from criuctl.core import env
 from criuctl.core.errors import CriuctlError
@@ -32,11 +32,22 @@ LOG_LEVEL_DEBUG = 4
 # the criu CLI logs; debug logging costs ~20% of dump time at GiB sizes (bench/dump_restore.py).
 
 
-def tree_options() -> dict:
+class TreeOptions(TypedDict):
+    """`tree_options()`: fields of both `DumpOptions` and `RestoreOptions`, given as `**tree_options()`."""
+
+    tcp_established: bool
+    ext_unix_sk: bool
+    file_locks: bool
+    network_lock: str
+
+
+def tree_options() -> TreeOptions:
     """The options dump and restore agree on: a training tree holds TCP (DDP), unix sockets, file
     locks. $CRIUCTL_NETWORK_LOCK=skip: a node whose kernel has no nf_tables (the GPU check host may
     not), for jobs without TCP connections to lock."""
-    return dict(tcp_established=True, ext_unix_sk=True, file_locks=True, network_lock=env.NETWORK_LOCK.get())
+    return TreeOptions(
+        tcp_established=True, ext_unix_sk=True, file_locks=True, network_lock=env.NETWORK_LOCK.get()
+    )
 
 
 class CriuError(CriuctlError):
@@ -192,7 +203,7 @@ def binary() -> str:
 
 
 def _network_lock(rpc: Any, method: str) -> int:
-    return {"iptables": rpc.IPTABLES, "nftables": rpc.NFTABLES, "skip": rpc.SKIP}[method]
+    return int({"iptables": rpc.IPTABLES, "nftables": rpc.NFTABLES, "skip": rpc.SKIP}[method])
 
 
 def _base_request(o: DumpOptions | RestoreOptions, images_fd: int, work_fd: int) -> Any:
@@ -373,7 +384,7 @@ LAZY_READY_TIMEOUT = 60.0  # seconds for `criu lazy-pages` to say it listens (it
 
 def lazy_pages_daemon(
     images_dir: Path, work_dir: Path, address: str, port: int, ready_timeout: float = LAZY_READY_TIMEOUT
-) -> subprocess.Popen:
+) -> subprocess.Popen[bytes]:
     """Start `criu lazy-pages` pulling pages from a source's page server; returns once it listens.
 
     CRIU's RPC has no request for this daemon, so it runs as a command; its readiness comes

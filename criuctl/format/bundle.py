@@ -27,16 +27,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from criuctl.core.durable import fsync_dir
-from criuctl.format.manifest import _UNSIGNED, MANIFEST, SIGNATURE
+from criuctl.core.procinfo import ProcessInfo as ProcessInfo
+from criuctl.format.manifest import _UNSIGNED
 from criuctl.format.manifest import FORMAT_VERSION as FORMAT_VERSION
+from criuctl.format.manifest import MANIFEST as MANIFEST
 from criuctl.format.manifest import READABLE_VERSIONS as READABLE_VERSIONS
+from criuctl.format.manifest import SIGNATURE as SIGNATURE
 from criuctl.format.manifest import BundleError as BundleError
 from criuctl.format.manifest import ContainerFacts as ContainerFacts
 from criuctl.format.manifest import GpuDevice as GpuDevice
 from criuctl.format.manifest import GpuFacts as GpuFacts
 from criuctl.format.manifest import MalformedManifest as MalformedManifest
 from criuctl.format.manifest import Manifest as Manifest
-from criuctl.format.manifest import ProcessInfo as ProcessInfo
 from criuctl.format.manifest import StateFacts as StateFacts
 from criuctl.format.manifest import StepBoundary as StepBoundary
 from criuctl.format.signing import Hasher as Hasher
@@ -109,7 +111,8 @@ def seal(
 class _Syncer(threading.Thread):
     def __init__(self, files: list[Path]) -> None:
         super().__init__(name="bundle-fsync", daemon=True)
-        self.files, self.error = files, None
+        self.files = files
+        self.error: OSError | None = None
 
     def run(self) -> None:
         try:

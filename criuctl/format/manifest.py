@@ -15,6 +15,7 @@ import time
 import types
 import typing
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import PurePosixPath
 
@@ -155,6 +156,7 @@ class Manifest:
                 f"this criuctl reads formats {READABLE_VERSIONS}; use a matching criuctl",
             )
         manifest = _conform(data, cls, "manifest")
+        assert isinstance(manifest, cls)  # what `_conform` makes of a dataclass
         for rel in manifest.files:
             if not _inside(rel):
                 raise MalformedManifest(f"files lists {rel[:80]!r}, which is not a file inside the bundle")
@@ -184,7 +186,7 @@ def _conform(value: object, tp: object, where: str) -> object:
             return None
         (tp,) = [a for a in args if a is not type(None)]
         return _conform(value, tp, where)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise MalformedManifest(f"{where} is {_json_type(value)}, not an object")
         fields = {f.name: f for f in dataclasses.fields(tp)}
@@ -207,14 +209,15 @@ def _conform(value: object, tp: object, where: str) -> object:
         if not isinstance(value, dict):
             raise MalformedManifest(f"{where} is {_json_type(value)}, not an object")
         return {k: _conform(v, args[1], f"{where}[{k[:40]!r}]") for k, v in value.items()}
-    ok = {
+    checks: dict[object, Callable[[object], bool]] = {
         str: lambda v: isinstance(v, str),
         bool: lambda v: isinstance(v, bool),
         int: lambda v: isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**63,
         float: lambda v: isinstance(v, int | float) and not isinstance(v, bool),
-    }[tp]
-    if not ok(value):
-        want = {str: "a string", bool: "a boolean", int: "an integer", float: "a number"}[tp]
+    }
+    if not checks[tp](value):
+        wants: dict[object, str] = {str: "a string", bool: "a boolean", int: "an integer", float: "a number"}
+        want = wants[tp]
         if tp is int and isinstance(value, int) and not isinstance(value, bool):
             raise MalformedManifest(f"{where} is an integer out of range")
         raise MalformedManifest(f"{where} is {_json_type(value)}, not {want}")

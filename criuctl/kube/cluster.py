@@ -160,13 +160,13 @@ def agent_for(c: Cluster, node: dict) -> Node:
     return Node(name, f"https://{host}:{AGENT_PORT}", token, ca)
 
 
-def workload_row(agent: Node, cid: str) -> dict | None:
+def workload_row(agent: Node, cid: str) -> workloads.WorkloadRow | None:
     """The agent's row for container `cid`: by the name it gives containers, or, for a job restored
     into a placeholder (which keeps the name it had on its first node), by its container."""
     from criuctl.client.agents import AgentClient
     from criuctl.container import containers
 
-    rows = AgentClient(agent, timeout=15).get("/v1/workloads")
+    rows: list[workloads.WorkloadRow] = AgentClient(agent, timeout=15).get("/v1/workloads")
     return next(
         (r for r in rows if containers.name_of(cid) == r.get("name") or r.get("container") == cid), None
     )

@@ -28,8 +28,9 @@ import contextlib
 import copy
 import time
 
+from criuctl.agent.messages import IncomingStatus, OutgoingStatus
 from criuctl.client import migrate as agent_migrate
-from criuctl.client.agents import AgentClient
+from criuctl.client.agents import AgentClient, AgentError
 from criuctl.core.errors import CriuctlError
 from criuctl.kube import events, moves
 from criuctl.kube.cluster import Cluster, NotFound, call
@@ -83,13 +84,15 @@ def settle(p: PodPlan, exc: agent_migrate.MigrationInDoubt, timeout: float = 300
     while time.monotonic() < deadline:
         target_state = source_state = None
         with contextlib.suppress(CriuctlError, KeyError):
-            target_state = dst.get(f"/v1/incoming/{inc}", timeout=10)["state"]
+            incoming: IncomingStatus = dst.get(f"/v1/incoming/{inc}", timeout=10)
+            target_state = incoming["state"]
         if target_state == "running":
             return p.target
         try:
-            source_state = src.get(f"/v1/outgoing/{og}", timeout=10)["state"] if og else "gone"
+            outgoing: OutgoingStatus | None = src.get(f"/v1/outgoing/{og}", timeout=10) if og else None
+            source_state = outgoing["state"] if outgoing is not None else "gone"
         except CriuctlError as err:  # 404: settled and forgotten, or left to its orphan settler
-            source_state = "gone" if getattr(err, "status", None) == 404 else None
+            source_state = "gone" if isinstance(err, AgentError) and err.status == 404 else None
         except KeyError:
             pass
         if source_state == "thawed":

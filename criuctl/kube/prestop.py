@@ -25,6 +25,7 @@ import logging
 import time
 import uuid
 
+from criuctl.agent.messages import CheckpointAnswer, CheckpointRequest
 from criuctl.client.agents import AgentClient
 from criuctl.core.errors import CriuctlError
 from criuctl.kube import events, moves, mutate, owners, podplan, podvolumes
@@ -106,7 +107,8 @@ def leaving(c: Cluster, namespace: str, name: str, node: str) -> str:
     src = agent_for(c, c.serialize(call(f"node {node}", c.core.read_node, node)))
     row = workload_row(src, cid)
     if row is None or row.get("why_not"):
-        return f"nothing to checkpoint ({(row or {}).get('why_not') or 'no job in the container'})"
+        why_not = row.get("why_not") if row is not None else None
+        return f"nothing to checkpoint ({why_not or 'no job in the container'})"
     needed = max(podplan.pod_memory(pod), int(row.get("rss_bytes") or 0))
     target = requested.target if requested else _target(c, pod, node, needed)
     dst = agent_for(c, c.serialize(call(f"node {target}", c.core.read_node, target)))
@@ -118,7 +120,9 @@ def leaving(c: Cluster, namespace: str, name: str, node: str) -> str:
     events.record(c, pod, events.Reason.STARTED, f"deleted: checkpointing its job for node {target}")
     source = AgentClient(src, timeout=CHECKPOINT_TIMEOUT)
     try:
-        out = source.post(f"/v1/workloads/{row['name']}/checkpoint", {"id": m.bundle})
+        out: CheckpointAnswer = source.post(
+            f"/v1/workloads/{row['name']}/checkpoint", CheckpointRequest(id=m.bundle)
+        )
     except CriuctlError as exc:
         m.phase, m.note = (
             moves.Phase.FAILED,

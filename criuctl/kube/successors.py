@@ -26,7 +26,8 @@ import contextlib
 import logging
 import time
 
-from criuctl.client.agents import AgentClient
+from criuctl.agent.messages import BundleRestoreRequest
+from criuctl.client.agents import AgentClient, AgentError
 from criuctl.core.errors import CriuctlError
 from criuctl.kube import events, moves, mutate
 from criuctl.kube.cluster import Cluster, NotFound, agent_for, call, container_id, delete_now, workload_row
@@ -95,7 +96,7 @@ def _settle_dumping(c: Cluster, m: moves.Move, node: str) -> None:
         src.get(f"/v1/bundles/{m.bundle}/manifest")
         has = True
     except CriuctlError as exc:
-        if getattr(exc, "status", None) != 404:
+        if not (isinstance(exc, AgentError) and exc.status == 404):
             return
         has = False
     if not has:
@@ -146,11 +147,12 @@ def step(c: Cluster, m: moves.Move, node: str) -> None:
         return
     here = _agent(c, node)
     try:
-        AgentClient(here.node, timeout=RESTORE_TIMEOUT).post(f"/v1/bundles/{m.bundle}/restore", {"into": cid})
+        restore = BundleRestoreRequest(into=cid)
+        AgentClient(here.node, timeout=RESTORE_TIMEOUT).post(f"/v1/bundles/{m.bundle}/restore", restore)
     except CriuctlError as exc:
         others = [n for n in m.copies() if n != node]
         why = f"the restore on node {node} failed ({exc.what})"
-        if getattr(exc, "status", None) == 409 or not others:
+        if (isinstance(exc, AgentError) and exc.status == 409) or not others:
             _fail(c, m, f"{why}; bundle {m.bundle} is kept on node {node}", pod)
             return
         m.holder, m.note = others[0], why

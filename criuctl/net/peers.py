@@ -11,11 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import psutil
 
 from criuctl.core import procinfo
+from criuctl.core.workloads import EndpointsJson
 from criuctl.net.readdress import canonical
+
+if TYPE_CHECKING:
+    from psutil._ntuples import pconn  # psutil's connection tuple (types-psutil names it)
 
 
 @dataclass
@@ -25,18 +30,18 @@ class Endpoints:
     listening: list[tuple[str, int]] = field(default_factory=list)
     connections: list[tuple[str, int, str, int]] = field(default_factory=list)  # local, remote
 
-    def to_json(self) -> dict:
+    def to_json(self) -> EndpointsJson:
         return {"listening": [list(e) for e in self.listening],
                 "connections": [list(c) for c in self.connections]}  # fmt: skip
 
     @classmethod
-    def from_json(cls, d: dict | None) -> Endpoints:
-        d = d or {}
+    def from_json(cls, d: EndpointsJson | None) -> Endpoints:
+        d = d or EndpointsJson(listening=[], connections=[])
         return cls([(str(a), int(p)) for a, p in d.get("listening", [])],
                    [(str(a), int(p), str(b), int(q)) for a, p, b, q in d.get("connections", [])])  # fmt: skip
 
 
-def sockets(pids: list[int]) -> Iterator:
+def sockets(pids: list[int]) -> Iterator[pconn]:
     """psutil's view of every TCP socket `pids` hold (a process gone meanwhile holds none)."""
     for pid in pids:
         try:

@@ -70,7 +70,7 @@ class EndpointMap:
             moves[(canonical(old), port)] = canonical(new)
         return cls(moves)
 
-    def to_json(self) -> list[list]:
+    def to_json(self) -> list[list[str | int]]:
         return [[a, p, n] for (a, p), n in sorted(self.moves.items())]
 
     def new_address(self, addr: str, port: int) -> str | None:

@@ -1,0 +1,215 @@
+"""The JSON of the agent's HTTP API, as types: what each route takes, and what it answers.
+
+The agent's routes build these, and the clients (`criuctl.client`, `criuctl.kube`, the CLI) read
+them, both sides annotated with the same type: a field renamed on one side is a type error on the
+other (`make lint` runs mypy). They are TypedDicts, plain dicts at run time, so the JSON on the wire
+is what it always was: a field that only some agents send is `NotRequired`, and a reader takes it
+with `.get`. A request is typed as the client sends it; the agent still checks each of its fields,
+since anything may call. The records of a migration and the outcome of its steps are in
+`criuctl.agent.protocol`; a row of GET /v1/workloads is a `criuctl.core.workloads.WorkloadRow`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NotRequired, Required, TypedDict
+
+from criuctl.agent.protocol import Facts, SignedState, TicketJson, UploadAnswer
+
+# rows of addresses and ports as they travel: [[address, port, ...], ...] (`criuctl.net.netcut.parse`)
+Rows = list[list[str | int]]
+
+
+class Refusal(Facts, total=False):
+    """What an error answer may say besides its line: where it is about a migration, its state
+    and the step's facts; DELETE /v1/incoming/ID of a migration that runs: its `SignedState`."""
+
+    state: str
+    migration: str
+    boot: str
+    mac: str
+
+
+class ErrorAnswer(Refusal, total=False):
+    """Every answer with an HTTP error status (`httpjson.fail`): the client's one line."""
+
+    what: Required[str]
+    hint: str
+
+
+class Healthz(TypedDict):
+    """GET /healthz (no token)."""
+
+    ok: bool
+    node: str
+
+
+class NodeInfo(TypedDict):
+    """GET /v1/info: what this node's kernel and CRIU allow."""
+
+    node: str
+    tls: bool
+    criu: NotRequired[str]  # CRIU's version, when it is usable
+    lazy_pages: NotRequired[bool]  # userfaultfd: post-copy possible
+    criu_error: NotRequired[str]  # why CRIU is not usable (then neither of the two above)
+
+
+# ----------------------------------------------------------------------------------- a migration
+
+
+class IncomingRequest(TypedDict):
+    """POST /v1/incoming (client → target): make room for `workload`."""
+
+    workload: str
+    mode: str
+    into: str | None  # the placeholder container to restore into (None: the target's choice)
+    cut: NotRequired[Rows]  # a job's rank: its connections in their new form, dropped until it runs
+    follow: NotRequired[TicketJson]  # a job's later rank: the first moved rank's migration decides
+
+
+class IncomingAnswer(TypedDict):
+    """POST /v1/incoming: the migration's id, and the secret of the ticket the source uploads with."""
+
+    id: str
+    ticket: str
+
+
+class IncomingStatus(SignedState):
+    """GET /v1/incoming/ID: the migration's signed state, and its workload."""
+
+    workload: str
+
+
+class RestoreRequest(TypedDict, total=False):
+    """POST /v1/incoming/ID/restore: post-copy names the source's page server."""
+
+    page_server: str  # HOST:PORT
+
+
+class StepAnswer(Facts, total=False):
+    """A step's answer (`httpjson.outcome_response`): POST /v1/incoming/ID/restore and /commit,
+    POST /v1/outgoing/ID/commit, DELETE /v1/outgoing/ID; its state and the step's facts."""
+
+    state: Required[str]
+
+
+class StateAnswer(TypedDict):
+    """DELETE /v1/incoming/ID/cut, POST /v1/redirects/ID/keep, DELETE /v1/redirects/ID."""
+
+    state: str
+
+
+class OutgoingRequest(TypedDict):
+    """POST /v1/outgoing (client → source): freeze `workload` and stream it to the ticket's target."""
+
+    workload: str
+    mode: str
+    target: TicketJson
+    readdress: NotRequired[Rows]  # a job's rank: [[old address, port, new address], ...]
+    boundary: NotRequired[bool]  # False: no step boundary first (a job's rank)
+    live: NotRequired[bool]  # False: stream only once the bundle is sealed
+
+
+class Started(TypedDict):
+    """The first line of POST /v1/outgoing's stream: the source's migration id."""
+
+    event: Literal["started"]
+    id: str
+
+
+class Frozen(TypedDict):
+    """The tree is frozen and its bundle sealed; the transfer starts (or goes on)."""
+
+    event: Literal["frozen"]
+    freeze_seconds: float
+    bytes: int
+    page_server_port: int | None  # post-copy: where the target's lazy-pages daemon asks for pages
+    phases: dict[str, float]
+    streamed: int  # bytes already sent while CRIU wrote them
+
+
+class Transferring(TypedDict):
+    """Progress of the transfer (about four times a second)."""
+
+    event: Literal["transfer"]
+    done: int
+    total: int
+
+
+class Sent(TypedDict):
+    """The target has the whole bundle: from here on the target decides (the last line)."""
+
+    event: Literal["sent"]
+    bytes: int
+    seconds: float
+    target: UploadAnswer
+
+
+class Failed(TypedDict):
+    """The migration failed before "sent" (the last line): where the tree is left."""
+
+    event: Literal["error"]
+    what: str
+    hint: str
+    thawed: bool | str  # True, `protocol.INCOMPLETE` (with `left`), or "unconfirmed"
+    left: str | None
+
+
+OutgoingEvent = Started | Frozen | Transferring | Sent | Failed
+
+
+class OutgoingStatus(TypedDict):
+    """GET /v1/outgoing/ID."""
+
+    state: str
+    pages_seconds: float | None  # post-copy: commit → the last page pulled, once done
+
+
+class RedirectRequest(TypedDict):
+    """POST /v1/redirects: a staying rank's connections re-pointed, following the moved rank's
+    migration (its ticket)."""
+
+    rules: Rows  # [[local, port, old remote, port, new remote], ...]
+    ticket: TicketJson
+
+
+class RedirectAnswer(TypedDict):
+    id: str
+
+
+# ----------------------------------------------------------------------------------- kept bundles
+
+
+class CheckpointRequest(TypedDict, total=False):
+    """POST /v1/workloads/NAME/checkpoint: the bundle's id (a caller that recorded it first can tell
+    a dump that happened from one that did not), and whether the job runs on."""
+
+    id: str
+    leave_running: bool
+
+
+class CheckpointAnswer(TypedDict):
+    id: str
+    bytes: int
+    freeze_seconds: float
+    thaw_incomplete: NotRequired[str]  # leave_running: the job runs, but its thaw has this left
+
+
+class BundleKept(TypedDict):
+    """PUT /v1/bundles/ID: verified and kept."""
+
+    id: str
+    bytes: int
+
+
+class BundleRestoreRequest(TypedDict, total=False):
+    name: str  # the restored workload's name (default: the bundle's)
+    into: str  # a placeholder container's ID
+
+
+class BundleRestored(TypedDict):
+    pid: int
+    criu_seconds: float
+
+
+class BundleDeleted(TypedDict):
+    deleted: str
