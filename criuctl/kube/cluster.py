@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from criuctl.client.agents import Node
-from criuctl.core import durable, statedir
+from criuctl.core import durable, statedir, workloads
 from criuctl.core.errors import CriuctlError
 from criuctl.kube import api
 
