@@ -29,9 +29,10 @@ bench-migrate: install
 # ruff, the formatter, and the layer contract (pyproject.toml [tool.importlinter]): a module that
 # imports a layer above its own fails here, as does the hook importing criuctl
 lint: install
-	$(VENV)/bin/ruff check criuctl hooks tools tests bench
-	$(VENV)/bin/ruff format --check criuctl hooks tools tests bench
+	$(VENV)/bin/ruff check criuctl hooks tools tests bench setup.py
+	$(VENV)/bin/ruff format --check criuctl hooks tools tests bench setup.py
 	PYTHONPATH=hooks $(VENV)/bin/lint-imports
 
+# build/: also the CRI stubs the editable install imports (setup.py)
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache build
