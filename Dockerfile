@@ -4,9 +4,8 @@
 #
 # Debian 12, with CRIU 4.1.1 built by scripts/install-criu.sh, the script `make` runs: the same
 # checksum-verified source package and the same patch for sockets on kernels >= 6.16. The project is
-# installed into /opt/criuctl/venv the way scripts/bootstrap.sh installs it (editable: criuctl puts
-# its hooks/ folder, sitecustomize.py included, on a workload's PYTHONPATH, and only the source tree
-# has that folder).
+# installed into /opt/criuctl/venv as a wheel, without extras: no torch, numpy or matplotlib (the
+# agent never imports them); the wheel carries the hook tree and the CRI client stubs (setup.py).
 
 ARG DEBIAN_IMAGE=debian:bookworm-slim
 
@@ -41,25 +40,22 @@ RUN python3 -m venv --system-site-packages /tmp/criu-venv \
  && rm -rf /tmp/criu-venv /usr/local/src/criuctl \
  && /usr/local/sbin/criu --version
 
-# The project, into its venv as scripts/bootstrap.sh installs it (without the dev extras), then its
-# two install scripts as `make` runs them after the venv: install-criu.sh finds CRIU built and copies
-# pycriu into the venv (it must import with the venv's protobuf); install-containerd.sh generates the
-# CRI client stubs (criuctl_cri) into the venv. That script also installs containerd, runc and a
-# busybox test image: they stay in this stage (the agent talks to the node's runtime through its
-# socket), and CRIUCTL_CACHE keeps the test image out of the folder the runtime stage copies.
-# torch is a dependency of the package (the agent itself does not import it): take the CPU build, as
-# `make` does, not PyPI's default CUDA build of several GiB; override TORCH_INDEX to use a mirror.
-ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
-COPY pyproject.toml README.md /opt/criuctl/src/
-COPY scripts/install-containerd.sh scripts/lib.sh scripts/image-tar.py /opt/criuctl/src/scripts/
+# The project, into its venv as a wheel built from the source (not editable: the source does not go
+# into the image). scripts/cri-proto.sh first fetches the CRI api.proto from Debian's containerd
+# source package: the build generates the CRI client stubs (`criuctl_cri`) from it, with grpcio-tools
+# in pip's isolated build environment (a build requirement, not in the venv). Then install-criu.sh,
+# as `make` runs it after the venv: it finds CRIU built and copies pycriu into the venv (it must
+# import with the venv's protobuf).
+COPY pyproject.toml setup.py MANIFEST.in README.md /opt/criuctl/src/
+COPY scripts/cri-proto.sh scripts/lib.sh /opt/criuctl/src/scripts/
 COPY criuctl /opt/criuctl/src/criuctl
 COPY hooks /opt/criuctl/src/hooks
-RUN python3 -m venv "$VENV" \
+RUN bash /opt/criuctl/src/scripts/cri-proto.sh \
+ && python3 -m venv "$VENV" \
  && "$VENV/bin/python" -m pip install -q --upgrade pip \
- && "$VENV/bin/python" -m pip install -q --no-cache-dir --extra-index-url "$TORCH_INDEX" -e /opt/criuctl/src \
+ && "$VENV/bin/python" -m pip install -q --no-cache-dir /opt/criuctl/src \
  && PATH="/opt/criu-shim:$PATH" bash /opt/criuctl/src/scripts/install-criu.sh "$VENV" \
- && CRIUCTL_CACHE=/tmp/criuctl-cache bash /opt/criuctl/src/scripts/install-containerd.sh "$VENV" \
- && rm -rf /tmp/criuctl-cache /usr/local/src/criuctl \
+ && rm -rf /usr/local/src/criuctl /opt/criuctl/src \
  && "$VENV/bin/python" -c 'import pycriu.rpc_pb2, grpc, criuctl_cri.api_pb2_grpc' \
  && "$VENV/bin/criuctl" --help >/dev/null
 

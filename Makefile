@@ -30,10 +30,11 @@ bench-migrate: install
 # imports a layer above its own fails here, as does the hook importing criuctl; and the type check
 # ([tool.mypy]: strict on core, engine, format, agent, client, whose JSON is typed in agent/messages)
 lint: install
-	$(VENV)/bin/ruff check criuctl hooks tools tests bench
-	$(VENV)/bin/ruff format --check criuctl hooks tools tests bench
+	$(VENV)/bin/ruff check criuctl hooks tools tests bench setup.py
+	$(VENV)/bin/ruff format --check criuctl hooks tools tests bench setup.py
 	PYTHONPATH=hooks $(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 
+# build/: also the CRI stubs the editable install imports (setup.py)
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache build

@@ -146,7 +146,7 @@ def _fixture_pkg(package: str) -> str:
 
 _PYCRIU = _import("pycriu", "run `make install` (scripts/install-criu.sh puts it in the venv)")
 _CRIU = _all(_root, _criu, _PYCRIU)
-_CRI_STUBS = _import("criuctl_cri.api_pb2_grpc", f"{_MAKE_INSTALL} (scripts/install-containerd.sh)")
+_CRI_STUBS = _import("criuctl_cri.api_pb2_grpc", f"{_MAKE_INSTALL} (criuctl's build makes them: setup.py)")
 _RUNC = _tool("runc", install=f"{_MAKE_INSTALL} (apt-get install runc)")
 _BUSYBOX = _file(BUSYBOX_TAR, f"{_MAKE_INSTALL} (scripts/install-containerd.sh builds it)")
 

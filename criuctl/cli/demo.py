@@ -7,6 +7,7 @@ Every loss after the freeze and the final weights must be bit-identical. Uses th
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shutil
 import subprocess
@@ -19,10 +20,14 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 from criuctl.cli import render
-from criuctl.cli.examples import train_demo
+from criuctl.core.errors import CriuctlError
 from criuctl.local import checkpoint
 
 CRIUCTL = [sys.executable, "-m", "criuctl.cli.main"]
+# Run as a script, never imported: torch loads in the training job only, not in criuctl.
+TRAIN_DEMO = Path(__file__).with_name("examples") / "train_demo.py"
+# What the demo needs beyond criuctl's own dependencies: the `demo` extra (pyproject.toml).
+EXTRA = ("torch", "matplotlib")
 _STEP = re.compile(r"^step (\d+) loss (\S+)$")
 _FINAL = re.compile(r"^final (\w+)$")
 _RESTORED = re.compile(r" in ([0-9.]+) s ")
@@ -52,12 +57,23 @@ class Run:
         return self.proc.wait(), self.proc.stderr.read()
 
 
+def check_installed() -> None:
+    """criuctl itself never needs torch or matplotlib, so an install may lack them: say so in one line."""
+    missing = [m for m in EXTRA if importlib.util.find_spec(m) is None]
+    if missing:
+        raise CriuctlError(
+            f"criuctl demo trains a PyTorch model and draws its losses, and this Python lacks "
+            f"{' and '.join(missing)}",
+            "pip install 'criuctl[demo]'",
+        )
+
+
 def main(out: Path, steps: int = 80, freeze_at: int = 30) -> int:
     out = out.absolute()
     out.mkdir(parents=True, exist_ok=True)
     bundle_dir = out / "bundle"
     shutil.rmtree(bundle_dir, ignore_errors=True)
-    job = [sys.executable, train_demo.__file__, "--steps", str(steps)]
+    job = [sys.executable, str(TRAIN_DEMO), "--steps", str(steps)]
     columns = (
         SpinnerColumn(),
         TextColumn("{task.description:<34}"),

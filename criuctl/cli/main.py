@@ -288,6 +288,7 @@ def _cmd_prestop(a: argparse.Namespace) -> int:
 def _cmd_demo(a: argparse.Namespace) -> int:
     from criuctl.cli import demo
 
+    demo.check_installed()
     require_root("demo")
     return demo.main(Path(a.out), steps=a.steps, freeze_at=a.freeze_at)
 

@@ -1,9 +1,21 @@
-"""Names shared by criuctl (supervisor, agent) and the in-process hook. Constants only, no I/O."""
+"""Names shared by criuctl (supervisor, agent) and the in-process hook. Constants only; the one I/O is
+the stat that finds HOOKS_DIR, once per process."""
 
 from pathlib import Path
 
-# The folder to put on PYTHONPATH for the hook (the one holding this package), and what the inject dir copies.
-HOOKS_DIR = Path(__file__).resolve().parent.parent
+
+def _hooks_dir() -> Path:
+    """The folder holding sitecustomize.py and this package, and nothing else: hooks/ in a checkout
+    (and in a container's inject dir), the folder above this package. An installed wheel imports this
+    package from site-packages, a folder that must never go on a workload's PYTHONPATH nor into the
+    inject dir: the wheel carries the same tree as criuctl's package data, criuctl/hooks/ (setup.py)."""
+    above = Path(__file__).resolve().parent.parent
+    shipped = above / "criuctl" / "hooks"
+    return shipped if (shipped / "criuctl_hook" / "contract.py").is_file() else above
+
+
+# The folder to put on PYTHONPATH for the hook, and what the inject dir copies.
+HOOKS_DIR = _hooks_dir()
 
 # Set by `criuctl run` in the workload's environment.
 ENV_WORKLOAD = "CRIUCTL_WORKLOAD"  # the workload's name

@@ -1,8 +1,8 @@
 """The CRI backend: containerd and CRI-O over the Container Runtime Interface (gRPC, `runtime.v1`).
 
 This is the API the kubelet itself speaks, so what criuctl sees is what Kubernetes sees. The Python
-stubs (`criuctl_cri`) are generated at install time (scripts/install-containerd.sh) from the
-`api.proto` vendored in the runtime's source, never copied into this repository.
+stubs (`criuctl_cri`) are generated when criuctl is built (setup.py) from the `api.proto` vendored in
+the runtime's source (scripts/cri-proto.sh fetches it), never copied into this repository.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _stubs() -> tuple[Any, Any, Any]:
     except ImportError as exc:
         raise RuntimeUnavailable(
             "the CRI client stubs are not installed in this Python",
-            "run `make install` (scripts/install-containerd.sh generates them)",
+            "run scripts/cri-proto.sh, then install criuctl again: its build makes them (make install does)",
         ) from exc
     return grpc, api_pb2, api_pb2_grpc
 
