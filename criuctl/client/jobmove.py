@@ -153,6 +153,13 @@ def plan(job: Job, wanted: dict[str, str]) -> JobPlan:
         m = moving[link.peer.workload]
         r = redirects.setdefault((link.rank.node, m.rank.workload),
                                  Redirect(get_node(link.rank.node), m.rank.workload, []))  # fmt: skip
+        if (ra, rp) not in endpoints.moves:  # the nodes answered at different moments
+            raise MigrationFailed(
+                f"rank {link.rank.workload} reaches rank {m.rank.workload} at {ra}:{rp}, which is not an "
+                f"endpoint that moves with it (its connections leave from {m.old})",
+                "run the move again (the nodes answer a moment apart; a connection may have come or gone); "
+                "nothing was frozen",
+            )
         r.rules.append([la, lp, ra, rp, endpoints.moves[(ra, rp)]])
     return JobPlan(job, moves, endpoints, list(redirects.values()))
 
