@@ -174,8 +174,18 @@ def _med(runs: list[dict], key: str) -> float:
 
 def report(rows: list[dict], tcp: float) -> None:
     t = Table(title=f"containers, seconds (median) — {procbench.machine()}, {time.strftime('%Y-%m-%d')}")
-    cols = ["state", "ctr stop&copy down", "proc stop&copy down", "ctr post-copy down", "proc post-copy down",
-            "app-level down", "ctr ÷ proc (s&c)", "CRI Checkpoint", "criuctl dump", "TCP GB/s"]  # fmt: skip
+    cols = [
+        "state",
+        "ctr stop&copy down",
+        "proc stop&copy down",
+        "ctr post-copy down",
+        "proc post-copy down",
+        "app-level down",
+        "ctr ÷ proc (s&c)",
+        "CRI Checkpoint",
+        "criuctl dump",
+        "TCP GB/s",
+    ]
     for col in cols:
         t.add_column(col, justify="right")
     for r in rows:

@@ -102,9 +102,14 @@ def bench_criuctl(gib: float, work: Path) -> dict:
     rest.wait(60)
     drop(out)
     return dict(
-        dump=t_dump, criu_dump=phases.get("criu_dump", 0.0), seal=phases.get("seal", 0.0), restore=t_restore,
-        restore_criu=criu_restore, verify=verify, bytes=size,
-    )  # fmt: skip
+        dump=t_dump,
+        criu_dump=phases.get("criu_dump", 0.0),
+        seal=phases.get("seal", 0.0),
+        restore=t_restore,
+        restore_criu=criu_restore,
+        verify=verify,
+        bytes=size,
+    )
 
 
 def bundle_bytes(root: Path) -> int:
@@ -232,23 +237,51 @@ def ratio(runs: list[dict], a: tuple[str, str], b: tuple[str, str]) -> str:
 
 def report(rows: list[dict]) -> None:
     t = Table(title=f"seconds, median (min–max) — {machine()}, {time.strftime('%Y-%m-%d')}")
-    cols = ["state", "bundle", "criuctl dump", "plain criu dump", "… + fsync", "torch.save", "dd",
-            "dd+fdatasync", "criuctl restore", "plain criu restore", "torch.load"]  # fmt: skip
+    cols = [
+        "state",
+        "bundle",
+        "criuctl dump",
+        "plain criu dump",
+        "… + fsync",
+        "torch.save",
+        "dd",
+        "dd+fdatasync",
+        "criuctl restore",
+        "plain criu restore",
+        "torch.load",
+    ]
     for col in cols:
         t.add_column(col, justify="right")
     for r in rows:
         runs = r["runs"]
         t.add_row(
-            f"{r['gib']} GiB", f"{med(runs, 'criuctl', 'bytes') / 2**30:.2f} GiB",
-            *(spread(runs, who, what) for who, what in (
-                ("criuctl", "dump"), ("criu", "dump"), ("criu", "dump_sync"), ("torch", "save"),
-                ("dd", "cache"), ("dd", "sync"),
-                ("criuctl", "restore"), ("criu", "restore"), ("torch", "load"))),
-        )  # fmt: skip
+            f"{r['gib']} GiB",
+            f"{med(runs, 'criuctl', 'bytes') / 2**30:.2f} GiB",
+            *(
+                spread(runs, who, what)
+                for who, what in (
+                    ("criuctl", "dump"),
+                    ("criu", "dump"),
+                    ("criu", "dump_sync"),
+                    ("torch", "save"),
+                    ("dd", "cache"),
+                    ("dd", "sync"),
+                    ("criuctl", "restore"),
+                    ("criu", "restore"),
+                    ("torch", "load"),
+                )
+            ),
+        )
     console.print(t)
     t = Table(title="ratios: median of each round's ratio (min–max)")
-    for col in ("state", "criuctl ÷ criu dump", "… ÷ criu dump + fsync", "criuctl ÷ criu restore",
-                "criuctl dump ÷ torch.save", "criuctl restore ÷ torch.load"):  # fmt: skip
+    for col in (
+        "state",
+        "criuctl ÷ criu dump",
+        "… ÷ criu dump + fsync",
+        "criuctl ÷ criu restore",
+        "criuctl dump ÷ torch.save",
+        "criuctl restore ÷ torch.load",
+    ):
         t.add_column(col, justify="right")
     for r in rows:
         runs = r["runs"]
@@ -262,17 +295,28 @@ def report(rows: list[dict]) -> None:
         )
     console.print(t)
     t = Table(title="where criuctl's time goes, median seconds")
-    for col in ("state", "dump: CRIU", "seal (BLAKE3 rest + fsync)", "dump: the rest", "restore: verify",
-                "restore: CRIU", "restore: the rest"):  # fmt: skip
+    for col in (
+        "state",
+        "dump: CRIU",
+        "seal (BLAKE3 rest + fsync)",
+        "dump: the rest",
+        "restore: verify",
+        "restore: CRIU",
+        "restore: the rest",
+    ):
         t.add_column(col, justify="right")
     for r in rows:
         runs = r["runs"]
         c = {k: med(runs, "criuctl", k) for k in runs[0]["criuctl"]}
         t.add_row(
-            f"{r['gib']} GiB", f"{c['criu_dump']:.2f}", f"{c['seal']:.2f}",
-            f"{c['dump'] - c['criu_dump'] - c['seal']:.2f}", f"{c['verify']:.2f}", f"{c['restore_criu']:.2f}",
+            f"{r['gib']} GiB",
+            f"{c['criu_dump']:.2f}",
+            f"{c['seal']:.2f}",
+            f"{c['dump'] - c['criu_dump'] - c['seal']:.2f}",
+            f"{c['verify']:.2f}",
+            f"{c['restore_criu']:.2f}",
             f"{c['restore'] - c['restore_criu'] - c['verify']:.2f}",
-        )  # fmt: skip
+        )
     console.print(t)
 
 

@@ -58,8 +58,13 @@ def run_job(script: Path, width: int, steps: int, hooked: bool, control: Path) -
             CRIUCTL_CONTROL_DIR=str(control),
             PYTHONPATH=os.pathsep.join([str(ROOT / "hooks"), env.get("PYTHONPATH", "")]),
         )
-    out = subprocess.run([sys.executable, str(script), str(width), str(steps)], env=env, capture_output=True,
-                         text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(script), str(width), str(steps)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return float(out.stdout.strip().splitlines()[-1])
 
 

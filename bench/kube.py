@@ -64,9 +64,17 @@ def state_statefulset(name: str, gib: float, node: str) -> dict:
     spec.pop("nodeName", None)
     labels = {**pod["metadata"]["labels"], "app": name}
     template = {"metadata": {"labels": labels, "annotations": pod["metadata"]["annotations"]}, "spec": spec}
-    return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": name},
-            "spec": {"serviceName": name, "replicas": 1, "selector": {"matchLabels": {"app": name}},
-                     "template": template}}  # fmt: skip
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {"name": name},
+        "spec": {
+            "serviceName": name,
+            "replicas": 1,
+            "selector": {"matchLabels": {"app": name}},
+            "template": template,
+        },
+    }
 
 
 def _wait_ready(k: Kubectl, pod: str, timeout: float = 900) -> None:
@@ -80,14 +88,24 @@ def _wait_ready(k: Kubectl, pod: str, timeout: float = 900) -> None:
 def migrate(lay: Layout, pod: str, node: str, mode: str) -> dict:
     env = {**os.environ, "KUBECONFIG": str(lay.kubeconfig)}
     t0 = time.monotonic()
-    r = subprocess.run([CRIUCTL, "migrate", pod, node, "--mode", mode, "-o", "json"],
-                       capture_output=True, text=True, env=env, timeout=900)  # fmt: skip
+    r = subprocess.run(
+        [CRIUCTL, "migrate", pod, node, "--mode", mode, "-o", "json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     wall = time.monotonic() - t0
     if r.returncode != 0:
         raise RuntimeError(r.stderr[-1500:])
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    return {"downtime": out["downtime_seconds"], "agents": out["total_seconds"], "wall": wall,
-            "freeze": out["freeze_seconds"], "new_pod": out["new_pod"]}  # fmt: skip
+    return {
+        "downtime": out["downtime_seconds"],
+        "agents": out["total_seconds"],
+        "wall": wall,
+        "freeze": out["freeze_seconds"],
+        "new_pod": out["new_pod"],
+    }
 
 
 def recreate(k: Kubectl, pod: str, gib: float, node: str, name: str) -> float:
@@ -149,16 +167,33 @@ def _med(runs: list[dict], key: str) -> float:
 
 def report(rows: list[dict]) -> None:
     t = Table(title="seconds (median)")
-    for col in ("state", "post-copy downtime", "post-copy agents", "post-copy command",
-                "s&c downtime", "s&c agents", "s&c command", "statefulset freeze",
-                "statefulset delete → running", "delete + recreate"):  # fmt: skip
+    for col in (
+        "state",
+        "post-copy downtime",
+        "post-copy agents",
+        "post-copy command",
+        "s&c downtime",
+        "s&c agents",
+        "s&c command",
+        "statefulset freeze",
+        "statefulset delete → running",
+        "delete + recreate",
+    ):
         t.add_column(col, justify="right")
     for r in rows:
         pc, sc, rc = r["runs"]["post-copy"], r["runs"]["stop-and-copy"], r["runs"]["recreate"]
         ss = r["runs"]["statefulset"]
-        cells = [_med(pc, "downtime"), _med(pc, "agents"), _med(pc, "wall"),
-                 _med(sc, "downtime"), _med(sc, "agents"), _med(sc, "wall"),
-                 _med(ss, "freeze"), _med(ss, "wall"), _med(rc, "wall")]  # fmt: skip
+        cells = [
+            _med(pc, "downtime"),
+            _med(pc, "agents"),
+            _med(pc, "wall"),
+            _med(sc, "downtime"),
+            _med(sc, "agents"),
+            _med(sc, "wall"),
+            _med(ss, "freeze"),
+            _med(ss, "wall"),
+            _med(rc, "wall"),
+        ]
         t.add_row(f"{r['gib']} GiB", *(f"{x:.2f}" for x in cells))
     Console().print(t)
 

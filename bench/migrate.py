@@ -275,10 +275,21 @@ def _pages_done(r: dict) -> float:
 def report(rows: list[dict]) -> None:
     out = Console(width=250)
     full = [r for r in rows if "stop-and-copy" in r["runs"][0]]
-    t = Table(title=f"migration a→b over {PLAIN}, seconds, median (min–max) — {machine()}, "
-                    f"{time.strftime('%Y-%m-%d')}")  # fmt: skip
-    for col in ("state", "stop&copy down", "… sealed stream", "post-copy down", "post-copy: all pages on b",
-                "plain CRIU down", "app-level down", "raw TCP GB/s", "stream GB/s"):  # fmt: skip
+    t = Table(
+        title=f"migration a→b over {PLAIN}, seconds, median (min–max) — {machine()}, "
+        f"{time.strftime('%Y-%m-%d')}"
+    )
+    for col in (
+        "state",
+        "stop&copy down",
+        "… sealed stream",
+        "post-copy down",
+        "post-copy: all pages on b",
+        "plain CRIU down",
+        "app-level down",
+        "raw TCP GB/s",
+        "stream GB/s",
+    ):
         t.add_column(col, justify="right")
     for r in rows:
         runs = r["runs"]
@@ -297,8 +308,13 @@ def report(rows: list[dict]) -> None:
         )
     out.print(t)
     t = Table(title="ratios: median of each round's ratio (min–max)")
-    for col in ("state", "stop&copy ÷ plain CRIU", "stream ÷ raw TCP", "post-copy pages done ÷ plain CRIU",
-                "post-copy ÷ stop&copy"):  # fmt: skip
+    for col in (
+        "state",
+        "stop&copy ÷ plain CRIU",
+        "stream ÷ raw TCP",
+        "post-copy pages done ÷ plain CRIU",
+        "post-copy ÷ stop&copy",
+    ):
         t.add_column(col, justify="right")
     for r in full:
         runs = r["runs"]
@@ -313,9 +329,20 @@ def report(rows: list[dict]) -> None:
         )
     out.print(t)
     t = Table(title="where the time goes, median seconds (freeze and stream overlap in a live stream)")
-    cols = ("state / mode", "handoff spawn", "step boundary", "facts", "CRIU dump", "seal",
-            "stream after seal", "restore: handoff", "verify", "CRIU restore", "commit",
-            "downtime")  # fmt: skip
+    cols = (
+        "state / mode",
+        "handoff spawn",
+        "step boundary",
+        "facts",
+        "CRIU dump",
+        "seal",
+        "stream after seal",
+        "restore: handoff",
+        "verify",
+        "CRIU restore",
+        "commit",
+        "downtime",
+    )
     for col in cols:
         t.add_column(col, justify="right")
     inside = ("boundary", "prepare", "criu_dump", "seal")
@@ -336,10 +363,16 @@ def report(rows: list[dict]) -> None:
                 m(lambda x: x["restore_seconds"] - _ph(x, "verify") - _ph(x, "criu_restore")),
                 m(lambda x: _ph(x, "verify")),
                 m(lambda x: _ph(x, "criu_restore")),
-                m(lambda x: x["downtime_seconds"] - sum(_ph(x, k) for k in inside) - x["transfer_seconds"]
-                  - x["restore_seconds"]),
+                m(
+                    lambda x: (
+                        x["downtime_seconds"]
+                        - sum(_ph(x, k) for k in inside)
+                        - x["transfer_seconds"]
+                        - x["restore_seconds"]
+                    )
+                ),
                 m(lambda x: x["downtime_seconds"]),
-            )  # fmt: skip
+            )
     out.print(t)
 
 

@@ -58,9 +58,24 @@ def _start(c: Cluster, prefix: str, placement: list[str], size: str, dcp: Path |
     master = f"{c.nodes[placement[0]].addr}:{random.randint(20000, 29000)}"
     extra = ("--dcp", str(dcp), "--save-every", str(EVERY)) if dcp else ()
     for rank, node in enumerate(placement):
-        c.run(node, f"{prefix}-{rank}", SCRIPT, "--rank", str(rank), "--world", str(len(placement)),
-              "--master", master, "--steps", str(STEPS), "--step-time", "0.05", "--times", *SIZES[size],
-              *extra)  # fmt: skip
+        c.run(
+            node,
+            f"{prefix}-{rank}",
+            SCRIPT,
+            "--rank",
+            str(rank),
+            "--world",
+            str(len(placement)),
+            "--master",
+            master,
+            "--steps",
+            str(STEPS),
+            "--step-time",
+            "0.05",
+            "--times",
+            *SIZES[size],
+            *extra,
+        )
 
 
 def _stall(times: dict[int, float]) -> tuple[float, float]:
@@ -100,9 +115,17 @@ def bench_criuctl(c: Cluster, prefix: str, world: int, size: str, mode: str) -> 
     time.sleep(1)
     _kill(c, prefix)
     rank = res["ranks"][0]
-    return dict(stall=stall, step=step, downtime=res["downtime_seconds"], lost=0, bytes=rank["bytes_moved"],
-                freeze=rank["freeze_seconds"], transfer=rank["transfer_seconds"],
-                restore=rank["restore_seconds"], total=res["total_seconds"])  # fmt: skip
+    return dict(
+        stall=stall,
+        step=step,
+        downtime=res["downtime_seconds"],
+        lost=0,
+        bytes=rank["bytes_moved"],
+        freeze=rank["freeze_seconds"],
+        transfer=rank["transfer_seconds"],
+        restore=rank["restore_seconds"],
+        total=res["total_seconds"],
+    )
 
 
 def bench_restart(c: Cluster, prefix: str, world: int, size: str, work: Path) -> dict:
@@ -125,8 +148,12 @@ def bench_restart(c: Cluster, prefix: str, world: int, size: str, work: Path) ->
     time.sleep(1)
     _kill(c, prefix + "r")
     shutil.rmtree(dcp, ignore_errors=True)
-    return dict(stall=after[first] - before[last] - step, step=step, downtime=after[first] - killed,
-                lost=last + 1 - first)  # fmt: skip
+    return dict(
+        stall=after[first] - before[last] - step,
+        step=step,
+        downtime=after[first] - killed,
+        lost=last + 1 - first,
+    )
 
 
 def _fmt(vals: list[float], unit: str = "s") -> str:
@@ -168,16 +195,29 @@ def main() -> int:
     table = Table(
         title=f"moving rank 1 of a running multi-node gloo DDP job over {PLAIN} (median \\[min–max])"
     )
-    for col in ("ranks", "state / rank", "contender", "job stall", "steps lost", "its downtime",
-                "bytes moved"):  # fmt: skip
+    for col in (
+        "ranks",
+        "state / rank",
+        "contender",
+        "job stall",
+        "steps lost",
+        "its downtime",
+        "bytes moved",
+    ):
         table.add_column(col)
     for row in rows:
         runs = row["runs"]
         what = "criuctl " + row["contender"] if row["contender"] != "restart" else "restart from DCP"
         nbytes = [r["bytes"] for r in runs if "bytes" in r]
-        table.add_row(str(row["ranks"]), row["size"], what, _fmt([r["stall"] for r in runs]),
-                      str(max(r["lost"] for r in runs)), _fmt([r["downtime"] for r in runs]),
-                      f"{statistics.median(nbytes) / (1 << 20):.0f} MiB" if nbytes else "-")  # fmt: skip
+        table.add_row(
+            str(row["ranks"]),
+            row["size"],
+            what,
+            _fmt([r["stall"] for r in runs]),
+            str(max(r["lost"] for r in runs)),
+            _fmt([r["downtime"] for r in runs]),
+            f"{statistics.median(nbytes) / (1 << 20):.0f} MiB" if nbytes else "-",
+        )
     Console(width=170).print(table)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"machine": platform.node(), "transport": PLAIN, "rows": rows}, indent=1))

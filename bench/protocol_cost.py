@@ -82,8 +82,10 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         b, h = r["before"], r["hardened"]
-        print(f"| {r['gib']} GiB | {r['mode']} | {b['downtime']:.2f} s | {h['downtime']:.2f} s | "
-              f"{h['downtime'] / b['downtime']:.2f} | {b['total']:.2f} s | {h['total']:.2f} s |")  # fmt: skip
+        print(
+            f"| {r['gib']} GiB | {r['mode']} | {b['downtime']:.2f} s | {h['downtime']:.2f} s | "
+            f"{h['downtime'] / b['downtime']:.2f} | {b['total']:.2f} s | {h['total']:.2f} s |"
+        )
     return 0
 
 

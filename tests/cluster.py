@@ -227,9 +227,18 @@ class Cluster:
             token = d / "token"
             token.write_text(secrets.token_urlsafe(24) + "\n")
             os.chmod(token, 0o600)
-            node = Node(name, ns, f"{self.net}.{i}", d / "state", token, veth, hide=self._hide.get(name),
-                        extra=self._agent_args.get(name, []), env=self._agent_env.get(name, {}),
-                        spool=d / "spool" if self._spool else None)  # fmt: skip
+            node = Node(
+                name,
+                ns,
+                f"{self.net}.{i}",
+                d / "state",
+                token,
+                veth,
+                hide=self._hide.get(name),
+                extra=self._agent_args.get(name, []),
+                env=self._agent_env.get(name, {}),
+                spool=d / "spool" if self._spool else None,
+            )
             if self._tls:
                 node.tls = agent_cert(self.root / "pki", name, node.addr)
             self.nodes[name] = node
@@ -351,8 +360,11 @@ class Cluster:
             if self.final(name) and not self.running(name):
                 now = time.monotonic()
                 done_since = now if done_since is None else done_since
-                recorded = not any(r["name"] == name and r["state"] == "running"
-                                   for n in self.nodes.values() for r in n.records())  # fmt: skip
+                recorded = not any(
+                    r["name"] == name and r["state"] == "running"
+                    for n in self.nodes.values()
+                    for r in n.records()
+                )
                 if recorded or now - done_since > settle:
                     return
             else:

@@ -27,29 +27,46 @@ _STEP = re.compile(r"^[FP] step (\d+) loss (\S+)$|^step (\d+) loss (\S+)$")
 _FINAL = re.compile(r"^(?:[FP] )?final ([0-9a-f]{64})$")
 
 
-def training_pod(name: str, steps: int = 40, node: str | None = None, labels: dict | None = None,
-                 extra_spec: dict | None = None) -> dict:  # fmt: skip
+def training_pod(
+    name: str,
+    steps: int = 40,
+    node: str | None = None,
+    labels: dict | None = None,
+    extra_spec: dict | None = None,
+) -> dict:
     mounts = [p for p in (*HOST_PYTHON, str(REPO)) if Path(p).exists()]
     spec = {
         "restartPolicy": "Always",
         "terminationGracePeriodSeconds": 10,
-        "containers": [{
-            "name": "train",
-            "image": BUSYBOX,
-            "imagePullPolicy": "Never",
-            "command": [PY, JOB],
-            "args": ["--steps", str(steps), "--workers", "2", "--log", "/scratch/train.log",
-                     "--scratch", "/scratch"],
-            "volumeMounts": [{"name": f"host{i}", "mountPath": p, "readOnly": True}
-                             for i, p in enumerate(mounts)]
-            + [{"name": "scratch", "mountPath": "/scratch"}],
-            "resources": {"requests": {"memory": "256Mi", "cpu": "100m"}},
-        }],
-        "volumes": [{"name": f"host{i}", "hostPath": {"path": p, "type": "Directory"}}
-                    for i, p in enumerate(mounts)]
+        "containers": [
+            {
+                "name": "train",
+                "image": BUSYBOX,
+                "imagePullPolicy": "Never",
+                "command": [PY, JOB],
+                "args": [
+                    "--steps",
+                    str(steps),
+                    "--workers",
+                    "2",
+                    "--log",
+                    "/scratch/train.log",
+                    "--scratch",
+                    "/scratch",
+                ],
+                "volumeMounts": [
+                    {"name": f"host{i}", "mountPath": p, "readOnly": True} for i, p in enumerate(mounts)
+                ]
+                + [{"name": "scratch", "mountPath": "/scratch"}],
+                "resources": {"requests": {"memory": "256Mi", "cpu": "100m"}},
+            }
+        ],
+        "volumes": [
+            {"name": f"host{i}", "hostPath": {"path": p, "type": "Directory"}} for i, p in enumerate(mounts)
+        ]
         + [{"name": "scratch", "emptyDir": {}}],
         **(extra_spec or {}),
-    }  # fmt: skip
+    }
     if node:
         spec["nodeName"] = node
     meta = {
@@ -67,8 +84,13 @@ class Kubectl:
     def __call__(
         self, *args: str, input: str | None = None, check: bool = True
     ) -> subprocess.CompletedProcess:
-        r = subprocess.run(["kubectl", "--kubeconfig", str(self.lay.kubeconfig), *args],
-                           input=input, capture_output=True, text=True, timeout=120)  # fmt: skip
+        r = subprocess.run(
+            ["kubectl", "--kubeconfig", str(self.lay.kubeconfig), *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         if check and r.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)}: {r.stderr.strip()}")
         return r

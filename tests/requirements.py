@@ -153,48 +153,106 @@ _BUSYBOX = _file(BUSYBOX_TAR, f"{_MAKE_INSTALL} (scripts/install-containerd.sh b
 REQUIREMENTS: dict[str, Requirement] = {
     r.name: r
     for r in (
-        Requirement("root", "CRIU freezes processes with ptrace; run, dump and the agents refuse "
-                    "to start without root; mounts", Source.MAKE_TEST, _root),
+        Requirement(
+            "root",
+            "CRIU freezes processes with ptrace; run, dump and the agents refuse "
+            "to start without root; mounts",
+            Source.MAKE_TEST,
+            _root,
+        ),
         Requirement("criu", "CRIU >= 4.0 and pycriu: every freeze and restore", Source.MAKE_TEST, _CRIU),
         Requirement("pycriu", "reading and writing CRIU image files", Source.MAKE_TEST, _PYCRIU),
-        Requirement("criu-3.17", "checking that a CRIU < 4.0 is refused", Source.MAKE_TEST,
-                    _file(OLD_CRIU, _FIXTURES)),
-        Requirement("containerd", "containers of a real runtime over the CRI (two whole modules)",
-                    Source.MAKE_TEST,
-                    _all(_tool("containerd", install=f"{_MAKE_INSTALL} (apt-get install containerd)"),
-                         _tool("ctr", install=f"{_MAKE_INSTALL} (apt-get install containerd)"),
-                         _RUNC, _CRI_STUBS, _BUSYBOX)),
-        Requirement("containerd-2", "the CRI CheckpointContainer call (containerd 1.6 lacks it)",
-                    Source.MAKE_TEST,
-                    _all(_file(CONTAINERD2 / "bin" / "containerd",
-                               "run `make test` (scripts/install-containerd2.sh extracts it)"),
-                         _RUNC, _CRI_STUBS, _BUSYBOX)),
-        Requirement("kubernetes", "the local Kubernetes (v1.20.2 built from Debian's source)",
-                    Source.MAKE_TEST,
-                    _all(_file(K8S_BIN / "kube-apiserver",
-                               "run `make test` (scripts/install-kubernetes.sh builds it)"),
-                         _tool("etcd", install=_FIXTURES), _tool("kubectl", install=_FIXTURES))),
-        Requirement("kubectl", "rendering manifests/ with kustomize", Source.MAKE_TEST,
-                    _tool("kubectl", install=_FIXTURES)),
-        Requirement("kubernetes-validate", "offline schema checks of manifests/", Source.MAKE_TEST,
-                    _all(_import("kubernetes_validate", "pip install -e '.[dev]' (make install does)"),
-                         _import("yaml", "pip install -e '.[dev]' (make install does)"))),
-        Requirement("cc", "compiling the stand-ins for libcuda and NVML (tests/fakes/*.c)",
-                    Source.MAKE_TEST,
-                    _tool(os.environ.get("CC", "cc"), "gcc", install=_fixture_pkg("gcc"))),
-        Requirement("zstd", "CRI-O and podman archives compressed with zstd", Source.MAKE_TEST,
-                    _tool("zstd", install=_fixture_pkg("zstd"))),
-        Requirement("openssl", "TLS certificates for agents", Source.MAKE_TEST,
-                    _tool("openssl", install=_FIXTURES)),
-        Requirement("util-linux", "nodes as namespaces (unshare, nsenter)", Source.MAKE_TEST,
-                    _all(_tool("unshare", install=_FIXTURES), _tool("nsenter", install=_FIXTURES))),
-        Requirement("userfaultfd", "post-copy, the default migration mode (CRIU lazy pages)", Source.KERNEL,
-                    _kernel("lazy_pages", "this kernel has no userfaultfd: post-copy, criuctl's default "
-                            "mode, cannot be tested here; use a kernel with CONFIG_USERFAULTFD=y "
-                            "(Debian 12's has it)")),
+        Requirement(
+            "criu-3.17", "checking that a CRIU < 4.0 is refused", Source.MAKE_TEST, _file(OLD_CRIU, _FIXTURES)
+        ),
+        Requirement(
+            "containerd",
+            "containers of a real runtime over the CRI (two whole modules)",
+            Source.MAKE_TEST,
+            _all(
+                _tool("containerd", install=f"{_MAKE_INSTALL} (apt-get install containerd)"),
+                _tool("ctr", install=f"{_MAKE_INSTALL} (apt-get install containerd)"),
+                _RUNC,
+                _CRI_STUBS,
+                _BUSYBOX,
+            ),
+        ),
+        Requirement(
+            "containerd-2",
+            "the CRI CheckpointContainer call (containerd 1.6 lacks it)",
+            Source.MAKE_TEST,
+            _all(
+                _file(
+                    CONTAINERD2 / "bin" / "containerd",
+                    "run `make test` (scripts/install-containerd2.sh extracts it)",
+                ),
+                _RUNC,
+                _CRI_STUBS,
+                _BUSYBOX,
+            ),
+        ),
+        Requirement(
+            "kubernetes",
+            "the local Kubernetes (v1.20.2 built from Debian's source)",
+            Source.MAKE_TEST,
+            _all(
+                _file(
+                    K8S_BIN / "kube-apiserver", "run `make test` (scripts/install-kubernetes.sh builds it)"
+                ),
+                _tool("etcd", install=_FIXTURES),
+                _tool("kubectl", install=_FIXTURES),
+            ),
+        ),
+        Requirement(
+            "kubectl",
+            "rendering manifests/ with kustomize",
+            Source.MAKE_TEST,
+            _tool("kubectl", install=_FIXTURES),
+        ),
+        Requirement(
+            "kubernetes-validate",
+            "offline schema checks of manifests/",
+            Source.MAKE_TEST,
+            _all(
+                _import("kubernetes_validate", "pip install -e '.[dev]' (make install does)"),
+                _import("yaml", "pip install -e '.[dev]' (make install does)"),
+            ),
+        ),
+        Requirement(
+            "cc",
+            "compiling the stand-ins for libcuda and NVML (tests/fakes/*.c)",
+            Source.MAKE_TEST,
+            _tool(os.environ.get("CC", "cc"), "gcc", install=_fixture_pkg("gcc")),
+        ),
+        Requirement(
+            "zstd",
+            "CRI-O and podman archives compressed with zstd",
+            Source.MAKE_TEST,
+            _tool("zstd", install=_fixture_pkg("zstd")),
+        ),
+        Requirement(
+            "openssl", "TLS certificates for agents", Source.MAKE_TEST, _tool("openssl", install=_FIXTURES)
+        ),
+        Requirement(
+            "util-linux",
+            "nodes as namespaces (unshare, nsenter)",
+            Source.MAKE_TEST,
+            _all(_tool("unshare", install=_FIXTURES), _tool("nsenter", install=_FIXTURES)),
+        ),
+        Requirement(
+            "userfaultfd",
+            "post-copy, the default migration mode (CRIU lazy pages)",
+            Source.KERNEL,
+            _kernel(
+                "lazy_pages",
+                "this kernel has no userfaultfd: post-copy, criuctl's default "
+                "mode, cannot be tested here; use a kernel with CONFIG_USERFAULTFD=y "
+                "(Debian 12's has it)",
+            ),
+        ),
         Requirement("gpu", "the real CUDA driver's checkpoint API", Source.HARDWARE, _gpu),
     )
-}  # fmt: skip
+}
 
 
 @functools.cache

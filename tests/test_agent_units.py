@@ -133,8 +133,9 @@ def test_a_live_stream_sends_pages_as_they_are_written_and_the_bundle_verifies(t
         before_seal.append(counter.done)
         (src / "images" / "core-1.img").write_bytes(b"core")
         (src / "images" / "empty.img").write_bytes(b"")
-        m = bundle.Manifest(workload="w", command=["x"], processes=[], open_files=[], uses_gpu=False,
-                            criu_version="4.1")  # fmt: skip
+        m = bundle.Manifest(
+            workload="w", command=["x"], processes=[], open_files=[], uses_gpu=False, criu_version="4.1"
+        )
         bundle.seal(src, m, key, durable=False)
         live.sealed.set()
 
@@ -231,8 +232,9 @@ def test_a_warm_handoff_exits_when_its_agent_closes_the_lease_and_takes_its_titl
     def start() -> tuple[subprocess.Popen, int]:
         r, w = os.pipe()  # its events' own pipe, as the agent makes it
         argv = [sys.executable, "-m", "criuctl.agent.handoff", warmstart.WARM, warmstart.blank()]
-        p = subprocess.Popen([*argv, "--events-fd", str(w)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             pass_fds=(w,))  # fmt: skip
+        p = subprocess.Popen(
+            [*argv, "--events-fd", str(w)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(w,)
+        )
         os.close(w)
         return p, r
 

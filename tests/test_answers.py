@@ -53,8 +53,16 @@ def _wait_status(pid: int, wanted: str, timeout: float = 5) -> None:
 
 
 def _register(name: str, pid: int, **fields) -> None:
-    rec = {"name": name, "command": ["sleep", "300"], "root_pid": pid, "supervisor_pid": 0,
-           "stdio_pipes": {}, "state": "running", "started": time.time(), **fields}  # fmt: skip
+    rec = {
+        "name": name,
+        "command": ["sleep", "300"],
+        "root_pid": pid,
+        "supervisor_pid": 0,
+        "stdio_pipes": {},
+        "state": "running",
+        "started": time.time(),
+        **fields,
+    }
     d = workloads.state_dir() / "workloads"
     d.mkdir(parents=True, exist_ok=True)
     (d / f"{name}.json").write_text(json.dumps(rec))
@@ -79,8 +87,9 @@ def test_a_thaw_whose_lock_cannot_be_lifted_still_lets_the_tree_run_and_says_so(
     recorded a final state. Now the SIGCONT comes whatever failed, and the thaw says what is left."""
     sleeper = _stopped_sleeper()
     try:
-        w = workloads.Workload.of_tree(sleeper.pid, name="job", command=["sleep"], supervisor_pid=0,
-                                       stdio_pipes={})  # fmt: skip
+        w = workloads.Workload.of_tree(
+            sleeper.pid, name="job", command=["sleep"], supervisor_pid=0, stdio_pipes={}
+        )
         workloads.save(w)
         monkeypatch.setenv(FAULT_DIR, str(tmp_path))
         (tmp_path / faults.Fault.NETLOCK_LIFT).touch()  # the kernel refuses to delete the table
@@ -107,8 +116,9 @@ def test_a_thaw_whose_lock_cannot_be_lifted_still_lets_the_tree_run_and_says_so(
 def test_criuctl_thaw_finishes_an_incomplete_thaw_and_refuses_anything_else(tmp_path, lock_table):
     sleeper = subprocess.Popen(["sleep", "300"])
     try:
-        _register("job", sleeper.pid, root_start=procinfo.start_ticks(sleeper.pid),
-                  boot_id=procinfo.boot_id())  # fmt: skip
+        _register(
+            "job", sleeper.pid, root_start=procinfo.start_ticks(sleeper.pid), boot_id=procinfo.boot_id()
+        )
         r = criuctl("thaw", "job")
         assert r.returncode == 1 and "has no thaw to finish" in r.stderr and "Traceback" not in r.stderr
         w = workloads.load("job")
@@ -165,14 +175,31 @@ def test_recovery_settles_each_hold_record_on_its_own(tmp_path, monkeypatch, cap
     """A record that cannot be settled (here: ending its tree fails) is logged and left for the next
     start; before, its exception ended the recovery — the agent crash-looped, and a frozen tree of
     another record stayed frozen."""
-    broken = SourceRecord("0" * 32, "gone", "stop-and-copy", SourceState.COMMITTED, TICKET, 1 << 22,
-                          procinfo.boot_id(), root_pid=os.getpid(),
-                          root_start=procinfo.start_ticks(os.getpid()))  # fmt: skip
+    broken = SourceRecord(
+        "0" * 32,
+        "gone",
+        "stop-and-copy",
+        SourceState.COMMITTED,
+        TICKET,
+        1 << 22,
+        procinfo.boot_id(),
+        root_pid=os.getpid(),
+        root_start=procinfo.start_ticks(os.getpid()),
+    )
     sleeper = _stopped_sleeper()
     try:
         me = procinfo.Identity.of(sleeper.pid)
-        frozen = SourceRecord("f" * 32, "job", "stop-and-copy", SourceState.FROZEN, TICKET, 1 << 22,
-                              me.boot, root_pid=me.pid, root_start=me.start)  # fmt: skip
+        frozen = SourceRecord(
+            "f" * 32,
+            "job",
+            "stop-and-copy",
+            SourceState.FROZEN,
+            TICKET,
+            1 << 22,
+            me.boot,
+            root_pid=me.pid,
+            root_start=me.start,
+        )
         og = outgoing_mod.Outgoing(agent=None)  # type: ignore[arg-type]
         for rec in (broken, frozen):
             durable.replace_json(og.records / f"{rec.migration}.json", rec.to_json())

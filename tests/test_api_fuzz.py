@@ -43,10 +43,25 @@ ROUTES = [
     ("DELETE", "/v1/redirects/{x}"),
 ]
 
-HOSTILE = st.sampled_from([
-    "..", "../..", "..%2F..%2F..%2Fetc%2Fpasswd", "..%2F..%2F..%2Fvar%2Flog%2Fdpkg", "%2e%2e", "a%00b",
-    "/etc/passwd", "x" * 300, "mlp", "0" * 32, "f" * 31, "%252e%252e%252f", ".hidden", "a/b", "~root",
-])  # fmt: skip
+HOSTILE = st.sampled_from(
+    [
+        "..",
+        "../..",
+        "..%2F..%2F..%2Fetc%2Fpasswd",
+        "..%2F..%2F..%2Fvar%2Flog%2Fdpkg",
+        "%2e%2e",
+        "a%00b",
+        "/etc/passwd",
+        "x" * 300,
+        "mlp",
+        "0" * 32,
+        "f" * 31,
+        "%252e%252e%252f",
+        ".hidden",
+        "a/b",
+        "~root",
+    ]
+)
 SEGMENT = st.one_of(HOSTILE, st.text(st.characters(codec="utf-8", exclude_characters="/?#"), max_size=40))
 JSONISH = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(max_size=20),
@@ -57,15 +72,33 @@ BODY = st.one_of(
     st.none(),
     st.binary(max_size=2048),
     JSONISH.map(lambda v: json.dumps(v).encode()),
-    st.fixed_dictionaries({
-        "workload": SEGMENT, "mode": st.sampled_from(["stop-and-copy", "post-copy", "bogus", ""]),
-        "target": st.one_of(JSONISH, st.fixed_dictionaries({
-            "url": st.sampled_from(["http://127.0.0.1:9", "file:///etc/passwd", ""]),
-            "incoming": SEGMENT, "secret": st.text(max_size=10), "node": SEGMENT})),
-        "page_server": JSONISH, "name": SEGMENT, "leave_running": JSONISH, "cut": JSONISH,
-        "readdress": JSONISH, "boundary": JSONISH, "live": JSONISH, "rules": JSONISH, "ticket": JSONISH,
-    }).map(lambda v: json.dumps(v).encode()),
-)  # fmt: skip
+    st.fixed_dictionaries(
+        {
+            "workload": SEGMENT,
+            "mode": st.sampled_from(["stop-and-copy", "post-copy", "bogus", ""]),
+            "target": st.one_of(
+                JSONISH,
+                st.fixed_dictionaries(
+                    {
+                        "url": st.sampled_from(["http://127.0.0.1:9", "file:///etc/passwd", ""]),
+                        "incoming": SEGMENT,
+                        "secret": st.text(max_size=10),
+                        "node": SEGMENT,
+                    }
+                ),
+            ),
+            "page_server": JSONISH,
+            "name": SEGMENT,
+            "leave_running": JSONISH,
+            "cut": JSONISH,
+            "readdress": JSONISH,
+            "boundary": JSONISH,
+            "live": JSONISH,
+            "rules": JSONISH,
+            "ticket": JSONISH,
+        }
+    ).map(lambda v: json.dumps(v).encode()),
+)
 
 
 @pytest.fixture
@@ -89,8 +122,9 @@ AUTH = st.sampled_from(["token", "none", "bogus"])
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(route=st.sampled_from(ROUTES), seg=SEGMENT, body=BODY, query=QUERIES, auth=AUTH)
-def test_malformed_requests_get_a_clear_4xx_and_touch_nothing_outside(agent_app, tmp_path, route, seg, body,
-                                                                       query, auth):  # fmt: skip
+def test_malformed_requests_get_a_clear_4xx_and_touch_nothing_outside(
+    agent_app, tmp_path, route, seg, body, query, auth
+):
     agent, token = agent_app
     method, pattern = route
     outside = tmp_path.parent / "fuzz-canary"
@@ -99,8 +133,11 @@ def test_malformed_requests_get_a_clear_4xx_and_touch_nothing_outside(agent_app,
 
     async def go() -> tuple[int, dict | str]:
         async with TestClient(TestServer(agent.app())) as client:
-            headers = {"token": {"Authorization": f"Bearer {token}"}, "none": {},
-                       "bogus": {"Authorization": "Bearer " + "z" * 40}}[auth]  # fmt: skip
+            headers = {
+                "token": {"Authorization": f"Bearer {token}"},
+                "none": {},
+                "bogus": {"Authorization": "Bearer " + "z" * 40},
+            }[auth]
             path = pattern.replace("{x}", seg) + (query if "logs" in pattern else "")
             resp = await client.request(
                 method, path, data=body, headers=headers, skip_auto_headers=["Content-Type"]

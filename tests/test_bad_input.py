@@ -268,9 +268,14 @@ def test_inspect_shows_markup_in_a_manifest_as_text(tmp_path):
     from criuctl.format import bundle
 
     m = bundle.Manifest(
-        workload="[/]", command=["[bold]x", "[/]"], processes=[], open_files=["/tmp/[/]"],
-        uses_gpu=False, criu_version="[/]", created=1e300,
-    )  # fmt: skip
+        workload="[/]",
+        command=["[bold]x", "[/]"],
+        processes=[],
+        open_files=["/tmp/[/]"],
+        uses_gpu=False,
+        criu_version="[/]",
+        created=1e300,
+    )
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "manifest.json").write_bytes(m.to_json())
     r = criuctl("inspect", str(tmp_path / "b"))
@@ -405,8 +410,21 @@ def test_agent_with_missing_or_bad_tls_files(tmp_path):
         agent("--tls-cert", str(cert), "--tls-key", str(key)), "are not a PEM certificate and its key"
     )
     require("openssl")  # the mismatched-key case
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-             "-days", "1", "-subj", "/CN=a")  # fmt: skip
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        str(key),
+        "-out",
+        str(cert),
+        "-days",
+        "1",
+        "-subj",
+        "/CN=a",
+    )
     _openssl("genpkey", "-algorithm", "RSA", "-out", str(tmp_path / "other.pem"))
     r = agent("--tls-cert", str(cert), "--tls-key", str(tmp_path / "other.pem"))
     assert_error_line(r, "are not a PEM certificate and its key")
@@ -508,12 +526,25 @@ class Agents:
             cert, key, self.ca = agent_cert(root / "pki", name, "127.0.0.1")
             self.procs.append(
                 subprocess.Popen(
-                    [*CRIUCTL, "agent", "--listen", f"127.0.0.1:{port}", "--token-file", str(self.token),
-                     "--name", name, "--tls-cert", str(cert), "--tls-key", str(key)],
+                    [
+                        *CRIUCTL,
+                        "agent",
+                        "--listen",
+                        f"127.0.0.1:{port}",
+                        "--token-file",
+                        str(self.token),
+                        "--name",
+                        name,
+                        "--tls-cert",
+                        str(cert),
+                        "--tls-key",
+                        str(key),
+                    ],
                     env={**os.environ, "CRIUCTL_STATE_DIR": str(state)},
-                    stdout=subprocess.DEVNULL, stderr=open(root / f"{name}.log", "w"),  # noqa: SIM115
+                    stdout=subprocess.DEVNULL,
+                    stderr=open(root / f"{name}.log", "w"),  # noqa: SIM115
                 )
-            )  # fmt: skip
+            )
             self.urls[name] = f"https://127.0.0.1:{port}"
         for name, url in self.urls.items():
             _wait_up(url, str(self.ca), root / f"{name}.log")
@@ -580,8 +611,17 @@ def test_ps_of_a_node_with_no_workloads(agents):
 
 def test_node_ls_says_refused_for_a_wrong_token_and_down_for_no_agent(agents, tmp_path):
     wrong = _token(tmp_path / "wrong")
-    agents.cli("node", "add", "wrong", agents.urls["a"], "--token-file", str(wrong), "--ca", str(agents.ca),
-               check=True)  # fmt: skip
+    agents.cli(
+        "node",
+        "add",
+        "wrong",
+        agents.urls["a"],
+        "--token-file",
+        str(wrong),
+        "--ca",
+        str(agents.ca),
+        check=True,
+    )
     agents.cli(
         "node", "add", "gone", f"http://127.0.0.1:{_free_port()}", "--token-file", str(wrong), check=True
     )
@@ -606,14 +646,26 @@ def test_a_node_added_without_its_ca_is_refused_in_one_line(agents):
     agents.cli("node", "add", "noca", agents.urls["a"], "--token-file", str(agents.token), check=True)
     try:
         r = agents.cli("ps", "--node", "noca")
-        assert_error_line(r, f"node noca ({agents.urls['a']}) failed the TLS check",
-                          "unable to get local issuer certificate", "--ca CA.pem")  # fmt: skip
+        assert_error_line(
+            r,
+            f"node noca ({agents.urls['a']}) failed the TLS check",
+            "unable to get local issuer certificate",
+            "--ca CA.pem",
+        )
         row = next(
             line for line in agents.cli("node", "ls").stdout.splitlines() if line.split()[:1] == ["noca"]
         )
         assert "verified (system CAs)" in row and "TLS refused: unable to get local issuer" in row, row
-        r = agents.cli("node", "add", "noca", agents.urls["a"], "--token-file", str(agents.token),
-                       "--ca", str(agents.token))  # fmt: skip
+        r = agents.cli(
+            "node",
+            "add",
+            "noca",
+            agents.urls["a"],
+            "--token-file",
+            str(agents.token),
+            "--ca",
+            str(agents.token),
+        )
         assert_error_line(r, f"cannot use --ca {agents.token}", "not a PEM certificate")
     finally:
         agents.cli("node", "rm", "noca")

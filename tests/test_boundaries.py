@@ -36,24 +36,47 @@ FAULTS = ("source-agent", "target-agent", "client", "link")
 
 # (point, fault, mode): client points see every fault, agent points their own party's and the others'
 STOP = "stop-and-copy"
-CASES = [(p, f, STOP) for p in (
-    Point.CLIENT_PREPARED, Point.CLIENT_SENT, Point.CLIENT_RESTORED, Point.CLIENT_TARGET_COMMITTED,
-    Point.CLIENT_SOURCE_COMMITTED) for f in FAULTS] + [(p, f, STOP) for p, f in (
-    (Point.SOURCE_HELD, "source-agent"), (Point.SOURCE_HELD, "client"),
-    (Point.SOURCE_STREAMING, "source-agent"), (Point.SOURCE_STREAMING, "client"),
-    (Point.SOURCE_STREAMING, "target-agent"), (Point.SOURCE_STREAMING, "link"),
-    (Point.SOURCE_FROZEN, "source-agent"), (Point.SOURCE_FROZEN, "client"), (Point.SOURCE_FROZEN, "link"),
-    (Point.SOURCE_SENT_RECORDED, "source-agent"), (Point.SOURCE_SENT_RECORDED, "client"),
-    (Point.SOURCE_SENT_RECORDED, "target-agent"),
-    (Point.TARGET_RECEIVED, "target-agent"), (Point.TARGET_RECEIVED, "source-agent"),
-    (Point.TARGET_RUNNING, "target-agent"), (Point.TARGET_RUNNING, "client"),
-    (Point.TARGET_RUNNING, "source-agent"),
-)] + [  # post-copy: the same rule, with the page server in the way (its window is the commit onwards)
-    (Point.CLIENT_RESTORED, "target-agent", "post-copy"),
-    (Point.CLIENT_RESTORED, "source-agent", "post-copy"),
-    (Point.CLIENT_TARGET_COMMITTED, "source-agent", "post-copy"),
-    (Point.CLIENT_TARGET_COMMITTED, "client", "post-copy"),
-]  # fmt: skip
+CASES = (
+    [
+        (p, f, STOP)
+        for p in (
+            Point.CLIENT_PREPARED,
+            Point.CLIENT_SENT,
+            Point.CLIENT_RESTORED,
+            Point.CLIENT_TARGET_COMMITTED,
+            Point.CLIENT_SOURCE_COMMITTED,
+        )
+        for f in FAULTS
+    ]
+    + [
+        (p, f, STOP)
+        for p, f in (
+            (Point.SOURCE_HELD, "source-agent"),
+            (Point.SOURCE_HELD, "client"),
+            (Point.SOURCE_STREAMING, "source-agent"),
+            (Point.SOURCE_STREAMING, "client"),
+            (Point.SOURCE_STREAMING, "target-agent"),
+            (Point.SOURCE_STREAMING, "link"),
+            (Point.SOURCE_FROZEN, "source-agent"),
+            (Point.SOURCE_FROZEN, "client"),
+            (Point.SOURCE_FROZEN, "link"),
+            (Point.SOURCE_SENT_RECORDED, "source-agent"),
+            (Point.SOURCE_SENT_RECORDED, "client"),
+            (Point.SOURCE_SENT_RECORDED, "target-agent"),
+            (Point.TARGET_RECEIVED, "target-agent"),
+            (Point.TARGET_RECEIVED, "source-agent"),
+            (Point.TARGET_RUNNING, "target-agent"),
+            (Point.TARGET_RUNNING, "client"),
+            (Point.TARGET_RUNNING, "source-agent"),
+        )
+    ]
+    + [  # post-copy: the same rule, with the page server in the way (its window is the commit onwards)
+        (Point.CLIENT_RESTORED, "target-agent", "post-copy"),
+        (Point.CLIENT_RESTORED, "source-agent", "post-copy"),
+        (Point.CLIENT_TARGET_COMMITTED, "source-agent", "post-copy"),
+        (Point.CLIENT_TARGET_COMMITTED, "client", "post-copy"),
+    ]
+)
 
 
 @pytest.fixture
@@ -141,8 +164,13 @@ def _one_case(c: Cluster, pause: Path, name: str, point: Point, fault: str, mode
     sampler = Sampler(c, name)
     sampler.start()
     env = {**os.environ, "CRIUCTL_STATE_DIR": str(c.client_state), PAUSE_DIR: str(pause)}
-    p = subprocess.Popen([*CRIUCTL, "migrate", name, "--to", "b", "--mode", mode],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    p = subprocess.Popen(
+        [*CRIUCTL, "migrate", name, "--to", "b", "--mode", mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         paused = _wait_paused(pause, point, p)
         (pause / ARMED).unlink()  # once is enough: nothing else may stop there in this case
@@ -185,8 +213,12 @@ def _one_case(c: Cluster, pause: Path, name: str, point: Point, fault: str, mode
 def assert_exactly_once(c: Cluster, name: str, ref, sampler: Sampler) -> None:
     """Never on two nodes at once; ended once, with 0; every step logged once, as uninterrupted."""
     assert not sampler.doubled, f"the job ran on two nodes at once: {sampler.doubled[:3]}"
-    ended = [(n.name, r["exit_code"]) for n in c.nodes.values() for r in n.records()
-             if r["name"] == name and r["state"] == "exited"]  # fmt: skip
+    ended = [
+        (n.name, r["exit_code"])
+        for n in c.nodes.values()
+        for r in n.records()
+        if r["name"] == name and r["state"] == "exited"
+    ]
     assert len(ended) == 1 and ended[0][1] == 0, f"the job ended {ended}: expected once, with 0"
     logs = [n.log(name) for n in c.nodes.values()]
     logged = [line for text in logs for line in text.splitlines() if line.startswith("step ")]

@@ -99,8 +99,13 @@ def test_placeholder_stopped_before_the_commit(nodes: Nodes, tmp_path: Path, poi
     env = {**os.environ, "CRIUCTL_STATE_DIR": str(nodes.cluster.client_state)}
     env.update({PAUSE_AT: str(point), PAUSE_DIR: str(pause)})
     name = containers.name_of(job.container)
-    p = subprocess.Popen([*CRIUCTL, "migrate", name, "--to", "b"], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)  # fmt: skip
+    p = subprocess.Popen(
+        [*CRIUCTL, "migrate", name, "--to", "b"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_until(lambda: (pause / str(point)).exists() or p.poll() is not None, 120, f"the client at {point}")
     assert p.poll() is None, p.stderr.read() if p.stderr else ""
     os.kill(nodes.runtimes["b"].pid_of(holder.container), signal.SIGKILL)
@@ -169,8 +174,13 @@ def test_target_agent_and_handoff_killed_after_the_restore(nodes: Nodes, tmp_pat
     env = {**os.environ, "CRIUCTL_STATE_DIR": str(nodes.cluster.client_state)}
     env.update({PAUSE_AT: str(Point.CLIENT_RESTORED), PAUSE_DIR: str(pause)})
     name = containers.name_of(job.container)
-    p = subprocess.Popen([*CRIUCTL, "migrate", name, "--to", "b"], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)  # fmt: skip
+    p = subprocess.Popen(
+        [*CRIUCTL, "migrate", name, "--to", "b"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     point = pause / str(Point.CLIENT_RESTORED)
     wait_until(lambda: point.exists() or p.poll() is not None, 120, "the client after the restore")
     assert p.poll() is None, p.stderr.read() if p.stderr else ""
@@ -214,8 +224,9 @@ def test_unknown_device_and_remote_connection_are_refused_before_freezing(nodes:
     address changes with its node): both refused before the freeze, the container untouched."""
     import socket
 
-    dev = nodes.pod("a", "holds-dev", [*INIT, "--", PY, "-c", HOLD, "/dev/loop-control"],
-                    devices=["/dev/loop-control"])  # fmt: skip
+    dev = nodes.pod(
+        "a", "holds-dev", [*INIT, "--", PY, "-c", HOLD, "/dev/loop-control"], devices=["/dev/loop-control"]
+    )
     bridge = f"{nodes.cluster.net}.1"  # the host's side of the test network: another host to the pod
     server = socket.create_server((bridge, 0))
     port = server.getsockname()[1]

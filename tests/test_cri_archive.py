@@ -590,9 +590,17 @@ def test_a_small_archive_imports(tmp_path: Path) -> None:
         ]
     )
     mount = {
-        "fstype": 0, "mnt_id": 2, "root_dev": 1, "parent_mnt_id": 1, "flags": 0, "root": "/data",
-        "mountpoint": "/data", "source": "/dev/vda", "options": "", "ext_key": "/data",
-    }  # fmt: skip
+        "fstype": 0,
+        "mnt_id": 2,
+        "root_dev": 1,
+        "parent_mnt_id": 1,
+        "flags": 0,
+        "root": "/data",
+        "mountpoint": "/data",
+        "source": "/dev/vda",
+        "options": "",
+        "ext_key": "/data",
+    }
     members = [
         *[(n, diff if n == "rootfs-diff.tar" else d) for n, d in _good()],
         ("checkpoint/mountpoints-12.img", _image("MNTS", [mount])),

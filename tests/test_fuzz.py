@@ -46,12 +46,33 @@ json_values = st.recursive(
 )
 hostile_names = st.sampled_from(
     [
-        "../x", "../../outside", "/etc/criuctl-fuzz", "/x", "a/../../x", "images/../../x", ".", "", "./",
-        "a/", "a//b", "./a", "x" * 300, ("d" * 200 + "/") * 3 + "f", "a\x00b", "é/ü", "manifest.json",
-        "manifest.sig", "images", "images/pages-1.img", "images/pages-1.img/sub", "..", "...", "a\nb",
+        "../x",
+        "../../outside",
+        "/etc/criuctl-fuzz",
+        "/x",
+        "a/../../x",
+        "images/../../x",
+        ".",
+        "",
+        "./",
+        "a/",
+        "a//b",
+        "./a",
+        "x" * 300,
+        ("d" * 200 + "/") * 3 + "f",
+        "a\x00b",
+        "é/ü",
+        "manifest.json",
+        "manifest.sig",
+        "images",
+        "images/pages-1.img",
+        "images/pages-1.img/sub",
+        "..",
+        "...",
+        "a\nb",
         "dump.log",
     ]
-) | st.text(max_size=40)  # fmt: skip
+) | st.text(max_size=40)
 
 
 def _sealed(root: Path) -> bundle.Manifest:
@@ -245,9 +266,17 @@ def test_verify_parses_the_bytes_it_checked_once(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------ the tar stream
 
 TYPES = [
-    tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE, tarfile.DIRTYPE,
-    tarfile.CHRTYPE, tarfile.FIFOTYPE, tarfile.XHDTYPE, tarfile.GNUTYPE_LONGNAME, b"Z",
-]  # fmt: skip
+    tarfile.REGTYPE,
+    tarfile.AREGTYPE,
+    tarfile.SYMTYPE,
+    tarfile.LNKTYPE,
+    tarfile.DIRTYPE,
+    tarfile.CHRTYPE,
+    tarfile.FIFOTYPE,
+    tarfile.XHDTYPE,
+    tarfile.GNUTYPE_LONGNAME,
+    b"Z",
+]
 
 
 @st.composite

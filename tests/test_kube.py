@@ -29,10 +29,18 @@ def _dry_run(k: Kubectl, pod: dict, namespace: str = "default") -> dict:
 
 
 def _sleeper(name: str, labels: dict | None = None, node: str | None = None, memory: str = "16Mi") -> dict:
-    spec = {"containers": [{"name": "main", "image": "criuctl.test/busybox:1", "imagePullPolicy": "Never",
-                            "command": ["/bin/sleep", "3600"],
-                            "resources": {"requests": {"memory": memory, "cpu": "10m"}}}],
-            "terminationGracePeriodSeconds": 1}  # fmt: skip
+    spec = {
+        "containers": [
+            {
+                "name": "main",
+                "image": "criuctl.test/busybox:1",
+                "imagePullPolicy": "Never",
+                "command": ["/bin/sleep", "3600"],
+                "resources": {"requests": {"memory": memory, "cpu": "10m"}},
+            }
+        ],
+        "terminationGracePeriodSeconds": 1,
+    }
     if node:
         spec["nodeName"] = node
     return {
@@ -75,15 +83,34 @@ def test_webhook_down_blocks_only_labelled_pods(local_cluster) -> None:
     pid = lay.pids["webhook"]
     os.killpg(pid, 9)
     try:
-        r = k("create", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(training_pod("d1")),
-              check=False)  # fmt: skip
+        r = k(
+            "create",
+            "--dry-run=server",
+            "-o",
+            "json",
+            "-f",
+            "-",
+            input=json.dumps(training_pod("d1")),
+            check=False,
+        )
         assert r.returncode != 0 and "pods.criuctl.io" in r.stderr, r.stderr
         assert _dry_run(k, _sleeper("d2"))["spec"]["containers"][0]["command"] == ["/bin/sleep", "3600"]
     finally:
         lc.start_webhook(lay)
         deadline = time.monotonic() + 20
-        while "injected" not in k("create", "--dry-run=server", "-o", "json", "-f", "-",
-                                  input=json.dumps(training_pod("d3")), check=False).stdout:  # fmt: skip
+        while (
+            "injected"
+            not in k(
+                "create",
+                "--dry-run=server",
+                "-o",
+                "json",
+                "-f",
+                "-",
+                input=json.dumps(training_pod("d3")),
+                check=False,
+            ).stdout
+        ):
             assert time.monotonic() < deadline, "the webhook did not come back"
             time.sleep(0.5)
 
@@ -166,11 +193,22 @@ def test_refusals_change_nothing(running) -> None:
     try:
         assert "node ghost is NotReady" in _refused(lay, k, "steady", "ghost")
         # reported Ready (as by a kubelet) but with no criuctl agent on it
-        status = {"status": {"conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
-                                             "message": "test", "lastHeartbeatTime": _now(),
-                                             "lastTransitionTime": _now()}],
-                             "allocatable": {"memory": "8Gi", "cpu": "2", "pods": "10"},
-                             "capacity": {"memory": "8Gi", "cpu": "2", "pods": "10"}}}  # fmt: skip
+        status = {
+            "status": {
+                "conditions": [
+                    {
+                        "type": "Ready",
+                        "status": "True",
+                        "reason": "KubeletReady",
+                        "message": "test",
+                        "lastHeartbeatTime": _now(),
+                        "lastTransitionTime": _now(),
+                    }
+                ],
+                "allocatable": {"memory": "8Gi", "cpu": "2", "pods": "10"},
+                "capacity": {"memory": "8Gi", "cpu": "2", "pods": "10"},
+            }
+        }
         k(
             "patch",
             "node",
@@ -208,8 +246,10 @@ def test_refused_without_memory_on_the_target(running) -> None:
     alloc = int(parse_quantity(node["status"]["allocatable"]["memory"]))
     used = sum(
         int(parse_quantity(c.get("resources", {}).get("requests", {}).get("memory", "0")))
-        for p in k.pods("criuctl-system") if p["spec"].get("nodeName") == "b" for c in p["spec"]["containers"]
-    )  # fmt: skip
+        for p in k.pods("criuctl-system")
+        if p["spec"].get("nodeName") == "b"
+        for c in p["spec"]["containers"]
+    )
     k.apply(_sleeper("filler", node="b", memory=str((alloc - used - (100 << 20)) >> 20) + "Mi"))
     try:
         k.wait_running("filler")
@@ -223,18 +263,21 @@ def test_refuses_controller_owned_and_multi_worker_pods(running) -> None:
     templates, so the stand-in creates no pods for it (it marks it failed validation): the worker
     pod here is made by hand, owned by the job as the operator's would be."""
     lay, k = running
-    job = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": "ddp"},
-           "spec": {"pytorchReplicaSpecs": {"Master": {"replicas": 1},
-                                            "Worker": {"replicas": 1}}}}  # fmt: skip
+    job = {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": {"name": "ddp"},
+        "spec": {"pytorchReplicaSpecs": {"Master": {"replicas": 1}, "Worker": {"replicas": 1}}},
+    }
     deadline = time.monotonic() + 30
     while k("apply", "-f", "-", input=json.dumps(job), check=False).returncode != 0:
         assert time.monotonic() < deadline, "the PyTorchJob CRD was not served"
         time.sleep(0.5)
     uid = k.get("pytorchjob", "ddp")["metadata"]["uid"]
     worker = training_pod("ddp-worker-0", steps=100000, node="a")
-    worker["metadata"]["ownerReferences"] = [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
-                                              "name": "ddp",
-                                              "uid": uid, "controller": True}]  # fmt: skip
+    worker["metadata"]["ownerReferences"] = [
+        {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "name": "ddp", "uid": uid, "controller": True}
+    ]
     k.apply(worker)
     try:
         k.wait_running("ddp-worker-0")
@@ -242,11 +285,22 @@ def test_refuses_controller_owned_and_multi_worker_pods(running) -> None:
     finally:
         k("delete", "pod", "ddp-worker-0", "--grace-period=1", "--wait=false")
     trainer = training_pod("x", steps=100000, node="a")  # migratable: only the owner is refused
-    dep = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "dep"},
-           "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "dep"}},
-                    "template": {"metadata": {"labels": {"app": "dep", "criuctl.io/migratable": "true"},
-                                              "annotations": trainer["metadata"]["annotations"]},
-                                 "spec": trainer["spec"]}}}  # fmt: skip
+    dep = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "dep"},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": {"app": "dep"}},
+            "template": {
+                "metadata": {
+                    "labels": {"app": "dep", "criuctl.io/migratable": "true"},
+                    "annotations": trainer["metadata"]["annotations"],
+                },
+                "spec": trainer["spec"],
+            },
+        },
+    }
     k.apply(dep)
     try:
         deadline = time.monotonic() + 60
@@ -275,10 +329,19 @@ def test_client_killed_between_the_target_commit_and_the_source_pod_delete(
     wait_step(k, "dead", 30)
     pause = tmp_path / "pause"
     pause.mkdir()
-    env = {**os.environ, "KUBECONFIG": str(lay.kubeconfig), "CRIUCTL_PAUSE_AT": "client.target-committed",
-           "CRIUCTL_PAUSE_DIR": str(pause)}  # fmt: skip
-    cli = subprocess.Popen([*CRIUCTL, "migrate", "dead", "b"], env=env, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, text=True)  # fmt: skip
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(lay.kubeconfig),
+        "CRIUCTL_PAUSE_AT": "client.target-committed",
+        "CRIUCTL_PAUSE_DIR": str(pause),
+    }
+    cli = subprocess.Popen(
+        [*CRIUCTL, "migrate", "dead", "b"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 180
     while not (pause / "client.target-committed").exists():
         assert cli.poll() is None, cli.stderr.read()
@@ -316,10 +379,19 @@ def test_target_agent_killed_mid_move_leaves_the_source_pod_running(running, tmp
     lay, k = running
     pause = tmp_path / "pause"
     pause.mkdir()
-    env = {**os.environ, "KUBECONFIG": str(lay.kubeconfig), "CRIUCTL_PAUSE_AT": "client.sent",
-           "CRIUCTL_PAUSE_DIR": str(pause)}  # fmt: skip
-    cli = subprocess.Popen([*CRIUCTL, "migrate", "steady", "b", "--mode", "stop-and-copy"], env=env,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(lay.kubeconfig),
+        "CRIUCTL_PAUSE_AT": "client.sent",
+        "CRIUCTL_PAUSE_DIR": str(pause),
+    }
+    cli = subprocess.Popen(
+        [*CRIUCTL, "migrate", "steady", "b", "--mode", "stop-and-copy"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 180
     while not (pause / "client.sent").exists():
         assert cli.poll() is None, cli.stderr.read()

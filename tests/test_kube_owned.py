@@ -36,16 +36,28 @@ def _template(name: str, node: str, steps_: int) -> dict:
 
 
 def _statefulset(name: str, node: str) -> dict:
-    return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": name},
-            "spec": {"serviceName": name, "replicas": 1, "selector": {"matchLabels": {"app": name}},
-                     "template": _template(name, node, STEPS)}}  # fmt: skip
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {"name": name},
+        "spec": {
+            "serviceName": name,
+            "replicas": 1,
+            "selector": {"matchLabels": {"app": name}},
+            "template": _template(name, node, STEPS),
+        },
+    }
 
 
 def _pytorchjob(name: str, node: str) -> dict:
     template = _template(name, node, STEPS)
     master = {"replicas": 1, "restartPolicy": "OnFailure", "template": template}
-    return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": name},
-            "spec": {"pytorchReplicaSpecs": {"Master": master}}}  # fmt: skip
+    return {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": {"name": name},
+        "spec": {"pytorchReplicaSpecs": {"Master": master}},
+    }
 
 
 def _apply_retrying(k: Kubectl, obj: dict, timeout: float = 30) -> None:
@@ -89,8 +101,9 @@ def _follow_to_the_end(k: Kubectl, followers: list[LogFollower], ref, name: str)
 
 def _move_with_cli(lay, k: Kubectl, name: str, node: str) -> dict:
     env = {**os.environ, "KUBECONFIG": str(lay.kubeconfig)}
-    r = subprocess.run([*CRIUCTL, "migrate", name, node, "-o", "json"], env=env, capture_output=True,
-                       text=True, timeout=900)  # fmt: skip
+    r = subprocess.run(
+        [*CRIUCTL, "migrate", name, node, "-o", "json"], env=env, capture_output=True, text=True, timeout=900
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["new_pod"] == name and out["target"] == node, out
@@ -201,8 +214,13 @@ def test_killed_mid_move_loses_nothing(local_cluster, ref, victim: str) -> None:
 
     def move_and_kill() -> str:
         env = {**os.environ, "KUBECONFIG": str(lay.kubeconfig)}
-        cli = subprocess.Popen([*CRIUCTL, "migrate", pod, "b", "-o", "json"], env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        cli = subprocess.Popen(
+            [*CRIUCTL, "migrate", pod, "b", "-o", "json"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         deadline = time.monotonic() + 120
         while _phase(k, pod) != "dumping":
             assert cli.poll() is None and time.monotonic() < deadline, "the move never reached its dump"

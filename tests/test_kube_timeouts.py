@@ -84,11 +84,13 @@ def kubeconfig(folder: Path, port: int, scheme: str) -> Path:
     if scheme == "https":
         cluster_["insecure-skip-tls-verify"] = True
     doc = {
-        "apiVersion": "v1", "kind": "Config", "current-context": "silent",
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "silent",
         "clusters": [{"name": "silent", "cluster": cluster_}],
         "users": [{"name": "u", "user": {"token": "t"}}],
         "contexts": [{"name": "silent", "context": {"cluster": "silent", "user": "u", "namespace": "ml"}}],
-    }  # fmt: skip
+    }
     path = folder / f"kubeconfig-{scheme}"
     path.write_text(json.dumps(doc))  # JSON is YAML
     return path
@@ -111,8 +113,17 @@ def test_migrate_gives_up_on_a_silent_api_server_in_bounded_time_with_one_line(
     env = {**bare_env(), KUBE_TIMEOUTS: json.dumps({"connect": FAST.connect, "read": FAST.read})}
     accepted = len(silent.held)
     started = time.monotonic()
-    r = criuctl("migrate", "train", "b", "--state-dir", str(tmp_path / "state"), "--kubeconfig", str(config),
-                timeout=60, env=env)  # fmt: skip
+    r = criuctl(
+        "migrate",
+        "train",
+        "b",
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--kubeconfig",
+        str(config),
+        timeout=60,
+        env=env,
+    )
     took = time.monotonic() - started
     assert len(silent.held) > accepted, "the client never reached the silent server"
     assert r.returncode == 1, r.stderr
@@ -130,8 +141,15 @@ def test_a_bad_timeouts_setting_is_one_line() -> None:
             api.timeouts(raw)
         assert e.value.line().startswith(f"{KUBE_TIMEOUTS}=") and "\n" not in e.value.line()
     assert api.timeouts('{"read": 2, "retries": 0}') == api.KubeTimeouts(read=2.0, retries=0)
-    r = criuctl("migrate", "train", "b", "--kubeconfig", "/nonexistent", timeout=60,
-                env={**bare_env(), KUBE_TIMEOUTS: "{"})  # fmt: skip
+    r = criuctl(
+        "migrate",
+        "train",
+        "b",
+        "--kubeconfig",
+        "/nonexistent",
+        timeout=60,
+        env={**bare_env(), KUBE_TIMEOUTS: "{"},
+    )
     assert r.returncode == 1 and len(r.stderr.splitlines()) == 1, r.stderr
 
 
@@ -154,9 +172,22 @@ def webhook_on_silent(silent: Silent, tmp_path_factory: pytest.TempPathFactory) 
     certs = make_certs(folder / "tls")
     port, log = free_port(), folder / "stderr"
     config = kubeconfig(folder, silent.port, "http")
-    argv = [*CRIUCTL, "webhook", "--state-dir", str(folder / "state"), "--listen", f"127.0.0.1:{port}",
-            "--tls-cert", str(certs / "tls.crt"), "--tls-key", str(certs / "tls.key"),
-            "--prestop-port", "7071", "--kubeconfig", str(config)]  # fmt: skip
+    argv = [
+        *CRIUCTL,
+        "webhook",
+        "--state-dir",
+        str(folder / "state"),
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--tls-cert",
+        str(certs / "tls.crt"),
+        "--tls-key",
+        str(certs / "tls.key"),
+        "--prestop-port",
+        "7071",
+        "--kubeconfig",
+        str(config),
+    ]
     with listening(argv, port, log):
         yield port, certs
 
@@ -183,8 +214,9 @@ def test_the_webhook_answers_in_time_when_the_api_server_does_not(webhook_on_sil
     del by_namespace["metadata"]["labels"][mutate.LABEL]
 
     async def both() -> list[tuple[dict, float]]:
-        return await asyncio.gather(_post(port, certs, admission(labelled)),
-                                    _post(port, certs, admission(by_namespace)))  # fmt: skip
+        return await asyncio.gather(
+            _post(port, certs, admission(labelled)), _post(port, certs, admission(by_namespace))
+        )
 
     (refused, took_refused), (admitted, took_admitted) = asyncio.run(both())
     assert refused["allowed"] is False and refused["status"]["code"] == 503, refused
@@ -246,8 +278,10 @@ def test_an_event_that_gets_no_answer_is_given_up_in_time(silent: Silent, tmp_pa
 def test_the_pytorchjob_stand_in_ends_each_poll(silent: Silent, tmp_path: Path, monkeypatch, caplog) -> None:
     config = str(kubeconfig(tmp_path, silent.port, "http"))
     monkeypatch.setenv(KUBE_TIMEOUTS, json.dumps({"connect": FAST.connect, "read": FAST.read}))
-    for step in (lambda: pytorchjob.install(config), lambda: pytorchjob.Controller(
-            api.api_client(config, FAST)[0], FAST).sync()):  # fmt: skip
+    for step in (
+        lambda: pytorchjob.install(config),
+        lambda: pytorchjob.Controller(api.api_client(config, FAST)[0], FAST).sync(),
+    ):
         started = time.monotonic()
         with pytest.raises(api.NoAnswer):
             step()
@@ -296,8 +330,14 @@ def test_a_connected_cluster_has_only_bounded_apis(tmp_path: Path) -> None:
 
 
 # what makes an API object, a client, or a request of its own: only criuctl/kube/api.py may
-MAKERS = {"ApiClient", "new_client_from_config", "load_kube_config", "load_incluster_config",
-          "Watch", "call_api"}  # fmt: skip
+MAKERS = {
+    "ApiClient",
+    "new_client_from_config",
+    "load_kube_config",
+    "load_incluster_config",
+    "Watch",
+    "call_api",
+}
 
 
 def _makers(tree: ast.AST) -> Iterator[tuple[int, str]]:

@@ -11,9 +11,15 @@ from criuctl.kube.podplan import check_name, next_name
 
 @pytest.mark.parametrize(
     "name, new",
-    [("train", "train-m1"), ("train-m1", "train-m2"), ("train-m9", "train-m10"), ("m1", "m1-m1"),
-     ("x" * 63, "x" * 60 + "-m1"), ("job-m-1", "job-m-1-m1")],
-)  # fmt: skip
+    [
+        ("train", "train-m1"),
+        ("train-m1", "train-m2"),
+        ("train-m9", "train-m10"),
+        ("m1", "m1-m1"),
+        ("x" * 63, "x" * 60 + "-m1"),
+        ("job-m-1", "job-m-1-m1"),
+    ],
+)
 def test_placeholder_names_keep_the_lineage_and_fit(name: str, new: str) -> None:
     assert next_name(name) == new
     assert len(next_name(name)) <= 63

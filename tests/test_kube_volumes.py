@@ -46,18 +46,33 @@ TOKEN = uuid.uuid4().hex  # what the test writes into the pod's own volumes befo
 
 def _local_pv(name: str, path: Path, nodes: dict) -> dict:
     """A local PersistentVolume at `path`, reachable from the nodes `nodes` (a node selector term)."""
-    return {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": name},
-            "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"],
-                     "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "criuctl-test-local",
-                     "local": {"path": str(path)},
-                     "nodeAffinity": {"required": {"nodeSelectorTerms": [
-                         {"matchExpressions": [nodes]}]}}}}  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": name},
+        "spec": {
+            "capacity": {"storage": "1Gi"},
+            "accessModes": ["ReadWriteOnce"],
+            "persistentVolumeReclaimPolicy": "Retain",
+            "storageClassName": "criuctl-test-local",
+            "local": {"path": str(path)},
+            "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [nodes]}]}},
+        },
+    }
 
 
 def _claim(name: str, pv: str) -> dict:
-    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
-            "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "criuctl-test-local",
-                     "volumeName": pv, "resources": {"requests": {"storage": "1Gi"}}}}  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": name},
+        "spec": {
+            "accessModes": ["ReadWriteOnce"],
+            "storageClassName": "criuctl-test-local",
+            "volumeName": pv,
+            "resources": {"requests": {"storage": "1Gi"}},
+        },
+    }
 
 
 def _every_volume(name: str, host: Path, steps_: int) -> dict:
@@ -85,11 +100,20 @@ def _every_volume(name: str, host: Path, steps_: int) -> dict:
         {"name": "cfg", "configMap": {"name": f"{name}-cfg"}},
         {"name": "one", "configMap": {"name": f"{name}-one"}},
         {"name": "sec", "secret": {"secretName": f"{name}-sec"}},
-        {"name": "proj", "projected": {"sources": [
-            {"configMap": {"name": f"{name}-cfg", "items": [{"key": "lr", "path": "cfg/lr"}]}},
-            {"downwardAPI": {"items": [{"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]}},
-        ]}},
-    ]  # fmt: skip
+        {
+            "name": "proj",
+            "projected": {
+                "sources": [
+                    {"configMap": {"name": f"{name}-cfg", "items": [{"key": "lr", "path": "cfg/lr"}]}},
+                    {
+                        "downwardAPI": {
+                            "items": [{"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]
+                        }
+                    },
+                ]
+            },
+        },
+    ]
     return pod
 
 
@@ -135,8 +159,11 @@ def _refused(lay, k: Kubectl, pod: str, node: str) -> str:
 def _attached_left(node: str) -> list[str]:
     """Mounts that node `node`'s agent (this checkout's) attached for CRIU and did not let go of."""
     agent = [str(REPO / ".venv" / "bin" / "criuctl"), "agent"]
-    pids = [p.pid for p in psutil.process_iter(["cmdline"])
-            if (a := p.info["cmdline"] or [])[1:3] == agent and a[a.index("--name") + 1] == node]  # fmt: skip
+    pids = [
+        p.pid
+        for p in psutil.process_iter(["cmdline"])
+        if (a := p.info["cmdline"] or [])[1:3] == agent and a[a.index("--name") + 1] == node
+    ]
     assert pids, f"no agent of this checkout runs for node {node}"
     return [m.point for pid in pids for m in mounts.of(pid) if "criuctl-node-mount-" in m.point]
 
@@ -163,8 +190,12 @@ def test_every_kind_of_volume_moves_bit_identically(local_cluster, reference, ho
         k.wait_running(name, timeout=120)
         follow.append(LogFollower(k, name))
         follow[0].start()
-        _exec(k, name, f"echo {TOKEN} > /scratch/disk; mkdir -p /scratch/part; echo {TOKEN} > /part/sub; "
-                       f"echo {TOKEN} > /dev/shm/mem")  # fmt: skip
+        _exec(
+            k,
+            name,
+            f"echo {TOKEN} > /scratch/disk; mkdir -p /scratch/part; echo {TOKEN} > /part/sub; "
+            f"echo {TOKEN} > /dev/shm/mem",
+        )
         wait_step(k, name, 30)
 
         # The ConfigMap the job saw by subPath is edited: the target's copy would differ. The move
@@ -185,8 +216,13 @@ def test_every_kind_of_volume_moves_bit_identically(local_cluster, reference, ho
         follow.append(LogFollower(k, on_b))
         follow[-1].start()
         ours = {p: TOKEN + "\n" for p in ("/scratch/disk", "/part/sub", "/scratch/part/sub", "/dev/shm/mem")}
-        want = {**ours, "/etc/cfg/greeting": "hello", "/etc/one.conf": "seen by subPath\n",
-                "/etc/sec/password": "s3cret", "/etc/proj/cfg/lr": "0.003"}  # fmt: skip
+        want = {
+            **ours,
+            "/etc/cfg/greeting": "hello",
+            "/etc/one.conf": "seen by subPath\n",
+            "/etc/sec/password": "s3cret",
+            "/etc/proj/cfg/lr": "0.003",
+        }
         assert {path: _exec(k, on_b, f"cat {path}") for path in want} == want
         assert not _attached_left("b"), "the agent on b kept the node's mounts it attached for CRIU"
         deadline = time.monotonic() + 300
@@ -207,8 +243,14 @@ def test_every_kind_of_volume_moves_bit_identically(local_cluster, reference, ho
         assert logged == list(range(STEPS)) and log.endswith("done\n"), "the log lost or repeated steps"
     finally:
         k("delete", "pod", name, f"{name}-m1", f"{name}-m2", "--grace-period=1", "--wait=false", check=False)
-        _delete(k, f"pvc/{name}-data", f"pv/{name}-pv", f"configmap/{name}-cfg", f"configmap/{name}-one",
-                f"secret/{name}-sec")  # fmt: skip
+        _delete(
+            k,
+            f"pvc/{name}-data",
+            f"pv/{name}-pv",
+            f"configmap/{name}-cfg",
+            f"configmap/{name}-one",
+            f"secret/{name}-sec",
+        )
 
 
 def test_a_claim_only_the_source_node_reaches_is_refused(local_cluster, host) -> None:

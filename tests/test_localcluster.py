@@ -26,8 +26,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def local_cluster_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(REPO / "scripts" / "local-cluster"), *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    return subprocess.run(
+        [str(REPO / "scripts" / "local-cluster"), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def assert_one_line(r: subprocess.CompletedProcess[str], code: int, *needles: str) -> str:
@@ -126,8 +131,11 @@ def test_down_sees_the_folders_a_node_of_another_cluster_has_mounts_on(tmp_path:
     target = next((t for t in BINDS.values() if os.path.isdir(t)), "/run/containerd")
     created = not os.path.isdir(target)
     script = f"mkdir -p {target} && mount --bind {tmp_path} {target} && echo bound && exec sleep 60"
-    node = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    node = subprocess.Popen(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert node.stdout is not None and node.stdout.readline().strip() == "bound"
         assert target in binds_in_use()

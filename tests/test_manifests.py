@@ -210,8 +210,11 @@ def test_the_command_line_validator_passes_without_warnings(version: str) -> Non
     (the CLI only warns about a kind it has no schema for)."""
     out = subprocess.run(
         [sys.executable, "-m", "kubernetes_validate", "--strict", "-k", version, *map(str, manifest_files())],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert out.returncode == 0 and "WARN" not in out.stdout + out.stderr, out.stdout + out.stderr
 
 
@@ -444,8 +447,11 @@ def test_the_agent_role_is_exactly_the_minimal_one(objects: list[Obj]) -> None:
     for kind in ("ClusterRoleBinding", "RoleBinding"):
         binding = one(objects, kind, "criuctl-agent")
         role_kind = kind.removesuffix("Binding")
-        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": role_kind,
-                                      "name": "criuctl-agent"}  # fmt: skip
+        assert binding["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": role_kind,
+            "name": "criuctl-agent",
+        }
         assert binding["subjects"] == subject
 
 

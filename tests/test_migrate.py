@@ -47,8 +47,12 @@ def assert_ran_once(c: Cluster, name: str, ref: Ref, where: str) -> None:
     now = c.running(name)
     assert now in ([where], []), f"{name} runs on {now}, expected only on {where}"
     c.wait_finished(name)
-    ended = [(n.name, r["exit_code"]) for n in c.nodes.values() for r in n.records()
-             if r["name"] == name and r["state"] == "exited"]  # fmt: skip
+    ended = [
+        (n.name, r["exit_code"])
+        for n in c.nodes.values()
+        for r in n.records()
+        if r["name"] == name and r["state"] == "exited"
+    ]
     assert ended == [(where, 0)], f"{name} ended on {ended}, expected once on {where}"
     assert c.steps(name) == ref.steps
     assert c.final(name) == [ref.final], "final weights differ from an uninterrupted run"
@@ -151,9 +155,12 @@ def _wait_for_process(c: Cluster, pattern: str, timeout: float = 60) -> psutil.P
 def _background_migrate(c: Cluster, name: str, to: str, *flags: str) -> subprocess.Popen:
     env = {**os.environ, "CRIUCTL_STATE_DIR": str(c.client_state)}
     return subprocess.Popen(
-        [*CRIUCTL, "migrate", name, "--to", to, *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env=env,
-    )  # fmt: skip
+        [*CRIUCTL, "migrate", name, "--to", to, *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 def _finish(p: subprocess.Popen, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -349,16 +356,22 @@ def test_agent_refuses_missing_wrong_and_other_nodes_tokens(cluster):
         r = requests.get(url, headers=headers, timeout=5, verify=a.verify)
         assert r.status_code == 401, (headers, r.text)
         assert "refused" in r.json()["what"]
-        r = requests.post(f"{a.url}/v1/outgoing", json={"workload": "x", "target": {}}, headers=headers,
-                          timeout=5, verify=a.verify)  # fmt: skip
+        r = requests.post(
+            f"{a.url}/v1/outgoing",
+            json={"workload": "x", "target": {}},
+            headers=headers,
+            timeout=5,
+            verify=a.verify,
+        )
         assert r.status_code == 401
     assert requests.get(url, headers=a.auth(), timeout=5, verify=a.verify).ok
     metrics = requests.get(f"{a.url}/metrics", headers=a.auth(), timeout=5, verify=a.verify)
     assert metrics.ok and "criuctl_migration_downtime_seconds" in metrics.text
     assert requests.get(f"{a.url}/metrics", timeout=5, verify=a.verify).status_code == 401
     # an upload ticket opens only its own migration's upload, nothing else
-    inc = requests.post(f"{b.url}/v1/incoming", json={"workload": "x"}, headers=b.auth(), timeout=30,
-                        verify=b.verify).json()  # fmt: skip
+    inc = requests.post(
+        f"{b.url}/v1/incoming", json={"workload": "x"}, headers=b.auth(), timeout=30, verify=b.verify
+    ).json()
     ticket = {"Authorization": f"Bearer {inc['ticket']}"}
     assert (
         requests.get(f"{b.url}/v1/workloads", headers=ticket, timeout=5, verify=b.verify).status_code == 401

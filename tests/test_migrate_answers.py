@@ -52,8 +52,13 @@ def ref(reference):
 
 def _migrate(c: Cluster, name: str, pause: Path, *flags: str) -> subprocess.Popen:
     env = {**os.environ, "CRIUCTL_STATE_DIR": str(c.client_state), PAUSE_DIR: str(pause)}
-    return subprocess.Popen([*CRIUCTL, "migrate", name, "--to", "b", "--mode", "stop-and-copy", *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    return subprocess.Popen(
+        [*CRIUCTL, "migrate", name, "--to", "b", "--mode", "stop-and-copy", *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 def _arm(pause: Path, point: Point) -> None:

@@ -39,12 +39,15 @@ def _tables(c: Cluster, node: str) -> list[str]:
     return json.loads(r.stdout)
 
 
-@pytest.mark.parametrize(("kind", "path", "mode"), [
-    *((kind, path, "stop-and-copy") for kind in ("ddp", "tcp") for path in ("abort", "lease", "restart")),
-    # post-copy: CRIU still holds the frozen tree to serve pages; its end must not let the tree
-    # run before its sockets leave repair mode (it did: a read failed with EPERM, the job died)
-    ("ddp", "lease", "post-copy"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("kind", "path", "mode"),
+    [
+        *((kind, path, "stop-and-copy") for kind in ("ddp", "tcp") for path in ("abort", "lease", "restart")),
+        # post-copy: CRIU still holds the frozen tree to serve pages; its end must not let the tree
+        # run before its sockets leave repair mode (it did: a read failed with EPERM, the job died)
+        ("ddp", "lease", "post-copy"),
+    ],
+)
 def test_failed_migration_thaws_with_connections_intact(tmp_path, monkeypatch, reference, kind, path, mode):
     script = "train_ddp.py" if kind == "ddp" else "train_tcp_client.py"
     ref = reference(script, *STEPS)
@@ -85,8 +88,12 @@ def test_failed_migration_thaws_with_connections_intact(tmp_path, monkeypatch, r
             c.wait_finished("job", timeout=240)
             assert c.steps("job") == ref.steps
             assert c.final("job") == [ref.final], "final weights differ from an uninterrupted run"
-            ended = [(n.name, r["exit_code"]) for n in c.nodes.values() for r in n.records()
-                     if r["name"] == "job" and r["state"] == "exited"]  # fmt: skip
+            ended = [
+                (n.name, r["exit_code"])
+                for n in c.nodes.values()
+                for r in n.records()
+                if r["name"] == "job" and r["state"] == "exited"
+            ]
             assert ended == [("a", 0)], ended
             if path == "restart":
                 assert "recovered outgoing" in c.nodes["a"].agent_log()

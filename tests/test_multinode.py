@@ -49,8 +49,18 @@ def start(c: Cluster, placement: list[str]) -> None:
     """Rank r of a len(placement)-rank job on node placement[r], rank 0's node the rendezvous."""
     master = f"{c.nodes[placement[0]].addr}:{random.randint(20000, 29000)}"
     for rank, node in enumerate(placement):
-        c.run(node, f"ddp-{rank}", SCRIPT, "--rank", str(rank), "--world", str(len(placement)),
-              "--master", master, *STEPS)  # fmt: skip
+        c.run(
+            node,
+            f"ddp-{rank}",
+            SCRIPT,
+            "--rank",
+            str(rank),
+            "--world",
+            str(len(placement)),
+            "--master",
+            master,
+            *STEPS,
+        )
     c.wait_step("ddp-0", 8, timeout=240)
 
 
@@ -161,8 +171,10 @@ def test_failed_restore_leaves_the_whole_job_on_its_old_nodes(tmp_path):
 
 def _listening_port(c: Cluster, node: str, name: str) -> int:
     """A port rank `name` listens on at its node's address (gloo's pair listener), from its agent."""
-    code = ("import json, sys; from criuctl.client.agents import AgentClient, get_node; "
-            "print(json.dumps(AgentClient(get_node(sys.argv[1])).get('/v1/workloads')))")  # fmt: skip
+    code = (
+        "import json, sys; from criuctl.client.agents import AgentClient, get_node; "
+        "print(json.dumps(AgentClient(get_node(sys.argv[1])).get('/v1/workloads')))"
+    )
     env = {**os.environ, "CRIUCTL_STATE_DIR": str(c.client_state)}
     r = subprocess.run([sys.executable, "-c", code, node], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
@@ -180,10 +192,15 @@ def test_new_node_unreachable(tmp_path):
         finishes_exactly(c, 2)
 
 
-@pytest.mark.parametrize(("who", "point"), [
-    ("peer-agent", Point.CLIENT_SENT), ("peer-agent", Point.CLIENT_REDIRECTED),
-    ("client", Point.CLIENT_REDIRECTED), ("client", Point.CLIENT_RESTORED),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("who", "point"),
+    [
+        ("peer-agent", Point.CLIENT_SENT),
+        ("peer-agent", Point.CLIENT_REDIRECTED),
+        ("client", Point.CLIENT_REDIRECTED),
+        ("client", Point.CLIENT_RESTORED),
+    ],
+)
 def test_a_party_killed_mid_move(tmp_path, monkeypatch, who, point):
     """peer-agent at client.sent: rank 0's agent dies before its redirect is installed: the move
     fails, the job goes on at a and b. peer-agent at client.redirected: it dies with the redirect
@@ -195,10 +212,19 @@ def test_a_party_killed_mid_move(tmp_path, monkeypatch, who, point):
     lands = "c" if (who, point) == ("peer-agent", Point.CLIENT_REDIRECTED) else "b"
     with Cluster(tmp_path / "c", names=("a", "b", "c"), lease=3) as c:
         start(c, ["a", "b"])
-        env = {**os.environ, "CRIUCTL_STATE_DIR": str(c.client_state), PAUSE_AT: str(point),
-               PAUSE_DIR: str(pause)}  # fmt: skip
-        p = subprocess.Popen([*CRIUCTL, "migrate", "ddp-1", "c"], env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+        env = {
+            **os.environ,
+            "CRIUCTL_STATE_DIR": str(c.client_state),
+            PAUSE_AT: str(point),
+            PAUSE_DIR: str(pause),
+        }
+        p = subprocess.Popen(
+            [*CRIUCTL, "migrate", "ddp-1", "c"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         _wait_paused(pause, point, p)
         if who == "peer-agent":
             c.nodes["a"].agent.send_signal(signal.SIGKILL)
@@ -227,8 +253,15 @@ def test_a_party_killed_mid_move(tmp_path, monkeypatch, who, point):
 def test_a_connection_to_something_not_criuctl_refuses(tmp_path):
     """A workload talking to a server outside criuctl cannot take that connection along."""
     with Cluster(tmp_path / "c", names=("a", "b")) as c:
-        server = Job([*c.nodes["a"].inside(), sys.executable, str(WORKLOADS / "ack_server.py"), "--listen",
-                      c.nodes["a"].addr])  # fmt: skip
+        server = Job(
+            [
+                *c.nodes["a"].inside(),
+                sys.executable,
+                str(WORKLOADS / "ack_server.py"),
+                "--listen",
+                c.nodes["a"].addr,
+            ]
+        )
         port = server.wait_for(r"^listening \d+$").split()[1]
         try:
             c.run(
@@ -258,10 +291,19 @@ def test_client_killed_between_the_ranks_commits(tmp_path, monkeypatch):
     point = Point.CLIENT_TARGET_COMMITTED
     with Cluster(tmp_path / "c", names=("a", "b", "c", "d", "e"), lease=3) as c:
         start(c, ["a", "b", "c"])
-        env = {**os.environ, "CRIUCTL_STATE_DIR": str(c.client_state), PAUSE_AT: str(point),
-               PAUSE_DIR: str(pause)}  # fmt: skip
-        p = subprocess.Popen([*CRIUCTL, "migrate", "--job", "ddp", "ddp-1=d", "ddp-2=e"], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        env = {
+            **os.environ,
+            "CRIUCTL_STATE_DIR": str(c.client_state),
+            PAUSE_AT: str(point),
+            PAUSE_DIR: str(pause),
+        }
+        p = subprocess.Popen(
+            [*CRIUCTL, "migrate", "--job", "ddp", "ddp-1=d", "ddp-2=e"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         _wait_paused(pause, point, p)
         p.kill()
         p.wait()

@@ -25,12 +25,29 @@ def _files_img(path, sockets: list[tuple[int, str, int, str, int]]) -> None:
 
     entries = []
     for i, (family, src, sport, dst, dport) in enumerate(sockets, 1):
-        isk = {"id": i, "ino": 1000 + i, "family": family, "type": 1, "proto": 6, "state": 1,
-               "src_port": sport, "dst_port": dport, "flags": 2, "backlog": 0,
-               "src_addr": readdress._encode(src), "dst_addr": readdress._encode(dst),
-               "fown": {"uid": 0, "euid": 0, "signum": 0, "pid_type": 0, "pid": 0},
-               "opts": {"so_sndbuf": 1, "so_rcvbuf": 1, "so_snd_tmo_sec": 0, "so_snd_tmo_usec": 0,
-                        "so_rcv_tmo_sec": 0, "so_rcv_tmo_usec": 0}}  # fmt: skip
+        isk = {
+            "id": i,
+            "ino": 1000 + i,
+            "family": family,
+            "type": 1,
+            "proto": 6,
+            "state": 1,
+            "src_port": sport,
+            "dst_port": dport,
+            "flags": 2,
+            "backlog": 0,
+            "src_addr": readdress._encode(src),
+            "dst_addr": readdress._encode(dst),
+            "fown": {"uid": 0, "euid": 0, "signum": 0, "pid_type": 0, "pid": 0},
+            "opts": {
+                "so_sndbuf": 1,
+                "so_rcvbuf": 1,
+                "so_snd_tmo_sec": 0,
+                "so_snd_tmo_usec": 0,
+                "so_rcv_tmo_sec": 0,
+                "so_rcv_tmo_usec": 0,
+            },
+        }
         entries.append({"type": "INETSK", "id": i, "isk": isk})
     with open(path, "wb") as f:
         pycriu.images.dump({"magic": "FILES", "entries": entries}, f)
@@ -42,19 +59,24 @@ def _sockets(path) -> list[tuple[str, int, str, int]]:
     with open(path, "rb") as f:
         img = pycriu.images.load(f)
     isks = [e["isk"] for e in img["entries"]]
-    return [(readdress._decode(k["src_addr"]), k["src_port"], readdress._decode(k["dst_addr"]), k["dst_port"])
-            for k in isks]  # fmt: skip
+    return [
+        (readdress._decode(k["src_addr"]), k["src_port"], readdress._decode(k["dst_addr"]), k["dst_port"])
+        for k in isks
+    ]
 
 
 @needs("pycriu")
 def test_readdress_moves_only_the_moved_endpoints(tmp_path):
     img = tmp_path / "files.img"
-    _files_img(img, [
-        (2, B, 40000, A, 29500),  # the moved rank's connection to the store on a
-        (10, f"::ffff:{B}", 41000, f"::ffff:{C}", 50000),  # a dual-stack socket, v4-mapped
-        (2, "0.0.0.0", 45000, "0.0.0.0", 0),  # a wildcard listener: stays
-        (2, A, 29500, B, 40000),  # the store's side of the same connection (its rank stays)
-    ])  # fmt: skip
+    _files_img(
+        img,
+        [
+            (2, B, 40000, A, 29500),  # the moved rank's connection to the store on a
+            (10, f"::ffff:{B}", 41000, f"::ffff:{C}", 50000),  # a dual-stack socket, v4-mapped
+            (2, "0.0.0.0", 45000, "0.0.0.0", 0),  # a wildcard listener: stays
+            (2, A, 29500, B, 40000),  # the store's side of the same connection (its rank stays)
+        ],
+    )
     moves = readdress.EndpointMap.from_json([[B, 40000, C], [B, 41000, C]])
     assert readdress.apply(tmp_path, moves) == 3
     got = _sockets(img)
@@ -82,13 +104,23 @@ def _rank(node: str, name: str, conns, listening=()) -> jobs.Rank:
 def _ddp() -> list[jobs.Rank]:
     """rank 0 on a (store on 29500, its own client), rank 1 on b, rank 2 on c; gloo pairs."""
     return [
-        _rank("a", "ddp-0", [(A, 29500, B, 40001), (A, 29500, C, 40002), (A, 40000, A, 29500),
-                             (A, 29500, A, 40000), (A, 50000, B, 51000), (A, 50001, C, 52000)],
-              [("0.0.0.0", 29500), (A, 49000)]),
+        _rank(
+            "a",
+            "ddp-0",
+            [
+                (A, 29500, B, 40001),
+                (A, 29500, C, 40002),
+                (A, 40000, A, 29500),
+                (A, 29500, A, 40000),
+                (A, 50000, B, 51000),
+                (A, 50001, C, 52000),
+            ],
+            [("0.0.0.0", 29500), (A, 49000)],
+        ),
         _rank("b", "ddp-1", [(B, 40001, A, 29500), (B, 51000, A, 50000), (B, 51001, C, 52001)], [(B, 49001)]),
         _rank("c", "ddp-2", [(C, 40002, A, 29500), (C, 52000, A, 50001), (C, 52001, B, 51001)], [(C, 49002)]),
         _rank("a", "other", []),
-    ]  # fmt: skip
+    ]
 
 
 def test_ranks_join_into_jobs_by_their_connections():
@@ -103,8 +135,12 @@ def test_ranks_join_into_jobs_by_their_connections():
 
 def test_loopback_endpoints_are_per_node():
     """127.0.0.1:5000 on node a is not 127.0.0.1:5000 on node b."""
-    found = jobs.group([_rank("a", "x", [("127.0.0.1", 6000, "127.0.0.1", 5000)]),
-                        _rank("b", "y", [("127.0.0.1", 5000, "127.0.0.1", 6000)])])  # fmt: skip
+    found = jobs.group(
+        [
+            _rank("a", "x", [("127.0.0.1", 6000, "127.0.0.1", 5000)]),
+            _rank("b", "y", [("127.0.0.1", 5000, "127.0.0.1", 6000)]),
+        ]
+    )
     assert len(found) == 2 and all(j.foreign for j in found)
 
 
@@ -145,9 +181,13 @@ def test_plan_refusals_are_one_line(nodes):
     foreign = jobs.group([_rank("a", "talker", [(A, 1234, "10.9.9.9", 5432)])])[0]
     with pytest.raises(jobmove.MigrationFailed, match=r"10\.9\.9\.9:5432, which is not a criuctl workload"):
         jobmove.plan(foreign, {"talker": "b"})
-    pair = jobs.group([_rank("a", "x", [("127.0.0.1", 6000, "127.0.0.1", 5000), (A, 1, B, 2)]),
-                       _rank("a", "y", [("127.0.0.1", 5000, "127.0.0.1", 6000)]),
-                       _rank("b", "z", [(B, 2, A, 1)])])  # fmt: skip
+    pair = jobs.group(
+        [
+            _rank("a", "x", [("127.0.0.1", 6000, "127.0.0.1", 5000), (A, 1, B, 2)]),
+            _rank("a", "y", [("127.0.0.1", 5000, "127.0.0.1", 6000)]),
+            _rank("b", "z", [(B, 2, A, 1)]),
+        ]
+    )
     with pytest.raises(jobmove.MigrationFailed, match="talk over loopback"):
         jobmove.plan(next(j for j in pair if len(j.ranks) == 3), {"x": "c"})
 

@@ -154,12 +154,14 @@ async def _quiet_say(*_a, **_k) -> None:
 
 def test_source_happy_path_commits_only_through_the_handoff(tmp_path):
     async def go():
-        h = ScriptedHandoff([
-            ("until", FIRST, {**FROZEN, "bundle": str(tmp_path / "bundle")}),
-            ("ask", Command.SENT, {"event": "sent"}),
-            ("ask", Command.COMMIT, {"event": "committed"}),
-            ("until", frozenset({Event.DONE}), {"event": "done", "pages_seconds": 0.0}),
-        ])  # fmt: skip
+        h = ScriptedHandoff(
+            [
+                ("until", FIRST, {**FROZEN, "bundle": str(tmp_path / "bundle")}),
+                ("ask", Command.SENT, {"event": "sent"}),
+                ("ask", Command.COMMIT, {"event": "committed"}),
+                ("until", frozenset({Event.DONE}), {"event": "done", "pages_seconds": 0.0}),
+            ]
+        )
         m = _source(tmp_path, h)
         out = await m.run(_quiet_say)
         assert out.ok and m.state == SourceState.SENT and out.facts["bytes"] == 7
@@ -186,11 +188,13 @@ def test_source_streams_while_the_handoff_dumps_and_seals_the_stream_at_frozen(t
             counter.done = 9
             return {"bytes": 9}
 
-        h = ScriptedHandoff([
-            ("until", FIRST, {"event": "dumping", "bundle": str(tmp_path / "bundle")}),
-            ("until", frozenset({Event.FROZEN}), {**FROZEN, "bundle": str(tmp_path / "bundle")}),
-            ("ask", Command.SENT, {"event": "sent"}),
-        ])  # fmt: skip
+        h = ScriptedHandoff(
+            [
+                ("until", FIRST, {"event": "dumping", "bundle": str(tmp_path / "bundle")}),
+                ("until", frozenset({Event.FROZEN}), {**FROZEN, "bundle": str(tmp_path / "bundle")}),
+                ("ask", Command.SENT, {"event": "sent"}),
+            ]
+        )
         m = _source(tmp_path, h, send=live_send)
         out = await m.run(_quiet_say)
         assert out.ok and m.state == SourceState.SENT and out.facts["bytes"] == 9
@@ -211,10 +215,12 @@ def test_a_freeze_that_fails_while_streaming_ends_the_stream(tmp_path):
             finally:
                 stopped.append(source.stopped.is_set())
 
-        h = ScriptedHandoff([
-            ("until", FIRST, {"event": "dumping", "bundle": str(tmp_path / "bundle")}),
-            ("until", frozenset({Event.FROZEN}), HandoffFailed("CRIU failed", "see the log")),
-        ])  # fmt: skip
+        h = ScriptedHandoff(
+            [
+                ("until", FIRST, {"event": "dumping", "bundle": str(tmp_path / "bundle")}),
+                ("until", frozenset({Event.FROZEN}), HandoffFailed("CRIU failed", "see the log")),
+            ]
+        )
         m = _source(tmp_path, h, send=live_send)
         out = await m.run(_quiet_say)
         assert not out.ok and m.state == SourceState.FAILED and out.what == "CRIU failed"
@@ -229,10 +235,12 @@ def test_source_transfer_failure_thaws_before_sent(tmp_path):
         async def broken_send(_bdir, _counter):
             raise OSError("link cut")
 
-        h = ScriptedHandoff([
-            ("until", FIRST, {**FROZEN, "bundle": str(tmp_path / "bundle")}),
-            ("ask", Command.ABORT, {"event": "thawed"}),
-        ])  # fmt: skip
+        h = ScriptedHandoff(
+            [
+                ("until", FIRST, {**FROZEN, "bundle": str(tmp_path / "bundle")}),
+                ("ask", Command.ABORT, {"event": "thawed"}),
+            ]
+        )
         m = _source(tmp_path, h, send=broken_send)
         out = await m.run(_quiet_say)
         assert not out.ok and m.state == SourceState.THAWED and out.facts["thawed"] is True
@@ -287,11 +295,13 @@ def test_source_abort_after_sent_follows_the_handoffs_verdict(tmp_path, reply, s
 
 def test_source_commit_refused_by_the_target_stays_frozen(tmp_path):
     async def go():
-        h = ScriptedHandoff([
-            ("until", FIRST, {**FROZEN, "bundle": str(tmp_path / "bundle")}),
-            ("ask", Command.SENT, {"event": "sent"}),
-            ("ask", Command.COMMIT, {"event": "refused", "target_state": "restored"}),
-        ])  # fmt: skip
+        h = ScriptedHandoff(
+            [
+                ("until", FIRST, {**FROZEN, "bundle": str(tmp_path / "bundle")}),
+                ("ask", Command.SENT, {"event": "sent"}),
+                ("ask", Command.COMMIT, {"event": "refused", "target_state": "restored"}),
+            ]
+        )
         m = _source(tmp_path, h)
         await m.run(_quiet_say)
         out = await m.commit()
@@ -332,10 +342,12 @@ def _handoff_writes(m_box: list, state: TargetState, **fields):
 def test_target_runs_then_refuses_to_abort_and_its_tombstone_says_so(tmp_path):
     async def go():
         box: list = []
-        h = ScriptedHandoff([
-            ("until", frozenset({Event.RESTORED}), {"event": "restored", "pid": 1, "criu_seconds": 0.1}),
-            ("ask", Command.COMMIT, {"event": "running", "pid": 1}),
-        ])  # fmt: skip
+        h = ScriptedHandoff(
+            [
+                ("until", frozenset({Event.RESTORED}), {"event": "restored", "pid": 1, "criu_seconds": 0.1}),
+                ("ask", Command.COMMIT, {"event": "running", "pid": 1}),
+            ]
+        )
         m = _target(tmp_path, h)
         box.append(m)
 
@@ -362,10 +374,12 @@ def test_target_runs_then_refuses_to_abort_and_its_tombstone_says_so(tmp_path):
 def test_target_aborts_a_restored_copy_that_never_ran(tmp_path):
     async def go():
         box: list = []
-        h = ScriptedHandoff([
-            ("until", frozenset({Event.RESTORED}), {"event": "restored", "pid": 1, "criu_seconds": 0.1}),
-            ("ask", Command.ABORT, {"event": "aborted"}),
-        ])  # fmt: skip
+        h = ScriptedHandoff(
+            [
+                ("until", frozenset({Event.RESTORED}), {"event": "restored", "pid": 1, "criu_seconds": 0.1}),
+                ("ask", Command.ABORT, {"event": "aborted"}),
+            ]
+        )
         m = _target(tmp_path, h)
         box.append(m)
 
@@ -403,8 +417,16 @@ def test_target_restore_failure_is_failed_and_then_aborted(tmp_path):
 
 
 def test_restarted_target_aborts_a_restored_record_whose_handoff_is_gone(tmp_path):
-    rec = TargetRecord("d" * 32, "w", "stop-and-copy", TargetState.RESTORED, "x", "another-boot",
-                       handoff_pid=1 << 22, root_pid=1 << 22)  # fmt: skip
+    rec = TargetRecord(
+        "d" * 32,
+        "w",
+        "stop-and-copy",
+        TargetState.RESTORED,
+        "x",
+        "another-boot",
+        handoff_pid=1 << 22,
+        root_pid=1 << 22,
+    )
     (tmp_path / rec.migration).mkdir()
     m = TargetMachine(rec, tmp_path / rec.migration, tmp_path / f"{rec.migration}.json", None)
     records.write(m.record_path, rec.to_json())
@@ -495,11 +517,13 @@ def test_source_machine_reports_an_incomplete_thaw_and_settles_when_the_handoff_
         async def broken_send(_bdir, _counter):
             raise OSError("link cut")
 
-        h = ScriptedHandoff([
-            ("until", FIRST, {**FROZEN, "bundle": str(tmp_path / "bundle")}),
-            ("ask", Command.ABORT, {"event": "thaw-incomplete", "left": "lock (EPERM)"}),
-            ("until", frozenset({Event.THAWED}), {"event": "thawed"}),
-        ])  # fmt: skip
+        h = ScriptedHandoff(
+            [
+                ("until", FIRST, {**FROZEN, "bundle": str(tmp_path / "bundle")}),
+                ("ask", Command.ABORT, {"event": "thaw-incomplete", "left": "lock (EPERM)"}),
+                ("until", frozenset({Event.THAWED}), {"event": "thawed"}),
+            ]
+        )
         m = _source(tmp_path, h, send=broken_send)
         out = await m.run(_quiet_say)
         assert not out.ok and out.facts == {"thawed": "incomplete", "left": "lock (EPERM)"}

@@ -23,27 +23,47 @@ L = ptj.LABEL
 
 
 def _replica(command: list[str], ports: list[dict] | None = None, replicas: int = 1) -> dict:
-    container = {"name": "pytorch", "image": BUSYBOX, "imagePullPolicy": "Never", "command": command,
-                 "env": [{"name": "OWN", "value": "kept"}], "ports": ports or [],
-                 "resources": {"requests": {"memory": "16Mi", "cpu": "10m"}}}  # fmt: skip
+    container = {
+        "name": "pytorch",
+        "image": BUSYBOX,
+        "imagePullPolicy": "Never",
+        "command": command,
+        "env": [{"name": "OWN", "value": "kept"}],
+        "ports": ports or [],
+        "resources": {"requests": {"memory": "16Mi", "cpu": "10m"}},
+    }
     spec = {"terminationGracePeriodSeconds": 1, "containers": [container]}
-    return {"replicas": replicas, "restartPolicy": "OnFailure",
-            "template": {"metadata": {"labels": {"app": "mnist"}}, "spec": spec}}  # fmt: skip
+    return {
+        "replicas": replicas,
+        "restartPolicy": "OnFailure",
+        "template": {"metadata": {"labels": {"app": "mnist"}}, "spec": spec},
+    }
 
 
 def _job(name: str = "mnist", workers: int = 1, master_port: int | None = 29500) -> dict:
     ports = [{"name": ptj.PORT_NAME, "containerPort": master_port}] if master_port else []
     master = _replica(["/bin/sh", "-c", f"until [ -e {FINISH} ]; do sleep 0.2; done"], ports)
     worker = _replica(["/bin/sleep", "3600"], replicas=workers)
-    return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
-            "metadata": {"name": name, "namespace": NS, "uid": "u-1"},
-            "spec": {"pytorchReplicaSpecs": {"Master": master, "Worker": worker}}}  # fmt: skip
+    return {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": {"name": name, "namespace": NS, "uid": "u-1"},
+        "spec": {"pytorchReplicaSpecs": {"Master": master, "Worker": worker}},
+    }
 
 
 def _owner(uid: str) -> list[dict]:
     """The training operator's controller reference to job `mnist`."""
-    return [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "name": "mnist", "uid": uid,
-             "controller": True, "blockOwnerDeletion": True}]  # fmt: skip
+    return [
+        {
+            "apiVersion": "kubeflow.org/v1",
+            "kind": "PyTorchJob",
+            "name": "mnist",
+            "uid": uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
 
 
 def _env(pod: dict) -> dict[str, str]:
@@ -57,12 +77,22 @@ def test_pods_env_labels_and_owner_as_the_operator_makes_them() -> None:
     job = _job(workers=2)
     master, worker = ptj.pod_for(job, "Master", 0), ptj.pod_for(job, "Worker", 1)
     assert (master["metadata"]["name"], worker["metadata"]["name"]) == ("mnist-master-0", "mnist-worker-1")
-    assert _env(master) == {"OWN": "kept", "PYTHONUNBUFFERED": "0", "MASTER_PORT": "29500",
-                            "MASTER_ADDR": "mnist-master-0", "WORLD_SIZE": "3", "RANK": "0"}  # fmt: skip
+    assert _env(master) == {
+        "OWN": "kept",
+        "PYTHONUNBUFFERED": "0",
+        "MASTER_PORT": "29500",
+        "MASTER_ADDR": "mnist-master-0",
+        "WORLD_SIZE": "3",
+        "RANK": "0",
+    }
     assert _env(worker) | {"RANK": "0"} == _env(master) and _env(worker)["RANK"] == "2"
-    assert worker["metadata"]["labels"] == {"app": "mnist", L + "operator-name": "pytorchjob-controller",
-                                            L + "job-name": "mnist", L + "replica-type": "worker",
-                                            L + "replica-index": "1"}  # fmt: skip
+    assert worker["metadata"]["labels"] == {
+        "app": "mnist",
+        L + "operator-name": "pytorchjob-controller",
+        L + "job-name": "mnist",
+        L + "replica-type": "worker",
+        L + "replica-index": "1",
+    }
     assert master["metadata"]["labels"][L + "job-role"] == "master"
     assert master["metadata"]["ownerReferences"] == _owner("u-1")
     assert master["spec"]["restartPolicy"] == "OnFailure"
@@ -92,8 +122,10 @@ def test_conditions_follow_kubeflow_common() -> None:
     ptj.set_condition(status, "Running", "running")
     ptj.set_condition(status, "Succeeded", "done")
     assert [(c["type"], c["status"], c["reason"]) for c in status["conditions"]] == [
-        ("Created", "True", "PyTorchJobCreated"), ("Running", "False", "PyTorchJobRunning"),
-        ("Succeeded", "True", "PyTorchJobSucceeded")]  # fmt: skip
+        ("Created", "True", "PyTorchJobCreated"),
+        ("Running", "False", "PyTorchJobRunning"),
+        ("Succeeded", "True", "PyTorchJobSucceeded"),
+    ]
     assert ptj.invalid(ptj.replica_specs({"spec": {"pytorchReplicaSpecs": {"Master": {"replicas": 1}}}}))
     assert ptj.invalid(ptj.replica_specs(_job())) is None
 
@@ -172,7 +204,11 @@ def test_job_pods_services_recreation_and_success(cluster: Kubectl) -> None:
         assert meta["labels"][L + "operator-name"] == "pytorchjob-controller"
         env = _env(pods[name])
         assert (env["MASTER_ADDR"], env["MASTER_PORT"], env["WORLD_SIZE"], env["RANK"]) == (
-            "mnist-master-0", "29500", "2", rank)  # fmt: skip
+            "mnist-master-0",
+            "29500",
+            "2",
+            rank,
+        )
         svc = k.get("service", name, NS)
         assert (
             svc["spec"]["clusterIP"] == "None"
@@ -188,8 +224,14 @@ def test_job_pods_services_recreation_and_success(cluster: Kubectl) -> None:
 
     # a deleted worker comes back under its name (its rank and DNS name), as a new pod
     k("-n", NS, "delete", "pod", "mnist-worker-0", "--wait=true")
-    again = _until("mnist-worker-0 made again", lambda: (p := k.get("pod", "mnist-worker-0", NS))
-                   and p["metadata"]["uid"] != pods["mnist-worker-0"]["metadata"]["uid"] and p)  # fmt: skip
+    again = _until(
+        "mnist-worker-0 made again",
+        lambda: (
+            (p := k.get("pod", "mnist-worker-0", NS))
+            and p["metadata"]["uid"] != pods["mnist-worker-0"]["metadata"]["uid"]
+            and p
+        ),
+    )
     assert _env(again)["RANK"] == "1"
     k.wait_running("mnist-worker-0", NS)
     _until("Running again", lambda: _conditions(k, "mnist").get("Running") == "True")

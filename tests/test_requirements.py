@@ -41,8 +41,12 @@ def _pytest(target: str, path: str, require_all: bool) -> subprocess.CompletedPr
         env[ENV_REQUIRE_ALL] = "1"
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", target],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_under_make_test_a_missing_tool_stops_the_run_with_one_line(tmp_path: Path) -> None:

@@ -106,19 +106,33 @@ def test_a_hostpath_the_agent_does_not_mount_is_reached_through_the_node() -> No
     )
     assert not view.attached
     assert view.externals(mounts.parse(INSIDE)) == [
-        "/dev/shm", "/dev/shm", "/out", "/data", "/scratch", "/part", "/etc/sec", "/etc/cfg", "/etc/hosts",
-        "/shared", "/sys/fs/cgroup/memory",
-    ]  # fmt: skip
+        "/dev/shm",
+        "/dev/shm",
+        "/out",
+        "/data",
+        "/scratch",
+        "/part",
+        "/etc/sec",
+        "/etc/cfg",
+        "/etc/hosts",
+        "/shared",
+        "/sys/fs/cgroup/memory",
+    ]
 
 
 def _node_process(tmp_path: Path) -> subprocess.Popen:
     """A process in a private mount namespace with a tmpfs only it sees: a node's runtime, here."""
     (tmp_path / "nodeonly").mkdir()
     (tmp_path / "bind").mkdir()
-    script = (f"mount -t tmpfs t {tmp_path}/nodeonly && echo kept > {tmp_path}/nodeonly/f && "
-              f"mount --bind {tmp_path}/nodeonly {tmp_path}/bind && echo up && exec sleep 60")  # fmt: skip
-    p = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
-                         stdout=subprocess.PIPE, text=True)  # fmt: skip
+    script = (
+        f"mount -t tmpfs t {tmp_path}/nodeonly && echo kept > {tmp_path}/nodeonly/f && "
+        f"mount --bind {tmp_path}/nodeonly {tmp_path}/bind && echo up && exec sleep 60"
+    )
+    p = subprocess.Popen(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert p.stdout is not None and p.stdout.readline().strip() == "up"
     return p
 
@@ -144,9 +158,16 @@ def test_a_mount_only_the_node_has_is_reached_and_attached_here(tmp_path) -> Non
 
 def test_the_node_is_the_process_serving_the_runtime_socket(tmp_path) -> None:
     sock = tmp_path / "rt.sock"
-    server = subprocess.Popen([sys.executable, "-c", f"import socket,time; s=socket.socket(socket.AF_UNIX); "
-                               f"s.bind({str(sock)!r}); s.listen(); print('up', flush=True); time.sleep(60)"],
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import socket,time; s=socket.socket(socket.AF_UNIX); "
+            f"s.bind({str(sock)!r}); s.listen(); print('up', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert server.stdout is not None and server.stdout.readline().strip() == "up"
         assert nodeview.runtime_pid(f"unix://{sock}") == server.pid
@@ -241,8 +262,11 @@ def _pv(source: dict, affinity: list | None = None) -> dict:
 
 
 def _claim(phase: str = "Bound", modes: tuple[str, ...] = ("ReadWriteOnce",)) -> dict:
-    return {"metadata": {"name": "data"}, "spec": {"volumeName": "pv1", "accessModes": list(modes)},
-            "status": {"phase": phase, "accessModes": list(modes)}}  # fmt: skip
+    return {
+        "metadata": {"name": "data"},
+        "spec": {"volumeName": "pv1", "accessModes": list(modes)},
+        "status": {"phase": phase, "accessModes": list(modes)},
+    }
 
 
 CLAIM = {"name": "data", "persistentVolumeClaim": {"claimName": "data"}}
@@ -254,19 +278,47 @@ CLAIM = {"name": "data", "persistentVolumeClaim": {"claimName": "data"}}
         (None, None, "names PersistentVolumeClaim data, which does not exist"),
         (_claim("Pending"), None, "is PersistentVolumeClaim data, which is Pending"),
         (_claim(), None, "bound to PersistentVolume pv1, which is gone"),
-        (_claim(), _pv({"local": {"path": "/d"}}, [{"matchExpressions": [
-            {"key": "kubernetes.io/hostname", "operator": "In", "values": ["a"]}]}]),
-         "which node b cannot reach"),
-        (_claim(), _pv({"csi": {"driver": "ebs.csi.aws.com", "volumeHandle": "v"}}),
-         "a ReadWriteOnce csi volume: attached to one node at a time"),
-        (_claim(), _pv({"local": {"path": "/d"}}, [  # ORed terms: the second lets b in
-            {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In", "values": ["a"]}]},
-            {"matchExpressions": [{"key": "zone", "operator": "Exists"}],
-             "matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["c"]}]}]), None),
+        (
+            _claim(),
+            _pv(
+                {"local": {"path": "/d"}},
+                [
+                    {
+                        "matchExpressions": [
+                            {"key": "kubernetes.io/hostname", "operator": "In", "values": ["a"]}
+                        ]
+                    }
+                ],
+            ),
+            "which node b cannot reach",
+        ),
+        (
+            _claim(),
+            _pv({"csi": {"driver": "ebs.csi.aws.com", "volumeHandle": "v"}}),
+            "a ReadWriteOnce csi volume: attached to one node at a time",
+        ),
+        (
+            _claim(),
+            _pv(
+                {"local": {"path": "/d"}},
+                [  # ORed terms: the second lets b in
+                    {
+                        "matchExpressions": [
+                            {"key": "kubernetes.io/hostname", "operator": "In", "values": ["a"]}
+                        ]
+                    },
+                    {
+                        "matchExpressions": [{"key": "zone", "operator": "Exists"}],
+                        "matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["c"]}],
+                    },
+                ],
+            ),
+            None,
+        ),
         (_claim(modes=("ReadWriteMany",)), _pv({"csi": {"driver": "efs.csi.aws.com"}}), None),
         (_claim(), _pv({"hostPath": {"path": "/d"}}), None),
     ],
-)  # fmt: skip
+)
 def test_a_claim_follows_when_bound_reachable_and_not_attached_elsewhere(claim, pv, says) -> None:
     claims = {"data": claim} if claim else {}
     pvs = {"pv1": pv} if pv else {}
@@ -291,8 +343,10 @@ def test_a_claim_follows_when_bound_reachable_and_not_attached_elsewhere(claim, 
     ],
 )
 def test_volumes_no_other_node_sees_alike_are_refused_by_name(volume: dict, says: str) -> None:
-    follow = [{"name": k, k: {}} for k in ("emptyDir", "hostPath", "configMap", "secret", "projected",
-                                            "downwardAPI", "nfs")]  # fmt: skip
+    follow = [
+        {"name": k, k: {}}
+        for k in ("emptyDir", "hostPath", "configMap", "secret", "projected", "downwardAPI", "nfs")
+    ]
     assert podvolumes.check(_pod(*follow), NODE_B, {}, {}) is None
     r = podvolumes.check(_pod(*follow, {"name": "odd", **volume}), NODE_B, {}, {})
     assert r is not None and r.volume == "odd" and says in r.what and r.hint, r

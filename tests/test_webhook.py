@@ -592,8 +592,11 @@ def test_the_cert_script_trusts_old_and_new_ca_then_applies_and_restarts(certs: 
     crt.write_bytes(base64.b64decode(secret["data"]["tls.crt"]))
     out = subprocess.run(
         ["openssl", "verify", "-CAfile", "/dev/stdin", "-verify_hostname", service_name(), str(crt)],
-        input=new_ca, capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        input=new_ca,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert ctx.cert_store_stats()["x509_ca"] == 2
 
@@ -696,8 +699,13 @@ def test_no_prestop_for_a_generated_name_or_a_users_own_hook() -> None:
 
 
 def test_a_successor_is_pinned_where_the_bundle_is_and_keeps_its_identity() -> None:
-    src = named(pod(TRAIN, nodeSelector={"kubernetes.io/hostname": "a"},
-                    affinity={"nodeAffinity": {"x": 1}, "podAntiAffinity": {"y": 2}}))  # fmt: skip
+    src = named(
+        pod(
+            TRAIN,
+            nodeSelector={"kubernetes.io/hostname": "a"},
+            affinity={"nodeAffinity": {"x": 1}, "podAntiAffinity": {"y": 2}},
+        )
+    )
     src["metadata"]["ownerReferences"] = [{"kind": "StatefulSet", "name": "st", "controller": True}]
     wrapped = mutate.wrap(src, prestop_port=7071)
     new = mutate.successor(wrapped, "b", "ml/st-0@a")

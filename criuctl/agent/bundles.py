@@ -130,8 +130,9 @@ class Bundles:
 
     async def manifest(self, r: web.Request) -> web.Response:
         path = self._kept(r)
-        return web.Response(body=await asyncio.to_thread((path / bundle.MANIFEST).read_bytes),
-                            content_type="application/json")  # fmt: skip
+        return web.Response(
+            body=await asyncio.to_thread((path / bundle.MANIFEST).read_bytes), content_type="application/json"
+        )
 
     async def send(self, r: web.Request) -> web.StreamResponse:
         path = self._kept(r)
@@ -171,11 +172,20 @@ class Bundles:
             return fail(404, f"no bundle {path.name} on node {self.agent.name}")
         used = path / USED
         if used.exists():
-            return fail(409, f"bundle {path.name} on node {self.agent.name} was restored already",
-                        "a bundle restores once: see `criuctl ps` there")  # fmt: skip
+            return fail(
+                409,
+                f"bundle {path.name} on node {self.agent.name} was restored already",
+                "a bundle restores once: see `criuctl ps` there",
+            )
         work = statedir.HANDOFF_LOGS.ensure()
-        spec = TargetSpec(None, str(path), self.agent.name, name=name, placeholder=into,
-                          runtime=self.agent.runtimes.endpoint if into else None)  # fmt: skip
+        spec = TargetSpec(
+            None,
+            str(path),
+            self.agent.name,
+            name=name,
+            placeholder=into,
+            runtime=self.agent.runtimes.endpoint if into else None,
+        )
         h = await Handoff.spawn("target", spec.to_json(), work, work / f"restore-{path.name}.log")
         try:
             ev = await h.until({Event.RESTORED}, timeouts().restore)

@@ -124,17 +124,31 @@ class _Source:
             return 1
         me = procinfo.Identity.of(os.getpid())
         self.rec = SourceRecord(
-            spec.migration, w.name, spec.mode, SourceState.FREEZING, spec.ticket, me.pid, me.boot,
-            root_pid=w.root_pid, root_start=w.root_start, hold_start=me.start, updated=time.time(),
-        )  # fmt: skip
+            spec.migration,
+            w.name,
+            spec.mode,
+            SourceState.FREEZING,
+            spec.ticket,
+            me.pid,
+            me.boot,
+            root_pid=w.root_pid,
+            root_start=w.root_start,
+            hold_start=me.start,
+            updated=time.time(),
+        )
         records.write(self.path, self.rec.to_json())  # before CRIU freezes anything
         try:
             endpoints = readdress.EndpointMap.from_json(spec.readdress) if spec.readdress else None
             self.frozen = checkpoint.freeze(
-                w.name, Path(spec.parent), lazy_port=spec.lazy_port, progress=_held_point,
-                endpoints=endpoints, boundary=spec.boundary, durable=False,
+                w.name,
+                Path(spec.parent),
+                lazy_port=spec.lazy_port,
+                progress=_held_point,
+                endpoints=endpoints,
+                boundary=spec.boundary,
+                durable=False,
                 on_dumping=lambda folder: _emit(Event.DUMPING, bundle=str(folder)),
-            )  # fmt: skip
+            )
         except CriuctlError as exc:
             self._advance(SourceState.FAILED)
             _error(exc)
@@ -243,17 +257,26 @@ def target(spec_file: Path) -> int:
         into = restored.into
         ph, me = procinfo.Identity.of(into.pid) if into else None, procinfo.Identity.of(os.getpid())
         _advance_target(
-            spec, TargetState.RESTORED, handoff_pid=me.pid, handoff_start=me.start,
-            root_pid=restored.workload.root_pid, root_start=restored.workload.root_start,
-            placeholder=into.container.id if into else None, placeholder_pid=ph and ph.pid,
+            spec,
+            TargetState.RESTORED,
+            handoff_pid=me.pid,
+            handoff_start=me.start,
+            root_pid=restored.workload.root_pid,
+            root_start=restored.workload.root_start,
+            placeholder=into.container.id if into else None,
+            placeholder_pid=ph and ph.pid,
             placeholder_start=ph and ph.start,
-        )  # fmt: skip
+        )
     except BadTransition:  # a restarted agent settled the record as ABORTED while CRIU restored
         restored.abort()
         _emit(Event.ABORTED)
         return 0
-    _emit(Event.RESTORED, pid=restored.workload.root_pid, criu_seconds=restored.criu_seconds,
-          phases=restored.phases)  # fmt: skip
+    _emit(
+        Event.RESTORED,
+        pid=restored.workload.root_pid,
+        criu_seconds=restored.criu_seconds,
+        phases=restored.phases,
+    )
     cmd = _command()
     if not cmd and spec.follow:  # the lease broke: a job's rank does what the first moved rank did
         cmd = _follow(Ticket.from_json(spec.follow))

@@ -153,14 +153,20 @@ async def _start(role: str, spec: str, out: int | IO[bytes]) -> _Process:
     r, w = os.pipe()
     try:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "criuctl.agent.handoff", role, spec, "--events-fd", str(w),
+            sys.executable,
+            "-m",
+            "criuctl.agent.handoff",
+            role,
+            spec,
+            "--events-fd",
+            str(w),
             stdin=asyncio.subprocess.PIPE,
             stdout=out,
             stderr=out,
             pass_fds=(w,),
             start_new_session=True,  # a signal to the agent's group must not reach the workload
             env=dict(os.environ),
-        )  # fmt: skip
+        )
     except BaseException:
         os.close(r)
         raise

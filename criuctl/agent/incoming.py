@@ -184,8 +184,9 @@ class Incoming:
                 m.rec.cut = await asyncio.to_thread(netcut.cut, m.id, cut)
             except CriuctlError as exc:
                 await m.verdict()
-                return fail(503, f"node {self.agent.name} cannot cut the job's connections: {exc.what}",
-                            exc.hint)  # fmt: skip
+                return fail(
+                    503, f"node {self.agent.name} cannot cut the job's connections: {exc.what}", exc.hint
+                )
             await asyncio.to_thread(records.write, m.record_path, m.rec.to_json())
         log.info("incoming", extra={"id": m.id, "workload": name, "mode": str(mode)})
         return web.json_response(IncomingAnswer(id=m.id, ticket=secret))
@@ -232,11 +233,18 @@ class Incoming:
         m = self._get(r)
         verdict = await m.verdict()
         if verdict == Verdict.RUNNING:
-            return fail(409, f"migration {m.id} already runs on node {self.agent.name}; it cannot be aborted",
-                        **m.answer())  # fmt: skip
+            return fail(
+                409,
+                f"migration {m.id} already runs on node {self.agent.name}; it cannot be aborted",
+                **m.answer(),
+            )
         if verdict == Verdict.UNKNOWN:
-            return fail(503, f"node {self.agent.name} could not end its copy of migration {m.id} yet",
-                        "ask again", state=str(m.state))  # fmt: skip
+            return fail(
+                503,
+                f"node {self.agent.name} could not end its copy of migration {m.id} yet",
+                "ask again",
+                state=str(m.state),
+            )
         self.agent.metrics.migrations.labels("target", m.rec.mode, "aborted").inc()
         self.machines.pop(m.id, None)
         return web.json_response(m.answer())
@@ -244,8 +252,11 @@ class Incoming:
     async def lift_cut(self, r: web.Request) -> web.Response:
         m = self._get(r)
         if m.state not in TARGET_FINAL:
-            return fail(409, f"migration {m.id} is {m.state}: its cut stays until it runs or is aborted",
-                        state=str(m.state))  # fmt: skip
+            return fail(
+                409,
+                f"migration {m.id} is {m.state}: its cut stays until it runs or is aborted",
+                state=str(m.state),
+            )
         await asyncio.to_thread(_lift_cut, m.rec)
         return web.json_response(StateAnswer(state=str(m.state)))
 

@@ -120,9 +120,19 @@ class Outgoing:
         mid = uuid.uuid4().hex
         folder = self.spool / mid
         folder.mkdir(mode=0o700)
-        spec = SourceSpec(mid, w.name, str(mode), str(self.records / f"{mid}.json"), str(folder), ticket.node,
-                          ticket, _free_port() if mode == Mode.POST_COPY else None, endpoints,
-                          boundary, live)  # fmt: skip
+        spec = SourceSpec(
+            mid,
+            w.name,
+            str(mode),
+            str(self.records / f"{mid}.json"),
+            str(folder),
+            ticket.node,
+            ticket,
+            _free_port() if mode == Mode.POST_COPY else None,
+            endpoints,
+            boundary,
+            live,
+        )
 
         async def send(source: Path | transfer.Source, counter: transfer.Counter) -> UploadAnswer:
             url = f"{ticket.base()}/bundle"
@@ -254,8 +264,12 @@ class Outgoing:
             return False
         tree = rec.tree()
         if tree is not None and tree.alive():  # the very tree: a PID given out again is not touched
-            if rec.state in (SourceState.FREEZING, SourceState.FROZEN, SourceState.SENDING,
-                             SourceState.THAW_INCOMPLETE):  # fmt: skip
+            if rec.state in (
+                SourceState.FREEZING,
+                SourceState.FROZEN,
+                SourceState.SENDING,
+                SourceState.THAW_INCOMPLETE,
+            ):
                 if not self._thaw_record(rec).complete:
                     return True
             elif rec.state == SourceState.COMMITTED:

@@ -114,8 +114,9 @@ class _Files:
             parts = await _parts(read, size)  # a whole piece: one thread hop per 4 MiB
             if pending is not None:
                 await pending
-            pending = asyncio.gather(asyncio.to_thread(_hash_all, f.hasher, parts),
-                                     asyncio.to_thread(_write_all, f.fd, parts))  # fmt: skip
+            pending = asyncio.gather(
+                asyncio.to_thread(_hash_all, f.hasher, parts), asyncio.to_thread(_write_all, f.fd, parts)
+            )
             n -= size
             f.size += size
             if self.counter is not None:
@@ -161,8 +162,9 @@ async def _records(read: Read, files: _Files) -> None:
                 files.counter.beats += 1
             continue
         if kind != DATA or length > MAX_RECORD:
-            raise TransferError("the bundle stream is damaged (a record of an unknown kind or size)",
-                                "retry the migration")  # fmt: skip
+            raise TransferError(
+                "the bundle stream is damaged (a record of an unknown kind or size)", "retry the migration"
+            )
         rel = PurePosixPath(name).as_posix() if name else name
         f = files.open.get(rel) or files.create(name)
         if offset != f.size:

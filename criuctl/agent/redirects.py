@@ -116,8 +116,9 @@ class Redirects:
             await asyncio.to_thread(netcut.redirect, rid, rules)
         except CriuctlError as exc:
             await asyncio.to_thread(self._drop, rec)
-            return fail(503, f"node {self.agent.name} cannot redirect the job's connections: {exc.what}",
-                        exc.hint)  # fmt: skip
+            return fail(
+                503, f"node {self.agent.name} cannot redirect the job's connections: {exc.what}", exc.hint
+            )
         self.agent.spawn(self.settle(rid, self.agent.opts.lease_seconds))
         log.info("redirect", extra={"id": rid, "rules": len(rules), "target": ticket.node})
         return web.json_response(RedirectAnswer(id=rid))
@@ -131,8 +132,9 @@ class Redirects:
     async def remove(self, r: web.Request) -> web.Response:
         rec = self._get(r)
         if rec.state == KEPT:
-            return fail(409, f"redirect {rec.id} is kept: the rank it follows runs on its new node",
-                        state=KEPT)  # fmt: skip
+            return fail(
+                409, f"redirect {rec.id} is kept: the rank it follows runs on its new node", state=KEPT
+            )
         await asyncio.to_thread(self._drop, rec)
         return web.json_response(StateAnswer(state="removed"))
 
@@ -177,10 +179,13 @@ class Redirects:
     def kept(self) -> list[RedirectRecord]:
         """The kept redirects, oldest first (the order their rules act on the way out)."""
         return sorted(
-            (rec for _, rec in records.scan(self.folder, "*.json", RedirectRecord.from_json)
-             if isinstance(rec, RedirectRecord) and rec.state == KEPT),
+            (
+                rec
+                for _, rec in records.scan(self.folder, "*.json", RedirectRecord.from_json)
+                if isinstance(rec, RedirectRecord) and rec.state == KEPT
+            ),
             key=lambda rec: rec.created,
-        )  # fmt: skip
+        )
 
     @staticmethod
     def translate(

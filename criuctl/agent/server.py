@@ -84,9 +84,11 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.migrations = Counter(
-            "criuctl_migrations", "Migrations by role, mode and result", ["role", "mode", "result"],
+            "criuctl_migrations",
+            "Migrations by role, mode and result",
+            ["role", "mode", "result"],
             registry=self.registry,
-        )  # fmt: skip
+        )
         self.bytes = Counter(
             "criuctl_bytes_moved", "Bundle bytes moved", ["direction"], registry=self.registry
         )
@@ -97,9 +99,12 @@ class Metrics:
             registry=self.registry,
         )
         self.downtime = Histogram(
-            "criuctl_migration_downtime_seconds", "Freeze to running on the target", ["mode"],
-            buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 60, 120), registry=self.registry,
-        )  # fmt: skip
+            "criuctl_migration_downtime_seconds",
+            "Freeze to running on the target",
+            ["mode"],
+            buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 60, 120),
+            registry=self.registry,
+        )
 
 
 def tail_text(path: Path, lines: int, chunk: int = 1 << 16) -> str:
@@ -193,9 +198,13 @@ class Agent:
         resp = await handler(request)
         log.info(
             "request",
-            extra={"method": request.method, "path": request.path, "status": resp.status,
-                   "seconds": round(time.monotonic() - started, 3)},
-        )  # fmt: skip
+            extra={
+                "method": request.method,
+                "path": request.path,
+                "status": resp.status,
+                "seconds": round(time.monotonic() - started, 3),
+            },
+        )
         return resp
 
     @web.middleware

@@ -135,9 +135,16 @@ class SourceMachine:
         counter.total = await asyncio.to_thread(transfer.stream_size, bdir)
         if live is not None:
             live.sealed.set()
-        await say(Frozen(event="frozen", freeze_seconds=frozen["freeze_seconds"], bytes=counter.total,
-                         page_server_port=self.spec.lazy_port, phases=frozen.get("phases", {}),
-                         streamed=counter.done))  # fmt: skip
+        await say(
+            Frozen(
+                event="frozen",
+                freeze_seconds=frozen["freeze_seconds"],
+                bytes=counter.total,
+                page_server_port=self.spec.lazy_port,
+                phases=frozen.get("phases", {}),
+                streamed=counter.done,
+            )
+        )
         await points.areach(Point.SOURCE_FROZEN)
         self._to(SourceState.SENDING)
         sending = time.monotonic()
@@ -156,10 +163,17 @@ class SourceMachine:
             return await self._failed_before_sent(err, kill=isinstance(exc, TimeoutError))
         self._to(SourceState.SENT)
         await points.areach(Point.SOURCE_SENT_RECORDED)
-        return Outcome(self.state, True, facts={
-            "bytes": counter.done, "seconds": time.monotonic() - sending, "target": answer,
-            "started": started, "stream_seconds": time.monotonic() - counter.started,
-        })  # fmt: skip
+        return Outcome(
+            self.state,
+            True,
+            facts={
+                "bytes": counter.done,
+                "seconds": time.monotonic() - sending,
+                "target": answer,
+                "started": started,
+                "stream_seconds": time.monotonic() - counter.started,
+            },
+        )
 
     async def _stop_stream(
         self, live: livesend.Live | None, job: asyncio.Future[UploadAnswer] | None
@@ -223,8 +237,13 @@ class SourceMachine:
         self.finisher = asyncio.ensure_future(self._until_thawed(attempt))
 
     def _incomplete_outcome(self) -> Outcome:
-        return Outcome(self.state, False, "the job runs here again, but its thaw did not complete",
-                       self.thaw_left or "", {"thawed": INCOMPLETE, "left": self.thaw_left})  # fmt: skip
+        return Outcome(
+            self.state,
+            False,
+            "the job runs here again, but its thaw did not complete",
+            self.thaw_left or "",
+            {"thawed": INCOMPLETE, "left": self.thaw_left},
+        )
 
     async def _until_thawed(self, attempt: Callable[[], checkpoint.Thaw] | None) -> None:
         """The handoff retries and says THAWED once done; a handoff that dies meanwhile leaves its
@@ -261,9 +280,12 @@ class SourceMachine:
             except (HandoffFailed, TimeoutError) as exc:
                 return Outcome(self.state, False, f"the source handoff did not answer ({exc})")
             if ev["event"] == Event.REFUSED:
-                return Outcome(self.state, False,
-                               f"the target says the job does not run there ({ev.get('target_state')})",
-                               "the source stays frozen until the target settles it")  # fmt: skip
+                return Outcome(
+                    self.state,
+                    False,
+                    f"the target says the job does not run there ({ev.get('target_state')})",
+                    "the source stays frozen until the target settles it",
+                )
             self._committed(told)
             return Outcome(self.state, True, facts={"downtime_seconds": self.downtime, "now": True})
 
@@ -299,8 +321,12 @@ class SourceMachine:
                     self.t.handoff_settle,
                 )
             except (HandoffFailed, TimeoutError) as exc:
-                return Outcome(self.state, False, f"the source handoff did not answer ({exc})",
-                               facts={"thawed": "unconfirmed"})  # fmt: skip
+                return Outcome(
+                    self.state,
+                    False,
+                    f"the source handoff did not answer ({exc})",
+                    facts={"thawed": "unconfirmed"},
+                )
             if ev["event"] in (Event.THAWED, Event.THAW_INCOMPLETE):
                 if await self._thawed(ev) is True:
                     return Outcome(self.state, True, facts={"thawed": True})
@@ -308,8 +334,13 @@ class SourceMachine:
             if ev["event"] == Event.COMMITTED:
                 self._committed()
                 return Outcome(self.state, False, "the job already runs on the target")
-            return Outcome(self.state, False, "the target did not answer",
-                           "the source stays frozen and asks again", {"thawed": "unconfirmed"})  # fmt: skip
+            return Outcome(
+                self.state,
+                False,
+                "the target did not answer",
+                "the source stays frozen and asks again",
+                {"thawed": "unconfirmed"},
+            )
 
     async def lease_loop(self, seconds: float) -> None:
         """No word from the client in time: settle with the target, asking again while it is silent."""

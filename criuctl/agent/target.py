@@ -97,13 +97,33 @@ class TargetMachine:
             self.rec = rec
 
     @classmethod
-    def create(cls, migration: str, workload: str, mode: Mode, secret_sha256: str, spool: Path,
-               records_dir: Path, spawn: Spawn, timeouts: Timeouts | None = None,
-               placeholder: str | None = None, runtime: str | None = None,
-               verdict_key: str = "") -> TargetMachine:  # fmt: skip
-        rec = TargetRecord(migration, workload, str(mode), TargetState.NEW, secret_sha256, procinfo.boot_id(),
-                           updated=time.time(), history=[f"new@{time.time():.3f}"], placeholder=placeholder,
-                           runtime=runtime, verdict_key=verdict_key)  # fmt: skip
+    def create(
+        cls,
+        migration: str,
+        workload: str,
+        mode: Mode,
+        secret_sha256: str,
+        spool: Path,
+        records_dir: Path,
+        spawn: Spawn,
+        timeouts: Timeouts | None = None,
+        placeholder: str | None = None,
+        runtime: str | None = None,
+        verdict_key: str = "",
+    ) -> TargetMachine:
+        rec = TargetRecord(
+            migration,
+            workload,
+            str(mode),
+            TargetState.NEW,
+            secret_sha256,
+            procinfo.boot_id(),
+            updated=time.time(),
+            history=[f"new@{time.time():.3f}"],
+            placeholder=placeholder,
+            runtime=runtime,
+            verdict_key=verdict_key,
+        )
         m = cls(rec, spool / migration, records_dir / f"{migration}.json", spawn, timeouts)
         m.dir.mkdir(mode=0o700)
         records.write(m.record_path, rec.to_json())
@@ -139,9 +159,18 @@ class TargetMachine:
             await asyncio.to_thread(self._write, TargetState.RESTORING)
             digests = json.loads((self.dir / "digests.json").read_text())
             follow = self.rec.follow.to_json() if self.rec.follow else None
-            spec = TargetSpec(self.id, str(self.bundle_dir), node, str(self.record_path), self.rec.workload,
-                              page_server, digests, self.rec.placeholder, self.rec.runtime,
-                              follow)  # fmt: skip
+            spec = TargetSpec(
+                self.id,
+                str(self.bundle_dir),
+                node,
+                str(self.record_path),
+                self.rec.workload,
+                page_server,
+                digests,
+                self.rec.placeholder,
+                self.rec.runtime,
+                follow,
+            )
             t0 = time.monotonic()
             try:
                 self.handoff = await self._spawn(spec, self.dir)
@@ -156,8 +185,9 @@ class TargetMachine:
                 return Outcome(self.state, False, what, getattr(exc, "hint", ""))
             self._reload()
         phases = {**ev.get("phases", {}), "handoff": time.monotonic() - t0}
-        return Outcome(self.state, True, facts={"pid": ev["pid"], "criu_seconds": ev["criu_seconds"],
-                                                "phases": phases})  # fmt: skip
+        return Outcome(
+            self.state, True, facts={"pid": ev["pid"], "criu_seconds": ev["criu_seconds"], "phases": phases}
+        )
 
     async def commit(self) -> Outcome:
         async with self.lock:

@@ -26,9 +26,12 @@ def cmd_node(a: argparse.Namespace) -> int:
         agents.add_node(node)
         print(f"criuctl: node {a.name} → {a.url}", file=sys.stderr)
         if not node.tls:
-            print(f"criuctl: warning: node {a.name} is plain HTTP: its token and every bundle sent to it "
-                  "cross the network unencrypted (its agent runs --insecure); serve HTTPS and add it "
-                  "as https://", file=sys.stderr)  # fmt: skip
+            print(
+                f"criuctl: warning: node {a.name} is plain HTTP: its token and every bundle sent to it "
+                "cross the network unencrypted (its agent runs --insecure); serve HTTPS and add it "
+                "as https://",
+                file=sys.stderr,
+            )
     elif a.node_verb == "rm":
         agents.remove_node(a.name)
     else:
@@ -100,8 +103,10 @@ def _source_node(name: str, to: str, given: str | None):
 
 def _target(a: argparse.Namespace) -> str:
     if len(a.node) > 1:
-        raise CriuctlError(f"more than one node given: {' '.join(a.node)}",
-                           "criuctl migrate NAME NODE, or --job JOB RANK=NODE RANK=NODE")  # fmt: skip
+        raise CriuctlError(
+            f"more than one node given: {' '.join(a.node)}",
+            "criuctl migrate NAME NODE, or --job JOB RANK=NODE RANK=NODE",
+        )
     a.node = a.node[0] if a.node else None
     if a.node and a.to and a.node != a.to:
         raise CriuctlError(f"two target nodes given: {a.node} and --to {a.to}", "give one")
@@ -148,8 +153,10 @@ def cmd_migrate(a: argparse.Namespace) -> int:
         if job is not None and (len(job.ranks) > 1 or job.foreign):
             rank = job.rank(a.name)
             if a.source is not None and rank is not None and rank.node != a.source:
-                raise CriuctlError(f"workload {a.name!r} does not run on node {a.source}; it runs on node "
-                                   f"{rank.node}", f"pass --from {rank.node}")  # fmt: skip
+                raise CriuctlError(
+                    f"workload {a.name!r} does not run on node {a.source}; it runs on node {rank.node}",
+                    f"pass --from {rank.node}",
+                )
             return _migrate_job(a, a.name, {a.name: to})
     source, target = _source_node(a.name, to, a.source)
     with render.migration_progress() as progress:
@@ -183,8 +190,10 @@ def _migrate_job(a: argparse.Namespace, name: str, wanted: dict[str, str]) -> in
     job = jobs.job_of(found, name)
     if job is None:
         silent = f" (no answer from node {', '.join(found.silent)})" if found.silent else ""
-        raise workloads.UnknownWorkload(f"no job or workload named {name!r} runs on any node{silent}",
-                                        "see `criuctl ps --jobs` for the jobs and their ranks")  # fmt: skip
+        raise workloads.UnknownWorkload(
+            f"no job or workload named {name!r} runs on any node{silent}",
+            "see `criuctl ps --jobs` for the jobs and their ranks",
+        )
     plan = jobmove.plan(job, wanted)
     moved = ", ".join(f"{m.rank.label} → {m.target.name}" for m in plan.moves)
     print(f"criuctl: job {job.name} ({len(job.ranks)} ranks): moving {moved}", file=sys.stderr)
@@ -224,12 +233,20 @@ def _migrate_pod(a: argparse.Namespace, to: str) -> int:
         else:
             result = podmigrate.execute(c, plan, a.mode, progress)
     render.migration_summary(result)
-    print(f"criuctl: pod {namespace}/{plan.pod} is now pod {plan.placeholder_name} on node {result.target}; "
-          f"follow it with: kubectl -n {namespace} logs -f {plan.placeholder_name}",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"criuctl: pod {namespace}/{plan.pod} is now pod {plan.placeholder_name} on node {result.target}; "
+        f"follow it with: kubectl -n {namespace} logs -f {plan.placeholder_name}",
+        file=sys.stderr,
+    )
     if a.json:
         import dataclasses
 
-        _print_json({**dataclasses.asdict(result), "pod": plan.pod, "new_pod": plan.placeholder_name,
-                     "namespace": namespace})  # fmt: skip
+        _print_json(
+            {
+                **dataclasses.asdict(result),
+                "pod": plan.pod,
+                "new_pod": plan.placeholder_name,
+                "namespace": namespace,
+            }
+        )
     return 0 if result.source_confirmed else 6

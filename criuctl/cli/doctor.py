@@ -186,8 +186,13 @@ def _node_tls() -> Check:
     try:
         nodes = agents.all_nodes()
     except (OSError, ValueError, TypeError) as exc:
-        return Check("agents' TLS", False, f"cannot read the node list: {exc}", "criuctl node add again",
-                     required=False)  # fmt: skip
+        return Check(
+            "agents' TLS",
+            False,
+            f"cannot read the node list: {exc}",
+            "criuctl node add again",
+            required=False,
+        )
     plain = sorted(n.name for n in nodes.values() if not n.tls)
     if plain:
         return Check(

@@ -100,9 +100,13 @@ def migration_progress() -> Iterator[callable]:
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     bars = Progress(
-        SpinnerColumn(), TextColumn("{task.description:<9}"), BarColumn(), TimeElapsedColumn(),
-        TextColumn("{task.fields[info]}"), console=err,
-    )  # fmt: skip
+        SpinnerColumn(),
+        TextColumn("{task.description:<9}"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[info]}"),
+        console=err,
+    )
     tasks: dict[str, int] = {}
 
     def update(phase: str, done: int | None = None, total: int | None = None) -> None:
@@ -135,8 +139,13 @@ def jobs_table(jobs: list) -> None:
         t.add_column(col)
     for job in sorted(jobs, key=lambda j: j.name):
         for r in sorted(job.ranks, key=lambda r: r.workload):
-            peers = sorted({link.peer.label if link.peer else f"{link.conn[2]}:{link.conn[3]} (not criuctl's)"
-                            for link in job.links if link.rank is r and link.peer is not r})  # fmt: skip
+            peers = sorted(
+                {
+                    link.peer.label if link.peer else f"{link.conn[2]}:{link.conn[3]} (not criuctl's)"
+                    for link in job.links
+                    if link.rank is r and link.peer is not r
+                }
+            )
             t.add_row(job.name, r.workload, r.node, ", ".join(peers) or "-")
     out.print(t)
 
@@ -160,13 +169,18 @@ def job_progress() -> callable:
 
 def job_summary(r) -> None:
     for m in r.ranks:
-        err.print(f"  {m.workload}: {m.source} → {m.target}, downtime {m.downtime_seconds:.2f} s, "
-                  f"{human_bytes(m.bytes_moved)} moved (freeze {m.freeze_seconds:.2f} s, "
-                  f"transfer {m.transfer_seconds:.2f} s, restore {m.restore_seconds:.2f} s)",
-                  markup=False)  # fmt: skip
-    err.print(f"moved {len(r.ranks)} rank(s) of job {r.job}: downtime {r.downtime_seconds:.2f} s, "
-              f"total {r.total_seconds:.2f} s; {r.redirects} connection redirect(s) on nodes of ranks "
-              f"that stayed", markup=False)  # fmt: skip
+        err.print(
+            f"  {m.workload}: {m.source} → {m.target}, downtime {m.downtime_seconds:.2f} s, "
+            f"{human_bytes(m.bytes_moved)} moved (freeze {m.freeze_seconds:.2f} s, "
+            f"transfer {m.transfer_seconds:.2f} s, restore {m.restore_seconds:.2f} s)",
+            markup=False,
+        )
+    err.print(
+        f"moved {len(r.ranks)} rank(s) of job {r.job}: downtime {r.downtime_seconds:.2f} s, "
+        f"total {r.total_seconds:.2f} s; {r.redirects} connection redirect(s) on nodes of ranks "
+        f"that stayed",
+        markup=False,
+    )
 
 
 def migration_summary(r) -> None:

@@ -92,8 +92,9 @@ def _address(rank: Rank) -> str:
         )
     addr = found.pop()
     if ipaddress.ip_address(addr).version != 4:
-        raise MigrationFailed(f"rank {rank.label} talks over IPv6 ({addr})",
-                              "only IPv4 jobs move for now; nothing was frozen")  # fmt: skip
+        raise MigrationFailed(
+            f"rank {rank.label} talks over IPv6 ({addr})", "only IPv4 jobs move for now; nothing was frozen"
+        )
     return addr
 
 
@@ -135,12 +136,14 @@ def plan(job: Job, wanted: dict[str, str]) -> JobPlan:
                     f"ranks {a} and {b} talk over loopback on node {link.rank.node}",
                     "move them together to one node, or have them use the node's address; nothing was frozen",
                 )
-    endpoints = EndpointMap({
-        (la, lp): m.new
-        for m in moves
-        for la, lp in [*(c[:2] for c in m.rank.tcp.connections), *m.rank.tcp.listening]
-        if la == m.old
-    })  # fmt: skip
+    endpoints = EndpointMap(
+        {
+            (la, lp): m.new
+            for m in moves
+            for la, lp in [*(c[:2] for c in m.rank.tcp.connections), *m.rank.tcp.listening]
+            if la == m.old
+        }
+    )
     for m in moves:
         for la, lp, ra, rp in m.rank.tcp.connections:
             if not ipaddress.ip_address(ra).is_loopback:
@@ -151,8 +154,9 @@ def plan(job: Job, wanted: dict[str, str]) -> JobPlan:
             continue
         la, lp, ra, rp = link.conn
         m = moving[link.peer.workload]
-        r = redirects.setdefault((link.rank.node, m.rank.workload),
-                                 Redirect(get_node(link.rank.node), m.rank.workload, []))  # fmt: skip
+        r = redirects.setdefault(
+            (link.rank.node, m.rank.workload), Redirect(get_node(link.rank.node), m.rank.workload, [])
+        )
         if (ra, rp) not in endpoints.moves:  # the nodes answered at different moments
             raise MigrationFailed(
                 f"rank {link.rank.workload} reaches rank {m.rank.workload} at {ra}:{rp}, which is not an "
@@ -196,8 +200,17 @@ def execute(p: JobPlan, progress: Progress = _quiet, mode: str | None = STOP_AND
     for rm in p.moves:  # prepare: nothing is frozen yet
         name = rm.rank.workload
         leader = moves[0].ticket if moves else None  # committed first: it decides for the others
-        m = Move(name, rm.source, rm.target, mode, _for_rank(progress, name), readdress=table,
-                 boundary=False, cut=rm.cut, follow=leader)  # fmt: skip
+        m = Move(
+            name,
+            rm.source,
+            rm.target,
+            mode,
+            _for_rank(progress, name),
+            readdress=table,
+            boundary=False,
+            cut=rm.cut,
+            follow=leader,
+        )
         try:
             m.prepare()
         except CriuctlError as exc:

@@ -140,15 +140,28 @@ class Move:
     """
 
     def __init__(
-        self, name: str, source: Node, target: Node, mode: str | None = None, progress: Progress = _quiet,
-        into: str | None = None, readdress: Rows | None = None, boundary: bool = True,
-        cut: Rows | None = None, follow: Ticket | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        name: str,
+        source: Node,
+        target: Node,
+        mode: str | None = None,
+        progress: Progress = _quiet,
+        into: str | None = None,
+        readdress: Rows | None = None,
+        boundary: bool = True,
+        cut: Rows | None = None,
+        follow: Ticket | None = None,
+    ) -> None:
         if source.name == target.name:
             raise MigrationFailed(f"{name!r} already runs on node {target.name}", "pick another --to node")
         self.name, self.source, self.target, self.mode = name, source, target, mode
         self.progress, self.into, self.readdress, self.boundary, self.cut = (
-            progress, into, readdress, boundary, cut)  # fmt: skip
+            progress,
+            into,
+            readdress,
+            boundary,
+            cut,
+        )
         self.follow = follow
         self.src, self.dst = AgentClient(source), AgentClient(target)
         self.started = time.monotonic()
@@ -291,10 +304,21 @@ class Move:
     def result(self) -> MigrationResult:
         f = self.facts
         return MigrationResult(
-            self.name, self.source.name, self.target.name, str(self.mode), self.downtime or 0.0,
-            time.monotonic() - self.started, f["bytes"], f["freeze"], f["transfer"], f["restore"],
-            self.pages, self.confirmed, phases=self.phases, downtime_measured_by=self.downtime_by,
-        )  # fmt: skip
+            self.name,
+            self.source.name,
+            self.target.name,
+            str(self.mode),
+            self.downtime or 0.0,
+            time.monotonic() - self.started,
+            f["bytes"],
+            f["freeze"],
+            f["transfer"],
+            f["restore"],
+            self.pages,
+            self.confirmed,
+            phases=self.phases,
+            downtime_measured_by=self.downtime_by,
+        )
 
 
 def migrate(

@@ -176,11 +176,17 @@ def _clone_mount(ns_pid: int, source: str, target: str) -> None:
             err = 0
             try:
                 _check(libc.setns(theirs, _CLONE_NEWNS))
-                tree = _check(libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, source.encode(),
-                                           _OPEN_TREE_CLONE | _OPEN_TREE_CLOEXEC))  # fmt: skip
+                tree = _check(
+                    libc.syscall(
+                        _SYS_OPEN_TREE, _AT_FDCWD, source.encode(), _OPEN_TREE_CLONE | _OPEN_TREE_CLOEXEC
+                    )
+                )
                 _check(libc.setns(ours, _CLONE_NEWNS))
-                _check(libc.syscall(_SYS_MOVE_MOUNT, tree, b"", _AT_FDCWD, target.encode(),
-                                    _MOVE_MOUNT_F_EMPTY_PATH))  # fmt: skip
+                _check(
+                    libc.syscall(
+                        _SYS_MOVE_MOUNT, tree, b"", _AT_FDCWD, target.encode(), _MOVE_MOUNT_F_EMPTY_PATH
+                    )
+                )
             except OSError as exc:
                 err = exc.errno or 1
             except BaseException:

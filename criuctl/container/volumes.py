@@ -37,8 +37,22 @@ from criuctl.format.bundle import ContainerFacts
 
 # filesystems whose files every node mounting them sees alike (fuse: the CSI drivers of object
 # stores and network filesystems)
-SHARED_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "ceph", "glusterfs", "lustre", "gpfs", "beegfs",
-                       "orangefs", "gfs2", "ocfs2"})  # fmt: skip
+SHARED_FS = frozenset(
+    {
+        "nfs",
+        "nfs4",
+        "cifs",
+        "smb3",
+        "ceph",
+        "glusterfs",
+        "lustre",
+        "gpfs",
+        "beegfs",
+        "orangefs",
+        "gfs2",
+        "ocfs2",
+    }
+)
 # the kubelet's folders of a pod (its UID; the CRI tests' stand-in names the pod instead)
 _KUBELET_VOLUME = re.compile(r"/pods/[^/]+/volumes/kubernetes\.io~([^/]+)/([^/]+)(?:/|$)")
 _KUBELET_SUBPATH = re.compile(r"/pods/[^/]+/volume-subpaths/([^/]+)/")
@@ -56,8 +70,13 @@ class Kind(enum.Enum):
 
 
 CARRIED_WHOLE = frozenset({Kind.EMPTY_DIR, Kind.POD_MEMORY})
-_PLUGINS = {"empty-dir": Kind.EMPTY_DIR, "configmap": Kind.API, "secret": Kind.API,
-            "projected": Kind.PER_POD, "downward-api": Kind.PER_POD}  # fmt: skip
+_PLUGINS = {
+    "empty-dir": Kind.EMPTY_DIR,
+    "configmap": Kind.API,
+    "secret": Kind.API,
+    "projected": Kind.PER_POD,
+    "downward-api": Kind.PER_POD,
+}
 
 
 @dataclass(frozen=True)
@@ -200,8 +219,15 @@ def digest(base: str) -> str:
     return h.hexdigest()
 
 
-def carry(vols: list[Volume], view: NodeView, inside: list[mounts.Mount], pids: list[int],
-          bundle_dir: Path, folder: str, facts: ContainerFacts) -> None:  # fmt: skip
+def carry(
+    vols: list[Volume],
+    view: NodeView,
+    inside: list[mounts.Mount],
+    pids: list[int],
+    bundle_dir: Path,
+    folder: str,
+    facts: ContainerFacts,
+) -> None:
     """Take what goes with the job (the table above) into `bundle_dir/folder`, recording it in
     `facts`; the tree must be frozen, so that every file has the size CRIU records."""
     seen = mounts.by_point(inside)

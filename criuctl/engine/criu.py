@@ -395,10 +395,23 @@ def lazy_pages_daemon(
     ready_r, ready_w = os.pipe()
     log = work_dir / "lazy-pages.log"
     argv = [
-        binary(), "lazy-pages", "--page-server", "--address", address, "--port", str(port),
-        "-D", str(images_dir), "-W", str(work_dir), "-o", log.name, f"-v{env.CRIU_LOG_LEVEL.get()}",
-        "--status-fd", str(ready_w),
-    ]  # fmt: skip
+        binary(),
+        "lazy-pages",
+        "--page-server",
+        "--address",
+        address,
+        "--port",
+        str(port),
+        "-D",
+        str(images_dir),
+        "-W",
+        str(work_dir),
+        "-o",
+        log.name,
+        f"-v{env.CRIU_LOG_LEVEL.get()}",
+        "--status-fd",
+        str(ready_w),
+    ]
     proc = subprocess.Popen(argv, pass_fds=(ready_w,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     os.close(ready_w)
     with os.fdopen(ready_r, "rb") as ready:

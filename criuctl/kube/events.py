@@ -31,8 +31,11 @@ def record(c: Cluster, pod: dict, reason: Reason, message: str) -> None:
     body = {
         "metadata": {"name": f"{meta['name']}.{os.urandom(8).hex()}", "namespace": meta["namespace"]},
         "involvedObject": {
-            "apiVersion": "v1", "kind": "Pod", "name": meta["name"],
-            "namespace": meta["namespace"], "uid": meta.get("uid"),
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "uid": meta.get("uid"),
         },
         "reason": reason.value,
         "message": message[:1000],
@@ -41,7 +44,7 @@ def record(c: Cluster, pod: dict, reason: Reason, message: str) -> None:
         "firstTimestamp": now(),
         "lastTimestamp": now(),
         "count": 1,
-    }  # fmt: skip
+    }
     # an Event that cannot be written changes nothing; one the API server does not answer waits no
     # longer than any call (c.core is bounded: criuctl.kube.api)
     with contextlib.suppress(Exception):

@@ -99,8 +99,9 @@ def save(c: Cluster, m: Move) -> Move:
 
     data = {k: str(v) for k, v in asdict(m).items() if k != "version"}
     data["since"] = repr(m.since or time.time())
-    meta = client.V1ObjectMeta(name=m.key, namespace=SYSTEM_NS, labels={LABEL: "true"},
-                               resource_version=m.version or None)  # fmt: skip
+    meta = client.V1ObjectMeta(
+        name=m.key, namespace=SYSTEM_NS, labels={LABEL: "true"}, resource_version=m.version or None
+    )
     body = client.V1ConfigMap(metadata=meta, data=data)
     if m.version:
         cm = call("a move record", c.core.replace_namespaced_config_map, m.key, SYSTEM_NS, body)

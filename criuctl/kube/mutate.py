@@ -37,9 +37,15 @@ RUN_DIR = nsinit.CONTROL_DIR
 NO_COMMAND = "the image's entrypoint is not in the pod spec; give the container a command"
 PROBES = ("livenessProbe", "readinessProbe", "startupProbe")
 # The spec fields the webhook rewrites: `patch` replaces these whole and nothing else.
-PATCHED = (("metadata", "annotations"), ("spec", "containers"), ("spec", "volumes"), ("spec", "nodeName"),
-           ("spec", "terminationGracePeriodSeconds"), ("spec", "nodeSelector"),
-           ("spec", "affinity"))  # fmt: skip
+PATCHED = (
+    ("metadata", "annotations"),
+    ("spec", "containers"),
+    ("spec", "volumes"),
+    ("spec", "nodeName"),
+    ("spec", "terminationGracePeriodSeconds"),
+    ("spec", "nodeSelector"),
+    ("spec", "affinity"),
+)
 PRESTOP_PATH = "/v1/prestop"  # + /NAMESPACE/POD: criuctl.kube.prestop, on the node agent's loopback port
 # a preStop checkpoint (freeze, dump, copy to another node) must fit in the pod's grace period
 PRESTOP_GRACE = 300
@@ -69,8 +75,11 @@ def prestop_hook(port: int, namespace: str, name: str) -> dict[str, Any]:
     where CRIU would find a stranger in the tree it must dump. Kubernetes 1.20's kubelet makes a
     lifecycle httpGet over plain HTTP without headers, whatever `scheme` says: the agent's preStop
     listener is loopback-only and acts only on a pod the API server says is being deleted."""
-    return {"preStop": {"httpGet": {"host": "127.0.0.1", "port": port,
-                                    "path": f"{PRESTOP_PATH}/{namespace}/{name}"}}}  # fmt: skip
+    return {
+        "preStop": {
+            "httpGet": {"host": "127.0.0.1", "port": port, "path": f"{PRESTOP_PATH}/{namespace}/{name}"}
+        }
+    }
 
 
 def wrap(pod: Pod, prestop_port: int | None = None, namespace: str | None = None) -> Pod:

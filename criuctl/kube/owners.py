@@ -38,18 +38,28 @@ def owner(c: Cluster, pod: dict) -> Owner | None:
     ns, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
     try:
         if ref["kind"] == "StatefulSet":
-            obj = c.serialize(call(f"StatefulSet {ref['name']}", c.apps.read_namespaced_stateful_set,
-                                   ref["name"], ns))  # fmt: skip
+            obj = c.serialize(
+                call(f"StatefulSet {ref['name']}", c.apps.read_namespaced_stateful_set, ref["name"], ns)
+            )
             replicas = int(obj["spec"].get("replicas", 1))
             ordinal = int(name.rsplit("-", 1)[1]) if name.rsplit("-", 1)[-1].isdigit() else 0
             counted, why = ordinal < replicas, f"the StatefulSet now has {replicas} replica(s)"
         else:
-            obj = call(f"PyTorchJob {ref['name']}", c.custom.get_namespaced_custom_object,
-                       "kubeflow.org", "v1", ns, "pytorchjobs", ref["name"])  # fmt: skip
+            obj = call(
+                f"PyTorchJob {ref['name']}",
+                c.custom.get_namespaced_custom_object,
+                "kubeflow.org",
+                "v1",
+                ns,
+                "pytorchjobs",
+                ref["name"],
+            )
             specs = obj.get("spec", {}).get("pytorchReplicaSpecs", {})
             replicas = sum(int(s.get("replicas", 1)) for s in specs.values())
-            done = any(c_["type"] in ("Succeeded", "Failed") and c_["status"] == "True"
-                       for c_ in obj.get("status", {}).get("conditions") or [])  # fmt: skip
+            done = any(
+                c_["type"] in ("Succeeded", "Failed") and c_["status"] == "True"
+                for c_ in obj.get("status", {}).get("conditions") or []
+            )
             counted, why = not done, "the PyTorchJob has finished"
     except NotFound:
         return Owner(ref["kind"], ref["name"], 0, False, f"its {ref['kind']} is gone")

@@ -127,8 +127,9 @@ def execute(c: Cluster, p: PodPlan, mode: str | None, progress) -> agent_migrate
 
     try:
         into = _wait_placeholder(c, p)
-        result = agent_migrate.migrate(p.workload, p.src, p.dst, mode, progress, into=into,
-                                       target_committed=hand_over)  # fmt: skip
+        result = agent_migrate.migrate(
+            p.workload, p.src, p.dst, mode, progress, into=into, target_committed=hand_over
+        )
     except agent_migrate.MigrationInDoubt as exc:
         where = settle(p, exc)
         if where == p.target:  # the job runs in the new pod: the hand-over as after a commit
@@ -149,9 +150,13 @@ def execute(c: Cluster, p: PodPlan, mode: str | None, progress) -> agent_migrate
             _delete(c, p.namespace, p.placeholder_name, grace=0)
         left = getattr(exc, "thaw_left", None)
         if left:  # it runs on the source again, not whole yet: said as such, never "keeps running"
-            events.record(c, src_pod, events.Reason.THAW_INCOMPLETE,
-                          f"{exc.what}; it runs on {p.source} again, but its thaw did not complete: {left}; "
-                          f"the agent on {p.source} keeps trying")  # fmt: skip
+            events.record(
+                c,
+                src_pod,
+                events.Reason.THAW_INCOMPLETE,
+                f"{exc.what}; it runs on {p.source} again, but its thaw did not complete: {left}; "
+                f"the agent on {p.source} keeps trying",
+            )
         else:
             events.record(c, src_pod, events.Reason.FAILED, f"{exc.what}; it keeps running on {p.source}")
         events.record(c, new_pod, events.Reason.FAILED, f"{exc.what}; this placeholder is deleted")
@@ -174,8 +179,19 @@ def _owned_result(
 ) -> agent_migrate.MigrationResult:
     took = time.monotonic() - started
     size, freeze = (m.size, m.freeze) if m else (0, 0.0)
-    return agent_migrate.MigrationResult(p.workload, p.source, where, "through its successor", took, took,
-                                         size, freeze, 0.0, 0.0, via_successor=True)  # fmt: skip
+    return agent_migrate.MigrationResult(
+        p.workload,
+        p.source,
+        where,
+        "through its successor",
+        took,
+        took,
+        size,
+        freeze,
+        0.0,
+        0.0,
+        via_successor=True,
+    )
 
 
 def execute_owned(c: Cluster, p: PodPlan, progress) -> agent_migrate.MigrationResult:
@@ -184,8 +200,19 @@ def execute_owned(c: Cluster, p: PodPlan, progress) -> agent_migrate.MigrationRe
     stale = moves.read(c, p.namespace, p.pod)
     if stale is not None:
         moves.forget(c, stale)  # a requested or failed move of an earlier pod (plan refused live ones)
-    moves.save(c, moves.Move(p.namespace, p.pod, uid, p.source, p.container, moves.Phase.REQUESTED,
-                             target=p.target, since=time.time()))  # fmt: skip
+    moves.save(
+        c,
+        moves.Move(
+            p.namespace,
+            p.pod,
+            uid,
+            p.source,
+            p.container,
+            moves.Phase.REQUESTED,
+            target=p.target,
+            since=time.time(),
+        ),
+    )
     said = f"moving to node {p.target}: checkpointed on delete, restored into its successor"
     events.record(c, p.source_pod, events.Reason.STARTED, said)
     started = time.monotonic()

@@ -14,8 +14,14 @@ from criuctl.kube import events, moves, mutate, owners, podvolumes
 from criuctl.kube.cluster import Cluster, NotFound, agent_for, call, workload_row
 
 # labels a controller selects its pods by: a placeholder keeps none, or the controller adopts it
-CONTROLLER_LABELS = ("pod-template-hash", "controller-revision-hash", "controller-uid", "job-name",
-                     "statefulset.kubernetes.io/pod-name", "apps.kubernetes.io/pod-index")  # fmt: skip
+CONTROLLER_LABELS = (
+    "pod-template-hash",
+    "controller-revision-hash",
+    "controller-uid",
+    "job-name",
+    "statefulset.kubernetes.io/pod-name",
+    "apps.kubernetes.io/pod-index",
+)
 
 
 class NotMigratable(CriuctlError):
@@ -40,8 +46,18 @@ class PodPlan:
     owner: str = ""  # "KIND NAME" of that controller
 
     def summary(self) -> dict[str, Any]:
-        keys = ("namespace", "pod", "source", "target", "container", "workload", "placeholder_name",
-                "memory_needed", "memory_free", "owner")  # fmt: skip
+        keys = (
+            "namespace",
+            "pod",
+            "source",
+            "target",
+            "container",
+            "workload",
+            "placeholder_name",
+            "memory_needed",
+            "memory_free",
+            "owner",
+        )
         return {k: getattr(self, k) for k in keys}
 
 
@@ -65,9 +81,11 @@ def pod_memory(pod: dict) -> int:
 
 def free_memory(c: Cluster, node: dict) -> int:
     name = node["metadata"]["name"]
-    pods = call(f"pods on node {name}", c.core.list_pod_for_all_namespaces,
-                field_selector=f"spec.nodeName={name},status.phase!=Succeeded,status.phase!=Failed",
-                ).items  # fmt: skip
+    pods = call(
+        f"pods on node {name}",
+        c.core.list_pod_for_all_namespaces,
+        field_selector=f"spec.nodeName={name},status.phase!=Succeeded,status.phase!=Failed",
+    ).items
     used = sum(pod_memory(c.serialize(p)) for p in pods)
     return _bytes(node["status"]["allocatable"].get("memory")) - used
 
@@ -112,8 +130,10 @@ def _owned(c: Cluster, pod: dict, ctr: dict) -> owners.Owner | None:
         )
     pending = moves.read(c, meta["namespace"], meta["name"])
     if pending is not None and pending.phase in (moves.Phase.DUMPING, moves.Phase.KEPT):
-        raise CriuctlError(f"pod {meta['name']} is already moving (bundle {pending.bundle})",
-                           "wait for it: `kubectl get events`")  # fmt: skip
+        raise CriuctlError(
+            f"pod {meta['name']} is already moving (bundle {pending.bundle})",
+            "wait for it: `kubectl get events`",
+        )
     return o
 
 
@@ -187,8 +207,10 @@ def plan(c: Cluster, namespace: str, name: str, target: str) -> PodPlan:
     src, dst = agent_for(c, c.serialize(src_node)), agent_for(c, node)
     row = workload_row(src, cid)
     if row is None:
-        raise CriuctlError(f"node {source}'s agent does not see container {cid[:12]} of pod {name}",
-                           "is the agent on that node healthy? `kubectl -n criuctl-system logs`")  # fmt: skip
+        raise CriuctlError(
+            f"node {source}'s agent does not see container {cid[:12]} of pod {name}",
+            "is the agent on that node healthy? `kubectl -n criuctl-system logs`",
+        )
     if row.get("why_not"):
         raise NotMigratable(f"pod {name}: {row['why_not']}", "nothing was changed")
     workload = row["name"]
@@ -200,8 +222,22 @@ def plan(c: Cluster, namespace: str, name: str, target: str) -> PodPlan:
             "free memory there or pick another node; nothing was changed",
         )
     if owner is not None:  # its successor is the placeholder: same name, made by its controller
-        return PodPlan(namespace, name, source, target, ctr["name"], workload, name, needed, free, src, dst,
-                       pod, None, f"{owner.kind} {owner.name}")  # fmt: skip
+        return PodPlan(
+            namespace,
+            name,
+            source,
+            target,
+            ctr["name"],
+            workload,
+            name,
+            needed,
+            free,
+            src,
+            dst,
+            pod,
+            None,
+            f"{owner.kind} {owner.name}",
+        )
     body = mutate.placeholder(pod, target, f"{namespace}/{name}")
     taken = {
         q.metadata.name for q in call(f"pods in {namespace}", c.core.list_namespaced_pod, namespace).items
@@ -215,5 +251,6 @@ def plan(c: Cluster, namespace: str, name: str, target: str) -> PodPlan:
     notes = body["metadata"].setdefault("annotations", {})
     notes.pop(events.MIGRATED_AT, None)  # set once the job runs in it: until then it is a placeholder
     notes[events.MIGRATED_FROM] = f"{namespace}/{name}@{source}"
-    return PodPlan(namespace, name, source, target, ctr["name"], workload, new, needed, free, src, dst,
-                   pod, body)  # fmt: skip
+    return PodPlan(
+        namespace, name, source, target, ctr["name"], workload, new, needed, free, src, dst, pod, body
+    )

@@ -26,21 +26,50 @@ FOLLOWS = frozenset({"emptyDir", "hostPath", "configMap", "secret", "projected",
 # network filesystems: every node mounting them sees the same files
 SHARED = frozenset({"nfs", "cephfs", "glusterfs", "azureFile", "quobyte"})
 # disks attached to one node at a time unless their claim allows many (ReadWriteMany, ReadOnlyMany)
-ATTACHED = frozenset({"awsElasticBlockStore", "gcePersistentDisk", "azureDisk", "cinder", "rbd", "iscsi",
-                      "fc", "vsphereVolume", "photonPersistentDisk", "portworxVolume", "scaleIO",
-                      "storageos", "flocker", "csi"})  # fmt: skip
+ATTACHED = frozenset(
+    {
+        "awsElasticBlockStore",
+        "gcePersistentDisk",
+        "azureDisk",
+        "cinder",
+        "rbd",
+        "iscsi",
+        "fc",
+        "vsphereVolume",
+        "photonPersistentDisk",
+        "portworxVolume",
+        "scaleIO",
+        "storageos",
+        "flocker",
+        "csi",
+    }
+)
 # what no node but this pod's own sees alike
 NEVER = {
-    "ephemeral": ("is a generic ephemeral volume: its claim belongs to this pod, is deleted with it, and a "
-                  "new pod gets a new, empty one",
-                  "keep what the job must not lose in an emptyDir (carried) or a PersistentVolumeClaim"),
-    "gitRepo": ("is a gitRepo volume, cloned anew for each pod (maybe at another commit)",
-                "clone it in an init container into an emptyDir, which moves with the job"),
-}  # fmt: skip
+    "ephemeral": (
+        "is a generic ephemeral volume: its claim belongs to this pod, is deleted with it, and a "
+        "new pod gets a new, empty one",
+        "keep what the job must not lose in an emptyDir (carried) or a PersistentVolumeClaim",
+    ),
+    "gitRepo": (
+        "is a gitRepo volume, cloned anew for each pod (maybe at another commit)",
+        "clone it in an init container into an emptyDir, which moves with the job",
+    ),
+}
 MANY_NODES = frozenset({"ReadWriteMany", "ReadOnlyMany"})
 NOT_KINDS = frozenset({"name"})  # the keys of a pod volume (and a PV spec) that are not its source
-PV_NOT_KINDS = frozenset({"accessModes", "capacity", "claimRef", "mountOptions", "nodeAffinity", "volumeMode",
-                          "persistentVolumeReclaimPolicy", "storageClassName"})  # fmt: skip
+PV_NOT_KINDS = frozenset(
+    {
+        "accessModes",
+        "capacity",
+        "claimRef",
+        "mountOptions",
+        "nodeAffinity",
+        "volumeMode",
+        "persistentVolumeReclaimPolicy",
+        "storageClassName",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -82,13 +111,17 @@ def check(pod: dict, node: dict, claims: dict[str, dict], pvs: dict[str, dict]) 
                 "the same files",
                 "use a PersistentVolumeClaim of storage every node reaches (ReadWriteMany)",
             )
-        return Refusal(name, f"is a {k} volume, which criuctl does not know how to move",
-                       "docs/containers.md lists the kinds of volumes that move")  # fmt: skip
+        return Refusal(
+            name,
+            f"is a {k} volume, which criuctl does not know how to move",
+            "docs/containers.md lists the kinds of volumes that move",
+        )
     return None
 
 
-def _claim(claim: str, target: str, node: dict, claims: dict[str, dict],
-           pvs: dict[str, dict]) -> tuple[str, str] | None:  # fmt: skip
+def _claim(
+    claim: str, target: str, node: dict, claims: dict[str, dict], pvs: dict[str, dict]
+) -> tuple[str, str] | None:
     pvc = claims.get(claim)
     if pvc is None:
         return f"names PersistentVolumeClaim {claim}, which does not exist", "create it, or fix the pod"
@@ -98,20 +131,26 @@ def _claim(claim: str, target: str, node: dict, claims: dict[str, dict],
     pv_name = pvc["spec"].get("volumeName", "")
     pv = pvs.get(pv_name)
     if pv is None:
-        return (f"is PersistentVolumeClaim {claim}, bound to PersistentVolume {pv_name}, which is gone",
-                "see `kubectl get pv`")  # fmt: skip
+        return (
+            f"is PersistentVolumeClaim {claim}, bound to PersistentVolume {pv_name}, which is gone",
+            "see `kubectl get pv`",
+        )
     terms = ((((pv["spec"].get("nodeAffinity") or {}).get("required")) or {}).get("nodeSelectorTerms")) or []
     if terms and not any(_term_matches(t, node) for t in terms):
-        return (f"is PersistentVolumeClaim {claim}, bound to PersistentVolume {pv_name}, which node {target} "
-                "cannot reach (its node affinity leaves it out: a local disk of another node)",
-                f"pick a node the PV allows (`kubectl get pv {pv_name} -o yaml`), or keep the job's data on "
-                "storage every node reaches")  # fmt: skip
+        return (
+            f"is PersistentVolumeClaim {claim}, bound to PersistentVolume {pv_name}, which node {target} "
+            "cannot reach (its node affinity leaves it out: a local disk of another node)",
+            f"pick a node the PV allows (`kubectl get pv {pv_name} -o yaml`), or keep the job's data on "
+            "storage every node reaches",
+        )
     source = kind(pv["spec"], PV_NOT_KINDS)
     modes = set((pvc.get("status") or {}).get("accessModes") or pvc["spec"].get("accessModes") or [])
     if source in ATTACHED and not modes & MANY_NODES:
-        return (f"is PersistentVolumeClaim {claim}, a ReadWriteOnce {source} volume: attached to one node at "
-                f"a time, it cannot be mounted on node {target} while the job runs where it is",
-                "use a ReadWriteMany storage class for data a job keeps across nodes")  # fmt: skip
+        return (
+            f"is PersistentVolumeClaim {claim}, a ReadWriteOnce {source} volume: attached to one node at "
+            f"a time, it cannot be mounted on node {target} while the job runs where it is",
+            "use a ReadWriteMany storage class for data a job keeps across nodes",
+        )
     return None
 
 

@@ -79,8 +79,10 @@ def leaving(c: Cluster, namespace: str, name: str, node: str) -> str:
         return "the pod is gone: nothing to keep"
     meta = pod["metadata"]
     if pod["spec"].get("nodeName") != node or not meta.get("deletionTimestamp"):
-        raise Refused(f"pod {namespace}/{name} is not being deleted on node {node}",
-                      "only its kubelet's preStop hook calls this")  # fmt: skip
+        raise Refused(
+            f"pod {namespace}/{name} is not being deleted on node {node}",
+            "only its kubelet's preStop hook calls this",
+        )
     wrapped = [ctr for ctr in pod["spec"]["containers"] if mutate.is_wrapped(ctr)]
     if len(wrapped) != 1:
         return "no single container under criuctl's init: it ends with its pod"
@@ -112,10 +114,18 @@ def leaving(c: Cluster, namespace: str, name: str, node: str) -> str:
     needed = max(podplan.pod_memory(pod), int(row.get("rss_bytes") or 0))
     target = requested.target if requested else _target(c, pod, node, needed)
     dst = agent_for(c, c.serialize(call(f"node {target}", c.core.read_node, target)))
-    m = moves.Move(namespace, name, meta["uid"], node, wrapped[0]["name"], moves.Phase.DUMPING,
-                   target=target, bundle=uuid.uuid4().hex,
-                   since=requested.since if requested else time.time(),
-                   version=requested.version if requested else "")  # fmt: skip
+    m = moves.Move(
+        namespace,
+        name,
+        meta["uid"],
+        node,
+        wrapped[0]["name"],
+        moves.Phase.DUMPING,
+        target=target,
+        bundle=uuid.uuid4().hex,
+        since=requested.since if requested else time.time(),
+        version=requested.version if requested else "",
+    )
     m = moves.save(c, m)  # before the dump: a crash after it leaves the bundle's id on record
     events.record(c, pod, events.Reason.STARTED, f"deleted: checkpointing its job for node {target}")
     source = AgentClient(src, timeout=CHECKPOINT_TIMEOUT)

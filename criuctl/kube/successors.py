@@ -74,8 +74,14 @@ def _fail(c: Cluster, m: moves.Move, why: str, pod: dict | None) -> None:
 
 
 def _finish(c: Cluster, m: moves.Move, pod: dict, node: str) -> None:
-    stamp = {"metadata": {"annotations": {events.MIGRATED_FROM: f"{m.namespace}/{m.pod}@{m.source}",
-                                          events.MIGRATED_AT: events.now()}}}  # fmt: skip
+    stamp = {
+        "metadata": {
+            "annotations": {
+                events.MIGRATED_FROM: f"{m.namespace}/{m.pod}@{m.source}",
+                events.MIGRATED_AT: events.now(),
+            }
+        }
+    }
     call("the new pod", c.core.patch_namespaced_pod, m.pod, m.namespace, stamp)
     said = f"restored on node {node} from node {m.source} (bundle {m.bundle})"
     events.record(c, pod, events.Reason.MIGRATED, said)
@@ -130,8 +136,13 @@ def step(c: Cluster, m: moves.Move, node: str) -> None:
             _fail(c, m, why, None)
         return
     if not mutate.is_placeholder(pod):
-        _fail(c, m, f"pod {m.pod} was recreated without criuctl's webhook and started its job over; "
-                    f"bundle {m.bundle} is kept on node {node}", pod)  # fmt: skip
+        _fail(
+            c,
+            m,
+            f"pod {m.pod} was recreated without criuctl's webhook and started its job over; "
+            f"bundle {m.bundle} is kept on node {node}",
+            pod,
+        )
         return
     ctr = next((x for x in pod["spec"]["containers"] if mutate.is_wrapped(x)), None)
     if pod["spec"].get("nodeName") != node:

@@ -106,8 +106,11 @@ def thaw_tree(
     pids = procinfo.tree_pids(root_pid)
     left: list[str] = []
     try:
-        _step(left, "CRIU's network lock still drops its TCP connections",
-              lambda: lift_network_lock(pids, images_dir, table))  # fmt: skip
+        _step(
+            left,
+            "CRIU's network lock still drops its TCP connections",
+            lambda: lift_network_lock(pids, images_dir, table),
+        )
         reuse = tcprepair.reuseaddr_from_images(images_dir) if images_dir else None
         _step(left, "its TCP sockets are still in repair mode", lambda: tcprepair.leave_repair(pids, reuse))
     finally:
@@ -145,8 +148,13 @@ def lift_network_lock(pids: list[int], images_dir: Path | None = None, table: st
     found = [table] if table else []
     if images_dir is not None and (t := netlock.table_for_images(images_dir)):
         found.append(t)
-    found += netlock.tables_holding({(c.laddr.ip, c.laddr.port, c.raddr.ip, c.raddr.port)
-                                     for c in peers.sockets(pids) if c.laddr and c.raddr})  # fmt: skip
+    found += netlock.tables_holding(
+        {
+            (c.laddr.ip, c.laddr.port, c.raddr.ip, c.raddr.port)
+            for c in peers.sockets(pids)
+            if c.laddr and c.raddr
+        }
+    )
     return [t for t in dict.fromkeys(found) if netlock.lift(t)]
 
 

@@ -77,9 +77,11 @@ def _table(prefix: str, ident: str) -> str:
 def cut(ident: str, conns: list[Tuple]) -> str:
     """Drop every packet of `conns` (as seen from this node), both ways; the table's name."""
     table = _table(CUT, ident)
-    lines = [f"add table {FAMILY} {table}",
-             f"add chain {FAMILY} {table} in {{ type filter hook input priority 0; }}",
-             f"add chain {FAMILY} {table} out {{ type filter hook output priority 0; }}"]  # fmt: skip
+    lines = [
+        f"add table {FAMILY} {table}",
+        f"add chain {FAMILY} {table} in {{ type filter hook input priority 0; }}",
+        f"add chain {FAMILY} {table} out {{ type filter hook output priority 0; }}",
+    ]
     for la, lp, ra, rp in conns:
         lines.append(f"add rule {FAMILY} {table} in {_match(ra, rp, la, lp)} drop")
         lines.append(f"add rule {FAMILY} {table} out {_match(la, lp, ra, rp)} drop")
@@ -92,11 +94,12 @@ def redirect(ident: str, rules: list[Redirect]) -> str:
     """Translate each connection's old remote address to its new one, stacked after earlier ones."""
     table = _table(NAT, ident)
     depth = len(tables(NAT))  # redirects already here: this one acts after them
-    lines = [f"add table {FAMILY} {table}",
-             f"add chain {FAMILY} {table} out "
-             f"{{ type route hook output priority {_PRIO_ROUTE_OUT + depth + 1}; }}",
-             f"add chain {FAMILY} {table} pre "
-             f"{{ type filter hook prerouting priority {_PRIO_PRE - depth - 1}; }}"]  # fmt: skip
+    lines = [
+        f"add table {FAMILY} {table}",
+        f"add chain {FAMILY} {table} out "
+        f"{{ type route hook output priority {_PRIO_ROUTE_OUT + depth + 1}; }}",
+        f"add chain {FAMILY} {table} pre {{ type filter hook prerouting priority {_PRIO_PRE - depth - 1}; }}",
+    ]
     for la, lp, old, rp, new in rules:
         lines.append(f"add rule {FAMILY} {table} out {_match(la, lp, old, rp)} ip daddr set {new}")
         lines.append(f"add rule {FAMILY} {table} pre {_match(new, rp, la, lp)} ip saddr set {old}")
@@ -113,8 +116,10 @@ def remove(table: str) -> bool:
         ok, _, err = nft.run(f"delete table {FAMILY} {table}")
     if ok or "No such file or directory" in err:
         return ok
-    raise NetlockError(f"cannot delete nftables table {FAMILY} {table}: {err.strip()}",
-                       f"delete it by hand: nft delete table {FAMILY} {table}")  # fmt: skip
+    raise NetlockError(
+        f"cannot delete nftables table {FAMILY} {table}: {err.strip()}",
+        f"delete it by hand: nft delete table {FAMILY} {table}",
+    )
 
 
 def tables(prefix: str) -> list[str]:

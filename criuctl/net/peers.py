@@ -31,14 +31,18 @@ class Endpoints:
     connections: list[tuple[str, int, str, int]] = field(default_factory=list)  # local, remote
 
     def to_json(self) -> EndpointsJson:
-        return {"listening": [list(e) for e in self.listening],
-                "connections": [list(c) for c in self.connections]}  # fmt: skip
+        return {
+            "listening": [list(e) for e in self.listening],
+            "connections": [list(c) for c in self.connections],
+        }
 
     @classmethod
     def from_json(cls, d: EndpointsJson | None) -> Endpoints:
         d = d or EndpointsJson(listening=[], connections=[])
-        return cls([(str(a), int(p)) for a, p in d.get("listening", [])],
-                   [(str(a), int(p), str(b), int(q)) for a, p, b, q in d.get("connections", [])])  # fmt: skip
+        return cls(
+            [(str(a), int(p)) for a, p in d.get("listening", [])],
+            [(str(a), int(p), str(b), int(q)) for a, p, b, q in d.get("connections", [])],
+        )
 
 
 def sockets(pids: list[int]) -> Iterator[pconn]:

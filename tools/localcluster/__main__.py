@@ -73,11 +73,20 @@ PRESTOP_PORT = 7071  # manifests/daemonset.yaml's --prestop-port
 
 def start_webhook(lay: Layout) -> None:
     """`criuctl webhook` on the host, at the URL the webhook configuration names (addons)."""
-    argv = [str(REPO / ".venv" / "bin" / "criuctl"), "webhook",
-            "--listen", f"{lay.host_ip}:{lay.webhook_port}",
-            "--tls-cert", str(lay.pki / "webhook.crt"),
-            "--tls-key", str(lay.pki / "webhook.key"),
-            "--prestop-port", str(PRESTOP_PORT), "--kubeconfig", str(lay.kubeconfig)]  # fmt: skip
+    argv = [
+        str(REPO / ".venv" / "bin" / "criuctl"),
+        "webhook",
+        "--listen",
+        f"{lay.host_ip}:{lay.webhook_port}",
+        "--tls-cert",
+        str(lay.pki / "webhook.crt"),
+        "--tls-key",
+        str(lay.pki / "webhook.key"),
+        "--prestop-port",
+        str(PRESTOP_PORT),
+        "--kubeconfig",
+        str(lay.kubeconfig),
+    ]
     control.spawn(lay, "webhook", argv, {"KUBECONFIG": str(lay.kubeconfig)})
 
 
@@ -123,9 +132,18 @@ def up(lay: Layout) -> Layout:
     # the training operator cannot run here: its stand-in (localcluster.pytorchjob, beside the
     # package in tools/, not in it: hence its PYTHONPATH)
     pytorchjob.install(str(lay.kubeconfig))
-    control.spawn(lay, "pytorchjob-standin", [str(REPO / ".venv" / "bin" / "python"), "-m",
-                  "localcluster.pytorchjob", "--kubeconfig", str(lay.kubeconfig)],
-                  env={"PYTHONPATH": str(REPO / "tools")})  # fmt: skip
+    control.spawn(
+        lay,
+        "pytorchjob-standin",
+        [
+            str(REPO / ".venv" / "bin" / "python"),
+            "-m",
+            "localcluster.pytorchjob",
+            "--kubeconfig",
+            str(lay.kubeconfig),
+        ],
+        env={"PYTHONPATH": str(REPO / "tools")},
+    )
     start_webhook(lay)
     addons.apply(lay, addons.render(lay))
     _wait("criuctl's agent Ready on every node", lambda: _agents_ready(lay), 180)
@@ -212,8 +230,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except ClusterError as exc:
         print(f"local-cluster: {exc}", file=sys.stderr)
-        print(f"local-cluster: logs in {lay.dir}/logs; `scripts/local-cluster down --dir {a.dir}` cleans up",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"local-cluster: logs in {lay.dir}/logs; `scripts/local-cluster down --dir {a.dir}` cleans up",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -20,7 +20,7 @@ from localcluster.layout import (
     ClusterError,
     Layout,
     sh,
-)  # fmt: skip
+)
 
 
 def agent_image(lay: Layout) -> Path:
@@ -40,8 +40,17 @@ def agent_image(lay: Layout) -> Path:
         entry = root / "criuctl-entry"
         entry.write_text(f'#!/bin/sh\nexec {REPO}/.venv/bin/criuctl "$@"\n')
         entry.chmod(0o755)
-        sh(str(REPO / ".venv" / "bin" / "python"), str(REPO / "scripts" / "image-tar.py"), str(root),
-           AGENT_IMAGE, str(lay.agent_tar), "--entrypoint", "/criuctl-entry", "--cmd", "agent")  # fmt: skip
+        sh(
+            str(REPO / ".venv" / "bin" / "python"),
+            str(REPO / "scripts" / "image-tar.py"),
+            str(root),
+            AGENT_IMAGE,
+            str(lay.agent_tar),
+            "--entrypoint",
+            "/criuctl-entry",
+            "--cmd",
+            "agent",
+        )
     return lay.agent_tar
 
 
@@ -62,33 +71,56 @@ def overlay(lay: Layout) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     vols, mounts = _host_mounts()
     ds_patch = {
-        "apiVersion": "apps/v1", "kind": "DaemonSet",
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
         "metadata": {"name": "criuctl-agent", "namespace": "criuctl-system"},
-        "spec": {"template": {"spec": {
-            "volumes": vols,
-            # no kube-proxy here: a Service address would not route, so the agent's in-cluster
-            # client is pointed at the API server itself (its certificate names that address)
-            "containers": [{"name": "agent", "volumeMounts": mounts, "env": [
-                {"name": "KUBERNETES_SERVICE_HOST", "value": lay.host_ip},
-                {"name": "KUBERNETES_SERVICE_PORT", "value": str(lay.api_port)},
-            ]}],
-        }}},
-    }  # fmt: skip
+        "spec": {
+            "template": {
+                "spec": {
+                    "volumes": vols,
+                    # no kube-proxy here: a Service address would not route, so the agent's in-cluster
+                    # client is pointed at the API server itself (its certificate names that address)
+                    "containers": [
+                        {
+                            "name": "agent",
+                            "volumeMounts": mounts,
+                            "env": [
+                                {"name": "KUBERNETES_SERVICE_HOST", "value": lay.host_ip},
+                                {"name": "KUBERNETES_SERVICE_PORT", "value": str(lay.api_port)},
+                            ],
+                        }
+                    ],
+                }
+            }
+        },
+    }
     pki = lay.pki
     secrets = [
-        {"apiVersion": "v1", "kind": "Secret",
-         "metadata": {"name": "criuctl-agent", "namespace": "criuctl-system"},
-         "stringData": None,
-         "data": {"token": _b64(pki / "agent-token"), "bundle.key": _b64(pki / "bundle.key")}},
-        {"apiVersion": "v1", "kind": "Secret",
-         "metadata": {"name": "criuctl-agent-tls", "namespace": "criuctl-system"}, "stringData": None,
-         "data": {"tls.crt": _b64(pki / "agent.crt"), "tls.key": _b64(pki / "agent.key"),
-                  "ca.crt": _b64(pki / "ca.crt")}},
-    ]  # fmt: skip
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "criuctl-agent", "namespace": "criuctl-system"},
+            "stringData": None,
+            "data": {"token": _b64(pki / "agent-token"), "bundle.key": _b64(pki / "bundle.key")},
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "criuctl-agent-tls", "namespace": "criuctl-system"},
+            "stringData": None,
+            "data": {
+                "tls.crt": _b64(pki / "agent.crt"),
+                "tls.key": _b64(pki / "agent.key"),
+                "ca.crt": _b64(pki / "ca.crt"),
+            },
+        },
+    ]
     # a short lease: a frozen source whose client died asks the target after 20 s, not 120 s (the
     # tests of a dead client wait for it)
-    lease = [{"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": v}
-             for v in ("--lease", f"{lay.agent_lease:g}")]  # fmt: skip
+    lease = [
+        {"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": v}
+        for v in ("--lease", f"{lay.agent_lease:g}")
+    ]
     patches = [{"path": "daemonset.json"}] + [{"path": f"secret{i}.json"} for i in range(len(secrets))]
     patches.append({"target": {"kind": "DaemonSet", "name": "criuctl-agent"}, "patch": json.dumps(lease)})
     (d / "daemonset.json").write_text(json.dumps(ds_patch))
@@ -98,10 +130,15 @@ def overlay(lay: Layout) -> Path:
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
         "resources": [os.path.relpath(REPO / "manifests", d)],
-        "images": [{"name": "criuctl-agent", "newName": AGENT_IMAGE.split(":")[0],
-                    "newTag": AGENT_IMAGE.split(":")[1]}],
+        "images": [
+            {
+                "name": "criuctl-agent",
+                "newName": AGENT_IMAGE.split(":")[0],
+                "newTag": AGENT_IMAGE.split(":")[1],
+            }
+        ],
         "patches": patches,
-    }  # fmt: skip
+    }
     (d / "kustomization.yaml").write_text(json.dumps(kust, indent=1))
     return d
 
@@ -142,7 +179,11 @@ def webhook_configuration(lay: Layout, o: dict) -> dict:
 
 def apply(lay: Layout, objs: list[dict]) -> None:
     doc = json.dumps({"apiVersion": "v1", "kind": "List", "items": objs})
-    r = subprocess.run(["kubectl", "--kubeconfig", str(lay.kubeconfig), "apply", "-f", "-"],
-                       input=doc, capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        ["kubectl", "--kubeconfig", str(lay.kubeconfig), "apply", "-f", "-"],
+        input=doc,
+        capture_output=True,
+        text=True,
+    )
     if r.returncode != 0:
         raise ClusterError(f"kubectl apply: {r.stderr.strip()[-1500:]}")

@@ -30,17 +30,25 @@ _FINAL = re.compile(r"^final (\w+)$")
 def pod(name: str, steps: int, node: str, migratable: bool) -> dict:
     paths = [p for p in (*HOST_PYTHON, str(REPO)) if Path(p).exists()]
     container = {
-        "name": "train", "image": BUSYBOX, "imagePullPolicy": "Never",
-        "command": [PY, SCRIPT], "args": ["--steps", str(steps), "--workers", "2"],
+        "name": "train",
+        "image": BUSYBOX,
+        "imagePullPolicy": "Never",
+        "command": [PY, SCRIPT],
+        "args": ["--steps", str(steps), "--workers", "2"],
         "volumeMounts": [{"name": f"h{i}", "mountPath": p, "readOnly": True} for i, p in enumerate(paths)],
-    }  # fmt: skip
+    }
     labels = {"criuctl.io/migratable": "true"} if migratable else {}
     return {
-        "apiVersion": "v1", "kind": "Pod",
+        "apiVersion": "v1",
+        "kind": "Pod",
         "metadata": {"name": name, "labels": labels, "annotations": {"criuctl.io/python": PY}},
-        "spec": {"nodeName": node, "restartPolicy": "Never", "containers": [container],
-                 "volumes": [{"name": f"h{i}", "hostPath": {"path": p}} for i, p in enumerate(paths)]},
-    }  # fmt: skip
+        "spec": {
+            "nodeName": node,
+            "restartPolicy": "Never",
+            "containers": [container],
+            "volumes": [{"name": f"h{i}", "hostPath": {"path": p}} for i, p in enumerate(paths)],
+        },
+    }
 
 
 def pytorchjob(name: str, steps: int, node: str) -> dict:
@@ -48,11 +56,20 @@ def pytorchjob(name: str, steps: int, node: str) -> dict:
     template = pod(name, steps, node, True)
     spec = {k: v for k, v in template["spec"].items() if k not in ("nodeName", "restartPolicy")}
     spec["nodeSelector"] = {"kubernetes.io/hostname": node}
-    master = {"replicas": 1, "restartPolicy": "OnFailure",
-              "template": {"metadata": {k: template["metadata"][k] for k in ("labels", "annotations")},
-                           "spec": spec}}  # fmt: skip
-    return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": name},
-            "spec": {"pytorchReplicaSpecs": {"Master": master}}}  # fmt: skip
+    master = {
+        "replicas": 1,
+        "restartPolicy": "OnFailure",
+        "template": {
+            "metadata": {k: template["metadata"][k] for k in ("labels", "annotations")},
+            "spec": spec,
+        },
+    }
+    return {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": {"name": name},
+        "spec": {"pytorchReplicaSpecs": {"Master": master}},
+    }
 
 
 class Follow(threading.Thread):
@@ -82,8 +99,12 @@ def run(lay: Layout, out: Path, steps: int = 300, move_at: int = 100) -> int:
     env = {**os.environ, "KUBECONFIG": str(lay.kubeconfig)}
     for p in (pytorchjob("train", steps, "a"), pod("reference", steps, "b", False)):
         deadline = time.monotonic() + 60  # the stand-in operator's CRD may still be settling
-        while subprocess.run([*kubectl, "apply", "-f", "-"], input=json.dumps(p), capture_output=True,
-                             text=True).returncode != 0:  # fmt: skip
+        while (
+            subprocess.run(
+                [*kubectl, "apply", "-f", "-"], input=json.dumps(p), capture_output=True, text=True
+            ).returncode
+            != 0
+        ):
             if time.monotonic() > deadline:
                 print(f"criuctl demo: the cluster refused the {p['kind']}; see `kubectl get crd`")
                 return 1
@@ -92,16 +113,22 @@ def run(lay: Layout, out: Path, steps: int = 300, move_at: int = 100) -> int:
     ref, before = Follow(kubectl, "reference"), Follow(kubectl, worker)
     ref.start()
     before.start()
-    print(f"criuctl demo: PyTorchJob train's worker {worker} on node a (wrapped by the webhook), pod "
-          f"reference on node b; moving the worker to node b after step {move_at}")  # fmt: skip
+    print(
+        f"criuctl demo: PyTorchJob train's worker {worker} on node a (wrapped by the webhook), pod "
+        f"reference on node b; moving the worker to node b after step {move_at}"
+    )
     deadline = time.monotonic() + 600
     while max(before.steps, default=-1) < move_at:
         if time.monotonic() > deadline or not before.is_alive():
             print(f"criuctl demo: the worker did not get going; see `kubectl describe pod {worker}`")
             return 1
         time.sleep(0.2)
-    r = subprocess.run([str(REPO / ".venv" / "bin" / "criuctl"), "migrate", worker, "b", "-o", "json"],
-                       env=env, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    r = subprocess.run(
+        [str(REPO / ".venv" / "bin" / "criuctl"), "migrate", worker, "b", "-o", "json"],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     if r.returncode != 0:
         print("criuctl demo: the migration failed (above)")
         return 1
@@ -111,18 +138,30 @@ def run(lay: Layout, out: Path, steps: int = 300, move_at: int = 100) -> int:
     for f in (ref, before, after):
         f.join(900)
     frozen_after = max(before.steps)
-    identical = ref.final == after.final and all(
-        ref.steps.get(s) == loss for s, loss in {**before.steps, **after.steps}.items()
-    ) and set({**before.steps, **after.steps}) == set(ref.steps)  # fmt: skip
+    identical = (
+        ref.final == after.final
+        and all(ref.steps.get(s) == loss for s, loss in {**before.steps, **after.steps}.items())
+        and set({**before.steps, **after.steps}) == set(ref.steps)
+    )
     out.mkdir(parents=True, exist_ok=True)
-    plot = demo._plot(out / "criuctl-kube-demo.png", ref.steps, before.steps, after.steps, frozen_after,
-                      labels=(f"{worker} on node a", f"{moved['new_pod']} on node b (same name)",
-                              f"criuctl migrate {worker} b ({moved['downtime_seconds']:.1f} s "
-                              "from delete to running again)"),
-                      title="A PyTorchJob worker moved to another kubelet node mid-training")  # fmt: skip
-    print(f"criuctl demo: moved after step {frozen_after}, {moved['downtime_seconds']:.1f} s from the "
-          f"delete to the job running again, "
-          f"{len(after.steps)} steps on node b; losses and final weights "
-          f"{'bit-identical to' if identical else 'DIFFERENT from'} the uninterrupted pod; "
-          f"plot: {plot}")  # fmt: skip
+    plot = demo._plot(
+        out / "criuctl-kube-demo.png",
+        ref.steps,
+        before.steps,
+        after.steps,
+        frozen_after,
+        labels=(
+            f"{worker} on node a",
+            f"{moved['new_pod']} on node b (same name)",
+            f"criuctl migrate {worker} b ({moved['downtime_seconds']:.1f} s from delete to running again)",
+        ),
+        title="A PyTorchJob worker moved to another kubelet node mid-training",
+    )
+    print(
+        f"criuctl demo: moved after step {frozen_after}, {moved['downtime_seconds']:.1f} s from the "
+        f"delete to the job running again, "
+        f"{len(after.steps)} steps on node b; losses and final weights "
+        f"{'bit-identical to' if identical else 'DIFFERENT from'} the uninterrupted pod; "
+        f"plot: {plot}"
+    )
     return 0 if identical else 1

@@ -90,11 +90,14 @@ def _files(lay: Layout, n: NodeInfo, token: str) -> Path:
         "name": f"{lay.prefix}-pods",
         "plugins": [
             {
-                "type": "bridge", "bridge": "cni0", "isGateway": True, "ipMasq": False,
+                "type": "bridge",
+                "bridge": "cni0",
+                "isGateway": True,
+                "ipMasq": False,
                 "ipam": {"type": "host-local", "subnet": n.pod_cidr, "routes": [{"dst": "0.0.0.0/0"}]},
             }
         ],
-    }  # fmt: skip
+    }
     (d / "etc-cni" / "10-pods.conflist").write_text(json.dumps(cni))
     kubelet = {
         "kind": "KubeletConfiguration",
@@ -114,16 +117,20 @@ def _files(lay: Layout, n: NodeInfo, token: str) -> Path:
         "clusterDomain": "cluster.local",
         "serializeImagePulls": False,
         "nodeStatusUpdateFrequency": "4s",
-        "evictionHard": {"memory.available": "50Mi", "nodefs.available": "1%", "imagefs.available": "1%",
-                         "nodefs.inodesFree": "1%"},
-    }  # fmt: skip
+        "evictionHard": {
+            "memory.available": "50Mi",
+            "nodefs.available": "1%",
+            "imagefs.available": "1%",
+            "nodefs.inodesFree": "1%",
+        },
+    }
     (d / "kubelet.json").write_text(json.dumps(kubelet, indent=1))
     pki.kubeconfig(lay, d / "kubelet.kubeconfig", token)
-    binds = "\n".join(
-        f"mount --bind {shlex.quote(str(d / k))} {v}" for k, v in BINDS.items()
-    ) + "\n" + "\n".join(
-        f"mount --bind {d}/sysctl/{k.replace('/', '_')} /proc/sys/{k}" for k in SYSCTLS
-    )  # fmt: skip
+    binds = (
+        "\n".join(f"mount --bind {shlex.quote(str(d / k))} {v}" for k, v in BINDS.items())
+        + "\n"
+        + "\n".join(f"mount --bind {d}/sysctl/{k.replace('/', '_')} /proc/sys/{k}" for k in SYSCTLS)
+    )
     images = " ".join(shlex.quote(str(p)) for p in (BUSYBOX_TAR, lay.agent_tar))
     script = f"""#!/bin/bash
 # node {n.name} of the criuctl local cluster: run in its own mount namespace and its network
@@ -149,10 +156,20 @@ def start(lay: Layout, name: str, token: str) -> None:
     cgroup_root(n)
     script = _files(lay, n, token)
     ours = os.stat("/proc/self/ns/mnt").st_ino
-    pid = spawn(lay, f"node-{name}", [
-        "unshare", "--mount", "--propagation", "private",
-        "nsenter", f"--net=/run/netns/{n.ns}", "bash", str(script),
-    ])  # fmt: skip
+    pid = spawn(
+        lay,
+        f"node-{name}",
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "nsenter",
+            f"--net=/run/netns/{n.ns}",
+            "bash",
+            str(script),
+        ],
+    )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError):

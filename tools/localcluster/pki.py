@@ -15,10 +15,38 @@ SERVICE_IP = "10.96.0.1"  # the `kubernetes` Service's address in --service-clus
 def _cert(pki: Path, name: str, cn: str, sans: list[str]) -> None:
     key, csr, crt, ext = (pki / f"{name}.{s}" for s in ("key", "csr", "crt", "ext"))
     ext.write_text("subjectAltName=" + ",".join(sans) + "\nextendedKeyUsage=serverAuth,clientAuth\n")
-    sh("openssl", "req", "-new", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr),
-       "-subj", f"/CN={cn}")  # fmt: skip
-    sh("openssl", "x509", "-req", "-in", str(csr), "-CA", str(pki / "ca.crt"), "-CAkey", str(pki / "ca.key"),
-       "-CAcreateserial", "-days", "365", "-out", str(crt), "-extfile", str(ext))  # fmt: skip
+    sh(
+        "openssl",
+        "req",
+        "-new",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        str(key),
+        "-out",
+        str(csr),
+        "-subj",
+        f"/CN={cn}",
+    )
+    sh(
+        "openssl",
+        "x509",
+        "-req",
+        "-in",
+        str(csr),
+        "-CA",
+        str(pki / "ca.crt"),
+        "-CAkey",
+        str(pki / "ca.key"),
+        "-CAcreateserial",
+        "-days",
+        "365",
+        "-out",
+        str(crt),
+        "-extfile",
+        str(ext),
+    )
     key.chmod(0o600)
 
 
@@ -27,8 +55,22 @@ def make(lay: Layout) -> dict[str, str]:
     pki = lay.pki
     pki.mkdir(parents=True, exist_ok=True)
     pki.chmod(0o700)
-    sh("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(pki / "ca.key"),
-       "-out", str(pki / "ca.crt"), "-days", "365", "-subj", "/CN=criuctl-local-cluster-ca")  # fmt: skip
+    sh(
+        "openssl",
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        str(pki / "ca.key"),
+        "-out",
+        str(pki / "ca.crt"),
+        "-days",
+        "365",
+        "-subj",
+        "/CN=criuctl-local-cluster-ca",
+    )
     ips = [lay.host_ip, "127.0.0.1", SERVICE_IP]
     names = ["kubernetes", "kubernetes.default", "kubernetes.default.svc", "localhost"]
     _cert(pki, "apiserver", "kube-apiserver", [f"IP:{i}" for i in ips] + [f"DNS:{n}" for n in names])
@@ -61,12 +103,19 @@ def kubeconfig(lay: Layout, path: Path, token: str, server: str | None = None) -
     cfg = {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [{"name": "local", "cluster": {"server": server or lay.api_url,
-                                                   "certificate-authority": str(lay.pki / "ca.crt")}}],
+        "clusters": [
+            {
+                "name": "local",
+                "cluster": {
+                    "server": server or lay.api_url,
+                    "certificate-authority": str(lay.pki / "ca.crt"),
+                },
+            }
+        ],
         "users": [{"name": "user", "user": {"token": token}}],
         "contexts": [{"name": "local", "context": {"cluster": "local", "user": "user"}}],
         "current-context": "local",
-    }  # fmt: skip
+    }
     path.write_text(json.dumps(cfg, indent=1))
     path.chmod(0o600)
     return path

@@ -62,18 +62,24 @@ CRD: dict[str, Any] = {
         "group": GROUP,
         "scope": "Namespaced",
         "names": {"plural": PLURAL, "singular": "pytorchjob", "kind": KIND, "listKind": "PyTorchJobList"},
-        "versions": [{
-            "name": VERSION, "served": True, "storage": True,
-            # 1.20 requires a structural schema; the operator's own is generated, this one keeps all
-            "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
-            "subresources": {"status": {}},
-            "additionalPrinterColumns": [
-                {"name": "State", "type": "string", "jsonPath": ".status.conditions[-1:].type"},
-                {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-            ],
-        }],
+        "versions": [
+            {
+                "name": VERSION,
+                "served": True,
+                "storage": True,
+                # 1.20 requires a structural schema; the operator's own is generated, this one keeps all
+                "schema": {
+                    "openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+                },
+                "subresources": {"status": {}},
+                "additionalPrinterColumns": [
+                    {"name": "State", "type": "string", "jsonPath": ".status.conditions[-1:].type"},
+                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                ],
+            }
+        ],
     },
-}  # fmt: skip
+}
 EXCLUSIVE = {"Running": ("Restarting",), "Restarting": ("Running",)}  # one replaces the other
 log = logging.getLogger(__name__)
 
@@ -128,10 +134,20 @@ def _port(spec: dict) -> int:
 
 def _meta(job: dict, rtype: str, index: int, extra: dict[str, str]) -> dict:
     m = job["metadata"]
-    owner = {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": m["name"], "uid": m["uid"],
-             "controller": True, "blockOwnerDeletion": True}  # fmt: skip
-    return {"name": name_of(m["name"], rtype, index), "namespace": m["namespace"],
-            "labels": {**extra, **labels(m["name"], rtype, index)}, "ownerReferences": [owner]}  # fmt: skip
+    owner = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "name": m["name"],
+        "uid": m["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+    return {
+        "name": name_of(m["name"], rtype, index),
+        "namespace": m["namespace"],
+        "labels": {**extra, **labels(m["name"], rtype, index)},
+        "ownerReferences": [owner],
+    }
 
 
 def pod_for(job: dict, rtype: str, index: int) -> dict:
@@ -163,8 +179,11 @@ def service_for(job: dict, rtype: str, index: int) -> dict:
     """The headless Service that gives replica `rtype`/`index` its DNS name (the pod's name)."""
     meta = _meta(job, rtype, index, {})
     port = _port(replica_specs(job)[rtype])
-    spec = {"clusterIP": "None", "selector": dict(meta["labels"]),
-            "ports": [{"name": PORT_NAME, "port": port, "targetPort": port}]}  # fmt: skip
+    spec = {
+        "clusterIP": "None",
+        "selector": dict(meta["labels"]),
+        "ports": [{"name": PORT_NAME, "port": port, "targetPort": port}],
+    }
     return {"apiVersion": "v1", "kind": "Service", "metadata": meta, "spec": spec}
 
 
@@ -189,8 +208,14 @@ def set_condition(status: dict, ctype: str, message: str, reason: str = "") -> N
         return
     now = _now()
     since = cur["lastTransitionTime"] if cur and cur["status"] == "True" else now
-    new = {"type": ctype, "status": "True", "reason": reason, "message": message,
-           "lastUpdateTime": now, "lastTransitionTime": since}  # fmt: skip
+    new = {
+        "type": ctype,
+        "status": "True",
+        "reason": reason,
+        "message": message,
+        "lastUpdateTime": now,
+        "lastTransitionTime": since,
+    }
     gone = {ctype, *EXCLUSIVE.get(ctype, ())}
     ends = ctype in ("Succeeded", "Failed")
     kept = [
@@ -283,8 +308,11 @@ def update_conditions(status: dict, name: str, specs: dict[str, dict], counts: d
     """The operator's UpdateJobStatus for a job with a Master, Master first. A pass that ends in
     Restarting does not set Running on its way there (the end is the same; the status is not
     rewritten every second while a deleted replica terminates)."""
-    failing = {rtype: n["failed"] for rtype, n in counts.items()
-               if n["failed"] and replicas(specs[rtype]) > n["succeeded"] + n["active"]}  # fmt: skip
+    failing = {
+        rtype: n["failed"]
+        for rtype, n in counts.items()
+        if n["failed"] and replicas(specs[rtype]) > n["succeeded"] + n["active"]
+    }
     restarts = {rtype for rtype in failing if specs[rtype].get("restartPolicy", "OnFailure") != "Never"}
     if counts["Master"]["active"] and not restarts:
         set_condition(status, "Running", f"PyTorchJob {name} is running.")
