@@ -9,9 +9,11 @@ CLI checks them all before any verb runs (`check`). Unset and empty are the same
 
 Two kinds of module keep their own reads, by design: the in-process hook (`criuctl_hook`, loaded
 into the workload, never imports criuctl) and the namespace init (`criuctl.core.nsinit`, copied
-alone into containers). Their names are defined there and only registered here, so each name still
-has one home. README.md ("Environment variables") lists the same table; tests/test_env.py keeps
-the two, and the rule that criuctl reads these only through here, in step.
+alone into containers). The init's names are defined there and only registered here. The hook's
+are written in both places, as this module cannot import the hook: the CLI must start (and say
+"needs root") with nothing but criuctl on its path; tests/test_env.py checks the two agree.
+README.md ("Environment variables") lists the same table; tests/test_env.py keeps the two, and the
+rule that criuctl reads these only through here, in step.
 
 Standard library only: `statedir`, which every verb checks first, reads through here.
 """
@@ -29,7 +31,6 @@ from typing import Any, Generic, TypeVar
 
 from criuctl.core import nsinit
 from criuctl.core.errors import CriuctlError
-from criuctl_hook import contract
 
 T = TypeVar("T")
 
@@ -410,9 +411,10 @@ NO_WARM_HANDOFF: Var[bool] = Var(
 )
 
 # ------------------------------------------------ internal: set by criuctl for what it starts
+# (the hook's: criuctl_hook.contract's names, which cannot be imported here; the init's: nsinit's)
 
 WORKLOAD: Var[str] = Var(
-    contract.ENV_WORKLOAD,
+    "CRIUCTL_WORKLOAD",
     "the workload's name, in its environment (`criuctl run`)",
     parse=_text,
     default="",
@@ -422,7 +424,7 @@ WORKLOAD: Var[str] = Var(
     role=Role.INTERNAL,
 )
 HOOKS_DIR: Var[str] = Var(
-    contract.ENV_HOOKS_DIR,
+    "CRIUCTL_HOOKS_DIR",
     "the hook's folder, put on the workload's PYTHONPATH",
     parse=_text,
     default="",
@@ -432,7 +434,7 @@ HOOKS_DIR: Var[str] = Var(
     role=Role.INTERNAL,
 )
 CONTROL_DIR: Var[str] = Var(
-    contract.ENV_CONTROL_DIR,
+    "CRIUCTL_CONTROL_DIR",
     "where criuctl asks the hook for a step boundary",
     parse=_text,
     default="",
@@ -442,7 +444,7 @@ CONTROL_DIR: Var[str] = Var(
     role=Role.INTERNAL,
 )
 RESUME_STATE: Var[str] = Var(
-    contract.ENV_RESUME_STATE,
+    "CRIUCTL_RESUME_STATE",
     "a state bundle the restarted command loads (`restore` of a `dump --state`)",
     parse=_text,
     default="",
@@ -452,7 +454,7 @@ RESUME_STATE: Var[str] = Var(
     role=Role.INTERNAL,
 )
 HOOKED_PID: Var[str] = Var(
-    contract.ENV_HOOKED_PID,
+    "CRIUCTL_HOOKED_PID",
     "the first process of the workload that loaded the hook (set by the hook)",
     parse=_text,
     default="",
