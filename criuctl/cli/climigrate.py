@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from criuctl.core.errors import CriuctlError
-from criuctl.core.retry import Backoff
 
 if TYPE_CHECKING:
     from criuctl.agent.messages import NodeInfo
@@ -187,23 +186,15 @@ def _migrate_job(a: argparse.Namespace, name: str, wanted: dict[str, str]) -> in
     from criuctl.client import jobmove, jobs
     from criuctl.core import workloads
 
-    backoff = Backoff(cap=2.0, first=0.5)
-    for attempt in range(3):  # nothing is frozen yet: a survey whose nodes disagree is asked again
-        found = jobs.survey()
-        job = jobs.job_of(found, name)
-        if job is None:
-            silent = f" (no answer from node {', '.join(found.silent)})" if found.silent else ""
-            raise workloads.UnknownWorkload(
-                f"no job or workload named {name!r} runs on any node{silent}",
-                "see `criuctl ps --jobs` for the jobs and their ranks",
-            )
-        try:
-            plan = jobmove.plan(job, wanted)
-            break
-        except jobmove.EndpointsDisagree:
-            if attempt == 2:
-                raise
-            backoff.sleep()
+    found = jobs.survey()
+    job = jobs.job_of(found, name)
+    if job is None:
+        silent = f" (no answer from node {', '.join(found.silent)})" if found.silent else ""
+        raise workloads.UnknownWorkload(
+            f"no job or workload named {name!r} runs on any node{silent}",
+            "see `criuctl ps --jobs` for the jobs and their ranks",
+        )
+    plan = jobmove.plan(job, wanted)
     moved = ", ".join(f"{m.rank.label} → {m.target.name}" for m in plan.moves)
     print(f"criuctl: job {job.name} ({len(job.ranks)} ranks): moving {moved}", file=sys.stderr)
     result = jobmove.execute(plan, render.job_progress(), a.mode)

@@ -82,11 +82,6 @@ class JobMoveResult:
     redirects: int  # redirect rule sets installed on nodes of ranks that stay
 
 
-class EndpointsDisagree(MigrationFailed):
-    """Two ranks' listings disagree about a connection between them: the nodes answer a survey a
-    moment apart, and a connection came or went in between. Asked again, they usually agree."""
-
-
 def _address(rank: Rank) -> str:
     """The address a rank's connections leave from (its node's): one, or the plan cannot be made."""
     found = {la for la, _, _, _ in rank.tcp.connections if not ipaddress.ip_address(la).is_loopback}
@@ -163,7 +158,7 @@ def plan(job: Job, wanted: dict[str, str]) -> JobPlan:
             (link.rank.node, m.rank.workload), Redirect(get_node(link.rank.node), m.rank.workload, [])
         )
         if (ra, rp) not in endpoints.moves:  # the nodes answered at different moments
-            raise EndpointsDisagree(
+            raise MigrationFailed(
                 f"rank {link.rank.workload} reaches rank {m.rank.workload} at {ra}:{rp}, which is not an "
                 f"endpoint that moves with it (its connections leave from {m.old})",
                 "run the move again (the nodes answer a moment apart; a connection may have come or gone); "
