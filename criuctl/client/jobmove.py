@@ -82,6 +82,13 @@ class JobMoveResult:
     redirects: int  # redirect rule sets installed on nodes of ranks that stay
 
 
+def _node_local(addr: str) -> bool:
+    """A specific address of a node (not loopback, not a wildcard): it cannot stay behind when a
+    rank leaves the node."""
+    ip = ipaddress.ip_address(addr)
+    return not (ip.is_loopback or ip.is_unspecified)
+
+
 def _address(rank: Rank) -> str:
     """The address a rank's connections leave from (its node's): one, or the plan cannot be made."""
     found = {la for la, _, _, _ in rank.tcp.connections if not ipaddress.ip_address(la).is_loopback}
@@ -136,12 +143,15 @@ def plan(job: Job, wanted: dict[str, str]) -> JobPlan:
                     f"ranks {a} and {b} talk over loopback on node {link.rank.node}",
                     "move them together to one node, or have them use the node's address; nothing was frozen",
                 )
+    # Every endpoint of a moving rank on its node moves with it: its connections (all from `old`)
+    # and what it listens on, on `old` or on another address of that node (a rank moved once keeps
+    # its connections' first address, and may then listen on its new node's own)
     endpoints = EndpointMap(
         {
             (la, lp): m.new
             for m in moves
             for la, lp in [*(c[:2] for c in m.rank.tcp.connections), *m.rank.tcp.listening]
-            if la == m.old
+            if _node_local(la)
         }
     )
     for m in moves:
