@@ -265,8 +265,6 @@ def end_frozen(
         w.state = state
         workloads.save(w)
         if state in (workloads.MIGRATED, workloads.CHECKPOINTED):
-            from criuctl.container import containers
-
             where = w.moved_to if state == workloads.MIGRATED else None
             containers.mark_moved(w, where or "another node")
     if tree.alive():
