@@ -146,6 +146,10 @@ fi
 
 archive=""
 if [ -n "$archive_dir" ]; then
+  # one build per content at a time: a second cluster or test session waits, then reuses it
+  mkdir -p "$archive_dir"
+  exec 9>"$archive_dir/.build-image.lock"
+  flock 9
   archive=$archive_dir/$NAME-$key.tar
   if [ -s "$archive" ] && [ -s "$archive.tag" ]; then
     log "reusing $archive ($(cat "$archive.tag"))"

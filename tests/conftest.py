@@ -63,13 +63,15 @@ def no_leaked_workloads(state_dir):
 @pytest.fixture(scope="session")
 def local_cluster(tmp_path_factory):
     """A real Kubernetes on this machine (localcluster): apiserver, etcd, scheduler,
-    controller-manager, two kubelet nodes with containerd, criuctl's agent as the DaemonSet, the
-    webhook registered by URL. Up once per session (~25 s), down at its end, leaving nothing."""
+    controller-manager, two kubelet nodes with containerd, criuctl's agent as the DaemonSet running
+    the image built from the Dockerfile (checked before any test uses the cluster), the webhook
+    registered by URL. Up once per session (~25 s, the image built once per content of its inputs
+    and cached), down at its end, leaving nothing."""
     from localcluster import __main__ as lc
     from localcluster.layout import Layout
 
     from tests.cluster import _free_subnet
-    from tests.kube import Kubectl
+    from tests.kube import Kubectl, agents_run_the_built_image
 
     for name in ("criu", "kubernetes"):
         requirements.require(name)
@@ -77,6 +79,7 @@ def local_cluster(tmp_path_factory):
     lc.check_free(lay)  # outside the `finally`: a taken net is another cluster's, not ours to take down
     try:
         lc.up(lay)
+        agents_run_the_built_image(lay, Kubectl(lay))
         yield lay, Kubectl(lay)
     finally:
         lc.down(lay)

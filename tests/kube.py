@@ -193,3 +193,22 @@ def migrate_pod(lay, k: Kubectl, pod: str, node: str, *opts: str) -> str:
     assert new["metadata"]["annotations"]["criuctl.io/migrated-from"].startswith(f"default/{pod}@")
     k.wait_gone("pod", pod)
     return out["new_pod"]
+
+
+def agents_run_the_built_image(lay: Layout, k: Kubectl) -> list[dict]:
+    """The agent pods, once each is checked to run the image `up` built from the Dockerfile (the
+    runtime's image ID is that build's config digest) with no hostPath of the project or of the
+    host's Python: AssertionError otherwise. Every Kubernetes test runs behind this check."""
+    pods = k.pods("criuctl-system", "app.kubernetes.io/name=criuctl-agent")
+    assert sorted(p["spec"]["nodeName"] for p in pods) == sorted(lay.nodes), pods
+    built = f"docker.io/library/{lay.agent_image}"
+    host = {str(REPO), *HOST_PYTHON}
+    for p in pods:
+        (status,) = p["status"]["containerStatuses"]
+        assert (status["image"], status["imageID"]) == (built, lay.agent_image_id), (
+            f"{p['metadata']['name']} runs {status['image']} ({status['imageID']}), "
+            f"not the built {built} ({lay.agent_image_id})"
+        )
+        paths = {v["hostPath"]["path"] for v in p["spec"]["volumes"] if "hostPath" in v}
+        assert not {q for q in paths for h in host if q == h or q.startswith(h + "/")}, paths
+    return pods

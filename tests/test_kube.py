@@ -15,7 +15,18 @@ from localcluster import __main__ as lc
 from localcluster.layout import REPO
 
 from tests.conftest import needs_criu
-from tests.kube import JOB, Kubectl, LogFollower, criuctl, final, migrate_pod, steps, training_pod, wait_step
+from tests.kube import (
+    JOB,
+    Kubectl,
+    LogFollower,
+    agents_run_the_built_image,
+    criuctl,
+    final,
+    migrate_pod,
+    steps,
+    training_pod,
+    wait_step,
+)
 
 pytestmark = [needs_criu, pytest.mark.timeout(600)]
 CRIUCTL = [str(REPO / ".venv" / "bin" / "criuctl")]
@@ -49,6 +60,37 @@ def _sleeper(name: str, labels: dict | None = None, node: str | None = None, mem
         "metadata": {"name": name, "labels": labels or {}},
         "spec": spec,
     }
+
+
+def test_agent_image_runs_doctor_and_agent_help(local_cluster) -> None:
+    """The agent pods run the image built from the Dockerfile: inside it `criuctl doctor` passes
+    (CRIU runs in the pod, against this node's kernel and runtime) and names the image's commit and
+    CRIU; `criuctl agent --help` answers; and the image holds what the agent needs and nothing of
+    training (no torch, numpy, matplotlib) or of building (no compiler, no source tree)."""
+    lay, k = local_cluster
+    pod = agents_run_the_built_image(lay, k)[0]["metadata"]["name"]
+
+    def inside(*argv: str) -> subprocess.CompletedProcess:
+        return k("-n", "criuctl-system", "exec", pod, "--", *argv, check=False)
+
+    doctor = inside("criuctl", "doctor")
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+    commit = lay.agent_image.split("-g")[1][:12]
+    assert f"agent image of commit {commit} (CRIU 4.1.1)" in doctor.stdout, doctor.stdout
+    assert "ok   CRIU: 4.1.1 at /usr/local/sbin/criu" in doctor.stdout, doctor.stdout
+    assert "ok   criu check" in doctor.stdout and "ok   container runtime: containerd" in doctor.stdout
+    help_ = inside("criuctl", "agent", "--help")
+    assert help_.returncode == 0 and "--listen" in help_.stdout, help_.stdout + help_.stderr
+    probe = (
+        "import importlib.util as u, shutil, sys; "
+        "print([m for m in ('torch', 'numpy', 'matplotlib', 'pip') if u.find_spec(m)], "
+        "[c for c in ('gcc', 'cc', 'make') if shutil.which(c)], sys.prefix)"
+    )
+    r = inside("python", "-c", probe)
+    assert r.stdout.split() == ["[]", "[]", "/opt/criuctl/venv"], r.stdout + r.stderr
+    gone = ("/opt/criuctl/src", "/usr/local/src/criuctl", "/opt/criuctl/venv/bin/pip")
+    r = inside("sh", "-c", f"ls -d {' '.join(gone)} 2>&1; true")
+    assert r.stdout.count("No such file") == len(gone), r.stdout
 
 
 def test_webhook_called_by_the_api_server(local_cluster) -> None:

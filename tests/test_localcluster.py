@@ -76,7 +76,7 @@ def test_two_clusters_share_no_name_with_the_host() -> None:
     """Everything a cluster shares with the host is named from its net: two nets, no common name."""
 
     def names(lay: Layout) -> set[str]:
-        out = {lay.bridge, lay.host_ip, lay.etcd_url, lay.etcd_peer_url, str(lay.agent_tar)}
+        out = {lay.bridge, lay.host_ip, lay.etcd_url, lay.etcd_peer_url}
         for n in map(lay.node, lay.nodes):
             out |= {n.ns, n.veth, n.ip, n.pod_cidr, n.cgroup_root}
         return out

@@ -6,8 +6,11 @@ the others only limit what criuctl can do here (post-copy, GPU).
 
 from __future__ import annotations
 
+import json
 import os
+import platform
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +29,26 @@ class Check:
     detail: str
     fix: str = ""
     required: bool = True
+
+
+def _criuctl() -> Check:
+    """What runs: criuctl's version, its Python and, inside the agent image, the image's revision
+    (the Dockerfile records it beside the venv), so a user can tell which build a node runs."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        mine = version("criuctl")
+    except PackageNotFoundError:
+        mine = "(not installed)"
+    detail = f"{mine}, Python {platform.python_version()} at {sys.executable}"
+    record = Path(sys.prefix).parent / "image.json"
+    if record.is_file():
+        try:
+            image = json.loads(record.read_text())
+            detail += f"; agent image of commit {image['revision']} (CRIU {image['criu']})"
+        except (OSError, ValueError, KeyError, TypeError):
+            detail += f"; unreadable image record {record}"
+    return Check("criuctl", True, detail)
 
 
 def _criu_version() -> Check:
@@ -207,6 +230,7 @@ def _node_tls() -> Check:
 
 
 CHECKS: list[Callable[[], Check | list[Check]]] = [
+    _criuctl,
     _root,
     _criu_version,
     _criu_check,

@@ -1,7 +1,7 @@
 """What runs on the local cluster besides Kubernetes: criuctl's agent as the DaemonSet of
-`manifests/` (rendered by kustomize with a local overlay: the agent image built here, the project
-and the host's Python by hostPath, real Secrets), and the admission webhook on the host, registered
-by URL (no kube-proxy here, so a Service's address would not route)."""
+`manifests/` (rendered by kustomize with a local overlay: the agent image built here from the
+Dockerfile, real Secrets), and the admission webhook on the host, registered by URL (no kube-proxy
+here, so a Service's address would not route)."""
 
 from __future__ import annotations
 
@@ -9,56 +9,29 @@ import base64
 import json
 import os
 import subprocess
-import tempfile
+import tarfile
 from pathlib import Path
 
-from localcluster.layout import (
-    AGENT_IMAGE,
-    BUSYBOX_TAR,
-    HOST_PYTHON,
-    REPO,
-    ClusterError,
-    Layout,
-    sh,
-)
+from localcluster.layout import IMAGES, REPO, ClusterError, Layout, sh
+
+AGENT_REPO = "criuctl-agent"  # scripts/build-image.sh's name; containerd files it under docker.io/library
 
 
-def agent_image(lay: Layout) -> Path:
-    """A local image for the agent: busybox with an entrypoint that runs this checkout's criuctl
-    (the checkout and the host's Python are hostPath mounts of the DaemonSet's pods). In the
-    cluster's own folder: a cluster started from another checkout at the same time has its own."""
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp) / "rootfs"
-        (root / "bin").mkdir(parents=True)
-        # busybox from the test image (scripts/install-containerd.sh made it from busybox-static)
-        sh("tar", "-xf", str(BUSYBOX_TAR), "-C", tmp)
-        layer = next(Path(tmp).glob("*/layer.tar"))
-        sh("tar", "-xf", str(layer), "-C", str(root), "bin/busybox")
-        (root / "bin" / "sh").symlink_to("busybox")
-        for d in ("etc", "tmp", "run", "var/lib"):
-            (root / d).mkdir(parents=True, exist_ok=True)
-        entry = root / "criuctl-entry"
-        entry.write_text(f'#!/bin/sh\nexec {REPO}/.venv/bin/criuctl "$@"\n')
-        entry.chmod(0o755)
-        sh(
-            str(REPO / ".venv" / "bin" / "python"),
-            str(REPO / "scripts" / "image-tar.py"),
-            str(root),
-            AGENT_IMAGE,
-            str(lay.agent_tar),
-            "--entrypoint",
-            "/criuctl-entry",
-            "--cmd",
-            "agent",
-        )
-    return lay.agent_tar
-
-
-def _host_mounts() -> tuple[list[dict], list[dict]]:
-    paths = [p for p in (*HOST_PYTHON, str(REPO)) if Path(p).exists()]
-    vols = [{"name": f"host{i}", "hostPath": {"path": p, "type": "Directory"}} for i, p in enumerate(paths)]
-    mounts = [{"name": f"host{i}", "mountPath": p, "readOnly": True} for i, p in enumerate(paths)]
-    return vols, mounts
+def agent_image(lay: Layout) -> None:
+    """The agent image, as a user builds it (`make image`: scripts/build-image.sh, the Dockerfile),
+    kept as an archive in the shared cache under its content key: built once per content of its
+    inputs, then reused by every cluster and test session. Recorded in `lay` for the nodes (which
+    import the archive) and for the tests (which check that the agents run exactly this image)."""
+    r = sh("bash", str(REPO / "scripts" / "build-image.sh"), "--archive-dir", str(IMAGES))
+    _key, tag, archive = r.stdout.strip().splitlines()[-1].split()
+    with tarfile.open(archive) as tar:
+        member = tar.extractfile("manifest.json")
+        assert member is not None, f"{archive} has no manifest.json"
+        config = json.load(member)[0]["Config"]
+    lay.agent_image = f"{AGENT_REPO}:{tag}"
+    lay.agent_image_id = "sha256:" + config.removesuffix(".json").removeprefix("blobs/sha256/")
+    lay.agent_archive = archive
+    lay.save()
 
 
 def _b64(path: Path) -> str:
@@ -69,7 +42,6 @@ def overlay(lay: Layout) -> Path:
     """The kustomization that turns manifests/ into this cluster's: written into DIR/manifests."""
     d = lay.dir / "manifests"
     d.mkdir(parents=True, exist_ok=True)
-    vols, mounts = _host_mounts()
     ds_patch = {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
@@ -77,13 +49,11 @@ def overlay(lay: Layout) -> Path:
         "spec": {
             "template": {
                 "spec": {
-                    "volumes": vols,
                     # no kube-proxy here: a Service address would not route, so the agent's in-cluster
                     # client is pointed at the API server itself (its certificate names that address)
                     "containers": [
                         {
                             "name": "agent",
-                            "volumeMounts": mounts,
                             "env": [
                                 {"name": "KUBERNETES_SERVICE_HOST", "value": lay.host_ip},
                                 {"name": "KUBERNETES_SERVICE_PORT", "value": str(lay.api_port)},
@@ -130,13 +100,8 @@ def overlay(lay: Layout) -> Path:
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
         "resources": [os.path.relpath(REPO / "manifests", d)],
-        "images": [
-            {
-                "name": "criuctl-agent",
-                "newName": AGENT_IMAGE.split(":")[0],
-                "newTag": AGENT_IMAGE.split(":")[1],
-            }
-        ],
+        # the one change a user makes for an image of their own: its name and tag
+        "images": [{"name": "criuctl-agent", "newName": AGENT_REPO, "newTag": lay.agent_image.split(":")[1]}],
         "patches": patches,
     }
     (d / "kustomization.yaml").write_text(json.dumps(kust, indent=1))

@@ -16,9 +16,9 @@ REPO = Path(__file__).resolve().parent.parent.parent
 DEFAULT_DIR = Path("/var/lib/criuctl-local-cluster")
 BUSYBOX = "criuctl.test/busybox:1"
 BUSYBOX_TAR = IMAGES / "busybox.tar"  # built by scripts/install-containerd.sh
-AGENT_IMAGE = "criuctl.local/agent:dev"
 AGENT_PORT = 7070
-# What pods of the local cluster mount read-only to run the host's Python and the project.
+# What training pods of the local cluster mount read-only to run the host's Python and the project
+# (a torch image would be gigabytes per node here); criuctl's own pods run the built image.
 HOST_PYTHON = ("/usr", "/lib", "/lib64", "/root/.pyenv")
 
 
@@ -105,6 +105,11 @@ class Layout:
     etcd_port: int = 23790
     webhook_port: int = 9443
     agent_lease: float = 20.0  # the agents' --lease (seconds a frozen source waits for its client)
+    # the agent image `up` built (or found built) from the Dockerfile: its reference as the pods name
+    # it, its ID (the config digest the runtime reports) and the archive the nodes import
+    agent_image: str = ""
+    agent_image_id: str = ""
+    agent_archive: str = ""
     pids: dict[str, int] = field(default_factory=dict)  # part → PID of its process (group leader)
     mnt_ns: dict[str, int] = field(default_factory=dict)  # node → inode of its mount namespace
 
@@ -124,11 +129,6 @@ class Layout:
     @property
     def etcd_peer_url(self) -> str:
         return f"http://127.{self.n}.0.1:{self.etcd_port + 10}"
-
-    @property
-    def agent_tar(self) -> Path:
-        """The agent's image, built per cluster: its entrypoint runs this checkout's criuctl."""
-        return self.dir / "images" / "criuctl-agent.tar"
 
     @property
     def bridge(self) -> str:

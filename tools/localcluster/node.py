@@ -131,7 +131,7 @@ def _files(lay: Layout, n: NodeInfo, token: str) -> Path:
         + "\n"
         + "\n".join(f"mount --bind {d}/sysctl/{k.replace('/', '_')} /proc/sys/{k}" for k in SYSCTLS)
     )
-    images = " ".join(shlex.quote(str(p)) for p in (BUSYBOX_TAR, lay.agent_tar))
+    images = " ".join(shlex.quote(str(p)) for p in (BUSYBOX_TAR, lay.agent_archive))
     script = f"""#!/bin/bash
 # node {n.name} of the criuctl local cluster: run in its own mount namespace and its network
 set -euo pipefail
