@@ -4,7 +4,7 @@
 #   make test   install everything, then run the whole test suite
 VENV := .venv
 
-.PHONY: install demo test bench bench-migrate lint clean
+.PHONY: install demo test bench bench-migrate lint clean image
 install:
 	@bash scripts/bootstrap.sh
 
@@ -18,6 +18,11 @@ demo: install
 test: install
 	@bash scripts/test-fixtures.sh
 	CRIUCTL_TESTS_REQUIRE_ALL=1 $(VENV)/bin/python -m pytest -ra --durations=25 tests
+
+# the agent image (Dockerfile) with buildah, podman or docker: criuctl-agent:VERSION-gCOMMIT
+# (docs/deploy.md, "The image"); `scripts/build-image.sh --push REPO` also pushes it
+image:
+	@bash scripts/build-image.sh
 
 bench: install
 	$(VENV)/bin/python bench/dump_restore.py

@@ -6,7 +6,8 @@
 #  - from Debian 12: the tools the migration tests build nodes with: ip (network namespaces, veth,
 #    bridge), nsenter/unshare (util-linux), openssl (TLS certificates for the agents); a C compiler
 #    (gcc: the compiled stand-ins for libcuda and NVML of tests/test_cuda.py); zstd (CRI-O and
-#    podman archives compressed with it).
+#    podman archives compressed with it); buildah and mmdebstrap for the agent image that the local
+#    cluster runs (scripts/build-image.sh, tests/test_image.py).
 # Idempotent: does nothing when already there. What the suite needs, and what `make test` makes of a
 # missing one (an error, never a skip), is tests/requirements.py; its list and this one change together.
 set -euo pipefail
@@ -22,6 +23,8 @@ command -v openssl >/dev/null || missing+=(openssl)
 { command -v nsenter && command -v unshare; } >/dev/null || missing+=(util-linux)
 { command -v "${CC:-cc}" || command -v gcc; } >/dev/null || missing+=(gcc libc6-dev)
 command -v zstd >/dev/null || missing+=(zstd)
+command -v buildah >/dev/null || missing+=(buildah)       # the agent image (scripts/build-image.sh)
+command -v mmdebstrap >/dev/null || missing+=(mmdebstrap) # its base where no registry answers
 [ ${#missing[@]} = 0 ] || { log "installing ${missing[*]}"; apt_install "${missing[@]}"; }
 
 OLD=/usr/local/lib/criuctl/criu-3.17

@@ -73,7 +73,7 @@ def local_cluster(tmp_path_factory):
     from tests.cluster import _free_subnet
     from tests.kube import Kubectl, agents_run_the_built_image
 
-    for name in ("criu", "kubernetes"):
+    for name in ("criu", "kubernetes", "image-builder"):
         requirements.require(name)
     lay = Layout(tmp_path_factory.mktemp("kube"), net=_free_subnet(123))  # beside a user's cluster
     lc.check_free(lay)  # outside the `finally`: a taken net is another cluster's, not ours to take down

@@ -196,8 +196,9 @@ REQUIREMENTS: dict[str, Requirement] = {
             "the local Kubernetes (v1.20.2 built from Debian's source)",
             Source.MAKE_TEST,
             _all(
-                _file(
-                    K8S_BIN / "kube-apiserver", "run `make test` (scripts/install-kubernetes.sh builds it)"
+                *(
+                    _file(K8S_BIN / b, "run `make test` (scripts/install-kubernetes.sh builds it)")
+                    for b in ("kube-apiserver", "kubelet", "kube-proxy")
                 ),
                 _tool("etcd", install=_FIXTURES),
                 _tool("kubectl", install=_FIXTURES),
@@ -223,6 +224,15 @@ REQUIREMENTS: dict[str, Requirement] = {
             "compiling the stand-ins for libcuda and NVML (tests/fakes/*.c)",
             Source.MAKE_TEST,
             _tool(os.environ.get("CC", "cc"), "gcc", install=_fixture_pkg("gcc")),
+        ),
+        Requirement(
+            "image-builder",
+            "building the agent image (scripts/build-image.sh: buildah, and mmdebstrap for its base)",
+            Source.MAKE_TEST,
+            _all(
+                _tool("buildah", install=_fixture_pkg("buildah")),
+                _tool("mmdebstrap", install=_fixture_pkg("mmdebstrap")),
+            ),
         ),
         Requirement(
             "zstd",

@@ -69,6 +69,12 @@ def write(upperdir: Path, out: Path) -> list[str]:
     return deleted
 
 
+# tarfile's "tar" extraction filter where this Python has it (3.11.4 and later; Debian 12's 3.11.2,
+# the agent image's, has none): it refuses what a chroot already confines (absolute names, links
+# out of the tree) and drops set-id bits. Without it the chroot alone keeps every entry inside.
+_TAR_FILTER = {"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}
+
+
 def apply(tar_path: Path | None, deleted: list[str], rootfs: Path, keep_equal: bool = False) -> None:
     """Remove `deleted`, empty the tar's opaque folders, then unpack `tar_path` but its whiteout
     entries, inside `rootfs` (as a chroot would see it). `keep_equal`: a folder already there, and a
@@ -87,7 +93,7 @@ def apply(tar_path: Path | None, deleted: list[str], rootfs: Path, keep_equal: b
                         members = _content(tar)
                         if keep_equal:
                             members = [m for m in members if not _same(tar, m)]
-                        tar.extractall("/", members=members, filter="tar")
+                        tar.extractall("/", members=members, **_TAR_FILTER)
                 code = 0
             except BaseException as exc:  # reported through the exit status, in the parent's words
                 os.write(2, f"criuctl: cannot apply the writable layer: {exc}\n".encode())

@@ -68,26 +68,18 @@ def _agents_ready(lay: Layout) -> bool:
     return ready >= set(lay.nodes)
 
 
-PRESTOP_PORT = 7071  # manifests/daemonset.yaml's --prestop-port
-
-
-def start_webhook(lay: Layout) -> None:
-    """`criuctl webhook` on the host, at the URL the webhook configuration names (addons)."""
-    argv = [
-        str(REPO / ".venv" / "bin" / "criuctl"),
-        "webhook",
-        "--listen",
-        f"{lay.host_ip}:{lay.webhook_port}",
-        "--tls-cert",
-        str(lay.pki / "webhook.crt"),
-        "--tls-key",
-        str(lay.pki / "webhook.key"),
-        "--prestop-port",
-        str(PRESTOP_PORT),
-        "--kubeconfig",
-        str(lay.kubeconfig),
-    ]
-    control.spawn(lay, "webhook", argv, {"KUBECONFIG": str(lay.kubeconfig)})
+def _webhook_ready(lay: Layout) -> bool:
+    """The webhook's Deployment has every replica ready and its Service names them: the API server
+    calls the Service's endpoints, so admissions are wrapped from now on."""
+    ns = ("-n", "criuctl-system", "get")
+    dep = kubectl(lay, *ns, "deployment", "criuctl-webhook", "-o", "json", check=False)
+    ep = kubectl(lay, *ns, "endpoints", "criuctl-webhook", "-o", "json", check=False)
+    if not dep.stdout or not ep.stdout:
+        return False
+    want = json.loads(dep.stdout)["spec"]["replicas"]
+    ready = json.loads(dep.stdout).get("status", {}).get("readyReplicas", 0)
+    addresses = sum(len(s.get("addresses", [])) for s in json.loads(ep.stdout).get("subsets") or [])
+    return ready == want and addresses == want
 
 
 class Taken(ClusterError):
@@ -111,7 +103,7 @@ def check_free(lay: Layout) -> None:
 
 
 def up(lay: Layout) -> Layout:
-    if not all((K8S_BIN / b).exists() for b in ("kube-apiserver", "kubelet")):
+    if not all((K8S_BIN / b).exists() for b in ("kube-apiserver", "kubelet", "kube-proxy")):
         subprocess.run(["bash", str(REPO / "scripts" / "install-kubernetes.sh")], check=True)
     check_free(lay)
     lay.dir.mkdir(parents=True, exist_ok=True)
@@ -127,7 +119,7 @@ def up(lay: Layout) -> Layout:
     control.start(lay, tokens)
     addons.agent_image(lay)
     for name in lay.nodes:
-        node.start(lay, name, tokens[f"node-{name}"])
+        node.start(lay, name, tokens[f"node-{name}"], tokens["kube-proxy"])
     _wait("every node Ready", lambda: _nodes_ready(lay), 120)
     # the training operator cannot run here: its stand-in (localcluster.pytorchjob, beside the
     # package in tools/, not in it: hence its PYTHONPATH)
@@ -144,9 +136,9 @@ def up(lay: Layout) -> Layout:
         ],
         env={"PYTHONPATH": str(REPO / "tools")},
     )
-    start_webhook(lay)
     addons.apply(lay, addons.render(lay))
     _wait("criuctl's agent Ready on every node", lambda: _agents_ready(lay), 180)
+    _wait("criuctl's webhook Ready and behind its Service", lambda: _webhook_ready(lay), 120)
     return lay
 
 

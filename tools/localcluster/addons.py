@@ -1,7 +1,8 @@
 """What runs on the local cluster besides Kubernetes: criuctl's agent as the DaemonSet of
-`manifests/` (rendered by kustomize with a local overlay: the agent image built here from the
-Dockerfile, real Secrets), and the admission webhook on the host, registered by URL (no kube-proxy
-here, so a Service's address would not route)."""
+`manifests/` and the admission webhook's Deployment, rendered by kustomize as a user applies them:
+the image built here from the Dockerfile (an image override), the Secrets filled in, the webhook's
+certificate from scripts/webhook-cert.sh. Nothing of the checkout or of the host's Python is mounted
+into criuctl's pods."""
 
 from __future__ import annotations
 
@@ -42,28 +43,6 @@ def overlay(lay: Layout) -> Path:
     """The kustomization that turns manifests/ into this cluster's: written into DIR/manifests."""
     d = lay.dir / "manifests"
     d.mkdir(parents=True, exist_ok=True)
-    ds_patch = {
-        "apiVersion": "apps/v1",
-        "kind": "DaemonSet",
-        "metadata": {"name": "criuctl-agent", "namespace": "criuctl-system"},
-        "spec": {
-            "template": {
-                "spec": {
-                    # no kube-proxy here: a Service address would not route, so the agent's in-cluster
-                    # client is pointed at the API server itself (its certificate names that address)
-                    "containers": [
-                        {
-                            "name": "agent",
-                            "env": [
-                                {"name": "KUBERNETES_SERVICE_HOST", "value": lay.host_ip},
-                                {"name": "KUBERNETES_SERVICE_PORT", "value": str(lay.api_port)},
-                            ],
-                        }
-                    ],
-                }
-            }
-        },
-    }
     pki = lay.pki
     secrets = [
         {
@@ -91,9 +70,8 @@ def overlay(lay: Layout) -> Path:
         {"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": v}
         for v in ("--lease", f"{lay.agent_lease:g}")
     ]
-    patches = [{"path": "daemonset.json"}] + [{"path": f"secret{i}.json"} for i in range(len(secrets))]
+    patches = [{"path": f"secret{i}.json"} for i in range(len(secrets))]
     patches.append({"target": {"kind": "DaemonSet", "name": "criuctl-agent"}, "patch": json.dumps(lease)})
-    (d / "daemonset.json").write_text(json.dumps(ds_patch))
     for i, s in enumerate(secrets):
         (d / f"secret{i}.json").write_text(json.dumps(s))
     kust = {
@@ -109,37 +87,30 @@ def overlay(lay: Layout) -> Path:
 
 
 def render(lay: Layout) -> list[dict]:
-    """The objects `kubectl apply -k` would create, minus what the local cluster replaces: the
-    webhook's Deployment and Service (the webhook runs on the host; see `webhook_configuration`)."""
-    out = sh("kubectl", "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(overlay(lay))).stdout
+    """The objects `kubectl apply -k` makes of the overlay, with the webhook's TLS as a user makes it
+    (scripts/webhook-cert.sh: its Secret, and its CA as the configuration's caBundle)."""
     import yaml
 
+    tls = lay.pki / "webhook"
+    sh("bash", str(REPO / "scripts" / "webhook-cert.sh"), "--print-only", str(tls))
+    out = sh("kubectl", "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(overlay(lay))).stdout
     objs = [o for o in yaml.safe_load_all(out) if o]
-    keep = []
     for o in objs:
-        if o["kind"] in ("Deployment", "Service") and o["metadata"]["name"] == "criuctl-webhook":
-            continue
         if o["kind"] == "MutatingWebhookConfiguration":
-            o = webhook_configuration(lay, o)
-        keep.append(o)
-    return keep
+            webhook_configuration(o, (tls / "cabundle.b64").read_text().strip())
+    return [*objs, yaml.safe_load((tls / "secret.yaml").read_text())]
 
 
-def webhook_configuration(lay: Layout, o: dict) -> dict:
-    """The manifests' webhook configuration, pointed at the webhook on the host by URL, with our CA."""
+def webhook_configuration(o: dict, ca_bundle: str) -> None:
+    """The manifests' webhook configuration, trusting the webhook's CA, for what 1.20 can select."""
     for w in o.get("webhooks", []):
-        path = w["clientConfig"].get("service", {}).get("path", "/mutate")
-        w["clientConfig"] = {
-            "url": f"https://{lay.host_ip}:{lay.webhook_port}{path}",
-            "caBundle": _b64(lay.pki / "ca.crt"),
-        }
+        w["clientConfig"]["caBundle"] = ca_bundle
         # 1.20 does not label namespaces with their name (1.21+): select what this cluster can
         for sel in ("namespaceSelector", "objectSelector"):
             exprs = w.get(sel, {}).get("matchExpressions", [])
             w.setdefault(sel, {})["matchExpressions"] = [
                 e for e in exprs if e["key"] != "kubernetes.io/metadata.name"
             ]
-    return o
 
 
 def apply(lay: Layout, objs: list[dict]) -> None:

@@ -105,7 +105,9 @@ def start(lay: Layout, tokens: dict[str, str]) -> None:
             "--service-cluster-ip-range=10.96.0.0/24",
             "--allow-privileged=true",
             "--kubelet-preferred-address-types=InternalIP,Hostname",
-            "--endpoint-reconciler-type=none",
+            # the API server calls a webhook Service at its pods' addresses (the host routes every
+            # node's pod range; the host itself runs no kube-proxy)
+            "--enable-aggregator-routing=true",
             "--insecure-port=0",
             "--profiling=false",
         ],

@@ -94,7 +94,7 @@ class NodeInfo:
 class Layout:
     """One cluster. What it shares with the host is named from its net's N: network namespaces, links
     and cgroup roots begin with `prefix` (k<N> unless given), etcd listens on 127.N.0.1, the API server
-    and the webhook on 10.N.0.1; the rest lives in `dir` or, per node, in the node's namespaces. So two
+    on 10.N.0.1; the rest lives in `dir` or, per node, in the node's namespaces. So two
     clusters on different nets (and dirs) run side by side; `up` refuses a net already routed here."""
 
     dir: Path
@@ -103,7 +103,6 @@ class Layout:
     net: str = "10.200.0"
     api_port: int = 6443
     etcd_port: int = 23790
-    webhook_port: int = 9443
     agent_lease: float = 20.0  # the agents' --lease (seconds a frozen source waits for its client)
     # the agent image `up` built (or found built) from the Dockerfile: its reference as the pods name
     # it, its ID (the config digest the runtime reports) and the archive the nodes import

@@ -78,7 +78,7 @@ def cgroup_root(n: NodeInfo) -> None:
                 (d / f).write_text((h / f).read_text())
 
 
-def _files(lay: Layout, n: NodeInfo, token: str) -> Path:
+def _files(lay: Layout, n: NodeInfo, token: str, proxy_token: str) -> Path:
     d = lay.node_dir(n.name)
     for sub in (*BINDS, "sysctl"):
         (d / sub).mkdir(parents=True, exist_ok=True)
@@ -126,6 +126,7 @@ def _files(lay: Layout, n: NodeInfo, token: str) -> Path:
     }
     (d / "kubelet.json").write_text(json.dumps(kubelet, indent=1))
     pki.kubeconfig(lay, d / "kubelet.kubeconfig", token)
+    pki.kubeconfig(lay, d / "kube-proxy.kubeconfig", proxy_token)
     binds = (
         "\n".join(f"mount --bind {shlex.quote(str(d / k))} {v}" for k, v in BINDS.items())
         + "\n"
@@ -141,6 +142,14 @@ for p in {" ".join(BINDS.values())}; do mkdir -p "$p"; done
 containerd --config {d}/containerd.toml >>{d}/containerd.log 2>&1 &
 for i in $(seq 300); do [ -S /run/containerd/containerd.sock ] && break; sleep 0.1; done
 for t in {images}; do ctr -n k8s.io images import "$t" >/dev/null; done
+# kube-proxy (iptables mode, in this node's network namespace): Service addresses route, so pods
+# reach the API server at the `kubernetes` Service as in any cluster. It must not set conntrack
+# sysctls (the machine's own) or lower its OOM score (root here lacks CAP_SYS_RESOURCE).
+{K8S_BIN}/kube-proxy --kubeconfig={d}/kube-proxy.kubeconfig --hostname-override={n.name} \
+  --bind-address={n.ip} --proxy-mode=iptables --cluster-cidr={n.net.rsplit(".", 1)[0]}.0.0/16 \
+  --conntrack-max-per-core=0 --conntrack-tcp-timeout-established=0 \
+  --conntrack-tcp-timeout-close-wait=0 --oom-score-adj=0 --healthz-bind-address=127.0.0.1:10256 \
+  --metrics-bind-address=127.0.0.1:10249 --v=1 >>{d}/kube-proxy.log 2>&1 &
 exec {K8S_BIN}/kubelet --config={d}/kubelet.json --kubeconfig={d}/kubelet.kubeconfig \\
   --container-runtime=remote --container-runtime-endpoint=unix:///run/containerd/containerd.sock \\
   --node-ip={n.ip} --hostname-override={n.name} --pod-infra-container-image={BUSYBOX} \\
@@ -150,11 +159,11 @@ exec {K8S_BIN}/kubelet --config={d}/kubelet.json --kubeconfig={d}/kubelet.kubeco
     return d / "node.sh"
 
 
-def start(lay: Layout, name: str, token: str) -> None:
+def start(lay: Layout, name: str, token: str, proxy_token: str) -> None:
     n = lay.node(name)
     network(lay, n)
     cgroup_root(n)
-    script = _files(lay, n, token)
+    script = _files(lay, n, token, proxy_token)
     ours = os.stat("/proc/self/ns/mnt").st_ino
     pid = spawn(
         lay,

@@ -1,6 +1,7 @@
-"""The local cluster's keys and tokens, made with openssl: one CA signs the API server's, the agents'
-and the webhook's serving certificates; clients authenticate with static tokens (a token file is
-the API server's simplest real authenticator); the service-account key pair signs pod tokens."""
+"""The local cluster's keys and tokens, made with openssl: one CA signs the API server's and the
+agents' serving certificates (the webhook's comes from scripts/webhook-cert.sh, as a user makes it);
+clients authenticate with static tokens (a token file is the API server's simplest real
+authenticator); the service-account key pair signs pod tokens."""
 
 from __future__ import annotations
 
@@ -76,13 +77,14 @@ def make(lay: Layout) -> dict[str, str]:
     _cert(pki, "apiserver", "kube-apiserver", [f"IP:{i}" for i in ips] + [f"DNS:{n}" for n in names])
     node_ips = [lay.node(n).ip for n in lay.nodes]
     _cert(pki, "agent", "criuctl-agent", [f"IP:{i}" for i in [*node_ips, "127.0.0.1"]])
-    _cert(pki, "webhook", "criuctl-webhook", [f"IP:{lay.host_ip}", "DNS:criuctl-webhook.criuctl-system.svc"])
     sh("openssl", "genrsa", "-out", str(pki / "sa.key"), "2048")
     sh("openssl", "rsa", "-in", str(pki / "sa.key"), "-pubout", "-out", str(pki / "sa.pub"))
     users = {
         "admin": ("admin", "system:masters"),
         "kube-scheduler": ("system:kube-scheduler", ""),
         "kube-controller-manager": ("system:kube-controller-manager", ""),
+        # each node's kube-proxy: the name the default ClusterRoleBinding system:node-proxier binds
+        "kube-proxy": ("system:kube-proxy", ""),
         **{f"node-{n}": (f"system:node:{n}", "system:nodes") for n in lay.nodes},
     }
     tokens = {u: secrets.token_hex(16) for u in users}

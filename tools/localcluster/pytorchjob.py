@@ -357,7 +357,8 @@ def install(kubeconfig: str, timeout: float = 60) -> None:
         ext.replace_custom_resource_definition(CRD_NAME, body, _preload_content=False)
     deadline = time.monotonic() + timeout
     while True:
-        conds = _json(ext.read_custom_resource_definition, CRD_NAME).get("status", {}).get("conditions", [])
+        status = _json(ext.read_custom_resource_definition, CRD_NAME).get("status") or {}
+        conds = status.get("conditions") or []  # null until the server has set one
         try:
             if any(c["type"] == "Established" and c["status"] == "True" for c in conds):
                 custom.list_cluster_custom_object(GROUP, VERSION, PLURAL, limit=1, _preload_content=False)
