@@ -129,6 +129,7 @@ if [ -z "$base" ]; then
   fi
 fi
 base_id=$(image_id "$base") || die "base image $base is not here (pull it, or leave --base out)"
+log "base image: $base"
 
 cd "$REPO"
 version=$(awk -F'"' '/^version = /{print $2; exit}' pyproject.toml)

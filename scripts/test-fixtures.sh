@@ -7,7 +7,8 @@
 #    bridge), nsenter/unshare (util-linux), openssl (TLS certificates for the agents); a C compiler
 #    (gcc: the compiled stand-ins for libcuda and NVML of tests/test_cuda.py); zstd (CRI-O and
 #    podman archives compressed with it); buildah and mmdebstrap for the agent image that the local
-#    cluster runs (scripts/build-image.sh, tests/test_image.py).
+#    cluster runs (scripts/build-image.sh, tests/test_image.py), and docker-registry (the CNCF
+#    distribution server) as a registry on loopback for its push and pull.
 # Idempotent: does nothing when already there. What the suite needs, and what `make test` makes of a
 # missing one (an error, never a skip), is tests/requirements.py; its list and this one change together.
 set -euo pipefail
@@ -25,6 +26,7 @@ command -v openssl >/dev/null || missing+=(openssl)
 command -v zstd >/dev/null || missing+=(zstd)
 command -v buildah >/dev/null || missing+=(buildah)       # the agent image (scripts/build-image.sh)
 command -v mmdebstrap >/dev/null || missing+=(mmdebstrap) # its base where no registry answers
+command -v docker-registry >/dev/null || missing+=(docker-registry) # a registry of our own for its push
 [ ${#missing[@]} = 0 ] || { log "installing ${missing[*]}"; apt_install "${missing[@]}"; }
 
 OLD=/usr/local/lib/criuctl/criu-3.17

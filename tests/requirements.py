@@ -235,6 +235,12 @@ REQUIREMENTS: dict[str, Requirement] = {
             ),
         ),
         Requirement(
+            "docker-registry",
+            "a registry for the agent image's push and pull (Debian's docker-registry, on loopback)",
+            Source.MAKE_TEST,
+            _tool("docker-registry", install=_fixture_pkg("docker-registry")),
+        ),
+        Requirement(
             "zstd",
             "CRI-O and podman archives compressed with zstd",
             Source.MAKE_TEST,

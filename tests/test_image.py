@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
 import re
 import subprocess
 import tarfile
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 from localcluster.layout import IMAGES, REPO
 
 from tests import requirements
+from tests.test_webhook import free_port
 
 BUILD = REPO / "scripts" / "build-image.sh"
 
@@ -101,3 +105,96 @@ def test_no_build_secret_lands_in_a_layer() -> None:
     leaked = [n for n in names if n.lstrip("./").startswith("run/secrets/") or n.endswith("build.sources")]
     assert not leaked, leaked
     assert any(n.lstrip("./") == "opt/criuctl/venv/bin/criuctl" for n in names)
+
+
+@pytest.fixture
+def registry(tmp_path: Path):
+    """A real registry (Debian's docker-registry, the CNCF distribution server) on loopback, and a
+    registries.conf that makes it docker.io's mirror: the machine as it is where a registry answers."""
+    requirements.require("docker-registry")
+    port = free_port()
+    cfg = tmp_path / "registry.yml"
+    cfg.write_text(
+        "version: 0.1\n"
+        f"storage:\n  filesystem:\n    rootdirectory: {tmp_path / 'data'}\n"
+        f"http:\n  addr: 127.0.0.1:{port}\n"
+    )
+    proc = subprocess.Popen(
+        ["docker-registry", "serve", str(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    conf = tmp_path / "registries.conf"
+    conf.write_text(
+        "unqualified-search-registries = []\n"
+        f'[[registry]]\nprefix = "docker.io"\nlocation = "127.0.0.1:{port}"\ninsecure = true\n'
+        f'[[registry]]\nlocation = "127.0.0.1:{port}"\ninsecure = true\n'
+    )
+    url = f"http://127.0.0.1:{port}/v2/"
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline and proc.poll() is None, "the registry did not start"
+            time.sleep(0.2)
+    env = {**os.environ, "CONTAINERS_REGISTRIES_CONF": str(conf)}
+    try:
+        yield f"127.0.0.1:{port}", env
+    finally:
+        proc.kill()
+        proc.wait()
+        # the mirror's base must not outlive the test as this machine's "pulled" base
+        subprocess.run(["buildah", "rmi", "docker.io/library/debian:bookworm-slim"], capture_output=True)
+
+
+def _manifest(registry: str, repo: str, tag: str) -> dict:
+    req = urllib.request.Request(
+        f"http://{registry}/v2/{repo}/manifests/{tag}",
+        headers={
+            "Accept": "application/vnd.oci.image.manifest.v1+json, "
+            "application/vnd.docker.distribution.manifest.v2+json"
+        },
+    )
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.load(r)
+
+
+@pytest.mark.timeout(900)
+def test_with_a_registry_the_base_is_pulled_and_the_image_pushed(registry) -> None:
+    """Where a registry answers, `make image` pulls debian:bookworm-slim instead of making a base,
+    and `--push REPO` puts the image there under its version-and-commit tag, config digest and all.
+    The registry is this machine's own (Debian's docker-registry as docker.io's mirror): no public
+    registry is reachable here; its content is the base this machine made with mmdebstrap."""
+    address, env = registry
+    first = subprocess.run(
+        ["bash", str(BUILD), "--archive-dir", str(IMAGES)], capture_output=True, text=True, timeout=900
+    )
+    assert first.returncode == 0, first.stderr[-2000:]
+    local_base = re.search(r"base image: (\S+)", first.stderr)
+    assert local_base and "criuctl-base" in local_base[1], first.stderr[-800:]
+    subprocess.run(
+        ["buildah", "push", "-q", local_base[1], f"docker://{address}/library/debian:bookworm-slim"],
+        check=True,
+        capture_output=True,
+        env=env,
+        timeout=300,
+    )
+    r = subprocess.run(
+        ["bash", str(BUILD), "--refresh-base", "--push", f"{address}/criuctl-agent"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "base image: docker.io/library/debian:bookworm-slim" in r.stderr, r.stderr[-800:]
+    assert "mmdebstrap" not in r.stderr, "a base was made although the registry answered"
+    _key, tag = r.stdout.strip().splitlines()[-1].split()[:2]
+    pushed = _manifest(address, "criuctl-agent", tag)
+    local = subprocess.run(
+        ["buildah", "inspect", "--type", "image", "--format", "{{.FromImageID}}", f"criuctl-agent:{tag}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert pushed["config"]["digest"] == f"sha256:{local}", (pushed["config"], local)

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from localcluster.layout import REPO
+from localcluster.layout import Layout
+from localcluster.node import in_cgroup
 
 from criuctl.container import mounts
 from tests.conftest import needs_criu
@@ -39,6 +40,7 @@ from tests.kube import (
     wait_step,
 )
 
+IMAGE_VENV = "/opt/criuctl/venv"  # the Dockerfile's VENV: where the agent image runs criuctl from
 pytestmark = [needs_criu, pytest.mark.timeout(900)]
 STEPS = 500
 TOKEN = uuid.uuid4().hex  # what the test writes into the pod's own volumes before the move
@@ -156,15 +158,19 @@ def _refused(lay, k: Kubectl, pod: str, node: str) -> str:
     return lines[0]
 
 
-def _attached_left(node: str) -> list[str]:
-    """Mounts that node `node`'s agent (this checkout's) attached for CRIU and did not let go of."""
-    agent = [str(REPO / ".venv" / "bin" / "criuctl"), "agent"]
+def _attached_left(lay: Layout, node: str) -> list[str]:
+    """Mounts that node `node`'s agent attached for CRIU and did not let go of: the agent of this
+    cluster (in its node's cgroups), run from the image (its venv's criuctl)."""
+    agent = [f"{IMAGE_VENV}/bin/criuctl", "agent"]
+    root = lay.node(node).cgroup_root
     pids = [
         p.pid
         for p in psutil.process_iter(["cmdline"])
-        if (a := p.info["cmdline"] or [])[1:3] == agent and a[a.index("--name") + 1] == node
+        if (a := p.info["cmdline"] or [])[1:3] == agent
+        and a[a.index("--name") + 1] == node
+        and in_cgroup(Path(f"/proc/{p.pid}"), root)
     ]
-    assert pids, f"no agent of this checkout runs for node {node}"
+    assert pids, f"no agent of this cluster runs for node {node}"
     return [m.point for pid in pids for m in mounts.of(pid) if "criuctl-node-mount-" in m.point]
 
 
@@ -224,7 +230,7 @@ def test_every_kind_of_volume_moves_bit_identically(local_cluster, reference, ho
             "/etc/proj/cfg/lr": "0.003",
         }
         assert {path: _exec(k, on_b, f"cat {path}") for path in want} == want
-        assert not _attached_left("b"), "the agent on b kept the node's mounts it attached for CRIU"
+        assert not _attached_left(lay, "b"), "the agent on b kept the node's mounts it attached for CRIU"
         deadline = time.monotonic() + 300
         while (k.get("pod", on_b) or {}).get("status", {}).get("phase") != "Succeeded":
             assert time.monotonic() < deadline, k("logs", on_b, "--previous", check=False).stdout[-1000:]

@@ -11,12 +11,13 @@ they share with the host is named from the net (layout.Layout).
 
 Real parts only: etcd, kube-apiserver, kube-scheduler and kube-controller-manager v1.20.2 (built
 from Debian 12's source package by scripts/install-kubernetes.sh), and per node a network namespace
-with its own containerd and a real kubelet, each node's daemons in a private mount namespace (the
-kubelet and containerd hard-code host paths; two nodes on one host would otherwise delete each
-other's logs and cgroups) where the kernel settings the kubelet insists on writing are files of
-ours, so the machine's own are never touched. criuctl's agent runs on every node as the DaemonSet of
-`manifests/` (a local image; the project and the host's Python mounted by hostPath). What cannot run
-here has a named stand-in: the training operator (`localcluster.pytorchjob`).
+with its own containerd, a real kubelet and kube-proxy, each node's daemons in a private mount
+namespace (the kubelet and containerd hard-code host paths; two nodes on one host would otherwise
+delete each other's logs and cgroups) where the kernel settings the kubelet insists on writing are
+files of ours, so the machine's own are never touched. criuctl's agent (the DaemonSet) and webhook
+(the Deployment) run from `manifests/` as a user applies them, from the image built here from the
+Dockerfile (scripts/build-image.sh, cached by content), with nothing of the checkout mounted. What
+cannot run here has a named stand-in: the training operator (`localcluster.pytorchjob`).
 
 Not a product: it binds to addresses of its own bridge, uses token authentication with tokens it
 writes into DIR, and runs a Kubernetes that is end-of-life. Every part is recorded in DIR/state.json

@@ -221,7 +221,8 @@ def _kill_where(match) -> int:
     return killed
 
 
-def _in_cgroup(p: Path, root: str) -> bool:
+def in_cgroup(p: Path, root: str) -> bool:
+    """Whether process folder `p` (/proc/PID) is in cgroup `root` or below, in any hierarchy."""
     return any(
         line.split(":", 2)[2].startswith(root + "/") or line.split(":", 2)[2] == root
         for line in (p / "cgroup").read_text().splitlines()
@@ -234,7 +235,7 @@ def stop(lay: Layout, name: str) -> None:
     ino = lay.mnt_ns.get(name)
     for _ in range(20):
         hit = _kill_where(lambda p: ino is not None and os.stat(p / "ns" / "mnt").st_ino == ino)
-        hit += _kill_where(lambda p: _in_cgroup(p, n.cgroup_root))
+        hit += _kill_where(lambda p: in_cgroup(p, n.cgroup_root))
         if not hit:
             break
         time.sleep(0.3)
