@@ -77,7 +77,9 @@ image_size() { "$builder" images --format '{{.Size}}' "$1" 2>/dev/null | head -n
 local_base() {
   local today newest="" t
   today=$(date -u +%Y%m%d)
-  for t in $("$builder" images --format '{{.Repository}}:{{.Tag}}' 2>/dev/null | grep "^$BASE_REPO:bookworm-slim-" | sort -r); do
+  # buildah names the repository field .Name, podman and docker .Repository
+  local field=.Repository; [ "$builder" != buildah ] || field=.Name
+  for t in $("$builder" images --format "{{$field}}:{{.Tag}}" | grep "^$BASE_REPO:bookworm-slim-" | sort -r); do
     newest=$t; break
   done
   [ -n "$newest" ] || return 1

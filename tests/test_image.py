@@ -81,13 +81,19 @@ def test_bad_arguments_are_refused_in_one_line(args: list[str]) -> None:
 def test_no_build_secret_lands_in_a_layer() -> None:
     """The machine's CA bundle, pip configuration and apt sources reach the build as secrets: no
     layer of the built image holds a file under /run/secrets, the build's apt sources file, or the
-    bytes of the pip configuration the build was given."""
+    bytes of the pip configuration the build was given. A second call with the same content builds
+    nothing (same key, same archive): the base made here is found again, not made anew."""
     requirements.require("image-builder")
     r = subprocess.run(
         ["bash", str(BUILD), "--archive-dir", str(IMAGES)], capture_output=True, text=True, timeout=900
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    _key, tag, archive = r.stdout.strip().splitlines()[-1].split()
+    key, tag, archive = r.stdout.strip().splitlines()[-1].split()
+    again = subprocess.run(
+        ["bash", str(BUILD), "--archive-dir", str(IMAGES)], capture_output=True, text=True, timeout=120
+    )
+    assert again.returncode == 0 and "reusing" in again.stderr, again.stderr[-1500:]
+    assert again.stdout.split()[-3:] == [key, tag, archive], "the same content had another key: no reuse"
     assert re.fullmatch(r"\d+\.\d+\.\d+-g[0-9a-f]{12}(-dirty-[0-9a-f]{16})?", tag), tag
     pip_conf = Path("/etc/pip.conf").read_bytes() if Path("/etc/pip.conf").is_file() else None
     names: list[str] = []
