@@ -71,7 +71,7 @@ def local_cluster(tmp_path_factory):
     from localcluster.layout import Layout
 
     from tests.cluster import _free_subnet
-    from tests.kube import Kubectl, agents_run_the_built_image
+    from tests.kube import Kubectl, criuctl_runs_the_built_image
 
     for name in ("criu", "kubernetes", "image-builder"):
         requirements.require(name)
@@ -79,7 +79,7 @@ def local_cluster(tmp_path_factory):
     lc.check_free(lay)  # outside the `finally`: a taken net is another cluster's, not ours to take down
     try:
         lc.up(lay)
-        agents_run_the_built_image(lay, Kubectl(lay))
+        criuctl_runs_the_built_image(lay, Kubectl(lay))
         yield lay, Kubectl(lay)
     finally:
         lc.down(lay)

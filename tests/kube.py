@@ -195,15 +195,18 @@ def migrate_pod(lay, k: Kubectl, pod: str, node: str, *opts: str) -> str:
     return out["new_pod"]
 
 
-def agents_run_the_built_image(lay: Layout, k: Kubectl) -> list[dict]:
-    """The agent pods, once each is checked to run the image `up` built from the Dockerfile (the
-    runtime's image ID is that build's config digest) with no hostPath of the project or of the
-    host's Python: AssertionError otherwise. Every Kubernetes test runs behind this check."""
-    pods = k.pods("criuctl-system", "app.kubernetes.io/name=criuctl-agent")
-    assert sorted(p["spec"]["nodeName"] for p in pods) == sorted(lay.nodes), pods
+def criuctl_runs_the_built_image(lay: Layout, k: Kubectl) -> list[dict]:
+    """The agent pods, once each of criuctl's pods (the agents, the webhook's) is checked to run the
+    image `up` built from the Dockerfile (the runtime's image ID is that build's config digest) with
+    no hostPath of the project or of the host's Python: AssertionError otherwise. Every Kubernetes
+    test runs behind this check."""
+    agents = k.pods("criuctl-system", "app.kubernetes.io/name=criuctl-agent")
+    assert sorted(p["spec"]["nodeName"] for p in agents) == sorted(lay.nodes), agents
+    webhooks = k.pods("criuctl-system", "app.kubernetes.io/name=criuctl-webhook")
+    assert webhooks, "no webhook pod runs"
     built = f"docker.io/library/{lay.agent_image}"
     host = {str(REPO), *HOST_PYTHON}
-    for p in pods:
+    for p in agents + webhooks:
         (status,) = p["status"]["containerStatuses"]
         assert (status["image"], status["imageID"]) == (built, lay.agent_image_id), (
             f"{p['metadata']['name']} runs {status['image']} ({status['imageID']}), "
@@ -211,4 +214,4 @@ def agents_run_the_built_image(lay: Layout, k: Kubectl) -> list[dict]:
         )
         paths = {v["hostPath"]["path"] for v in p["spec"]["volumes"] if "hostPath" in v}
         assert not {q for q in paths for h in host if q == h or q.startswith(h + "/")}, paths
-    return pods
+    return agents

@@ -19,8 +19,8 @@ from tests.kube import (
     JOB,
     Kubectl,
     LogFollower,
-    agents_run_the_built_image,
     criuctl,
+    criuctl_runs_the_built_image,
     final,
     migrate_pod,
     steps,
@@ -68,7 +68,7 @@ def test_agent_image_runs_doctor_and_agent_help(local_cluster) -> None:
     CRIU; `criuctl agent --help` answers; and the image holds what the agent needs and nothing of
     training (no torch, numpy, matplotlib) or of building (no compiler, no source tree)."""
     lay, k = local_cluster
-    pod = agents_run_the_built_image(lay, k)[0]["metadata"]["name"]
+    pod = criuctl_runs_the_built_image(lay, k)[0]["metadata"]["name"]
 
     def inside(*argv: str) -> subprocess.CompletedProcess:
         return k("-n", "criuctl-system", "exec", pod, "--", *argv, check=False)
