@@ -173,7 +173,10 @@ for f in /etc/pip.conf "$HOME/.config/pip/pip.conf" "$HOME/.pip/pip.conf"; do
 done
 [ -z "$pipconf" ] || secrets+=(--secret "id=pip.conf,src=$pipconf")
 aptsrc=$(mktemp); trap 'rm -f "$aptsrc"' EXIT
+# deb822 files where the machine has them, else its one-line lists (one format per file: apt tells
+# them apart by the extension image-build-env.sh gives the copy)
 cat /etc/apt/sources.list.d/*.sources 2>/dev/null >"$aptsrc" || true
+[ -s "$aptsrc" ] || cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null | grep -E '^[[:space:]]*deb' >"$aptsrc" || true
 [ ! -s "$aptsrc" ] || secrets+=(--secret "id=apt.sources,src=$aptsrc")
 
 log "building $NAME:$tag with $builder on $base (content key $key)"

@@ -4,7 +4,8 @@
 # into a layer:
 #   /run/secrets/ca           a CA bundle: pip and Python's ssl trust it (a proxy's CA, a mirror's)
 #   /run/secrets/pip.conf     pip's configuration (an index mirror, timeouts)
-#   /run/secrets/apt.sources  apt's sources, deb822: used instead of the base image's for this step
+#   /run/secrets/apt.sources  apt's sources (deb822, or one-line `deb URI SUITE ...`): used instead
+#                             of the base image's for this step
 # Each is optional: a plain `docker build .` without secrets uses the base image's defaults. The apt
 # sources the step replaces are put back before it ends, so the layer holds the base's own.
 set -eu
@@ -20,10 +21,13 @@ if [ -s "$S/apt.sources" ]; then
   [ ! -e /etc/apt/sources.list ] || mv /etc/apt/sources.list "$aside/"
   mkdir -p "$aside/parts"
   for f in /etc/apt/sources.list.d/*; do [ ! -e "$f" ] || mv "$f" "$aside/parts/"; done
-  cp "$S/apt.sources" /etc/apt/sources.list.d/build.sources
+  # apt reads a file by its extension: .sources as deb822, .list as one-line entries
+  ext=sources
+  if grep -Eq '^[[:space:]]*deb(-src)?[[:space:]]' "$S/apt.sources"; then ext=list; fi
+  cp "$S/apt.sources" "/etc/apt/sources.list.d/build.$ext"
   status=0
   "$@" || status=$?
-  rm -f /etc/apt/sources.list.d/build.sources
+  rm -f /etc/apt/sources.list.d/build.sources /etc/apt/sources.list.d/build.list
   [ ! -e "$aside/sources.list" ] || mv "$aside/sources.list" /etc/apt/
   for f in "$aside"/parts/*; do [ ! -e "$f" ] || mv "$f" /etc/apt/sources.list.d/; done
   rm -rf "$aside"
