@@ -97,12 +97,12 @@ COPY --from=build /opt/criuctl /opt/criuctl
 ENV PATH=/opt/criuctl/venv/bin:$PATH \
     CRIUCTL_STATE_DIR=/var/lib/criuctl
 # What `criuctl doctor` prints as this image (last: a new revision rebuilds nothing above)
-ARG CRIUCTL_REVISION=unknown
+ARG SOURCE_COMMIT=unknown
 RUN criu --version >/dev/null && criuctl --help >/dev/null \
- && printf '{"revision": "%s", "criu": "%s"}\n' "$CRIUCTL_REVISION" \
+ && printf '{"revision": "%s", "criu": "%s"}\n' "$SOURCE_COMMIT" \
       "$(criu --version | awk '/^Version:/{print $2}')" >/opt/criuctl/image.json
 LABEL org.opencontainers.image.title="criuctl-agent" \
-      org.opencontainers.image.revision="${CRIUCTL_REVISION}"
+      org.opencontainers.image.revision="${SOURCE_COMMIT}"
 EXPOSE 7070
 ENTRYPOINT ["criuctl"]
 CMD ["agent", "--help"]

@@ -187,7 +187,7 @@ case $builder in
   podman) build+=(--layers --isolation chroot) ;;
 esac
 "${build[@]}" --network host "${secrets[@]}" \
-  --build-arg "DEBIAN_IMAGE=$base" --build-arg "CRIUCTL_REVISION=$commit" \
+  --build-arg "DEBIAN_IMAGE=$base" --build-arg "SOURCE_COMMIT=$commit" \
   --label "org.opencontainers.image.version=$version" --label "io.criuctl.content-key=$key" \
   -t "$NAME:$tag" -t "$NAME:$version" -f Dockerfile . >&2
 log "built $NAME:$tag in $(($(date +%s) - start)) s: $(image_size "$NAME:$tag")"

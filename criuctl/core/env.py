@@ -507,6 +507,26 @@ CACHE: Var[str] = Var(
     readers=_SCRIPTS,
     role=Role.TOOLING,
 )
+BUILDER: Var[str] = Var(
+    "CRIUCTL_BUILDER",
+    "the image builder `make image` uses",
+    parse=_text,
+    default="",
+    shown="the first of buildah, podman, docker that works",
+    expect="buildah, podman or docker",
+    readers="scripts/build-image.sh",
+    role=Role.TOOLING,
+)
+BUILD_CA: Var[str] = Var(
+    "CRIUCTL_BUILD_CA",
+    "the CA bundle `make image` hands its build as a secret (pip trusts it)",
+    parse=_text,
+    default="",
+    shown="SSL_CERT_FILE, else the system's",
+    expect="a file",
+    readers="scripts/build-image.sh",
+    role=Role.TOOLING,
+)
 CONTAINERD2: Var[str] = Var(
     "CRIUCTL_CONTAINERD2",
     "where containerd 2 is installed, for the tests that need it",
