@@ -182,8 +182,10 @@ def criuctl(lay, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*CRIUCTL, *args], capture_output=True, text=True, env=env, timeout=300)
 
 
-def migrate_pod(lay, k: Kubectl, pod: str, node: str, *opts: str) -> str:
-    """Move `pod` with the CLI; returns the new pod's name, checked to run on `node`."""
+def migrate_pod(lay, k: Kubectl, pod: str, node: str, *opts: str, gone: bool = True) -> str:
+    """Move `pod` with the CLI; returns the new pod's name, checked to run on `node` (and, with
+    `gone`, the old pod deleted: the kubelet may take half a minute to remove it, while a short job
+    on the new pod runs to its end)."""
     r = criuctl(lay, "migrate", pod, node, "-o", "json", *opts)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -191,7 +193,8 @@ def migrate_pod(lay, k: Kubectl, pod: str, node: str, *opts: str) -> str:
     new = k.get("pod", out["new_pod"])
     assert new["spec"]["nodeName"] == node and new["status"]["phase"] == "Running"
     assert new["metadata"]["annotations"]["criuctl.io/migrated-from"].startswith(f"default/{pod}@")
-    k.wait_gone("pod", pod)
+    if gone:
+        k.wait_gone("pod", pod)
     return out["new_pod"]
 
 

@@ -218,7 +218,7 @@ def test_every_kind_of_volume_moves_bit_identically(local_cluster, reference, ho
         wait_step(k, name, before + 5)
         k.apply(_config(f"{name}-one", {"one.conf": "seen by subPath\n"}))
 
-        on_b = migrate_pod(lay, k, name, "b")
+        on_b = migrate_pod(lay, k, name, "b", gone=False)  # its files are read while it trains
         follow.append(LogFollower(k, on_b))
         follow[-1].start()
         ours = {p: TOKEN + "\n" for p in ("/scratch/disk", "/part/sub", "/scratch/part/sub", "/dev/shm/mem")}
@@ -231,6 +231,7 @@ def test_every_kind_of_volume_moves_bit_identically(local_cluster, reference, ho
         }
         assert {path: _exec(k, on_b, f"cat {path}") for path in want} == want
         assert not _attached_left(lay, "b"), "the agent on b kept the node's mounts it attached for CRIU"
+        k.wait_gone("pod", name)
         deadline = time.monotonic() + 300
         while (k.get("pod", on_b) or {}).get("status", {}).get("phase") != "Succeeded":
             assert time.monotonic() < deadline, k("logs", on_b, "--previous", check=False).stdout[-1000:]

@@ -89,6 +89,13 @@ def finishes_exactly(c: Cluster, world: int) -> None:
     assert c.final("ddp-0") == [final]
 
 
+def listed_jobs(c: Cluster) -> list[tuple[str, str, str]]:
+    """`criuctl ps --jobs` as (job, rank, node) rows: what the agents tell the client."""
+    ps = c.client("ps", "--jobs")
+    assert ps.returncode == 0, ps.stderr
+    return [tuple(ln.split()[:3]) for ln in ps.stdout.splitlines()[1:] if ln.strip()]  # type: ignore[misc]
+
+
 def moved(r: subprocess.CompletedProcess) -> dict:
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout)
@@ -106,10 +113,7 @@ def test_move_one_rank_then_again(tmp_path):
     to d (`--job`, stop-and-copy)."""
     with Cluster(tmp_path / "c", names=("a", "b", "c", "d")) as c:
         start(c, ["a", "b"])
-        ps = c.client("ps", "--jobs")
-        assert ps.returncode == 0, ps.stderr
-        rows = [ln.split() for ln in ps.stdout.splitlines()[1:] if ln.strip()]
-        assert [(r[0], r[1], r[2]) for r in rows] == [("ddp", "ddp-0", "a"), ("ddp", "ddp-1", "b")], ps.stdout
+        assert listed_jobs(c) == [("ddp", "ddp-0", "a"), ("ddp", "ddp-1", "b")]
         # bad input first: each is one line, and nothing is frozen
         assert "no node named 'nosuch'" in failed(c.client("migrate", "--job", "ddp", "ddp-1=nosuch"))
         assert "is not a rank of job ddp" in failed(c.client("migrate", "--job", "ddp", "ddp-7=c"))
@@ -119,6 +123,9 @@ def test_move_one_rank_then_again(tmp_path):
         assert [(r["target"], r["mode"]) for r in first["ranks"]] == [("c", "post-copy")]
         assert first["redirects"] == 1
         assert where(c, 2) == ["a", "c"]
+        # b's stopped tree still serves the pages c pulls: its agent lists it as moved, not as a
+        # second running copy (which made the next move refuse: one rank at two addresses)
+        assert listed_jobs(c) == [("ddp", "ddp-0", "a"), ("ddp", "ddp-1", "c")]
         assert tables(c, "c", "criuctl-cut-") == []  # lifted once the rank ran
         assert len(tables(c, "a", "criuctl-nat-")) == 1  # rank 0 reaches rank 1 at c
         c.wait_step("ddp-0", max(c.steps("ddp-0")) + 5)

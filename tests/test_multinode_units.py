@@ -178,6 +178,8 @@ def test_plan_refusals_are_one_line(nodes):
         jobmove.plan(job, {"ddp-1": "zz"})
     with pytest.raises(jobmove.MigrationFailed, match="already runs on node b"):
         jobmove.plan(job, {"ddp-1": "b"})
+    with pytest.raises(jobmove.MigrationFailed, match=r"node d \(http://10\.9\.0\.5:7070\) did not answer"):
+        jobmove.plan(job, {"ddp-1": "d"}, silent=["d"])
     foreign = jobs.group([_rank("a", "talker", [(A, 1234, "10.9.9.9", 5432)])])[0]
     with pytest.raises(jobmove.MigrationFailed, match=r"10\.9\.9\.9:5432, which is not a criuctl workload"):
         jobmove.plan(foreign, {"talker": "b"})

@@ -312,6 +312,16 @@ class Outgoing:
             log.error("thaw incomplete", extra={"id": rec.migration, "left": thaw.line()})
         return thaw
 
+    def handed_over(self) -> dict[str, tuple[int | None, str]]:
+        """Workloads whose job runs on the target now while their frozen tree lingers here (post-copy:
+        it serves the pages the target still pulls, until DONE): name → (its root PID, the target
+        node). The listing calls them moved, not running: the one copy that runs is the target's."""
+        return {
+            rec.workload: (rec.root_pid, rec.ticket.node)
+            for _, rec in records.scan(self.records, "*.json", SourceRecord.from_json)
+            if isinstance(rec, SourceRecord) and rec.state == SourceState.COMMITTED
+        }
+
     def thaws_incomplete(self) -> int:
         """How many trees here run again with their thaw not complete (for /metrics)."""
         return sum(

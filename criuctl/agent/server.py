@@ -296,7 +296,10 @@ class Agent:
         """Every workload here; a running one with its TCP endpoints (what joins ranks into jobs)."""
         out = workloads.rows()
         kept = self.redirects.kept()  # read once for the whole listing
+        moved = self.outgoing.handed_over()
         for row in out:
+            if (h := moved.get(row["name"])) is not None and h[0] == row["root_pid"]:
+                row["state"], row["moved_to"], row["rss_bytes"] = workloads.MIGRATED, h[1], None
             if row["alive"] and row["state"] == workloads.RUNNING and not row.get("container"):
                 ends = peers.of_tree(row["root_pid"])
                 ends.connections = self.redirects.translate(ends.connections, kept)

@@ -194,7 +194,7 @@ def _migrate_job(a: argparse.Namespace, name: str, wanted: dict[str, str]) -> in
             f"no job or workload named {name!r} runs on any node{silent}",
             "see `criuctl ps --jobs` for the jobs and their ranks",
         )
-    plan = jobmove.plan(job, wanted)
+    plan = jobmove.plan(job, wanted, found.silent)
     moved = ", ".join(f"{m.rank.label} → {m.target.name}" for m in plan.moves)
     print(f"criuctl: job {job.name} ({len(job.ranks)} ranks): moving {moved}", file=sys.stderr)
     result = jobmove.execute(plan, render.job_progress(), a.mode)

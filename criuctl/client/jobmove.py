@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -105,8 +105,10 @@ def _address(rank: Rank) -> str:
     return addr
 
 
-def plan(job: Job, wanted: dict[str, str]) -> JobPlan:
-    """Check a move of `wanted` (rank workload → node) and work out every rule it needs."""
+def plan(job: Job, wanted: dict[str, str], silent: Collection[str] = ()) -> JobPlan:
+    """Check a move of `wanted` (rank workload → node) and work out every rule it needs. `silent`:
+    the nodes that did not answer the survey a moment ago (a target among them fails at once
+    rather than after each step's own connect timeout)."""
     for link in job.foreign:
         la, lp, ra, rp = link.conn
         raise MigrationFailed(
@@ -123,6 +125,11 @@ def plan(job: Job, wanted: dict[str, str]) -> JobPlan:
                 "name a rank as NAME=NODE; nothing was frozen",
             )
         target = get_node(node)
+        if target.name in silent:
+            raise MigrationFailed(
+                f"node {node} ({target.url}) did not answer when the job's nodes were asked a moment ago",
+                "check that its agent runs and the network between here and there; nothing was frozen",
+            )
         if target.name == rank.node:
             raise MigrationFailed(f"rank {name!r} already runs on node {node}", "pick another node")
         new = target.host
