@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import os
 import socket
@@ -53,7 +52,7 @@ from criuctl.agent.outgoing import Outgoing
 from criuctl.agent.redirects import Redirects
 from criuctl.agent.runtimes import Runtimes
 from criuctl.container import containers, runtime
-from criuctl.core import statedir, workloads
+from criuctl.core import jsonlog, statedir, workloads
 from criuctl.core.errors import CriuctlError
 from criuctl.core.tokens import read_token
 from criuctl.engine import criu
@@ -325,23 +324,8 @@ class Agent:
         return web.FileResponse(path, headers={"Content-Type": "text/plain; charset=utf-8"})
 
 
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: what a log collector on a node wants."""
-
-    _STD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message"}
-
-    def format(self, record: logging.LogRecord) -> str:
-        out = {"ts": round(record.created, 3), "level": record.levelname.lower(), "msg": record.getMessage()}
-        out.update({k: v for k, v in record.__dict__.items() if k not in self._STD})
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
-
-
 def serve(opts: AgentOptions) -> None:
-    handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter())
-    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    jsonlog.to_stderr()
     for warning in opts.warnings:
         log.warning(warning)
     agent = Agent(opts)

@@ -198,6 +198,17 @@ VERBS: dict[str, Verb] = {
                 "(default: the target's one empty placeholder for the same pod and container)",
             ),
             opt("--json", action="store_true", help="also print the result as JSON on stdout"),
+            opt(
+                "--as",
+                dest="object_name",
+                metavar="NAME",
+                help="a pod: the PodMigration's name (default: generated from the pod's and the node's)",
+            ),
+            opt(
+                "--detach",
+                action="store_true",
+                help="a pod: create the PodMigration and return; `criuctl get` follows it",
+            ),
         ),
     ),
     "thaw": Verb(
@@ -277,6 +288,35 @@ VERBS: dict[str, Verb] = {
                 help="credentials to read pending moves (default: in-cluster; without either, "
                 "controller-owned pods are not made placeholders)",
             ),
+        ),
+    ),
+    "controller": Verb(
+        "carry out PodMigrations in the cluster: one active replica, elected through a Lease "
+        "(manifests/controller.yaml)",
+        (
+            opt("--kubeconfig", metavar="FILE", help="default: in-cluster (the pod's service account)"),
+            opt("--lease", default="criuctl-controller", metavar="NAME", help="the Lease's name"),
+            opt("--lease-namespace", default="criuctl-system", metavar="NS"),
+            opt("--lease-seconds", type=int, default=15, metavar="S", help="how long a leader's Lease lasts"),
+            opt(
+                "--renew-seconds",
+                type=int,
+                default=10,
+                metavar="S",
+                help="a leader that cannot renew within this stops",
+            ),
+            opt("--retry-seconds", type=int, default=2, metavar="S"),
+            opt("--health", default="0.0.0.0:8081", metavar="HOST:PORT", help="serves /healthz"),
+        ),
+    ),
+    "get": Verb(
+        "list the PodMigrations: pod, nodes, phase, downtime, age, and why a move failed",
+        (
+            opt("name", nargs="?", metavar="PODMIGRATION", help="only this one, in full"),
+            opt("-n", "--namespace", help="default: the kubeconfig context's"),
+            opt("-A", "--all-namespaces", action="store_true"),
+            opt("--kubeconfig", metavar="FILE"),
+            opt("-o", "--output", choices=["text", "json"], default="text"),
         ),
     ),
     "demo": Verb(

@@ -205,37 +205,53 @@ def _migrate_job(a: argparse.Namespace, name: str, wanted: dict[str, str]) -> in
 
 
 def _migrate_pod(a: argparse.Namespace, to: str) -> int:
-    """`criuctl migrate POD NODE` (criuctl.kube.podmigrate): checks, then the move, or the plan."""
+    """`criuctl migrate POD NODE` as a client of the API server: a PodMigration, created (after the
+    API server's own dry run: schema, RBAC) and followed until the controller ends it
+    (criuctl.kube.controller). The user needs RBAC on podmigrations only."""
     from criuctl.cli import render
-    from criuctl.kube import cluster, podmigrate
+    from criuctl.client.migrate import MigrationResult
+    from criuctl.kube import cluster, podmigrations, podplan
 
     c = cluster.connect(a.kubeconfig)
     namespace = a.namespace or c.namespace
-    plan = podmigrate.plan(c, namespace, a.name, to)
-    how = (
-        f"through its successor ({plan.owner} recreates it)"
-        if plan.owner
-        else f"as pod {plan.placeholder_name}"
+    for kind, value in (("pod", a.name), ("namespace", namespace), ("node", to)):
+        podplan.check_name(kind, value)
+    body = podmigrations.body(
+        namespace, a.name, to, a.mode, a.dry_run, a.object_name, origin="criuctl migrate"
     )
-    if a.dry_run:
+    podmigrations.create(c, body, server_dry_run=True)
+    obj = podmigrations.create(c, body)
+    name = obj["metadata"]["name"]
+    if a.detach:
         print(
-            f"criuctl: would move pod {namespace}/{plan.pod} ({plan.workload}) from node {plan.source} "
-            f"to node {plan.target} {how}; {plan.memory_needed >> 20} MiB of "
-            f"{plan.memory_free >> 20} MiB free there; nothing was changed",
+            f"criuctl: podmigration {namespace}/{name} created; follow it with `criuctl get {name}`",
             file=sys.stderr,
         )
         if a.json:
-            _print_json({"dry_run": True, **plan.summary()})
+            _print_json({"podmigration": name, "namespace": namespace})
         return 0
+    print(f"criuctl: podmigration {namespace}/{name}: pod {a.name} → node {to}", file=sys.stderr)
     with render.migration_progress() as progress:
-        if plan.owner:
-            result = podmigrate.execute_owned(c, plan, progress)
-        else:
-            result = podmigrate.execute(c, plan, a.mode, progress)
-    render.migration_summary(result)
+        obj = podmigrations.follow(c, namespace, name, progress)
+    st = obj.get("status") or {}
+    if a.dry_run:
+        podmigrations.delete(c, namespace, name)
+    if podmigrations.phase_of(obj) == podmigrations.Phase.FAILED:
+        err = CriuctlError(st.get("reason") or "the move failed", st.get("hint") or f"`criuctl get {name}`")
+        err.exit_code = int(st.get("exitCode") or 4)
+        raise err
+    if a.dry_run:
+        print(f"criuctl: {st.get('reason')}", file=sys.stderr)
+        if a.json:
+            _print_json({"dry_run": True, **(st.get("plan") or {})})
+        return 0
+    result = MigrationResult(**st["result"]) if st.get("result") else None
+    if result is not None:
+        render.migration_summary(result)
+    where = result.target if result is not None else st.get("target")
     print(
-        f"criuctl: pod {namespace}/{plan.pod} is now pod {plan.placeholder_name} on node {result.target}; "
-        f"follow it with: kubectl -n {namespace} logs -f {plan.placeholder_name}",
+        f"criuctl: pod {namespace}/{a.name} is now pod {st.get('newPod')} on node {where}; "
+        f"follow it with: kubectl -n {namespace} logs -f {st.get('newPod')}",
         file=sys.stderr,
     )
     if a.json:
@@ -243,10 +259,31 @@ def _migrate_pod(a: argparse.Namespace, to: str) -> int:
 
         _print_json(
             {
-                **dataclasses.asdict(result),
-                "pod": plan.pod,
-                "new_pod": plan.placeholder_name,
+                **(dataclasses.asdict(result) if result is not None else {"target": where}),
+                "pod": a.name,
+                "new_pod": st.get("newPod"),
                 "namespace": namespace,
+                "podmigration": name,
             }
         )
-    return 0 if result.source_confirmed else 6
+    return 0 if result is None or result.source_confirmed else 6
+
+
+def cmd_get(a: argparse.Namespace) -> int:
+    """`criuctl get [NAME]`: the PodMigrations, as `kubectl get podmigrations` shows them, plus why."""
+    from criuctl.cli import render
+    from criuctl.kube import cluster, podmigrations
+
+    c = cluster.connect(a.kubeconfig)
+    namespace = None if a.all_namespaces else (a.namespace or c.namespace)
+    if a.name:
+        objs = [podmigrations.read(c, namespace or c.namespace, a.name)]
+    else:
+        objs = podmigrations.every(c, namespace)
+    if a.output == "json":
+        import json
+
+        print(json.dumps(objs))
+    else:
+        render.podmigrations_table(objs, wide=a.name is not None)
+    return 0

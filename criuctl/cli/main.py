@@ -303,6 +303,25 @@ def _cmd_webhook(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_controller(a: argparse.Namespace) -> int:
+    from criuctl.core import jsonlog
+    from criuctl.kube import controller
+
+    jsonlog.to_stderr()
+    o = controller.Options(
+        kubeconfig=a.kubeconfig,
+        lease=a.lease,
+        lease_namespace=a.lease_namespace,
+        lease_seconds=a.lease_seconds,
+        renew_seconds=a.renew_seconds,
+        retry_seconds=a.retry_seconds,
+        health=a.health,
+    )
+    controller.check(o)
+    controller.run(o)
+    return 0
+
+
 # verb → the function that carries it out; `cliargs.VERBS` has the same keys
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "run": _cmd_run,
@@ -318,6 +337,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "doctor": _cmd_doctor,
     "prestop": _cmd_prestop,
     "webhook": _cmd_webhook,
+    "controller": _cmd_controller,
+    "get": climigrate.cmd_get,
     "demo": _cmd_demo,
 }
 

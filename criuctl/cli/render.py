@@ -225,6 +225,33 @@ def nodes_table(nodes, health: dict[str, str]) -> None:
     out.print(t)
 
 
+def podmigrations_table(objs: list[dict], wide: bool = False) -> None:
+    """The columns of `kubectl get podmigrations` (the CRD's printer columns), and REASON."""
+    if not objs:
+        out.print("No PodMigrations. Move a pod: criuctl migrate POD NODE")
+        return
+    t = Table(box=None, header_style="bold")
+    for col in ("NAMESPACE", "NAME", "POD", "FROM", "TO", "PHASE", "DOWNTIME", "CREATED", "REASON"):
+        t.add_column(col, no_wrap=col != "REASON")
+    for o in objs:
+        st, meta = o.get("status") or {}, o["metadata"]
+        reason = st.get("reason") or ""
+        if wide and st.get("hint"):
+            reason += f" ({st['hint']})"
+        t.add_row(
+            meta["namespace"],
+            meta["name"],
+            o["spec"]["pod"],
+            st.get("source") or "",
+            st.get("target") or o["spec"]["node"],
+            st.get("phase") or "Pending",
+            st.get("downtime") or "",
+            meta.get("creationTimestamp") or "",
+            reason,
+        )
+    out.print(t)
+
+
 def _phases(phases: dict[str, float]) -> str:
     """ " (criu_dump 4.10 s, seal 0.31 s)": where a freeze's time went, for benchmarks and users alike."""
     return f" ({', '.join(f'{k} {v:.2f} s' for k, v in phases.items())})" if phases else ""

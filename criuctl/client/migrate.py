@@ -179,6 +179,10 @@ class Move:
         self.running_at: float | None = None
         self.confirmed = True
         self.pages: float | None = None
+        # told (outgoing id, incoming id) as each becomes known, before the next step: a caller
+        # that must outlive its own restart records them (criuctl.kube.controller), then asks
+        # the agents how the move ended (criuctl.kube.podmigrate.settle)
+        self.on_ids: Callable[[str | None, str], None] | None = None
 
     def _in_doubt(self, exc: MigrationInDoubt) -> MigrationInDoubt:
         exc.ids = (self.og_id, self.inc_id)
@@ -203,6 +207,8 @@ class Move:
             ) from exc
         points.reach(Point.CLIENT_PREPARED)
         self.inc_id = inc["id"]
+        if self.on_ids is not None:
+            self.on_ids(None, self.inc_id)
         self.ticket = Ticket(
             self.target.url, inc["id"], inc["ticket"], self.target.name, self.target.ca_pem()
         )
@@ -223,6 +229,8 @@ class Move:
         for ev in self.src.events("/v1/outgoing", body):
             if ev["event"] == "started":
                 self.og_id = ev["id"]
+                if self.on_ids is not None:
+                    self.on_ids(self.og_id, self.inc_id)
             elif ev["event"] == "frozen":
                 self.facts["freeze"], self.port = time.monotonic() - phase_started, ev["page_server_port"]
                 self.frozen_at = time.monotonic() - float(ev.get("freeze_seconds") or 0.0)
@@ -329,13 +337,16 @@ def migrate(
     progress: Progress = _quiet,
     into: str | None = None,
     target_committed: Callable[[], None] | None = None,
+    on_ids: Callable[[str | None, str], None] | None = None,
 ) -> MigrationResult:
     """Move workload `name`; a container goes `into` that placeholder container on the target
     (default: the target's one empty placeholder for the same pod and container).
     `target_committed` runs once the job runs on the target and before the source's copy ends:
     where something must learn of the move before the source tree dies (Kubernetes deletes the
-    source pod there, so that its kubelet does not restart the container it sees die)."""
+    source pod there, so that its kubelet does not restart the container it sees die).
+    `on_ids(outgoing, incoming)` runs as the agents' migration ids become known (Move.on_ids)."""
     move = Move(name, source, target, mode, progress, into)
+    move.on_ids = on_ids
     move.prepare()
     try:
         move.send()

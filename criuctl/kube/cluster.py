@@ -49,6 +49,7 @@ class Cluster:
     apps: api.Bounded  # kubernetes.client.AppsV1Api
     namespace: str  # the context's namespace, for a pod named without -n
     credentials: tuple[str, str | None] | None = None  # the agents' token file and CA file, once read
+    coordination: api.Bounded | None = None  # kubernetes.client.CoordinationV1Api: the controller's Lease
 
     def serialize(self, obj: Any) -> dict:
         """A client model as the API's JSON (camelCase): what the webhook's pure functions take."""
@@ -67,6 +68,7 @@ def connect(kubeconfig: str | None = None, timeouts: api.KubeTimeouts | None = N
         api.bounded(client.CustomObjectsApi, api_client, t),
         api.bounded(client.AppsV1Api, api_client, t),
         namespace,
+        coordination=api.bounded(client.CoordinationV1Api, api_client, t),
     )
 
 

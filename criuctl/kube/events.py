@@ -16,6 +16,7 @@ MIGRATED_AT = "criuctl.io/migrated-at"  # on the new pod: RFC 3339, when it took
 
 class Reason(StrEnum):
     STARTED = "MigrationStarted"
+    PHASE = "MigrationPhase"  # on a PodMigration: the phase it entered
     MIGRATED = "Migrated"
     FAILED = "MigrationFailed"
     THAW_INCOMPLETE = "ThawIncomplete"  # the job runs on its node again; part of its thaw is still undone
@@ -25,14 +26,15 @@ def now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def record(c: Cluster, pod: dict, reason: Reason, message: str) -> None:
-    """One Event on `pod`; never fails the migration it reports on (an Event is a courtesy)."""
-    meta = pod["metadata"]
+def record(c: Cluster, obj: dict, reason: Reason, message: str) -> None:
+    """One Event on `obj` (a pod, or a PodMigration: its apiVersion and kind say); never fails the
+    migration it reports on (an Event is a courtesy)."""
+    meta = obj["metadata"]
     body = {
         "metadata": {"name": f"{meta['name']}.{os.urandom(8).hex()}", "namespace": meta["namespace"]},
         "involvedObject": {
-            "apiVersion": "v1",
-            "kind": "Pod",
+            "apiVersion": obj.get("apiVersion") or "v1",
+            "kind": obj.get("kind") or "Pod",
             "name": meta["name"],
             "namespace": meta["namespace"],
             "uid": meta.get("uid"),

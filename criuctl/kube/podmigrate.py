@@ -27,16 +27,27 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
+from collections.abc import Callable
 
 from criuctl.agent.messages import IncomingStatus, OutgoingStatus
 from criuctl.client import migrate as agent_migrate
-from criuctl.client.agents import AgentClient, AgentError
+from criuctl.client.agents import AgentClient, AgentError, Node
 from criuctl.core.errors import CriuctlError
 from criuctl.kube import events, moves
 from criuctl.kube.cluster import Cluster, NotFound, call
+from criuctl.kube.podmigrations import Phase
 from criuctl.kube.podplan import PodPlan, plan
 
-__all__ = ["execute", "execute_owned", "plan", "settle"]
+__all__ = ["execute", "execute_owned", "follow_owned", "hand_over", "plan", "request_owned", "settle"]
+
+# journal(phase, **status fields): the caller's durable record of the step about to be taken
+# (criuctl.kube.controller writes it into the PodMigration's status before the step runs)
+Journal = Callable[..., None]
+
+
+def _unrecorded(_phase: Phase, **_fields: object) -> None:
+    pass
+
 
 PHASES = {moves.Phase.DUMPING: "checkpoint", moves.Phase.KEPT: "restore"}  # as the progress shows them
 OWNED_TIMEOUT = 900.0  # delete → restored: the grace period's checkpoint, the controller, the restore
@@ -63,23 +74,28 @@ def _wait_placeholder(c: Cluster, p: PodPlan, timeout: float = 120) -> str:
     )
 
 
-def _delete(c: Cluster, namespace: str, name: str, grace: int | None = None) -> None:
+def _delete(c: Cluster, namespace: str, name: str, grace: int | None = None, uid: str | None = None) -> None:
+    """Delete pod NAME (only the one of `uid`, when given: never a successor of the same name)."""
     from kubernetes import client
 
-    opts = client.V1DeleteOptions(grace_period_seconds=grace)
+    only = client.V1Preconditions(uid=uid) if uid else None
+    opts = client.V1DeleteOptions(grace_period_seconds=grace, preconditions=only)
     with contextlib.suppress(NotFound):
         call(f"pod {namespace}/{name}", c.core.delete_namespaced_pod, name, namespace, body=opts)
 
 
-def settle(p: PodPlan, exc: agent_migrate.MigrationInDoubt, timeout: float = 300) -> str | None:
+def settle(
+    source: Node, target: Node, ids: tuple[str | None, str] | None, timeout: float = 300
+) -> str | None:
     """Where the job runs once the agents settled a migration in doubt (they always do, once they
     hear each other: docs/architecture.md), the source's or the target's node; None if they have not
     within `timeout`. Deciding for the pods needs it: an empty placeholder is deleted, a used one is
-    the job's pod now."""
-    if exc.ids is None:
+    the job's pod now. `ids`: (source's outgoing id, target's incoming id); the target's alone
+    decides once it ended (the source asks it before it thaws or ends)."""
+    if ids is None:
         return None
-    og, inc = exc.ids
-    src, dst = AgentClient(p.src, timeout=10), AgentClient(p.dst, timeout=10)
+    og, inc = ids
+    src, dst = AgentClient(source, timeout=10), AgentClient(target, timeout=10)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         target_state = source_state = None
@@ -87,7 +103,7 @@ def settle(p: PodPlan, exc: agent_migrate.MigrationInDoubt, timeout: float = 300
             incoming: IncomingStatus = dst.get(f"/v1/incoming/{inc}", timeout=10)
             target_state = incoming["state"]
         if target_state == "running":
-            return p.target
+            return target.name
         try:
             outgoing: OutgoingStatus | None = src.get(f"/v1/outgoing/{og}", timeout=10) if og else None
             source_state = outgoing["state"] if outgoing is not None else "gone"
@@ -96,18 +112,56 @@ def settle(p: PodPlan, exc: agent_migrate.MigrationInDoubt, timeout: float = 300
         except KeyError:
             pass
         if source_state == "thawed":
-            return p.source
+            return source.name
         if source_state in ("committed", "done"):
-            return p.target
+            return target.name
         # the target's copy is dead or never ran: the source thaws on hearing it (it may be asking)
-        if source_state == "gone" and target_state in ("aborted", "failed"):
-            return p.source
+        if target_state in ("aborted", "failed") and (source_state == "gone" or og is None):
+            return source.name
         time.sleep(2)
     return None
 
 
-def execute(c: Cluster, p: PodPlan, mode: str | None, progress) -> agent_migrate.MigrationResult:
+def read_pod(c: Cluster, namespace: str, name: str) -> dict | None:
+    try:
+        return c.serialize(call(f"pod {namespace}/{name}", c.core.read_namespaced_pod, name, namespace))
+    except NotFound:
+        return None
+
+
+def hand_over(c: Cluster, namespace: str, pod: str, new_pod: str, source: str, target: str) -> None:
+    """The job runs in `new_pod` on `target`: the source pod goes (before its tree ends, where the
+    caller can: see the table), the new pod gets its provenance stamp, both get their Event. Each
+    step may be done again (a controller that restarted mid-way does it all again)."""
+    src = read_pod(c, namespace, pod)
+    with contextlib.suppress(CriuctlError):  # the source's agent ends the tree either way
+        _delete(c, namespace, pod)
+    # the job runs in the new pod: what follows is bookkeeping, and its failure must not turn a move
+    # that happened into an error (the source's agent marks its pod moved; the stamp is a courtesy)
+    with contextlib.suppress(CriuctlError):
+        stamp = {"metadata": {"annotations": {events.MIGRATED_AT: events.now()}}}
+        call("the new pod", c.core.patch_namespaced_pod, new_pod, namespace, stamp)
+    new = read_pod(c, namespace, new_pod)
+    if new is not None:
+        events.record(c, new, events.Reason.MIGRATED, f"from pod {pod} on node {source}")
+    if src is not None:
+        events.record(c, src, events.Reason.MIGRATED, f"to pod {new_pod} on node {target}")
+
+
+def undo_placing(c: Cluster, namespace: str, pod: str, new_pod: str, source: str, why: str) -> None:
+    """The job never left (or came back to) `source`: the placeholder goes, Events say so."""
+    with contextlib.suppress(CriuctlError):
+        _delete(c, namespace, new_pod, grace=0)
+    src = read_pod(c, namespace, pod)
+    if src is not None:
+        events.record(c, src, events.Reason.FAILED, f"{why}; it keeps running on {source}")
+
+
+def execute(
+    c: Cluster, p: PodPlan, mode: str | None, progress, journal: Journal = _unrecorded
+) -> agent_migrate.MigrationResult:
     src_pod = p.source_pod
+    journal(Phase.PLACING, newPod=p.placeholder_name)
     events.record(c, src_pod, events.Reason.STARTED, f"moving to node {p.target} as pod {p.placeholder_name}")
     progress("placeholder")
     created = call(
@@ -117,23 +171,28 @@ def execute(c: Cluster, p: PodPlan, mode: str | None, progress) -> agent_migrate
     events.record(c, new_pod, events.Reason.STARTED, f"placeholder for pod {p.pod} from node {p.source}")
     handed_over: list[str] = []
 
-    def hand_over() -> None:
+    def committed() -> None:
         """The job runs in the new pod: the source pod goes before its tree ends (see the table)."""
+        journal(Phase.HANDING_OVER)
         try:
             _delete(c, p.namespace, p.pod)
             handed_over.append(p.pod)
         except CriuctlError:
             pass  # the source agent still ends the tree; its kubelet may restart a fresh copy
 
+    def ids(og: str | None, inc: str) -> None:
+        journal(Phase.MIGRATING, outgoingId=og or "", incomingId=inc)
+
     try:
         into = _wait_placeholder(c, p)
+        journal(Phase.MIGRATING)
         result = agent_migrate.migrate(
-            p.workload, p.src, p.dst, mode, progress, into=into, target_committed=hand_over
+            p.workload, p.src, p.dst, mode, progress, into=into, target_committed=committed, on_ids=ids
         )
     except agent_migrate.MigrationInDoubt as exc:
-        where = settle(p, exc)
+        where = settle(p.src, p.dst, exc.ids)
         if where == p.target:  # the job runs in the new pod: the hand-over as after a commit
-            hand_over()
+            committed()
         if where != p.source:
             events.record(c, src_pod, events.Reason.FAILED, f"in doubt: {exc.what}")
             raise
@@ -161,8 +220,6 @@ def execute(c: Cluster, p: PodPlan, mode: str | None, progress) -> agent_migrate
             events.record(c, src_pod, events.Reason.FAILED, f"{exc.what}; it keeps running on {p.source}")
         events.record(c, new_pod, events.Reason.FAILED, f"{exc.what}; this placeholder is deleted")
         raise
-    # the job runs in the new pod: what follows is bookkeeping, and its failure must not turn a move
-    # that happened into an error (the source's agent marks its pod moved; the stamp is a courtesy)
     with contextlib.suppress(CriuctlError):
         if not handed_over:
             _delete(c, p.namespace, p.pod)
@@ -175,13 +232,13 @@ def execute(c: Cluster, p: PodPlan, mode: str | None, progress) -> agent_migrate
 
 
 def _owned_result(
-    p: PodPlan, m: moves.Move | None, where: str, started: float
+    workload: str, source: str, m: moves.Move | None, where: str, started: float
 ) -> agent_migrate.MigrationResult:
-    took = time.monotonic() - started
+    took = time.time() - started
     size, freeze = (m.size, m.freeze) if m else (0, 0.0)
     return agent_migrate.MigrationResult(
-        p.workload,
-        p.source,
+        workload,
+        source,
         where,
         "through its successor",
         took,
@@ -194,60 +251,98 @@ def _owned_result(
     )
 
 
-def execute_owned(c: Cluster, p: PodPlan, progress) -> agent_migrate.MigrationResult:
-    """Record the move, delete the pod, and follow the record until the successor runs the job."""
+def request_owned(c: Cluster, p: PodPlan, journal: Journal = _unrecorded) -> None:
+    """Record the move (naming the target) and delete the pod: its preStop checkpoints the job."""
     uid = p.source_pod["metadata"]["uid"]
+    journal(Phase.PLACING, sourceUID=uid)
     stale = moves.read(c, p.namespace, p.pod)
-    if stale is not None:
+    if stale is not None and (
+        stale.uid != uid or stale.phase != moves.Phase.REQUESTED or stale.target != p.target
+    ):
         moves.forget(c, stale)  # a requested or failed move of an earlier pod (plan refused live ones)
-    moves.save(
-        c,
-        moves.Move(
-            p.namespace,
-            p.pod,
-            uid,
-            p.source,
-            p.container,
-            moves.Phase.REQUESTED,
-            target=p.target,
-            since=time.time(),
-        ),
-    )
+        stale = None
+    if stale is None:
+        moves.save(
+            c,
+            moves.Move(
+                p.namespace,
+                p.pod,
+                uid,
+                p.source,
+                p.container,
+                moves.Phase.REQUESTED,
+                target=p.target,
+                since=time.time(),
+            ),
+        )
     said = f"moving to node {p.target}: checkpointed on delete, restored into its successor"
     events.record(c, p.source_pod, events.Reason.STARTED, said)
-    started = time.monotonic()
-    progress("checkpoint")
-    _delete(c, p.namespace, p.pod)
+    journal(Phase.MIGRATING)
+    _delete(c, p.namespace, p.pod, uid=uid)
+
+
+def follow_owned(
+    c: Cluster,
+    namespace: str,
+    pod: str,
+    uid: str,
+    workload: str,
+    source: str,
+    progress,
+    journal: Journal = _unrecorded,
+    started: float | None = None,
+) -> agent_migrate.MigrationResult:
+    """Follow the move record of pod `pod` (of `uid`, deleted) until its successor runs the job.
+    Level-triggered: it reads only the record and the pods, so it is taken up again as is."""
+    started = started or time.time()
     seen: moves.Move | None = None
-    phase = moves.Phase.REQUESTED
+    phase: moves.Phase | None = None
     deadline = started + OWNED_TIMEOUT
-    while time.monotonic() < deadline:
-        m = moves.read(c, p.namespace, p.pod)
-        try:
-            pod = c.serialize(call(f"pod {p.pod}", c.core.read_namespaced_pod, p.pod, p.namespace))
-        except NotFound:
-            pod = None
-        successor = pod if pod is not None and pod["metadata"]["uid"] != uid else None
+    while time.time() < deadline:
+        m = moves.read(c, namespace, pod)
+        live = read_pod(c, namespace, pod)
+        successor = live if live is not None and live["metadata"]["uid"] != uid else None
         if m is not None and m.phase != phase:
             phase, seen = m.phase, m
-            progress(
-                {moves.Phase.DUMPING: "checkpoint", moves.Phase.KEPT: "restore"}.get(m.phase, str(m.phase))
-            )
+            progress(PHASES.get(m.phase, str(m.phase)))
+            if m.phase == moves.Phase.KEPT:
+                journal(Phase.HANDING_OVER, bytesMoved=m.size)
         if m is None and successor is not None:  # a pod made after our delete, restored
             notes = successor["metadata"].get("annotations") or {}
             if events.MIGRATED_AT in notes:
-                return _owned_result(p, seen, successor["spec"]["nodeName"], started)
+                return _owned_result(workload, source, seen, successor["spec"]["nodeName"], started)
         if m is not None and m.phase == moves.Phase.FAILED:
-            raise agent_migrate.MigrationFailed(m.note, f"see `kubectl -n {p.namespace} get events`")
+            raise agent_migrate.MigrationFailed(m.note, f"see `kubectl -n {namespace} get events`")
         if m is not None and m.phase == moves.Phase.REQUESTED and successor is not None:
             moves.forget(c, m)
             raise agent_migrate.MigrationFailed(
-                f"pod {p.pod} was deleted but its preStop hook did not checkpoint it: it started over",
-                "is the agent's --prestop-port set on node " + p.source + "? (manifests/daemonset.yaml)",
+                f"pod {pod} was deleted but its preStop hook did not checkpoint it: it started over",
+                "is the agent's --prestop-port set on node " + source + "? (manifests/daemonset.yaml)",
+            )
+        if (
+            m is None
+            and live is not None
+            and successor is None
+            and not live["metadata"].get("deletionTimestamp")
+        ):
+            raise agent_migrate.MigrationFailed(
+                f"the move of pod {pod} was not recorded and the pod was not deleted: nothing moved",
+                "create the PodMigration again",
             )
         time.sleep(0.5)
     raise agent_migrate.MigrationInDoubt(
-        f"pod {p.pod} has not come back within {OWNED_TIMEOUT:.0f} s",
+        f"pod {pod} has not come back within {OWNED_TIMEOUT:.0f} s",
         f"its move goes on without this command: `kubectl -n {moves.SYSTEM_NS} get cm "
-        f"{moves.record_name(p.namespace, p.pod)} -o yaml` says where it is",
+        f"{moves.record_name(namespace, pod)} -o yaml` says where it is",
     )
+
+
+def execute_owned(
+    c: Cluster, p: PodPlan, progress, journal: Journal = _unrecorded
+) -> agent_migrate.MigrationResult:
+    """Record the move, delete the pod, and follow the record until the successor runs the job."""
+    started = time.time()
+    progress("checkpoint")
+    request_owned(c, p, journal)
+    uid = p.source_pod["metadata"]["uid"]
+    return follow_owned(c, p.namespace, p.pod, uid, p.workload, p.source, progress, journal, started)

@@ -82,6 +82,18 @@ def _webhook_ready(lay: Layout) -> bool:
     return ready == want and addresses == want
 
 
+def _controller_leading(lay: Layout) -> bool:
+    """Every controller replica Ready, and the Lease held by one of them."""
+    ns = ("-n", "criuctl-system", "get")
+    dep = kubectl(lay, *ns, "deployment", "criuctl-controller", "-o", "json", check=False)
+    lease = kubectl(lay, *ns, "lease", "criuctl-controller", "-o", "json", check=False)
+    if not dep.stdout or not lease.stdout:
+        return False
+    d = json.loads(dep.stdout)
+    holder = json.loads(lease.stdout).get("spec", {}).get("holderIdentity") or ""
+    return d.get("status", {}).get("readyReplicas", 0) == d["spec"]["replicas"] and bool(holder)
+
+
 class Taken(ClusterError):
     """`up` refused before starting anything: its dir or net belongs to another cluster (or to the
     machine), which must not be taken down on the way out."""
@@ -114,6 +126,8 @@ def up(lay: Layout) -> Layout:
     sh("ip", "link", "set", lay.bridge, "up")
     tokens = pki.make(lay)
     pki.kubeconfig(lay, lay.kubeconfig, tokens["admin"])
+    for user in ("migrator", "outsider"):
+        pki.kubeconfig(lay, lay.dir / f"{user}.kubeconfig", tokens[user])
     for part in ("kube-scheduler", "kube-controller-manager"):
         pki.kubeconfig(lay, lay.dir / f"{part}.kubeconfig", tokens[part])
     control.start(lay, tokens)
@@ -139,6 +153,7 @@ def up(lay: Layout) -> Layout:
     addons.apply(lay, addons.render(lay))
     _wait("criuctl's agent Ready on every node", lambda: _agents_ready(lay), 180)
     _wait("criuctl's webhook Ready and behind its Service", lambda: _webhook_ready(lay), 120)
+    _wait("criuctl's controller Ready and leading", lambda: _controller_leading(lay), 120)
     return lay
 
 

@@ -72,6 +72,14 @@ def overlay(lay: Layout) -> Path:
     ]
     patches = [{"path": f"secret{i}.json"} for i in range(len(secrets))]
     patches.append({"target": {"kind": "DaemonSet", "name": "criuctl-agent"}, "patch": json.dumps(lease)})
+    # the controller's Lease short too: a replica takes a dead leader's moves up within seconds
+    election = [
+        {"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": v}
+        for v in ("--lease-seconds", "6", "--renew-seconds", "4", "--retry-seconds", "1")
+    ]
+    patches.append(
+        {"target": {"kind": "Deployment", "name": "criuctl-controller"}, "patch": json.dumps(election)}
+    )
     for i, s in enumerate(secrets):
         (d / f"secret{i}.json").write_text(json.dumps(s))
     kust = {

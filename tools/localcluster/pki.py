@@ -86,6 +86,9 @@ def make(lay: Layout) -> dict[str, str]:
         # each node's kube-proxy: the name the default ClusterRoleBinding system:node-proxier binds
         "kube-proxy": ("system:kube-proxy", ""),
         **{f"node-{n}": (f"system:node:{n}", "system:nodes") for n in lay.nodes},
+        # two plain users for the tests: one the tests grant criuctl-migrator alone, one nothing
+        "migrator": ("migrator", ""),
+        "outsider": ("outsider", ""),
     }
     tokens = {u: secrets.token_hex(16) for u in users}
     lines = [f'{tokens[u]},{name},{name},"{group}"' for u, (name, group) in users.items()]

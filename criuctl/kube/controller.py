@@ -1,0 +1,408 @@
+"""The migration controller (`criuctl controller`, manifests/controller.yaml): carries out every
+`PodMigration` (criuctl.kube.podmigrations) with the orchestration `criuctl migrate POD NODE` ran
+in the client before (criuctl.kube.podplan, criuctl.kube.podmigrate), from inside the cluster, so
+that users need the API server and RBAC on `podmigrations` only: the agents' token and the nodes'
+addresses never leave the cluster.
+
+Built on kopf (the operator framework this code base's style notes follow): kopf watches the
+objects, runs one handler at a time per object, retries a handler that raised, and keeps the
+finalizer that makes a deletion wait for the move. What kopf does not do is elect a leader — its
+"peering" pauses operators by priority, with no lease — so one active replica is chosen the
+Kubernetes way, through a `coordination.k8s.io` Lease held with the official client's
+`leaderelection` (its LeaseLock, given criuctl's bounded API object: criuctl.kube.api). A replica
+starts kopf only once it holds the Lease and ends its process the moment it cannot renew it (as
+client-go's controllers do): the renew deadline is shorter than the lease, so a deposed leader has
+stopped before another can take over.
+
+Every phase is written into the object's status before the step it names (podmigrations'
+table); a controller that starts takes each unfinished object up where its status says (`carry`):
+
+    Pending, Checking        nothing was changed: the checks run (again)
+    Placing                  the placeholder may exist, the job was not touched: it is deleted and
+                             the move fails ("nothing moved"); a controller's pod: its move record
+                             and delete are made (again) and followed
+    Migrating, InDoubt       the agents settle it by themselves (docs/architecture.md): asked with
+                             the recorded ids where the job runs, the move is handed over or undone
+    HandingOver              the source pod is deleted (again), the new one stamped: Succeeded
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from criuctl.client import migrate as agent_migrate
+from criuctl.core.errors import CriuctlError
+from criuctl.kube import events, podmigrate, podmigrations, podplan
+from criuctl.kube.cluster import SYSTEM_NS, Cluster, agent_for, call, connect
+from criuctl.kube.podmigrations import COMMITTED, Phase
+
+log = logging.getLogger("criuctl.controller")
+
+FINALIZER = "criuctl.io/podmigration"
+PROGRESS_EVERY = 0.5  # seconds between two writes of the transfer's progress into a status
+IN_DOUBT_RETRY = 15  # seconds before a move the agents have not settled yet is asked about again
+
+
+@dataclass(frozen=True)
+class Options:
+    kubeconfig: str | None = None
+    lease: str = "criuctl-controller"
+    lease_namespace: str = SYSTEM_NS
+    identity: str = field(default_factory=lambda: f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}")
+    # client-go's defaults: a replica that cannot renew within 10 s stops; another takes over after 15
+    lease_seconds: int = 15
+    renew_seconds: int = 10
+    retry_seconds: int = 2
+    health: str = "0.0.0.0:8081"  # /healthz: "leading" or "standby"
+
+
+class Journal:
+    """A PodMigration's status, written before each step: the phase, with the facts known by then."""
+
+    def __init__(self, c: Cluster, obj: dict, me: str) -> None:
+        self.c, self.obj, self.me = c, obj, me
+        self.ns, self.name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        self.last_progress = 0.0
+        self.step = ""
+
+    @property
+    def status(self) -> dict[str, Any]:
+        return self.obj.get("status") or {}
+
+    def write(self, status: dict[str, Any]) -> None:
+        self.obj = podmigrations.patch_status(self.c, self.ns, self.name, status)
+
+    def __call__(self, phase: Phase, **facts: Any) -> None:
+        """Phase `phase` begins (or goes on with `facts` learnt): recorded, with an Event on entry."""
+        entered = podmigrations.phase_of(self.obj) != phase
+        status: dict[str, Any] = {"phase": str(phase), "controller": self.me, **facts}
+        if phase == Phase.HANDING_OVER and entered:
+            status["conditions"] = podmigrations.condition(
+                self.obj, COMMITTED, "TargetRunning", f"the job runs on node {self.status.get('target')}"
+            )
+        self.write(status)
+        if entered:
+            log.info("phase", extra={"podmigration": f"{self.ns}/{self.name}", "phase": str(phase)})
+            events.record(self.c, self.obj, events.Reason.PHASE, f"{phase}")
+
+    def progress(self, step: str, done: int | None = None, total: int | None = None) -> None:
+        """The orchestration's progress (render.migration_progress's steps), for `criuctl migrate`
+        to show: each new step at once, the transfer's bytes at most every PROGRESS_EVERY."""
+        now = time.monotonic()
+        if step == self.step and now - self.last_progress < PROGRESS_EVERY:
+            return
+        self.step, self.last_progress = step, now
+        with contextlib.suppress(CriuctlError):  # progress is a courtesy; the phase is the record
+            self.write({"step": step, "stepDone": done, "stepTotal": total})
+
+    def ended(self, phase: Phase, reason: str, hint: str = "", code: int = 0, **facts: Any) -> None:
+        self.write(
+            {
+                "phase": str(phase),
+                "controller": self.me,
+                "reason": reason[:1000],
+                "hint": hint[:1000],
+                "exitCode": code,
+                "finishedAt": podmigrations.now(),
+                **facts,
+            }
+        )
+        kind = events.Reason.MIGRATED if phase == Phase.SUCCEEDED else events.Reason.FAILED
+        events.record(self.c, self.obj, kind, reason)
+
+    def succeeded(self, result: agent_migrate.MigrationResult | None, reason: str) -> None:
+        facts: dict[str, Any] = {"step": ""}
+        if result is not None:
+            import dataclasses
+
+            facts.update(
+                result=dataclasses.asdict(result),
+                mode=result.mode,
+                downtimeSeconds=result.downtime_seconds,
+                downtime=podmigrations.downtime_text(result.downtime_seconds),
+                bytesMoved=result.bytes_moved,
+            )
+        self.ended(Phase.SUCCEEDED, reason, **facts)
+
+    def failed(self, exc: CriuctlError) -> None:
+        self.ended(Phase.FAILED, exc.what, exc.hint, exc.exit_code)
+
+
+class Retry(Exception):
+    """The move is in doubt: the controller asks the agents again after `delay` seconds."""
+
+    def __init__(self, what: str, delay: float = IN_DOUBT_RETRY) -> None:
+        super().__init__(what)
+        self.delay = delay
+
+
+def _moved_to(j: Journal, result: agent_migrate.MigrationResult) -> str:
+    st = j.status
+    return (
+        f"pod {st.get('pod') or j.obj['spec']['pod']} runs as pod {st.get('newPod')} on node {result.target}"
+    )
+
+
+def _others_moving(c: Cluster, obj: dict) -> list[str]:
+    """Other PodMigrations of the same pod that a controller has taken up and not finished."""
+    ns, pod = obj["metadata"]["namespace"], obj["spec"]["pod"]
+    return [
+        o["metadata"]["name"]
+        for o in podmigrations.every(c, ns)
+        if o["metadata"]["name"] != obj["metadata"]["name"]
+        and (o.get("spec") or {}).get("pod") == pod
+        and podmigrations.phase_of(o) not in (Phase.PENDING, Phase.SUCCEEDED, Phase.FAILED)
+    ]
+
+
+def _fresh(c: Cluster, j: Journal) -> None:
+    spec = j.obj["spec"]
+    ns = j.ns
+    j(Phase.CHECKING, pod=spec["pod"], target=spec["node"], startedAt=podmigrations.now())
+    others = _others_moving(c, j.obj)
+    if others:
+        raise podplan.NotMigratable(
+            f"pod {spec['pod']} is being moved by podmigration {others[0]}",
+            f"wait for it: `kubectl -n {ns} get podmigration {others[0]}`",
+        )
+    p = podplan.plan(c, ns, spec["pod"], spec["node"])
+    via = "successor" if p.owner else "placeholder"
+    checked = podmigrations.condition(
+        j.obj, podmigrations.CHECKED, "ChecksPassed", f"{via}, {p.memory_needed >> 20} MiB"
+    )
+    j(
+        Phase.CHECKING,
+        source=p.source,
+        target=p.target,
+        container=p.container,
+        workload=p.workload,
+        newPod=p.placeholder_name,
+        via=via,
+        owner=p.owner,
+        sourceUID=p.source_pod["metadata"]["uid"],
+        conditions=checked,
+    )
+    if spec.get("dryRun"):
+        how = f"through its successor ({p.owner} recreates it)" if p.owner else f"as pod {p.placeholder_name}"
+        said = (
+            f"would move pod {ns}/{p.pod} ({p.workload}) from node {p.source} to node {p.target} {how}; "
+            f"{p.memory_needed >> 20} MiB of {p.memory_free >> 20} MiB free there; nothing was changed"
+        )
+        j.ended(Phase.SUCCEEDED, said, plan=p.summary())
+        return
+    if p.owner:
+        result = podmigrate.execute_owned(c, p, j.progress, j)
+    else:
+        result = podmigrate.execute(c, p, spec.get("mode"), j.progress, j)
+    j.succeeded(result, _moved_to(j, result))
+
+
+def _resume_owned(c: Cluster, j: Journal, phase: Phase) -> None:
+    st = j.status
+    pod = podmigrate.read_pod(c, j.ns, st["pod"])
+    mine = pod is not None and pod["metadata"]["uid"] == st.get("sourceUID")
+    if phase == Phase.PLACING and mine and not pod["metadata"].get("deletionTimestamp"):
+        p = podplan.plan(c, j.ns, st["pod"], st["target"])  # not deleted yet: plan and ask again
+        podmigrate.request_owned(c, p, j)
+    started = time.time()
+    with contextlib.suppress(ValueError, KeyError):
+        import datetime
+
+        started = datetime.datetime.fromisoformat(st["startedAt"].replace("Z", "+00:00")).timestamp()
+    result = podmigrate.follow_owned(
+        c,
+        j.ns,
+        st["pod"],
+        st.get("sourceUID", ""),
+        st.get("workload", ""),
+        st.get("source", ""),
+        j.progress,
+        j,
+        started,
+    )
+    j.succeeded(result, _moved_to(j, result))
+
+
+def _resume_placeholder(c: Cluster, j: Journal, phase: Phase) -> None:
+    st = j.status
+    ns, pod, new, source, target = j.ns, st["pod"], st.get("newPod", ""), st["source"], st["target"]
+    if phase == Phase.PLACING or (phase == Phase.MIGRATING and not st.get("incomingId")):
+        why = "the controller restarted before the job was frozen: nothing moved"
+        podmigrate.undo_placing(c, ns, pod, new, source, why)
+        raise agent_migrate.MigrationFailed(
+            why, f"pod {pod} keeps running on {source}; create the PodMigration again"
+        )
+    if phase in (Phase.MIGRATING, Phase.IN_DOUBT):
+        nodes = [c.serialize(call(f"node {n}", c.core.read_node, n)) for n in (source, target)]
+        src, dst = (agent_for(c, n) for n in nodes)
+        where = podmigrate.settle(src, dst, (st.get("outgoingId") or None, st["incomingId"]), timeout=60)
+        if where is None:
+            j(Phase.IN_DOUBT, reason="the agents have not settled yet where the job runs")
+            raise Retry(f"podmigration {j.ns}/{j.name}: the agents have not settled it yet")
+        if where == source:
+            why = "the controller restarted mid-move; the agents settled it"
+            podmigrate.undo_placing(c, ns, pod, new, source, why)
+            raise agent_migrate.MigrationFailed(
+                why, f"pod {pod} keeps running on {source}; the placeholder was deleted"
+            )
+        j(Phase.HANDING_OVER)
+    podmigrate.hand_over(c, ns, pod, new, source, target)
+    j.succeeded(None, f"pod {pod} runs as pod {new} on node {target} (taken over after a controller restart)")
+
+
+def carry(c: Cluster, obj: dict, me: str, deleting: bool = False) -> None:
+    """Carry PodMigration `obj` to its end from the phase its status records. Raises Retry while
+    the agents have not settled a move in doubt; every other outcome ends in the status."""
+    obj = podmigrations.read(c, obj["metadata"]["namespace"], obj["metadata"]["name"])  # its latest status
+    phase = podmigrations.phase_of(obj)
+    if phase.final:
+        return
+    j = Journal(c, obj, me)
+    try:
+        if phase in (Phase.PENDING, Phase.CHECKING):
+            if deleting:
+                j.ended(Phase.FAILED, "deleted before its move began: nothing was changed", code=4)
+                return
+            _fresh(c, j)
+        elif j.status.get("via") == "successor":
+            _resume_owned(c, j, phase)
+        else:
+            _resume_placeholder(c, j, phase)
+    except agent_migrate.MigrationInDoubt as exc:
+        j.write(
+            {"phase": str(Phase.IN_DOUBT), "reason": exc.what, "hint": exc.hint, "exitCode": exc.exit_code}
+        )
+        raise Retry(exc.what) from exc
+    except Retry:
+        raise
+    except CriuctlError as exc:
+        j.failed(exc)
+
+
+# ---- kopf and the Lease
+
+
+def _handlers(c: Cluster, me: str) -> Any:
+    """The kopf registry of this controller's handlers."""
+    import kopf
+
+    registry = kopf.OperatorRegistry()
+    resource = (podmigrations.GROUP, podmigrations.VERSION, podmigrations.PLURAL)
+
+    def handle(body: Any, deleting: bool = False) -> None:
+        try:
+            carry(c, dict(body), me, deleting)
+        except Retry as exc:
+            raise kopf.TemporaryError(str(exc), delay=exc.delay) from exc
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        t = c.core.timeouts
+        settings.posting.enabled = False  # criuctl's own Events say what happened, in its words
+        settings.persistence.finalizer = FINALIZER
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kopf.criuctl.io")
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="kopf.criuctl.io")
+        settings.networking.connect_timeout = t.connect
+        settings.networking.request_timeout = t.read
+        settings.watching.server_timeout = 120
+        settings.watching.client_timeout = 150
+        settings.execution.max_workers = 32  # moves of different pods run side by side
+
+    @kopf.on.login(registry=registry)
+    def login(**kw: Any) -> Any:
+        return kopf.login_with_service_account(**kw) or kopf.login_with_kubeconfig(**kw)
+
+    @kopf.on.create(*resource, id="carry", registry=registry)
+    def created(body: Any, **_: Any) -> None:
+        handle(body)
+
+    @kopf.on.resume(*resource, id="resume", registry=registry)
+    def resumed(body: Any, **_: Any) -> None:
+        handle(body)
+
+    @kopf.on.delete(*resource, id="settle", registry=registry)
+    def deleted(body: Any, **_: Any) -> None:
+        handle(body, deleting=True)
+
+    return registry
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    leading = threading.Event()
+
+    def do_GET(self) -> None:
+        body = b"leading\n" if self.leading.is_set() else b"standby\n"
+        self.send_response(200 if self.path == "/healthz" else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+
+def _serve_health(listen: str) -> None:
+    host, _, port = listen.rpartition(":")
+    srv = http.server.ThreadingHTTPServer((host or "0.0.0.0", int(port)), _Health)
+    threading.Thread(target=srv.serve_forever, daemon=True, name="health").start()
+
+
+def _elect(c: Cluster, o: Options, leading: threading.Event) -> None:
+    """Hold the Lease (the official client's leader election); end the process when it is lost."""
+    from kubernetes.leaderelection import electionconfig, leaderelection
+    from kubernetes.leaderelection.resourcelock.leaselock import LeaseLock
+
+    lock = LeaseLock(o.lease, o.lease_namespace, o.identity)
+    lock.api_instance = c.coordination  # criuctl's bounded API object, not the client's default one
+
+    def lost() -> None:
+        log.error("lost the lease: stopping", extra={"lease": f"{o.lease_namespace}/{o.lease}"})
+        os._exit(1)  # kopf's handlers stop mid-step; the next leader takes them up from their status
+
+    cfg = electionconfig.Config(lock, o.lease_seconds, o.renew_seconds, o.retry_seconds, leading.set, lost)
+    leaderelection.LeaderElection(cfg).run()
+    lost()
+
+
+def check(o: Options) -> None:
+    """Options the election would refuse by exiting (the client's Config calls sys.exit): one line."""
+    podplan.check_name("lease", o.lease)
+    podplan.check_name("namespace", o.lease_namespace)
+    if not (o.retry_seconds >= 1 and o.retry_seconds * 1.2 < o.renew_seconds < o.lease_seconds):
+        raise CriuctlError(
+            f"lease {o.lease_seconds} s, renew {o.renew_seconds} s, retry {o.retry_seconds} s do not fit",
+            "need 1 <= retry, retry * 1.2 < renew < lease (the defaults: 2, 10, 15)",
+        )
+    port = o.health.rpartition(":")[2]
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise CriuctlError(f"--health {o.health!r} is not HOST:PORT", "e.g. --health 0.0.0.0:8081")
+
+
+def run(o: Options) -> None:
+    """Serve /healthz, wait for the Lease, then carry out PodMigrations until the process ends."""
+    import asyncio
+
+    import kopf
+
+    if o.kubeconfig:
+        os.environ["KUBECONFIG"] = o.kubeconfig  # kopf's login reads it from there
+    c = connect(o.kubeconfig)
+    call("the API server", c.core.get_api_resources)  # one line now if it cannot be reached
+    _serve_health(o.health)
+    leading = _Health.leading
+    threading.Thread(target=_elect, args=(c, o, leading), daemon=True, name="lease").start()
+    log.info(
+        "waiting for the lease", extra={"lease": f"{o.lease_namespace}/{o.lease}", "identity": o.identity}
+    )
+    leading.wait()
+    log.info("leading", extra={"identity": o.identity})
+    asyncio.run(kopf.operator(registry=_handlers(c, o.identity), standalone=True, clusterwide=True))

@@ -1,0 +1,230 @@
+"""`PodMigration` objects (criuctl.io/v1alpha1, manifests/podmigration-crd.yaml): one pod's move,
+asked for by creating the object and carried out by the controller in the cluster
+(criuctl.kube.controller). Its status is the move's durable record: the controller writes each phase
+there *before* it acts on it, so a controller that restarts (or a second replica that takes the
+Lease over) reads where the move is and takes it up from there (docs/architecture.md, "The
+controller's phases").
+
+    Pending      created; no controller has looked at it yet
+    Checking     the checks of `criuctl migrate` run (criuctl.kube.podplan): nothing is changed
+    Placing      the placeholder pod (or, for a controller's pod, the move record) is being made;
+                 the job has not been touched
+    Migrating    the agents' migration (or the preStop checkpoint) runs: `incomingId`/`outgoingId`
+                 name it, so the agents can be asked how it ended
+    HandingOver  the job runs on the target: the source pod is being deleted (or the successor
+                 restored)
+    Succeeded    the job runs on the target (or, for `dryRun`, the checks passed)
+    Failed       it runs where it ran, whole; `reason` says why in one line
+    InDoubt      the agents have not settled yet which side runs it; the controller keeps asking
+
+Each write is a merge patch of the status subresource; the spec is read once, at Checking, into
+the status (`source`, `target`): a spec changed later changes nothing.
+"""
+
+from __future__ import annotations
+
+import datetime
+from enum import StrEnum
+from typing import Any
+
+from criuctl.core.errors import CriuctlError
+from criuctl.kube.cluster import Cluster, NotFound, call
+
+GROUP, VERSION, PLURAL, KIND = "criuctl.io", "v1alpha1", "podmigrations", "PodMigration"
+API_VERSION = f"{GROUP}/{VERSION}"
+CRD = f"{PLURAL}.{GROUP}"
+
+
+class Phase(StrEnum):
+    PENDING = "Pending"
+    CHECKING = "Checking"
+    PLACING = "Placing"
+    MIGRATING = "Migrating"
+    HANDING_OVER = "HandingOver"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    IN_DOUBT = "InDoubt"
+
+    @property
+    def final(self) -> bool:
+        return self in (Phase.SUCCEEDED, Phase.FAILED)
+
+
+# the conditions a status carries, each True once reached
+CHECKED, COMMITTED = "Checked", "Committed"
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def phase_of(obj: dict) -> Phase:
+    return Phase((obj.get("status") or {}).get("phase") or Phase.PENDING)
+
+
+def body(
+    namespace: str,
+    pod: str,
+    node: str,
+    mode: str | None = None,
+    dry_run: bool = False,
+    name: str | None = None,
+    origin: str = "",
+) -> dict[str, Any]:
+    """A PodMigration moving `pod` to `node`: named `name`, or generated from the pod's name."""
+    meta: dict[str, Any] = {"namespace": namespace}
+    if name:
+        meta["name"] = name
+    else:  # the API server appends 5 characters; a name is at most 253
+        meta["generateName"] = f"{pod[:200]}-to-{node[:40]}-"
+    if origin:
+        meta["annotations"] = {f"{GROUP}/origin": origin}
+    spec: dict[str, Any] = {"pod": pod, "node": node}
+    if mode:
+        spec["mode"] = mode
+    if dry_run:
+        spec["dryRun"] = True
+    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": meta, "spec": spec}
+
+
+def _what(namespace: str, name: str = "") -> str:
+    return f"podmigration {namespace}/{name}" if name else f"podmigrations in namespace {namespace}"
+
+
+def create(c: Cluster, obj: dict, server_dry_run: bool = False) -> dict:
+    """Create `obj`; with `server_dry_run`, only the API server's checks (schema, RBAC), stored nowhere."""
+    ns = obj["metadata"]["namespace"]
+    kw = {"dry_run": "All"} if server_dry_run else {}
+    try:
+        return call(
+            _what(ns), c.custom.create_namespaced_custom_object, GROUP, VERSION, ns, PLURAL, obj, **kw
+        )
+    except NotFound as exc:  # the resource itself is unknown: the CRD is not installed
+        raise CriuctlError(
+            f"the cluster has no {CRD} resource",
+            "install criuctl: `kubectl apply -k manifests/` (docs/deploy.md)",
+        ) from exc
+
+
+def read(c: Cluster, namespace: str, name: str) -> dict:
+    try:
+        return call(
+            _what(namespace, name),
+            c.custom.get_namespaced_custom_object,
+            GROUP,
+            VERSION,
+            namespace,
+            PLURAL,
+            name,
+        )
+    except NotFound as exc:
+        raise NotFound(f"no podmigration {name!r} in namespace {namespace}", "see `criuctl get`") from exc
+
+
+def every(c: Cluster, namespace: str | None = None) -> list[dict]:
+    """Every PodMigration of `namespace`, or of the cluster."""
+    if namespace is None:
+        out = call("podmigrations", c.custom.list_cluster_custom_object, GROUP, VERSION, PLURAL)
+    else:
+        out = call(
+            _what(namespace), c.custom.list_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL
+        )
+    return list(out.get("items") or [])
+
+
+def delete(c: Cluster, namespace: str, name: str) -> None:
+    import contextlib
+
+    with contextlib.suppress(NotFound):
+        call(
+            _what(namespace, name),
+            c.custom.delete_namespaced_custom_object,
+            GROUP,
+            VERSION,
+            namespace,
+            PLURAL,
+            name,
+        )
+
+
+def patch_status(c: Cluster, namespace: str, name: str, status: dict[str, Any]) -> dict:
+    """Merge `status` into the object's status (the status subresource): returns the object."""
+    return call(
+        _what(namespace, name),
+        c.custom.patch_namespaced_custom_object_status,
+        GROUP,
+        VERSION,
+        namespace,
+        PLURAL,
+        name,
+        {"status": status},
+    )
+
+
+def condition(obj: dict, kind: str, reason: str, message: str) -> list[dict]:
+    """The object's conditions with `kind` set True (its transition time kept if it already was)."""
+    out = [dict(c) for c in (obj.get("status") or {}).get("conditions") or [] if c.get("type") != kind]
+    old = next((c for c in (obj.get("status") or {}).get("conditions") or [] if c.get("type") == kind), None)
+    since = old["lastTransitionTime"] if old and old.get("status") == "True" else now()
+    out.append(
+        {
+            "type": kind,
+            "status": "True",
+            "reason": reason,
+            "message": message[:1000],
+            "lastTransitionTime": since,
+        }
+    )
+    return out
+
+
+def downtime_text(seconds: float | None) -> str:
+    """The DOWNTIME column: a string, since a printer column cannot format a number."""
+    return "" if seconds is None else f"{seconds:.2f}s"
+
+
+class Unfinished(CriuctlError):
+    """`follow` gave up on an object no controller took up, or that is in doubt."""
+
+
+def follow(c: Cluster, namespace: str, name: str, progress, pending_timeout: float = 60.0) -> dict:
+    """The object once it ended (Succeeded, Failed), passing each step of its status to `progress`
+    (render.migration_progress). Raises Unfinished if no controller took it up within
+    `pending_timeout` (the object is then deleted: nothing was changed), or once it is InDoubt
+    (exit status 5, as a migration in doubt; the controller goes on settling it)."""
+    import time
+
+    created = time.monotonic()
+    shown: tuple[str, Any] = ("", None)
+    while True:
+        obj = read(c, namespace, name)
+        st = obj.get("status") or {}
+        phase = phase_of(obj)
+        step = st.get("step") or ""
+        if step and (step, st.get("stepDone")) != shown:
+            progress(step, done=st.get("stepDone"), total=st.get("stepTotal"))
+            shown = (step, st.get("stepDone"))
+        if phase.final:
+            return obj
+        if phase == Phase.IN_DOUBT:
+            err = Unfinished(
+                f"podmigration {name}: {st.get('reason') or 'in doubt'}",
+                "the controller keeps asking the agents; follow it with "
+                f"`kubectl -n {namespace} get podmigration {name} -w`",
+            )
+            err.exit_code = 5
+            raise err
+        if phase == Phase.PENDING and time.monotonic() - created > pending_timeout:
+            delete(c, namespace, name)
+            try:  # a controller that took it up meanwhile holds it (its finalizer): follow on
+                read(c, namespace, name)
+                created = time.monotonic()
+                continue
+            except NotFound:
+                pass
+            raise Unfinished(
+                f"no controller took podmigration {namespace}/{name} up within {pending_timeout:.0f} s; "
+                "it was deleted, nothing was changed",
+                "is criuctl's controller running? `kubectl -n criuctl-system get deploy criuctl-controller`",
+            )
+        time.sleep(0.25)
