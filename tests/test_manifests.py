@@ -198,6 +198,9 @@ def test_what_kubectl_apply_k_sends_validates_strictly(objects: list[Obj], versi
     expected += ["Role", "RoleBinding"]  # the agent's, in criuctl-system: move records, its Secrets
     expected += ["DaemonSet", "Deployment", "Service", "MutatingWebhookConfiguration"]  # agent, webhook
     expected += ["ServiceAccount", "Role", "RoleBinding"]  # the webhook's: reads move records
+    expected += ["CustomResourceDefinition"]  # PodMigration
+    expected += ["Deployment", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"]
+    expected += ["ClusterRole"]  # criuctl-migrator, for users
     assert kinds == sorted(expected)
     for obj in objects:
         validate(obj, version)
@@ -452,6 +455,132 @@ def test_the_agent_role_is_exactly_the_minimal_one(objects: list[Obj]) -> None:
             "name": "criuctl-agent",
         }
         assert binding["subjects"] == subject
+
+
+CONTROLLER_RULES = {
+    ("criuctl.io", "podmigrations"): {"get", "list", "watch", "patch"},
+    ("criuctl.io", "podmigrations/status"): {"patch"},
+    ("", "pods"): {"get", "list", "create", "delete", "patch"},
+    ("", "nodes"): {"get"},
+    ("", "events"): {"create"},
+    ("apps", "statefulsets"): {"get"},
+    ("kubeflow.org", "pytorchjobs"): {"get"},
+    ("", "persistentvolumeclaims"): {"get"},
+    ("", "persistentvolumes"): {"get"},
+}
+CONTROLLER_NS_RULES = {
+    ("", "secrets"): {"get"},
+    ("", "configmaps"): {"get", "create", "update", "delete"},
+    ("coordination.k8s.io", "leases"): {"get", "create", "update"},
+}
+
+
+def test_the_controller_role_is_exactly_what_it_calls(objects: list[Obj]) -> None:
+    assert _granted(one(objects, "ClusterRole", "criuctl-controller")) == CONTROLLER_RULES
+    ns_role = one(objects, "Role", "criuctl-controller")
+    assert _granted(ns_role) == CONTROLLER_NS_RULES
+    (secrets,) = [r for r in ns_role["rules"] if "secrets" in r["resources"]]
+    assert sorted(secrets["resourceNames"]) == ["criuctl-agent", "criuctl-agent-tls"]
+    pod = one(objects, "Deployment", "criuctl-controller")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "criuctl-controller"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert not any("hostPath" in v for v in pod.get("volumes", [])), "the controller needs no host path"
+
+
+def test_users_need_podmigrations_only_and_edit_gets_them(objects: list[Obj]) -> None:
+    role = one(objects, "ClusterRole", "criuctl-migrator")
+    assert _granted(role) == {
+        ("criuctl.io", "podmigrations"): {"get", "list", "watch", "create", "delete"},
+        ("criuctl.io", "podmigrations/status"): {"get"},
+    }
+    assert role["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
+
+
+# what each API method of the official client asks of RBAC: (group, resource, verb)
+_VERB = {"read": "get", "get": "get", "list": "list", "create": "create", "delete": "delete"}
+_VERB |= {"patch": "patch", "replace": "update"}
+# the modules whose calls each identity makes: the controller's move, the agents' preStop and
+# successors loop (criuctl.kube.nodeside), and what both share; of podmigrations, the controller
+# makes the calls of these functions (the others are the CLI's, as the user: criuctl-migrator)
+CALLERS = {
+    "criuctl-controller": [
+        "controller",
+        "podmigrate",
+        "podmigrations",
+        "podplan",
+        "moves",
+        "events",
+        "cluster",
+        "owners",
+        "podvolumes",
+    ],
+    "criuctl-agent": [
+        "prestop",
+        "successors",
+        "nodeside",
+        "moves",
+        "events",
+        "cluster",
+        "owners",
+        "podvolumes",
+        "podplan",
+    ],
+}
+_RESOURCE = {
+    "pod": ("", "pods"),
+    "node": ("", "nodes"),
+    "event": ("", "events"),
+    "config_map": ("", "configmaps"),
+    "secret": ("", "secrets"),
+    "stateful_set": ("apps", "statefulsets"),
+    "persistent_volume_claim": ("", "persistentvolumeclaims"),
+    "persistent_volume": ("", "persistentvolumes"),
+}
+# the custom objects a module reads or writes: by the group its calls name
+_CUSTOM = {"podmigrations": ("criuctl.io", "podmigrations"), "owners": ("kubeflow.org", "pytorchjobs")}
+
+
+def _calls(where: str) -> set[tuple[str, str, str]]:
+    """(group, resource, verb) of every API call in criuctl/kube/MODULE.py (or, for "MODULE:F,G",
+    in its functions F and G only): `c.core.read_node` → ("", "nodes", "get");
+    `c.custom.patch_namespaced_custom_object_status` → the module's custom resource's status, "patch"."""
+    import ast
+
+    module, _, only = where.partition(":")
+    text = (MANIFESTS.parent / "criuctl" / "kube" / f"{module}.py").read_text()
+    if only:
+        tree = ast.parse(text)
+        defs = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name in only.split(",")]
+        assert len(defs) == len(only.split(",")), f"{where}: a function is missing"
+        text = "\n".join(ast.get_source_segment(text, d) or "" for d in defs)
+    out: set[tuple[str, str, str]] = set()
+    for api, method in re.findall(r"\bc\.(core|apps|custom)\.([a-z_]+)\b", text):
+        if method in ("api_client", "timeouts", "get_api_resources"):
+            continue
+        verb_word, _, rest = method.partition("_")
+        verb = _VERB[verb_word]
+        rest = rest.removeprefix("namespaced_").removeprefix("cluster_").removesuffix("_for_all_namespaces")
+        if api == "custom":
+            group, resource = _CUSTOM[module]
+            resource += "/status" if rest.endswith("_status") else ""
+        else:
+            group, resource = _RESOURCE[rest]
+        out.add((group, resource, verb))
+    return out
+
+
+@pytest.mark.parametrize("identity", sorted(CALLERS))
+def test_every_api_call_of_the_code_is_granted(objects: list[Obj], identity: str) -> None:
+    """RBAC from the code: each call site in the modules an identity runs needs its verb granted
+    (a role short of one fails the call at run time, in a cluster, mid-move)."""
+    granted = _granted(one(objects, "ClusterRole", identity))
+    for (group, res), verbs in _granted(one(objects, "Role", identity)).items():
+        granted.setdefault((group, res), set()).update(verbs)
+    needed = set().union(*(_calls(m) for m in CALLERS[identity]))
+    missing = {(g, r, v) for g, r, v in needed if v not in granted.get((g, r), set())}
+    if identity == "criuctl-agent":  # the agents never touch PodMigrations or create pods
+        assert not {n for n in needed if n[1] == "podmigrations"}
+    assert not missing, f"{identity} calls without RBAC: {sorted(missing)}"
 
 
 def test_the_webhook_reads_move_records_and_nothing_else(objects: list[Obj]) -> None:
