@@ -382,6 +382,7 @@ def test_everything_namespaced_is_in_criuctl_system(objects: list[Obj]) -> None:
     assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
     for o in objects:
         cluster_scoped = ("Namespace", "ClusterRole", "ClusterRoleBinding", "MutatingWebhookConfiguration")
+        cluster_scoped += ("CustomResourceDefinition",)
         if o["kind"] not in cluster_scoped:
             assert o["metadata"]["namespace"] == "criuctl-system", f"{o['kind']}/{o['metadata']['name']}"
 
