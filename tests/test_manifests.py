@@ -507,9 +507,9 @@ CALLERS = {
     "criuctl-controller": [
         "controller",
         "podmigrate",
-        "podmigrations",
+        "podmigrations:read,every,patch_status",
         "podplan",
-        "moves",
+        "moves:read,save,forget",
         "events",
         "cluster",
         "owners",
