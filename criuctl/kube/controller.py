@@ -395,6 +395,9 @@ def run(o: Options) -> None:
 
     if o.kubeconfig:
         os.environ["KUBECONFIG"] = o.kubeconfig  # kopf's login reads it from there
+    # kopf names itself after the user (getpass), which a container's numeric user has no name for
+    os.environ.setdefault("USER", "criuctl-controller")
+    logging.getLogger("leaderelection").setLevel(logging.WARNING)  # a line per try otherwise
     c = connect(o.kubeconfig)
     call("the API server", c.core.get_api_resources)  # one line now if it cannot be reached
     _serve_health(o.health)
