@@ -318,8 +318,8 @@ def _handlers(c: Cluster, me: str) -> Any:
         settings.execution.max_workers = 32  # moves of different pods run side by side
 
     @kopf.on.login(registry=registry)
-    def login(**kw: Any) -> Any:
-        return kopf.login_with_service_account(**kw) or kopf.login_with_kubeconfig(**kw)
+    def login(**_: Any) -> Any:
+        return _connection(c)
 
     @kopf.on.create(*resource, id="carry", registry=registry)
     def created(body: Any, **_: Any) -> None:
@@ -334,6 +334,30 @@ def _handlers(c: Cluster, me: str) -> Any:
         handle(body, deleting=True)
 
     return registry
+
+
+def _connection(c: Cluster) -> Any:
+    """kopf's credentials from the official client's configuration (criuctl.kube.api): one source
+    for both. kopf's own in-cluster login names the API server `kubernetes.default.svc`, which needs
+    cluster DNS; the official client uses the address the kubelet gives every pod. Asked again on a
+    401, so a service-account token the kubelet rotated is read anew."""
+    import kopf
+
+    cfg = c.core.api_client.configuration
+    if cfg.refresh_api_key_hook is not None:
+        cfg.refresh_api_key_hook(cfg)
+    keys = cfg.api_key or {}
+    auth = keys.get("BearerToken") or keys.get("authorization") or ""
+    token = auth.split(" ", 1)[1].strip() if auth.lower().startswith("bearer ") else auth or None
+    return kopf.ConnectionInfo(
+        server=cfg.host,
+        ca_path=cfg.ssl_ca_cert,
+        insecure=not cfg.verify_ssl,
+        token=token,
+        certificate_path=cfg.cert_file,
+        private_key_path=cfg.key_file,
+        default_namespace=c.namespace,
+    )
 
 
 class _Health(http.server.BaseHTTPRequestHandler):
