@@ -316,6 +316,8 @@ def _handlers(c: Cluster, me: str) -> Any:
         settings.watching.server_timeout = 120
         settings.watching.client_timeout = 150
         settings.execution.max_workers = 32  # moves of different pods run side by side
+        # the one resource is known: no watch of every CRD (which would need RBAC on them all)
+        settings.scanning.disabled = True
 
     @kopf.on.login(registry=registry)
     def login(**_: Any) -> Any:
