@@ -134,6 +134,7 @@ def up(lay: Layout) -> Layout:
     addons.agent_image(lay)
     for name in lay.nodes:
         node.start(lay, name, tokens[f"node-{name}"], tokens["kube-proxy"])
+    node.pod_routes(lay)
     _wait("every node Ready", lambda: _nodes_ready(lay), 120)
     # the training operator cannot run here: its stand-in (localcluster.pytorchjob, beside the
     # package in tools/, not in it: hence its PYTHONPATH)

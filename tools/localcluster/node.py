@@ -68,6 +68,17 @@ def network(lay: Layout, n: NodeInfo) -> None:
     sh("ip", "route", "add", n.pod_cidr, "via", n.ip, "dev", lay.bridge)
 
 
+def pod_routes(lay: Layout) -> None:
+    """Each node routes the other nodes' pod networks to them across the bridge (flannel's host-gw
+    does the same): a pod reaches another node and its pods, and the answer comes back the way it
+    went. Without it, only the host routes them, and the host does not forward (its ip_forward is
+    the machine's setting, left alone)."""
+    for name in lay.nodes:
+        n = lay.node(name)
+        for other in (lay.node(m) for m in lay.nodes if m != name):
+            sh("ip", "netns", "exec", n.ns, "ip", "route", "replace", other.pod_cidr, "via", other.ip)
+
+
 def cgroup_root(n: NodeInfo) -> None:
     """The kubelet's --cgroup-root must exist in every hierarchy; cpuset needs its cpus and mems."""
     for h in hierarchies():
