@@ -83,6 +83,14 @@ def api_error(exc: Exception, what: str) -> CriuctlError:
             return err
         if exc.status == 404:
             return NotFound(f"no {what}", "see `kubectl get` for what there is")
+        if exc.status == 422:  # the object was refused (its schema): the API server says how
+            import json
+
+            try:
+                said = json.loads(exc.body or "{}").get("message") or exc.reason
+            except (ValueError, AttributeError):
+                said = exc.reason
+            return CriuctlError(f"the API server refused {what}: {said}", "see the fields it names")
         if exc.status in (401, 403):
             return CriuctlError(
                 f"the API server refused access to {what} (HTTP {exc.status})",
