@@ -120,7 +120,7 @@ class Journal:
         events.record(self.c, self.obj, kind, reason)
 
     def succeeded(self, result: agent_migrate.MigrationResult | None, reason: str) -> None:
-        facts: dict[str, Any] = {"step": ""}
+        facts: dict[str, Any] = {"step": "done"}
         if result is not None:
             import dataclasses
 

@@ -148,7 +148,9 @@ def delete(c: Cluster, namespace: str, name: str) -> None:
 
 
 def patch_status(c: Cluster, namespace: str, name: str, status: dict[str, Any]) -> dict:
-    """Merge `status` into the object's status (the status subresource): returns the object."""
+    """Merge `status` into the object's status (the status subresource): returns the object. An
+    empty string is left out: the client sends it as null, which a string field refuses."""
+    status = {k: v for k, v in status.items() if v != ""}
     return call(
         _what(namespace, name),
         c.custom.patch_namespaced_custom_object_status,
