@@ -199,7 +199,8 @@ def migrate_pod(lay, k: Kubectl, pod: str, node: str, *opts: str, gone: bool = T
 
 
 def criuctl_runs_the_built_image(lay: Layout, k: Kubectl) -> list[dict]:
-    """The agent pods, once each of criuctl's pods (the agents, the webhook's) is checked to run the
+    """The agent pods, once each of criuctl's pods (the agents, the webhook's, the controller's) is
+    checked to run the
     image `up` built from the Dockerfile (the runtime's image ID is that build's config digest) with
     no hostPath of the project or of the host's Python: AssertionError otherwise. Every Kubernetes
     test runs behind this check."""
@@ -207,9 +208,11 @@ def criuctl_runs_the_built_image(lay: Layout, k: Kubectl) -> list[dict]:
     assert sorted(p["spec"]["nodeName"] for p in agents) == sorted(lay.nodes), agents
     webhooks = k.pods("criuctl-system", "app.kubernetes.io/name=criuctl-webhook")
     assert webhooks, "no webhook pod runs"
+    controllers = k.pods("criuctl-system", "app.kubernetes.io/name=criuctl-controller")
+    assert controllers, "no controller pod runs"
     built = f"docker.io/library/{lay.agent_image}"
     host = {str(REPO), *HOST_PYTHON}
-    for p in agents + webhooks:
+    for p in agents + webhooks + controllers:
         (status,) = p["status"]["containerStatuses"]
         assert (status["image"], status["imageID"]) == (built, lay.agent_image_id), (
             f"{p['metadata']['name']} runs {status['image']} ({status['imageID']}), "
@@ -218,3 +221,64 @@ def criuctl_runs_the_built_image(lay: Layout, k: Kubectl) -> list[dict]:
         paths = {v["hostPath"]["path"] for v in p["spec"]["volumes"] if "hostPath" in v}
         assert not {q for q in paths for h in host if q == h or q.startswith(h + "/")}, paths
     return agents
+
+
+class Controller:
+    """The controller Deployment's replicas, stopped at a named instant and killed by the tests: the
+    local cluster's overlay gives them the pause folder DIR/pause (criuctl.agent.points), whose
+    `armed` file every replica reads."""
+
+    def __init__(self, lay: Layout, k: Kubectl) -> None:
+        self.k, self.pause = k, lay.dir / "pause"
+
+    def leader(self) -> str:
+        lease = self.k.get("lease", "criuctl-controller", "criuctl-system") or {}
+        return (lease.get("spec", {}).get("holderIdentity") or "").rpartition("_")[0]
+
+    def arm(self, *points: str) -> None:
+        for p in points:
+            for f in (self.pause / p, self.pause / f"{p}.go"):
+                f.unlink(missing_ok=True)
+        (self.pause / "armed").write_text("\n".join(points) + "\n")
+
+    def disarm(self) -> None:
+        (self.pause / "armed").write_text("")
+
+    def reached(self, point: str, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while not (self.pause / point).exists():
+            assert time.monotonic() < deadline, f"the controller never reached {point}"
+            time.sleep(0.1)
+
+    def go(self, point: str) -> None:
+        (self.pause / f"{point}.go").touch()
+
+    def kill_leader(self) -> str:
+        """Kill the leading replica's pod at once (no grace): the other replica takes the Lease over
+        once it runs out. Returns the killed pod's name."""
+        self.disarm()
+        old = self.leader()
+        assert old, "no controller holds the Lease"
+        self.k("-n", "criuctl-system", "delete", "pod", old, "--grace-period=0", "--force")
+        return old
+
+    def wait_leader(self, not_: str = "", timeout: float = 120) -> str:
+        deadline = time.monotonic() + timeout
+        while (now := self.leader()) in ("", not_):
+            assert time.monotonic() < deadline, f"no controller took the Lease over from {not_}"
+            time.sleep(0.5)
+        return now
+
+
+def wait_podmigration(k: Kubectl, name: str, timeout: float = 300, namespace: str = "default") -> dict:
+    """The PodMigration once it ended (Succeeded or Failed)."""
+    deadline = time.monotonic() + timeout
+    obj: dict | None = None
+    while time.monotonic() < deadline:
+        obj = k.get("podmigration", name, namespace)
+        if obj and (obj.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            return obj
+        time.sleep(0.5)
+    raise AssertionError(
+        f"podmigration {name} did not end within {timeout:.0f} s: {obj and obj.get('status')}"
+    )

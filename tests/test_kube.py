@@ -17,6 +17,7 @@ from localcluster.layout import REPO
 from tests.conftest import needs_criu
 from tests.kube import (
     JOB,
+    Controller,
     Kubectl,
     LogFollower,
     criuctl,
@@ -357,76 +358,14 @@ def test_refuses_controller_owned_and_multi_worker_pods(running) -> None:
         k("delete", "deployment", "dep", "--wait=false")
 
 
-def test_client_killed_between_the_target_commit_and_the_source_pod_delete(
-    local_cluster, reference, tmp_path
-) -> None:
-    """The step this issue adds to the protocol: the CLI dies after the target committed and
-    before it deleted the source pod. The source's lease asks the target (running) and ends the
-    frozen tree; the kubelet, seeing a container of a live pod die, restarts it — and the
-    restarted init finds the agent's moved marker and does not run the job a second time."""
-    lay, k = local_cluster
-    ref = reference(os.path.basename(JOB), "--steps", str(STEPS), "--workers", "2", "--log", "/dev/null")
-    k.apply(training_pod("dead", steps=STEPS, node="a"))  # restartPolicy Always
-    k.wait_running("dead")
-    wait_step(k, "dead", 30)
-    pause = tmp_path / "pause"
-    pause.mkdir()
-    env = {
-        **os.environ,
-        "KUBECONFIG": str(lay.kubeconfig),
-        "CRIUCTL_PAUSE_AT": "client.target-committed",
-        "CRIUCTL_PAUSE_DIR": str(pause),
-    }
-    cli = subprocess.Popen(
-        [*CRIUCTL, "migrate", "dead", "b"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + 180
-    while not (pause / "client.target-committed").exists():
-        assert cli.poll() is None, cli.stderr.read()
-        assert time.monotonic() < deadline, "the CLI never reached the target commit"
-        time.sleep(0.1)
-    cli.kill()
-    cli.wait()
-    follow = LogFollower(k, "dead-m1")
-    follow.start()
-    deadline = time.monotonic() + 180
-    while "moved to node b" not in k.logs("dead"):
-        assert time.monotonic() < deadline, f"the source pod's container: {k.logs('dead')[-500:]}"
-        time.sleep(1)
-    src = k.get("pod", "dead")
-    assert src["status"]["containerStatuses"][0]["restartCount"] >= 1, "the kubelet did not restart it"
-    assert not steps(k.logs("dead")), "the restarted source container trained: the job ran twice"
-    before = steps(k("logs", "dead", "--previous").stdout)
-    deadline = time.monotonic() + 300
-    while not final(k.logs("dead-m1")):
-        assert time.monotonic() < deadline, k.logs("dead-m1")[-800:]
-        time.sleep(1)
-    follow.join(30)
-    after = steps(k.logs("dead-m1"))
-    assert before and after and min(after) > 0
-    assert all(before.get(s, loss) == loss for s, loss in after.items())
-    assert {**before, **after} == ref.steps
-    assert final(k.logs("dead-m1")) == [ref.final]
-    assert not steps(k.logs("dead")), "the source pod ran the job again"
-    k("delete", "pod", "dead", "dead-m1", "--grace-period=1", "--wait=false")
-
-
 def test_target_agent_killed_mid_move_leaves_the_source_pod_running(running, tmp_path) -> None:
-    """The target node's agent pod dies once the bundle reached it: the move fails in one line,
-    the placeholder pod is deleted, the source pod's job thaws and goes on training, Events say so."""
+    """The target node's agent pod dies once the bundle reached it (the controller stopped at
+    client.sent meanwhile): the move fails in one line, the placeholder pod is deleted, the source
+    pod's job thaws and goes on training, Events say so."""
     lay, k = running
-    pause = tmp_path / "pause"
-    pause.mkdir()
-    env = {
-        **os.environ,
-        "KUBECONFIG": str(lay.kubeconfig),
-        "CRIUCTL_PAUSE_AT": "client.sent",
-        "CRIUCTL_PAUSE_DIR": str(pause),
-    }
+    ctl = Controller(lay, k)
+    ctl.arm("client.sent")
+    env = {**os.environ, "KUBECONFIG": str(lay.kubeconfig)}
     cli = subprocess.Popen(
         [*CRIUCTL, "migrate", "steady", "b", "--mode", "stop-and-copy"],
         env=env,
@@ -434,14 +373,13 @@ def test_target_agent_killed_mid_move_leaves_the_source_pod_running(running, tmp
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + 180
-    while not (pause / "client.sent").exists():
-        assert cli.poll() is None, cli.stderr.read()
-        assert time.monotonic() < deadline, "the CLI never reached client.sent"
-        time.sleep(0.1)
+    try:
+        ctl.reached("client.sent")
+    finally:
+        ctl.disarm()
     agent = next(p["metadata"]["name"] for p in k.pods("criuctl-system") if p["spec"]["nodeName"] == "b")
     k("-n", "criuctl-system", "delete", "pod", agent, "--grace-period=0", "--force")
-    (pause / "client.sent.go").touch()
+    ctl.go("client.sent")
     _, err = cli.communicate(timeout=300)
     assert cli.returncode == 4, err
     last = err.strip().splitlines()[-1]

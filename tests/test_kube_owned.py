@@ -19,7 +19,18 @@ from localcluster import __main__ as lc
 
 from tests.conftest import needs_criu
 from tests.jobs import CRIUCTL
-from tests.kube import JOB, Kubectl, LogFollower, combined_steps, final, steps, training_pod, wait_step
+from tests.kube import (
+    JOB,
+    Controller,
+    Kubectl,
+    LogFollower,
+    combined_steps,
+    final,
+    steps,
+    training_pod,
+    wait_podmigration,
+    wait_step,
+)
 
 pytestmark = [needs_criu, pytest.mark.slow]
 
@@ -188,6 +199,16 @@ def test_drain_moves_the_pod_without_loss(local_cluster, ref) -> None:
 
     try:
         _moved_mid_training(k, "dr-0", ref, drain)
+        # the drain's move is listed with every other: a PodMigration the controller followed
+        (pm,) = [
+            o["metadata"]["name"]
+            for o in json.loads(k("get", "podmigrations", "-o", "json").stdout)["items"]
+            if o["spec"]["pod"] == "dr-0"
+        ]
+        obj = wait_podmigration(k, pm)
+        assert obj["metadata"]["annotations"]["criuctl.io/origin"] == "prestop"
+        assert obj["status"]["phase"] == "Succeeded" and obj["status"]["source"] == "a", obj["status"]
+        assert obj["spec"]["node"] == "b"
     finally:
         k("uncordon", "a", check=False)
         k("delete", "statefulset", "dr", "--wait=false")
@@ -198,17 +219,19 @@ def _phase(k: Kubectl, pod: str) -> str | None:
     return (cm or {}).get("data", {}).get("phase")
 
 
-@pytest.mark.parametrize("victim", ["target agent", "client"])
+@pytest.mark.parametrize("victim", ["target agent", "controller"])
 def test_killed_mid_move_loses_nothing(local_cluster, ref, victim: str) -> None:
     """While the pod's preStop checkpoints the job for node b:
 
     - b's agent pod is killed: the bundle's copy to b fails (the source's own copy is then the one
       kept, and the job comes back on a) or reaches b's restarted agent;
-    - `criuctl migrate` is killed: nothing needs it any more, the agents finish the move.
+    - the leading controller is killed: the other replica takes the Lease over and follows the move
+      from the PodMigration's status to its end (the agents carry it meanwhile); `criuctl migrate`,
+      which only follows the object, sees it end.
 
     Either way the job resumes once, bit-identical, and no move record is left."""
     lay, k = local_cluster
-    name = {"target agent": "ka", "client": "kc"}[victim]
+    name = {"target agent": "ka", "controller": "kc"}[victim]
     pod = f"{name}-0"
     k.apply(_statefulset(name, "a"))
 
@@ -225,13 +248,13 @@ def test_killed_mid_move_loses_nothing(local_cluster, ref, victim: str) -> None:
         while _phase(k, pod) != "dumping":
             assert cli.poll() is None and time.monotonic() < deadline, "the move never reached its dump"
             time.sleep(0.05)
-        if victim == "client":
-            cli.kill()
-            cli.communicate()
-            return "b"
-        agents = k.pods(SYSTEM_NS, "app.kubernetes.io/name=criuctl-agent")
-        (agent,) = [p["metadata"]["name"] for p in agents if p["spec"]["nodeName"] == "b"]
-        k("-n", SYSTEM_NS, "delete", "pod", agent, "--grace-period=0", "--force")
+        if victim == "controller":
+            ctl = Controller(lay, k)
+            ctl.wait_leader(ctl.kill_leader())
+        else:
+            agents = k.pods(SYSTEM_NS, "app.kubernetes.io/name=criuctl-agent")
+            (agent,) = [p["metadata"]["name"] for p in agents if p["spec"]["nodeName"] == "b"]
+            k("-n", SYSTEM_NS, "delete", "pod", agent, "--grace-period=0", "--force")
         out, err = cli.communicate(timeout=900)
         assert cli.returncode == 0, err[-3000:]
         return json.loads(out.strip().splitlines()[-1])["target"]

@@ -130,7 +130,9 @@ def test_migrate_gives_up_on_a_silent_api_server_in_bounded_time_with_one_line(
     lines = r.stderr.splitlines()
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     # its first call: the API server's dry run of the PodMigration
-    assert lines[0].startswith("criuctl: error: the API server does not answer (podmigrations in namespace ml: no")
+    assert lines[0].startswith(
+        "criuctl: error: the API server does not answer (podmigrations in namespace ml: no"
+    )
     assert "check the cluster" in lines[0], lines
     # the first call gives up after connect + read; the margin is the interpreter's start
     assert took < 2 * (FAST.connect + FAST.read) + 10, f"took {took:.1f} s"

@@ -462,6 +462,7 @@ def _object(d: object, **convert: Any) -> dict[str, Any]:
 class Point(enum.StrEnum):
     """Named instants of the protocol where a test may stop it (`criuctl.agent.points`)."""
 
+    CONTROLLER_PLACED = "controller.placed"  # PodMigration Placing: the placeholder made, job untouched
     CLIENT_PREPARED = "client.prepared"  # target NEW; nothing frozen
     CLIENT_SENT = "client.sent"  # source SENT, target RECEIVED
     CLIENT_RESTORED = "client.restored"  # target RESTORED (stopped), source SENT

@@ -230,7 +230,6 @@ def _migrate_pod(a: argparse.Namespace, to: str) -> int:
         if a.json:
             _print_json({"podmigration": name, "namespace": namespace})
         return 0
-    print(f"criuctl: podmigration {namespace}/{name}: pod {a.name} → node {to}", file=sys.stderr)
     with render.migration_progress() as progress:
         obj = podmigrations.follow(c, namespace, name, progress)
     st = obj.get("status") or {}
@@ -250,8 +249,8 @@ def _migrate_pod(a: argparse.Namespace, to: str) -> int:
         render.migration_summary(result)
     where = result.target if result is not None else st.get("target")
     print(
-        f"criuctl: pod {namespace}/{a.name} is now pod {st.get('newPod')} on node {where}; "
-        f"follow it with: kubectl -n {namespace} logs -f {st.get('newPod')}",
+        f"criuctl: pod {namespace}/{a.name} is now pod {st.get('newPod')} on node {where} "
+        f"(podmigration {name}); follow it with: kubectl -n {namespace} logs -f {st.get('newPod')}",
         file=sys.stderr,
     )
     if a.json:

@@ -272,7 +272,7 @@ class Move:
         """A phase failed: abort both sides (target first); the error to raise."""
         if isinstance(exc, MigrationInDoubt):
             return self._in_doubt(exc)
-        err = _aborted(self.src, self.dst, self.og_id, self.inc_id, exc, self.name, self.source.name)
+        err = abort(self.src, self.dst, self.og_id, self.inc_id, exc, self.name, self.source.name)
         return self._in_doubt(err) if isinstance(err, MigrationInDoubt) else err
 
     def commit_target(self) -> None:
@@ -384,7 +384,7 @@ def _thaw_incomplete(what: str, left: str, name: str, node: str) -> MigrationFai
     return err
 
 
-def _aborted(
+def abort(
     src: AgentClient,
     dst: AgentClient,
     og_id: str | None,
@@ -432,7 +432,7 @@ def _commit_target(
             state = exc.body.get("state", "unknown") if isinstance(exc, AgentError) else "unknown"
         if state == "running":
             return
-        raise _aborted(src, dst, og_id, inc_id, first, name, source)
+        raise abort(src, dst, og_id, inc_id, first, name, source)
     raise MigrationInDoubt(
         f"node {dst.node.name} did not confirm that {name!r} runs there ({first.what})",
         _frozen_hint(name, source, dst.node.name, "the target's answer was lost"),

@@ -94,7 +94,8 @@ def api_error(exc: Exception, what: str) -> CriuctlError:
         if exc.status in (401, 403):
             return CriuctlError(
                 f"the API server refused access to {what} (HTTP {exc.status})",
-                "use a kubeconfig whose user may read pods, nodes and secrets in criuctl-system",
+                "use a kubeconfig whose user may do this: moving a pod needs the criuctl-migrator "
+                "role (docs/deploy.md, Users)",
             )
         return CriuctlError(f"the API server failed on {what}: HTTP {exc.status} {exc.reason}", "try again")
     why = str(exc) if isinstance(exc, api.NoAnswer) else type(exc).__name__

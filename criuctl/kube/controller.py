@@ -98,7 +98,7 @@ class Journal:
         """The orchestration's progress (render.migration_progress's steps), for `criuctl migrate`
         to show: each new step at once, the transfer's bytes at most every PROGRESS_EVERY."""
         now = time.monotonic()
-        if step == self.step and now - self.last_progress < PROGRESS_EVERY:
+        if step == self.step and now - self.last_progress < PROGRESS_EVERY and done != total:
             return
         self.step, self.last_progress = step, now
         with contextlib.suppress(CriuctlError):  # progress is a courtesy; the phase is the record
@@ -164,9 +164,27 @@ def _others_moving(c: Cluster, obj: dict) -> list[str]:
     ]
 
 
+def _prestop(c: Cluster, j: Journal) -> None:
+    """A move a pod's preStop started (a drain): followed, never acted on (the agents carry it)."""
+    notes = j.obj["metadata"].get("annotations") or {}
+    j(
+        Phase.MIGRATING,
+        pod=j.obj["spec"]["pod"],
+        target=j.obj["spec"]["node"],
+        source=notes.get(podmigrations.SOURCE_NODE, ""),
+        sourceUID=notes.get(podmigrations.SOURCE_UID, ""),
+        via="successor",
+        startedAt=j.obj["metadata"].get("creationTimestamp") or podmigrations.now(),
+    )
+    _resume_owned(c, j, Phase.MIGRATING)
+
+
 def _fresh(c: Cluster, j: Journal) -> None:
     spec = j.obj["spec"]
     ns = j.ns
+    if (j.obj["metadata"].get("annotations") or {}).get(podmigrations.ORIGIN) == podmigrations.PRESTOP:
+        _prestop(c, j)
+        return
     j(Phase.CHECKING, pod=spec["pod"], target=spec["node"], startedAt=podmigrations.now())
     others = _others_moving(c, j.obj)
     if others:
@@ -244,7 +262,8 @@ def _resume_placeholder(c: Cluster, j: Journal, phase: Phase) -> None:
     if phase in (Phase.MIGRATING, Phase.IN_DOUBT):
         nodes = [c.serialize(call(f"node {n}", c.core.read_node, n)) for n in (source, target)]
         src, dst = (agent_for(c, n) for n in nodes)
-        where = podmigrate.settle(src, dst, (st.get("outgoingId") or None, st["incomingId"]), timeout=60)
+        ids = (st.get("outgoingId") or None, st["incomingId"])
+        where = podmigrate.take_up(src, dst, ids, st.get("workload", ""))
         if where is None:
             j(Phase.IN_DOUBT, reason="the agents have not settled yet where the job runs")
             raise Retry(f"podmigration {j.ns}/{j.name}: the agents have not settled it yet")

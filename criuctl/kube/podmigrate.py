@@ -29,7 +29,9 @@ import copy
 import time
 from collections.abc import Callable
 
+from criuctl.agent import points
 from criuctl.agent.messages import IncomingStatus, OutgoingStatus
+from criuctl.agent.protocol import Point
 from criuctl.client import migrate as agent_migrate
 from criuctl.client.agents import AgentClient, AgentError, Node
 from criuctl.core.errors import CriuctlError
@@ -122,6 +124,26 @@ def settle(
     return None
 
 
+def take_up(source: Node, target: Node, ids: tuple[str | None, str], workload: str) -> str | None:
+    """Where the job runs, for a move whose orchestrator died mid-way (a controller that restarted):
+    the target's node if its copy runs; else the move is undone as a failed step is (target first:
+    criuctl.client.migrate.abort) and it is the source's. None while the agents cannot tell yet."""
+    og, inc = ids
+    dst = AgentClient(target, timeout=10)
+    try:
+        incoming: IncomingStatus = dst.get(f"/v1/incoming/{inc}", timeout=10)
+        state = incoming["state"]
+    except (CriuctlError, KeyError):  # unreachable, or forgotten: ask both until they tell
+        return settle(source, target, ids, timeout=60)
+    if state == "running":
+        return target.name
+    why = CriuctlError("the controller restarted mid-move", "")
+    err = agent_migrate.abort(AgentClient(source, timeout=30), dst, og, inc, why, workload, source.name)
+    if isinstance(err, agent_migrate.MigrationInDoubt):
+        return settle(source, target, ids, timeout=60)
+    return source.name
+
+
 def read_pod(c: Cluster, namespace: str, name: str) -> dict | None:
     try:
         return c.serialize(call(f"pod {namespace}/{name}", c.core.read_namespaced_pod, name, namespace))
@@ -169,6 +191,7 @@ def execute(
     )
     new_pod = c.serialize(created)
     events.record(c, new_pod, events.Reason.STARTED, f"placeholder for pod {p.pod} from node {p.source}")
+    points.reach(Point.CONTROLLER_PLACED)
     handed_over: list[str] = []
 
     def committed() -> None:

@@ -78,13 +78,28 @@ def body(
     else:  # the API server appends 5 characters; a name is at most 253
         meta["generateName"] = f"{pod[:200]}-to-{node[:40]}-"
     if origin:
-        meta["annotations"] = {f"{GROUP}/origin": origin}
+        meta["annotations"] = {ORIGIN: origin}
     spec: dict[str, Any] = {"pod": pod, "node": node}
     if mode:
         spec["mode"] = mode
     if dry_run:
         spec["dryRun"] = True
     return {"apiVersion": API_VERSION, "kind": KIND, "metadata": meta, "spec": spec}
+
+
+ORIGIN = f"{GROUP}/origin"  # who asked: "criuctl migrate", "prestop" (a drain or eviction), or none (kubectl)
+SOURCE_UID = f"{GROUP}/source-uid"  # a preStop's record: the deleted pod's UID
+SOURCE_NODE = f"{GROUP}/source-node"
+PRESTOP = "prestop"
+
+
+def record_drain(c: Cluster, namespace: str, pod: str, uid: str, source: str, target: str) -> dict:
+    """The PodMigration of a move a pod's preStop hook started (a drain, an eviction): so that every
+    move in a cluster is listed in one place. The controller follows it to its end; it runs no
+    check and makes no step of its own (the agents carry it: criuctl.kube.prestop)."""
+    obj = body(namespace, pod, target, name=f"{pod[:200]}-prestop-{uid[:8]}", origin=PRESTOP)
+    obj["metadata"]["annotations"].update({SOURCE_UID: uid, SOURCE_NODE: source})
+    return create(c, obj)
 
 
 def _what(namespace: str, name: str = "") -> str:

@@ -28,7 +28,7 @@ import uuid
 from criuctl.agent.messages import CheckpointAnswer, CheckpointRequest
 from criuctl.client.agents import AgentClient
 from criuctl.core.errors import CriuctlError
-from criuctl.kube import events, moves, mutate, owners, podplan, podvolumes
+from criuctl.kube import events, moves, mutate, owners, podmigrations, podplan, podvolumes
 from criuctl.kube.cluster import Cluster, NotFound, agent_for, call, container_id, delete_now, workload_row
 
 log = logging.getLogger("criuctl.kube")
@@ -127,6 +127,11 @@ def leaving(c: Cluster, namespace: str, name: str, node: str) -> str:
         version=requested.version if requested else "",
     )
     m = moves.save(c, m)  # before the dump: a crash after it leaves the bundle's id on record
+    if requested is None:  # a drain or an eviction: listed with every other move (a courtesy)
+        try:
+            podmigrations.record_drain(c, namespace, name, meta["uid"], node, target)
+        except CriuctlError as exc:
+            log.warning("no PodMigration recorded", extra={"pod": f"{namespace}/{name}", "why": exc.what})
     events.record(c, pod, events.Reason.STARTED, f"deleted: checkpointing its job for node {target}")
     source = AgentClient(src, timeout=CHECKPOINT_TIMEOUT)
     try:

@@ -77,6 +77,28 @@ def overlay(lay: Layout) -> Path:
         {"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": v}
         for v in ("--lease-seconds", "6", "--renew-seconds", "4", "--retry-seconds", "1")
     ]
+    # the tests stop the controller at a named instant (criuctl.agent.points): they arm the points in
+    # DIR/pause/armed, which every replica reads (a test-only setting: docs/kubernetes.md)
+    pause = lay.dir / "pause"
+    pause.mkdir(exist_ok=True)
+    pause.chmod(0o1777)
+    election += [
+        {
+            "op": "add",
+            "path": "/spec/template/spec/containers/0/env/-",
+            "value": {"name": "CRIUCTL_PAUSE_DIR", "value": str(pause)},
+        },
+        {
+            "op": "add",
+            "path": "/spec/template/spec/containers/0/volumeMounts/-",
+            "value": {"name": "pause", "mountPath": str(pause)},
+        },
+        {
+            "op": "add",
+            "path": "/spec/template/spec/volumes/-",
+            "value": {"name": "pause", "hostPath": {"path": str(pause), "type": "Directory"}},
+        },
+    ]
     patches.append(
         {"target": {"kind": "Deployment", "name": "criuctl-controller"}, "patch": json.dumps(election)}
     )

@@ -1,0 +1,314 @@
+"""The migration controller on the local cluster (tests/conftest.py `local_cluster`): PodMigrations
+carried out by the controller Deployment of manifests/ (two replicas, one leading through a Lease),
+created with `criuctl migrate` or `kubectl apply` by a user who may touch podmigrations and nothing
+else, from a network namespace that reaches the API server and no node; the leading controller
+killed at each phase of a move (the other replica takes the Lease over and takes the move up from
+its status: it completes or is undone, exactly once); a PodMigration deleted mid-move; the API
+server refusing a user without the role and a spec its schema does not allow."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.conftest import needs_criu
+from tests.jobs import CRIUCTL
+from tests.kube import (
+    JOB,
+    Controller,
+    Kubectl,
+    LogFollower,
+    combined_steps,
+    criuctl,
+    final,
+    steps,
+    training_pod,
+    wait_podmigration,
+    wait_step,
+)
+
+pytestmark = [needs_criu, pytest.mark.timeout(900)]
+STEPS = 500
+
+
+@pytest.fixture
+def ref(reference):
+    return reference(os.path.basename(JOB), "--steps", str(STEPS), "--workers", "2", "--log", "/dev/null")
+
+
+def _start(k: Kubectl, name: str, node: str = "a") -> LogFollower:
+    """A training pod on `node`, past its 20th step, its log followed from the start."""
+    k.apply(training_pod(name, steps=STEPS, node=node))
+    k.wait_running(name)
+    follow = LogFollower(k, name)
+    follow.start()
+    wait_step(k, name, 20)
+    return follow
+
+
+def _to_the_end(k: Kubectl, pods: list[str], follows: list[LogFollower], ref) -> None:
+    """The job ran to its end in the last of `pods`, its steps over all of them the uninterrupted
+    run's (each step once, or again with the same loss), and no other pod trains meanwhile."""
+    last = pods[-1]
+    deadline = time.monotonic() + 300
+    while not final(k.logs(last)):
+        assert time.monotonic() < deadline, k.logs(last)[-800:]
+        time.sleep(1)
+    for f in follows:
+        f.join(60)
+    parts = [steps(f.text) for f in follows]
+    assert combined_steps(parts) == ref.steps
+    assert final(k.logs(last)) == [ref.final], "final weights differ from the uninterrupted run"
+
+
+# ------------------------------------------------------------------ the controller killed mid-move
+
+
+@pytest.mark.parametrize(
+    ("point", "ends"),
+    [
+        ("controller.placed", "Failed"),  # Placing: the placeholder goes, nothing moved
+        ("client.sent", "Failed"),  # Migrating, frozen, bundle sent: undone, target first
+        ("client.target-committed", "Succeeded"),  # runs on the target: handed over
+    ],
+)
+def test_the_leader_killed_at_a_phase_ends_the_move_exactly_once(
+    local_cluster, ref, point: str, ends: str
+) -> None:
+    lay, k = local_cluster
+    name = "k-" + point.replace(".", "-")
+    follows = [_start(k, name)]
+    ctl = Controller(lay, k)
+    ctl.arm(point)
+    try:
+        r = criuctl(lay, "migrate", name, "b", "--detach", "--as", f"pm-{name}")
+        assert r.returncode == 0, r.stderr
+        ctl.reached(point)
+        old = ctl.kill_leader()
+    finally:
+        ctl.disarm()
+    new_leader = ctl.wait_leader(old)
+    obj = wait_podmigration(k, f"pm-{name}")
+    st = obj["status"]
+    assert st["phase"] == ends, st
+    assert st["controller"].startswith(new_leader), f"{st['controller']} ended it, not {new_leader}"
+    if ends == "Succeeded":
+        moved = st["newPod"]
+        assert k.get("pod", moved)["spec"]["nodeName"] == "b"
+        follows.append(LogFollower(k, moved))
+        follows[-1].start()
+        k.wait_gone("pod", name)
+        pods = [name, moved]
+    else:
+        assert "keeps running on a" in st.get("hint", "") + st.get("reason", ""), st
+        k.wait_gone("pod", f"{name}-m1")  # the placeholder
+        src = k.get("pod", name)
+        assert src["status"]["containerStatuses"][0]["restartCount"] == 0
+        pods = [name]
+    _to_the_end(k, pods, follows, ref)
+    if ends == "Succeeded":
+        assert not steps(k.logs(name)) or k.get("pod", name) is None, "the source pod trained again"
+    for p in pods:
+        k("delete", "pod", p, "--grace-period=1", "--wait=false", check=False)
+
+
+def test_a_podmigration_deleted_mid_move_is_settled_before_it_goes(local_cluster, ref) -> None:
+    """Deleted while the job is frozen and its bundle sent: the finalizer holds the object until
+    the move ended (here: completed); the job runs once, in the new pod."""
+    lay, k = local_cluster
+    name = "deleted"
+    follows = [_start(k, name)]
+    ctl = Controller(lay, k)
+    ctl.arm("client.sent")
+    try:
+        r = criuctl(lay, "migrate", name, "b", "--detach", "--as", "pm-deleted")
+        assert r.returncode == 0, r.stderr
+        ctl.reached("client.sent")
+        k("delete", "podmigration", "pm-deleted", "--wait=false")
+        obj = k.get("podmigration", "pm-deleted")
+        assert obj is not None and obj["metadata"].get("deletionTimestamp"), "deleted before the move ended"
+    finally:
+        ctl.disarm()
+        ctl.go("client.sent")
+    k.wait_gone("podmigration", "pm-deleted", timeout=180)
+    moved = f"{name}-m1"
+    assert k.get("pod", moved)["spec"]["nodeName"] == "b"
+    follows.append(LogFollower(k, moved))
+    follows[-1].start()
+    _to_the_end(k, [name, moved], follows, ref)
+    k("delete", "pod", moved, "--grace-period=1", "--wait=false", check=False)
+
+
+# ------------------------------------------------------------- a user with podmigrations only
+
+
+@contextlib.contextmanager
+def _api_server_only(api_ip: str) -> Iterator[list[str]]:
+    """A network namespace whose one route leads to the API server's address: the argv prefix that
+    runs a command in it."""
+    ns, tag = f"criuctl-user-{secrets.token_hex(3)}", secrets.randbelow(200) + 20
+    host_end, inside = f"cu{tag}h", f"10.253.{tag}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        run = ["ip", "netns", "exec", ns]
+        for argv in (
+            ["ip", "link", "add", host_end, "type", "veth", "peer", "name", "eth0", "netns", ns],
+            ["ip", "addr", "add", f"{inside}.1/30", "dev", host_end],
+            ["ip", "link", "set", host_end, "up"],
+            [*run, "ip", "addr", "add", f"{inside}.2/30", "dev", "eth0"],
+            [*run, "ip", "link", "set", "eth0", "up"],
+            [*run, "ip", "route", "add", f"{api_ip}/32", "via", f"{inside}.1"],
+        ):
+            subprocess.run(argv, check=True, capture_output=True)
+        yield run
+    finally:
+        subprocess.run(["ip", "link", "del", host_end], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def _as(lay, user: str, *args: str, prefix: list[str] | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
+    env["KUBECONFIG"] = str(lay.dir / f"{user}.kubeconfig")
+    return subprocess.run([*(prefix or []), *args], capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_a_user_with_only_podmigrations_moves_a_pod_from_a_network_that_reaches_no_node(
+    local_cluster, ref
+) -> None:
+    lay, k = local_cluster
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": "migrator", "namespace": "default"},
+        "roleRef": {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "ClusterRole",
+            "name": "criuctl-migrator",
+        },
+        "subjects": [{"kind": "User", "name": "migrator", "apiGroup": "rbac.authorization.k8s.io"}],
+    }
+    k.apply(binding)
+    name = "limited"
+    follows = [_start(k, name)]
+    api_ip = lay.host_ip
+    nodes = [
+        a["address"]
+        for n in json.loads(k("get", "nodes", "-o", "json").stdout)["items"]
+        for a in n["status"]["addresses"]
+        if a["type"] == "InternalIP"
+    ]
+    try:
+        with _api_server_only(api_ip) as netns:
+            # the user's network: the API server answers, no node's agent can be reached
+            for ip in nodes:
+                probe = _as(
+                    lay,
+                    "migrator",
+                    "python3",
+                    "-c",
+                    f"import socket; socket.create_connection(('{ip}', 7070), timeout=2)",
+                    prefix=netns,
+                )
+                assert probe.returncode != 0, f"node {ip} reachable from the user's network"
+            # and the user may not read pods, nodes or secrets
+            denied = _as(lay, "migrator", "kubectl", "get", "pods", prefix=netns)
+            assert denied.returncode != 0 and "forbidden" in denied.stderr, denied.stderr
+            r = _as(lay, "migrator", *CRIUCTL, "migrate", name, "b", "-o", "json", prefix=netns)
+            assert r.returncode == 0, r.stderr[-2000:]
+            out = json.loads(r.stdout.strip().splitlines()[-1])
+            moved = out["new_pod"]
+            assert out["target"] == "b" and out["pod"] == name and out["downtime_seconds"] > 0, out
+            follows.append(LogFollower(k, moved))
+            follows[-1].start()
+            wait_step(k, moved, max(steps(k.logs(name)) or [0]) + 10)
+            # back with kubectl apply, as the same user
+            pm = {
+                "apiVersion": "criuctl.io/v1alpha1",
+                "kind": "PodMigration",
+                "metadata": {"name": "back", "namespace": "default"},
+                "spec": {"pod": moved, "node": "a", "mode": "stop-and-copy"},
+            }
+            applied = subprocess.run(
+                [*netns, "kubectl", "--kubeconfig", str(lay.dir / "migrator.kubeconfig"), "apply", "-f", "-"],
+                input=json.dumps(pm),
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert applied.returncode == 0, applied.stderr
+            listed = _as(lay, "migrator", "kubectl", "get", "podmigrations", prefix=netns)
+            assert "back" in listed.stdout and "PHASE" in listed.stdout, listed
+        st = wait_podmigration(k, "back")["status"]
+        assert st["phase"] == "Succeeded" and st["source"] == "b", st
+        back = st["newPod"]
+        follows.append(LogFollower(k, back))
+        follows[-1].start()
+        _to_the_end(k, [name, moved, back], follows, ref)
+        table = criuctl(lay, "get")
+        assert table.returncode == 0 and "back" in table.stdout and "Succeeded" in table.stdout, table
+        reasons = k("get", "events", "--field-selector", "involvedObject.name=back", "-o", "json").stdout
+        assert "MigrationPhase" in reasons and "Migrated" in reasons
+    finally:
+        k("delete", "rolebinding", "migrator", check=False)
+        k(
+            "delete",
+            "pod",
+            name,
+            f"{name}-m1",
+            f"{name}-m1-m1",
+            "--grace-period=1",
+            "--wait=false",
+            check=False,
+        )
+
+
+def test_a_user_without_the_role_is_refused_by_the_api_server(local_cluster) -> None:
+    lay, k = local_cluster
+    before = k("get", "podmigrations", "-o", "name").stdout
+    r = _as(lay, "outsider", *CRIUCTL, "migrate", "anything", "b")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "refused access" in lines[0] and "403" in lines[0], lines
+    assert k("get", "podmigrations", "-o", "name").stdout == before, "a refused user created an object"
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ({"pod": "p", "node": "B;rm -rf"}, "spec.node"),
+        ({"pod": "../etc", "node": "b"}, "spec.pod"),
+        ({"pod": "p", "node": "b", "mode": "pre-copy"}, "spec.mode"),
+        ({"node": "b"}, "spec.pod"),
+    ],
+)
+def test_the_schema_refuses_a_bad_spec(local_cluster, spec: dict, says: str) -> None:
+    _, k = local_cluster
+    pm = {
+        "apiVersion": "criuctl.io/v1alpha1",
+        "kind": "PodMigration",
+        "metadata": {"name": "bad"},
+        "spec": spec,
+    }
+    r = k("apply", "-f", "-", input=json.dumps(pm), check=False)
+    assert r.returncode != 0 and says in r.stderr, r.stderr
+    assert k.get("podmigration", "bad") is None
+
+
+def test_the_standby_replica_waits_and_both_report_healthy(local_cluster) -> None:
+    lay, k = local_cluster
+    ctl = Controller(lay, k)
+    leader = ctl.leader()
+    pods = k.pods("criuctl-system", "app.kubernetes.io/name=criuctl-controller")
+    assert len(pods) == 2 and leader in [p["metadata"]["name"] for p in pods]
+    for p in pods:
+        assert any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"]["conditions"])
+        log = k.logs(p["metadata"]["name"], "criuctl-system")
+        said = "leading" if p["metadata"]["name"] == leader else "waiting for the lease"
+        assert said in log, log[-600:]
