@@ -270,6 +270,23 @@ class Controller:
         return now
 
 
+def grant_migrator(k: Kubectl, namespace: str = "default") -> None:
+    """The local cluster's user `migrator` (its kubeconfig: DIR/migrator.kubeconfig) given
+    criuctl-migrator, and nothing else, in `namespace`: what a user needs to move pods."""
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": "migrator", "namespace": namespace},
+        "roleRef": {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "ClusterRole",
+            "name": "criuctl-migrator",
+        },
+        "subjects": [{"kind": "User", "name": "migrator", "apiGroup": "rbac.authorization.k8s.io"}],
+    }
+    k.apply(binding, namespace)
+
+
 def wait_podmigration(k: Kubectl, name: str, timeout: float = 300, namespace: str = "default") -> dict:
     """The PodMigration once it ended (Succeeded or Failed)."""
     deadline = time.monotonic() + timeout

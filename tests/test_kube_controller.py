@@ -28,6 +28,7 @@ from tests.kube import (
     combined_steps,
     criuctl,
     final,
+    grant_migrator,
     steps,
     training_pod,
     wait_podmigration,

@@ -26,6 +26,7 @@ from tests.kube import (
     LogFollower,
     combined_steps,
     final,
+    grant_migrator,
     steps,
     training_pod,
     wait_podmigration,
@@ -111,7 +112,9 @@ def _follow_to_the_end(k: Kubectl, followers: list[LogFollower], ref, name: str)
 
 
 def _move_with_cli(lay, k: Kubectl, name: str, node: str) -> dict:
-    env = {**os.environ, "KUBECONFIG": str(lay.kubeconfig)}
+    """`criuctl migrate` as a user whose RBAC is criuctl-migrator alone."""
+    grant_migrator(k)
+    env = {**os.environ, "KUBECONFIG": str(lay.dir / "migrator.kubeconfig")}
     r = subprocess.run(
         [*CRIUCTL, "migrate", name, node, "-o", "json"], env=env, capture_output=True, text=True, timeout=900
     )
@@ -119,6 +122,29 @@ def _move_with_cli(lay, k: Kubectl, name: str, node: str) -> dict:
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["new_pod"] == name and out["target"] == node, out
     return out
+
+
+def _apply_podmigration(lay, k: Kubectl, name: str, node: str) -> str:
+    """A PodMigration applied with kubectl by a user whose RBAC is criuctl-migrator alone; the node
+    it ended on."""
+    grant_migrator(k)
+    pm = {
+        "apiVersion": "criuctl.io/v1alpha1",
+        "kind": "PodMigration",
+        "metadata": {"name": f"{name}-to-{node}", "namespace": "default"},
+        "spec": {"pod": name, "node": node},
+    }
+    r = subprocess.run(
+        ["kubectl", "--kubeconfig", str(lay.dir / "migrator.kubeconfig"), "apply", "-f", "-"],
+        input=json.dumps(pm),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    st = wait_podmigration(k, pm["metadata"]["name"], timeout=900)["status"]
+    assert st["phase"] == "Succeeded" and st["via"] == "successor" and st["newPod"] == name, st
+    return st["result"]["target"]
 
 
 def _succeeded(job: dict) -> bool:
@@ -164,7 +190,7 @@ def test_pytorchjob_worker_moves_keeping_its_name(local_cluster, ref) -> None:
     _apply_retrying(k, _pytorchjob("mnist", "a"))
     try:
         new = _moved_mid_training(
-            k, "mnist-master-0", ref, lambda: _move_with_cli(lay, k, "mnist-master-0", "b")["target"]
+            k, "mnist-master-0", ref, lambda: _apply_podmigration(lay, k, "mnist-master-0", "b")
         )
         env = {e["name"]: e.get("value") for e in new["spec"]["containers"][0]["env"]}
         assert (env["RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"]) == ("0", "1", "mnist-master-0")

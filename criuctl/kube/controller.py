@@ -36,6 +36,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,14 +66,51 @@ class Options:
     health: str = "0.0.0.0:8081"  # /healthz: "leading" or "standby"
 
 
+class _Latest(threading.Thread):
+    """The newest progress of one move, written by a thread of its own, at most every
+    PROGRESS_EVERY: the migration never waits on it (a status write in the job's downtime, between
+    its freeze and its restore, would lengthen it by an API call)."""
+
+    def __init__(self, write: Callable[[dict[str, Any]], object]) -> None:
+        super().__init__(daemon=True, name="progress")
+        self.write = write
+        self.cv = threading.Condition()
+        self.pending: dict[str, Any] | None = None
+        self.closed = False
+
+    def put(self, facts: dict[str, Any]) -> None:
+        with self.cv:
+            self.pending = facts
+            self.cv.notify()
+
+    def run(self) -> None:
+        while True:
+            with self.cv:
+                while self.pending is None and not self.closed:
+                    self.cv.wait()
+                if self.closed:
+                    return
+                facts, self.pending = self.pending, None
+            with contextlib.suppress(CriuctlError):  # progress is a courtesy; the phase is the record
+                self.write(facts)
+            time.sleep(PROGRESS_EVERY)
+
+    def close(self) -> None:
+        """No more writes: one under way ends first (it may not land after the final status)."""
+        with self.cv:
+            self.closed = True
+            self.cv.notify()
+        if self.is_alive():
+            self.join(timeout=40)
+
+
 class Journal:
     """A PodMigration's status, written before each step: the phase, with the facts known by then."""
 
     def __init__(self, c: Cluster, obj: dict, me: str) -> None:
         self.c, self.obj, self.me = c, obj, me
         self.ns, self.name = obj["metadata"]["namespace"], obj["metadata"]["name"]
-        self.last_progress = 0.0
-        self.step = ""
+        self.latest = _Latest(lambda facts: podmigrations.patch_status(c, self.ns, self.name, facts))
 
     @property
     def status(self) -> dict[str, Any]:
@@ -96,15 +134,16 @@ class Journal:
 
     def progress(self, step: str, done: int | None = None, total: int | None = None) -> None:
         """The orchestration's progress (render.migration_progress's steps), for `criuctl migrate`
-        to show: each new step at once, the transfer's bytes at most every PROGRESS_EVERY."""
-        now = time.monotonic()
-        if step == self.step and now - self.last_progress < PROGRESS_EVERY and done != total:
-            return
-        self.step, self.last_progress = step, now
-        with contextlib.suppress(CriuctlError):  # progress is a courtesy; the phase is the record
-            self.write({"step": step, "stepDone": done, "stepTotal": total})
+        to show; never waited on (_Latest)."""
+        if not self.latest.is_alive() and not self.latest.closed:
+            self.latest.start()
+        self.latest.put({"step": step, "stepDone": done, "stepTotal": total})
+
+    def close(self) -> None:
+        self.latest.close()
 
     def ended(self, phase: Phase, reason: str, hint: str = "", code: int = 0, **facts: Any) -> None:
+        self.close()
         self.write(
             {
                 "phase": str(phase),
@@ -286,6 +325,13 @@ def carry(c: Cluster, obj: dict, me: str, deleting: bool = False) -> None:
     if phase.final:
         return
     j = Journal(c, obj, me)
+    try:
+        _carry(c, j, phase, deleting)
+    finally:
+        j.close()
+
+
+def _carry(c: Cluster, j: Journal, phase: Phase, deleting: bool) -> None:
     try:
         if phase in (Phase.PENDING, Phase.CHECKING):
             if deleting:
