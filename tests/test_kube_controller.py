@@ -184,18 +184,7 @@ def test_a_user_with_only_podmigrations_moves_a_pod_from_a_network_that_reaches_
     local_cluster, ref
 ) -> None:
     lay, k = local_cluster
-    binding = {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "RoleBinding",
-        "metadata": {"name": "migrator", "namespace": "default"},
-        "roleRef": {
-            "apiGroup": "rbac.authorization.k8s.io",
-            "kind": "ClusterRole",
-            "name": "criuctl-migrator",
-        },
-        "subjects": [{"kind": "User", "name": "migrator", "apiGroup": "rbac.authorization.k8s.io"}],
-    }
-    k.apply(binding)
+    grant_migrator(k)
     name = "limited"
     follows = [_start(k, name)]
     api_ip = lay.host_ip
