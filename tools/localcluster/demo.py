@@ -134,9 +134,7 @@ def run(lay: Layout, out: Path, steps: int = 300, move_at: int = 100) -> int:
         return 1
     moved = json.loads(r.stdout.strip().splitlines()[-1])
     listed = subprocess.run([*kubectl, "get", "podmigrations"], capture_output=True, text=True).stdout
-    print(
-        f"criuctl demo: the move is PodMigration {moved['podmigration']}, carried out by the controller:"
-    )
+    print(f"criuctl demo: the move is PodMigration {moved['podmigration']}, carried out by the controller:")
     print("  " + listed.strip().replace("\n", "\n  "))
     after = Follow(kubectl, moved["new_pod"])
     after.start()
