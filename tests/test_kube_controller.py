@@ -78,6 +78,7 @@ def _to_the_end(k: Kubectl, pods: list[str], follows: list[LogFollower], ref) ->
         ("controller.placed", "Failed"),  # Placing: the placeholder goes, nothing moved
         ("client.sent", "Failed"),  # Migrating, frozen, bundle sent: undone, target first
         ("client.target-committed", "Succeeded"),  # runs on the target: handed over
+        ("client.source-committed", "Succeeded"),  # HandingOver recorded, the source pod deleted
     ],
 )
 def test_the_leader_killed_at_a_phase_ends_the_move_exactly_once(
