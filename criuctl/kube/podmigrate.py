@@ -151,7 +151,9 @@ def read_pod(c: Cluster, namespace: str, name: str) -> dict | None:
         return None
 
 
-def hand_over(c: Cluster, namespace: str, pod: str, new_pod: str, source: str, target: str) -> None:
+def hand_over(
+    c: Cluster, namespace: str, pod: str, new_pod: str, source: str, target: str, how: str = ""
+) -> None:
     """The job runs in `new_pod` on `target`: the source pod goes (before its tree ends, where the
     caller can: see the table), the new pod gets its provenance stamp, both get their Event. Each
     step may be done again (a controller that restarted mid-way does it all again)."""
@@ -165,7 +167,7 @@ def hand_over(c: Cluster, namespace: str, pod: str, new_pod: str, source: str, t
         call("the new pod", c.core.patch_namespaced_pod, new_pod, namespace, stamp)
     new = read_pod(c, namespace, new_pod)
     if new is not None:
-        events.record(c, new, events.Reason.MIGRATED, f"from pod {pod} on node {source}")
+        events.record(c, new, events.Reason.MIGRATED, f"from pod {pod} on node {source}{how}")
     if src is not None:
         events.record(c, src, events.Reason.MIGRATED, f"to pod {new_pod} on node {target}")
 
@@ -192,16 +194,12 @@ def execute(
     new_pod = c.serialize(created)
     events.record(c, new_pod, events.Reason.STARTED, f"placeholder for pod {p.pod} from node {p.source}")
     points.reach(Point.CONTROLLER_PLACED)
-    handed_over: list[str] = []
 
     def committed() -> None:
         """The job runs in the new pod: the source pod goes before its tree ends (see the table)."""
         journal(Phase.HANDING_OVER)
-        try:
-            _delete(c, p.namespace, p.pod)
-            handed_over.append(p.pod)
-        except CriuctlError:
-            pass  # the source agent still ends the tree; its kubelet may restart a fresh copy
+        with contextlib.suppress(CriuctlError):  # the source agent still ends the tree; its kubelet
+            _delete(c, p.namespace, p.pod)  # may restart a fresh copy (whose init then waits)
 
     def ids(og: str | None, inc: str) -> None:
         journal(Phase.MIGRATING, outgoingId=og or "", incomingId=inc)
@@ -243,14 +241,8 @@ def execute(
             events.record(c, src_pod, events.Reason.FAILED, f"{exc.what}; it keeps running on {p.source}")
         events.record(c, new_pod, events.Reason.FAILED, f"{exc.what}; this placeholder is deleted")
         raise
-    with contextlib.suppress(CriuctlError):
-        if not handed_over:
-            _delete(c, p.namespace, p.pod)
-        stamp = {"metadata": {"annotations": {events.MIGRATED_AT: events.now()}}}
-        call("the new pod", c.core.patch_namespaced_pod, p.placeholder_name, p.namespace, stamp)
-    msg = f"from pod {p.pod} on node {p.source} ({result.mode}, downtime {result.downtime_seconds:.2f} s)"
-    events.record(c, new_pod, events.Reason.MIGRATED, msg)
-    events.record(c, src_pod, events.Reason.MIGRATED, f"to pod {p.placeholder_name} on node {p.target}")
+    how = f" ({result.mode}, downtime {result.downtime_seconds:.2f} s)"
+    hand_over(c, p.namespace, p.pod, p.placeholder_name, p.source, p.target, how)
     return result
 
 
