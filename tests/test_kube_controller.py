@@ -293,6 +293,35 @@ def test_the_schema_refuses_a_bad_spec(local_cluster, spec: dict, says: str) -> 
     assert k.get("podmigration", "bad") is None
 
 
+def test_a_podmigration_claiming_a_drain_that_never_happened_fails(local_cluster) -> None:
+    """The preStop's annotation on an object anyone with the role can create: the controller finds
+    no such move recorded and says so, rather than report one; the pod is left alone."""
+    _, k = local_cluster
+    k.apply(training_pod("claimed", steps=100000, node="a"))
+    k.wait_running("claimed")
+    pm = {
+        "apiVersion": "criuctl.io/v1alpha1",
+        "kind": "PodMigration",
+        "metadata": {
+            "name": "forged",
+            "annotations": {
+                "criuctl.io/origin": "prestop",
+                "criuctl.io/source-node": "a",
+                "criuctl.io/source-uid": "0000",
+            },
+        },
+        "spec": {"pod": "claimed", "node": "b"},
+    }
+    try:
+        k.apply(pm)
+        st = wait_podmigration(k, "forged", timeout=60)["status"]
+        assert st["phase"] == "Failed" and "not made by one" in st["reason"], st
+        pod = k.get("pod", "claimed")
+        assert pod["spec"]["nodeName"] == "a" and not pod["metadata"].get("deletionTimestamp")
+    finally:
+        k("delete", "pod", "claimed", "--grace-period=1", "--wait=false")
+
+
 def test_the_standby_replica_waits_and_both_report_healthy(local_cluster) -> None:
     lay, k = local_cluster
     ctl = Controller(lay, k)

@@ -42,7 +42,7 @@ from typing import Any
 
 from criuctl.client import migrate as agent_migrate
 from criuctl.core.errors import CriuctlError
-from criuctl.kube import events, podmigrate, podmigrations, podplan
+from criuctl.kube import events, moves, podmigrate, podmigrations, podplan
 from criuctl.kube.cluster import SYSTEM_NS, Cluster, agent_for, call, connect
 from criuctl.kube.podmigrations import COMMITTED, Phase
 
@@ -204,14 +204,29 @@ def _others_moving(c: Cluster, obj: dict) -> list[str]:
 
 
 def _prestop(c: Cluster, j: Journal) -> None:
-    """A move a pod's preStop started (a drain): followed, never acted on (the agents carry it)."""
+    """A move a pod's preStop started (a drain): followed, never acted on (the agents carry it).
+    Only one the record shows: the annotation alone (anyone who may create PodMigrations can write
+    it) must not make the controller report a move that never happened."""
     notes = j.obj["metadata"].get("annotations") or {}
+    pod, source, uid = (
+        j.obj["spec"]["pod"],
+        notes.get(podmigrations.SOURCE_NODE, ""),
+        notes.get(podmigrations.SOURCE_UID),
+    )
+    m = moves.read(c, j.ns, pod)
+    live = podmigrate.read_pod(c, j.ns, pod) or {}
+    came = (live.get("metadata", {}).get("annotations") or {}).get(events.MIGRATED_FROM)
+    if (m is None or m.uid != uid) and came != f"{j.ns}/{pod}@{source}":
+        raise podplan.NotMigratable(
+            f"no move of pod {pod} by a preStop hook is recorded: this PodMigration was not made by one",
+            "to move the pod, create a PodMigration without the criuctl.io/origin annotation",
+        )
     j(
         Phase.MIGRATING,
-        pod=j.obj["spec"]["pod"],
+        pod=pod,
         target=j.obj["spec"]["node"],
-        source=notes.get(podmigrations.SOURCE_NODE, ""),
-        sourceUID=notes.get(podmigrations.SOURCE_UID, ""),
+        source=source,
+        sourceUID=uid or "",
         via="successor",
         startedAt=j.obj["metadata"].get("creationTimestamp") or podmigrations.now(),
     )
@@ -344,7 +359,13 @@ def _carry(c: Cluster, j: Journal, phase: Phase, deleting: bool) -> None:
             _resume_placeholder(c, j, phase)
     except agent_migrate.MigrationInDoubt as exc:
         j.write(
-            {"phase": str(Phase.IN_DOUBT), "reason": exc.what, "hint": exc.hint, "exitCode": exc.exit_code}
+            {
+                "phase": str(Phase.IN_DOUBT),
+                "controller": j.me,
+                "reason": exc.what,
+                "hint": exc.hint,
+                "exitCode": exc.exit_code,
+            }
         )
         raise Retry(exc.what) from exc
     except Retry:
