@@ -139,3 +139,26 @@ def test_progress_is_written_newest_only_and_never_after_close() -> None:
     latest.put({"step": "late"})
     time.sleep(0.2)
     assert written == [{"step": "freeze"}, {"step": "transfer", "stepDone": 4}]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["get", "../etc"],
+        ["get", "-n", "a/b"],
+        ["migrate", "train", "b", "--as", "../x"],
+        ["migrate", "train", "b", "-n", "ns/../kube-system"],
+    ],
+)
+def test_hostile_names_are_refused_before_any_request(args: list[str], tmp_path: Path) -> None:
+    """A name that is not a Kubernetes name never reaches a URL: refused in one line, before the
+    kubeconfig is even read (this one does not exist)."""
+    cfg = tmp_path / "no-such-kubeconfig"
+    r = subprocess.run(
+        [*CRIUCTL, *args, "--kubeconfig", str(cfg), "--state-dir", str(tmp_path / "s")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1 and "is not a valid" in lines[0], r.stderr

@@ -212,10 +212,12 @@ def _migrate_pod(a: argparse.Namespace, to: str) -> int:
     from criuctl.client.migrate import MigrationResult
     from criuctl.kube import cluster, podmigrations, podplan
 
+    named = (("pod", a.name), ("namespace", a.namespace), ("node", to), ("podmigration", a.object_name))
+    for kind, value in named:  # before any name reaches a URL, and before the kubeconfig is read
+        if value is not None:
+            podplan.check_name(kind, value)
     c = cluster.connect(a.kubeconfig)
     namespace = a.namespace or c.namespace
-    for kind, value in (("pod", a.name), ("namespace", namespace), ("node", to)):
-        podplan.check_name(kind, value)
     body = podmigrations.body(
         namespace, a.name, to, a.mode, a.dry_run, a.object_name, origin="criuctl migrate"
     )
@@ -271,8 +273,11 @@ def _migrate_pod(a: argparse.Namespace, to: str) -> int:
 def cmd_get(a: argparse.Namespace) -> int:
     """`criuctl get [NAME]`: the PodMigrations, as `kubectl get podmigrations` shows them, plus why."""
     from criuctl.cli import render
-    from criuctl.kube import cluster, podmigrations
+    from criuctl.kube import cluster, podmigrations, podplan
 
+    for kind, value in (("podmigration", a.name), ("namespace", a.namespace)):
+        if value is not None:  # before any name reaches a URL
+            podplan.check_name(kind, value)
     c = cluster.connect(a.kubeconfig)
     namespace = None if a.all_namespaces else (a.namespace or c.namespace)
     if a.name:
