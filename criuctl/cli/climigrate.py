@@ -218,6 +218,7 @@ def _migrate_pod(a: argparse.Namespace, to: str) -> int:
             podplan.check_name(kind, value)
     c = cluster.connect(a.kubeconfig)
     namespace = a.namespace or c.namespace
+    podplan.check_name("namespace", namespace)  # the kubeconfig context's, when none was given
     body = podmigrations.body(
         namespace, a.name, to, a.mode, a.dry_run, a.object_name, origin="criuctl migrate"
     )
