@@ -6,6 +6,7 @@ the same code a GPU job runs. tests/gpu/check.sh runs the GPU side on a GPU host
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -13,8 +14,13 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import torch
+from criuctl_hook import contract
+
+from criuctl.core import workloads
+from criuctl.local import stepboundary
 
 from tests.conftest import needs_criu
 from tests.jobs import CRIUCTL, WORKLOADS, Job, Reference, assert_continues_exactly, criuctl
@@ -55,6 +61,51 @@ def test_a_job_without_optimizer_steps_is_dumped_at_once(tmp_path):
     shown = criuctl("inspect", str(tmp_path / "b")).stdout
     assert "step boundary: none (no process of it has run an optimizer step" in shown, shown
     sleeper.wait()
+
+
+def _open_files(pid: int) -> set[str]:
+    """What `pid` and its threads hold open now (a process may be gone between two reads)."""
+    seen = set()
+    for fd in (f"/proc/{pid}/fd/{n}" for n in _listdir(f"/proc/{pid}/fd")):
+        with contextlib.suppress(OSError):
+            seen.add(os.readlink(fd))
+    return seen
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def test_a_held_trainer_holds_no_descriptor_on_the_request(tmp_path):
+    """CRIU reopens by path every file a frozen process holds: a trainer frozen while reading the
+    request would fail its restore wherever the request is gone (another host; here after the
+    release). Once held (where criuctl freezes it), the trainer must only stat the request.
+    Sampled for 3 s: a poll that opened the file every 5 ms was caught about once in 200 samples."""
+    job = Job.run("held", "train_mlp.py", "--steps", "400", "--step-time", "0.02")
+    job.wait_for(r"^step 5 ")
+    w = workloads.load("held")
+    assert w is not None and w.control
+    request = os.path.join(w.control, contract.REQUEST)
+    reached = stepboundary.reach(w)
+    try:
+        assert reached.complete, reached.why
+        trainers = [p.pid for p in psutil.Process(w.root_pid).children(recursive=True)] + [w.root_pid]
+        samples = caught = 0
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            samples += 1
+            caught += sum(request in _open_files(pid) for pid in trainers)
+        assert samples > 100, samples
+        assert caught == 0, f"the held trainer had the request open in {caught} of {samples} samples"
+    except AssertionError:
+        job.kill()
+        raise
+    finally:
+        stepboundary.let_go(w, reached)
+    assert job.wait() == 0, job.err[-2000:]
 
 
 def _state_file(bundle) -> dict:

@@ -56,6 +56,11 @@ def test_restore_request_maps_inherited_fds(tmp_path):
         ("Error (criu/image.c:1): write: No space left on device", "disk full"),
         ("Error (criu/files-reg.c:2175): File /x has bad size 10 (expect 20)", "changed size"),
         ("Error (criu/vdso.c:1): vdso: Unexpected rt vDSO area bounds", "vDSO"),
+        (
+            "Error (criu/files-reg.c:2190): Can't open file srv/data/shard-3.bin on restore: "
+            "No such file or directory",
+            "missing on this host: /srv/data/shard-3.bin",
+        ),
         ("something nobody has seen", "CRIU failed"),
     ],
 )

@@ -97,7 +97,7 @@ _HINTS: list[tuple[str, str, str]] = [
         "restore into a new PID namespace (checkpoint workloads started with `criuctl run`)",
     ),
     (
-        r"(?:Can't|Unable to) (?:open|find)? ?(?:file|path)? ?.*No such file or directory",
+        r"(?:Can't|Unable to) (?:open|find)? ?(?:file|path)? ?(?P<path>[^\s:]*).*No such file or directory",
         "a file the workload had open is missing on this host",
         "make the same paths (script, data, logs, Python) available here before restoring",
     ),
@@ -109,11 +109,21 @@ _HINTS: list[tuple[str, str, str]] = [
 ]
 
 
+def _named_path(m: re.Match[str]) -> str:
+    """ ": /the/path" where the pattern caught the file CRIU names (relative to the root on restore):
+    "a file is missing" is half an answer when the job holds hundreds."""
+    path = m.groupdict().get("path")
+    if not path or "/" not in path:
+        return ""
+    return ": " + (path if path.startswith("/") else "/" + path)
+
+
 def hint_for(log_tail: str) -> tuple[str, str]:
     """(what, hint) for a CRIU log tail: the most specific diagnosis we know."""
     for pattern, what, hint in _HINTS:
-        if re.search(pattern, log_tail):
-            return what, hint
+        m = re.search(pattern, log_tail)
+        if m:
+            return what + _named_path(m), hint
     return "CRIU failed", "see the CRIU log below"
 
 

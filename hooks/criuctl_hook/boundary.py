@@ -80,6 +80,7 @@ class Boundary:
     _next_check: float = 0.0
     _registered: bool = False
     _handled: str = ""
+    _seen: tuple[int, int] | None = None  # the request file's (inode, mtime) when last read
 
     # -- the three hooks ---------------------------------------------------------------------
     def after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -170,7 +171,21 @@ class Boundary:
             return None
         return req if isinstance(req, dict) and isinstance(req.get("id"), str) else None
 
+    def _request_file(self) -> tuple[int, int] | None:
+        """The request file's identity, by stat: no descriptor. CRIU records every file a frozen
+        process holds open and reopens it by path on restore; a request read open at the freeze
+        would be gone there (criuctl removes it; another host never had it) and fail the restore."""
+        try:
+            st = os.stat(self._path(contract.REQUEST))
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns
+
     def _poll(self) -> None:
+        seen = self._request_file()
+        if seen is None or seen == self._seen:
+            return  # nothing new: the file is opened only when it changed (a new request, a beat)
+        self._seen = seen
         req = self._read_request()
         if req is None or req["id"] == self._handled:
             return
@@ -200,11 +215,15 @@ class Boundary:
             "at": time.time(),
             **report,
         }
+        req = self._read_request()  # read before HELD is written: criuctl freezes only after
+        held_on = self._request_file() if req is not None and req["id"] == request_id else None
         os.makedirs(self._path(contract.HELD), exist_ok=True)
         mine = self._path(contract.HELD, str(os.getpid()))
         _write_json(mine, held)
         released = self._path(contract.RELEASED, request_id)
-        while (req := self._read_request()) is not None and req["id"] == request_id:
+        # held while the same request file stays (by inode: a beat changes only its mtime); never
+        # opened here, since the freeze comes now (see _request_file)
+        while held_on is not None and (now := self._request_file()) is not None and now[0] == held_on[0]:
             if os.path.exists(released):
                 break
             if self._stale():
