@@ -17,11 +17,10 @@ import time
 import psutil
 import pytest
 import torch
-from criuctl_hook import contract
 
 from criuctl.core import workloads
 from criuctl.local import stepboundary
-
+from criuctl_hook import contract
 from tests.conftest import needs_criu
 from tests.jobs import CRIUCTL, WORKLOADS, Job, Reference, assert_continues_exactly, criuctl
 
