@@ -104,6 +104,11 @@ def test_the_leader_killed_at_a_phase_ends_the_move_exactly_once(
     assert st["phase"] == ends, st
     assert st["controller"].startswith(new_leader), f"{st['controller']} ended it, not {new_leader}"
     if ends == "Succeeded":
+        # the downtime as the source's agent measured it when the dead leader's commit reached it;
+        # none where the source's lease committed (it knows only an upper bound): never a guess
+        measured = point == "client.source-committed"
+        assert ("downtimeSeconds" in st) == measured, st
+        assert not measured or 0 < st["downtimeSeconds"] < 30, st
         moved = st["newPod"]
         assert k.get("pod", moved)["spec"]["nodeName"] == "b"
         follows.append(LogFollower(k, moved))

@@ -162,6 +162,9 @@ class OutgoingStatus(TypedDict):
 
     state: str
     pages_seconds: float | None  # post-copy: commit → the last page pulled, once done
+    downtime_seconds: float | None  # frozen → the target runs it, once a caller's commit said so (a
+    # controller that took the move over reads it here: the commit's answer went to its predecessor;
+    # None after the lease's commit, which knows only an upper bound)
 
 
 class RedirectRequest(TypedDict):

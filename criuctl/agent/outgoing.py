@@ -187,7 +187,13 @@ class Outgoing:
 
     async def status(self, r: web.Request) -> web.Response:
         m = self._get(r)
-        return web.json_response(OutgoingStatus(state=str(m.state), pages_seconds=m.pages_seconds))
+        return web.json_response(
+            OutgoingStatus(
+                state=str(m.state),
+                pages_seconds=m.pages_seconds,
+                downtime_seconds=m.downtime if m.downtime_measured else None,
+            )
+        )
 
     async def abort(self, r: web.Request) -> web.Response:
         m = self._get(r)

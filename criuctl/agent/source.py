@@ -77,6 +77,7 @@ class SourceMachine:
         self.freeze_started = 0.0  # monotonic
         self.pages_seconds: float | None = None
         self.downtime: float | None = None
+        self.downtime_measured = False  # a caller's commit ended it; a lease's commit only bounds it
         self.lock = asyncio.Lock()  # commit, abort and the lease never overlap
         self.lease: asyncio.Task[None] | None = None
         # after a commit: until DONE; after a thaw: until THAWED
@@ -292,6 +293,7 @@ class SourceMachine:
     def _committed(self, told: float | None = None) -> None:
         """The target runs the job (it said so): `told` is when we first heard, which ends the downtime."""
         self.downtime = (told or time.monotonic()) - self.freeze_started
+        self.downtime_measured = told is not None
         self._to(SourceState.COMMITTED)
         if self.lease is not None and self.lease is not asyncio.current_task():
             self.lease.cancel()

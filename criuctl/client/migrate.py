@@ -439,6 +439,18 @@ def _commit_target(
     )
 
 
+def source_downtime(source: Node, og_id: str | None) -> float | None:
+    """The downtime the source measured for a committed move (None once it forgot the move, a
+    minute after its last page): for an orchestrator that took the move over from one that died."""
+    if og_id is None:
+        return None
+    try:
+        st: OutgoingStatus = AgentClient(source, timeout=10).get(f"/v1/outgoing/{og_id}", timeout=10)
+    except CriuctlError:
+        return None
+    return st.get("downtime_seconds")
+
+
 def _wait_pages(src: AgentClient, og_id: str | None, timeout: float | None = None) -> float | None:
     deadline = time.monotonic() + (timeouts().pages if timeout is None else timeout)
     while og_id is not None and time.monotonic() < deadline:

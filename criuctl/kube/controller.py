@@ -158,8 +158,12 @@ class Journal:
         kind = events.Reason.MIGRATED if phase == Phase.SUCCEEDED else events.Reason.FAILED
         events.record(self.c, self.obj, kind, reason)
 
-    def succeeded(self, result: agent_migrate.MigrationResult | None, reason: str) -> None:
+    def succeeded(
+        self, result: agent_migrate.MigrationResult | None, reason: str, downtime: float | None = None
+    ) -> None:
         facts: dict[str, Any] = {"step": "done"}
+        if downtime is not None:  # taken over: what the source's agent measured
+            facts.update(downtimeSeconds=downtime, downtime=podmigrations.downtime_text(downtime))
         if result is not None:
             import dataclasses
 
@@ -304,6 +308,15 @@ def _resume_owned(c: Cluster, j: Journal, phase: Phase) -> None:
     j.succeeded(result, _moved_to(j, result))
 
 
+def _source_downtime(c: Cluster, source: str, og: str | None) -> float | None:
+    """What the source's agent measured, for a move taken over after its commit; None if it cannot
+    say (its agent away, the move forgotten): the status then shows no downtime rather than a guess."""
+    with contextlib.suppress(CriuctlError):
+        node = c.serialize(call(f"node {source}", c.core.read_node, source))
+        return agent_migrate.source_downtime(agent_for(c, node), og)
+    return None
+
+
 def _resume_placeholder(c: Cluster, j: Journal, phase: Phase) -> None:
     st = j.status
     ns, pod, new, source, target = j.ns, st["pod"], st.get("newPod", ""), st["source"], st["target"]
@@ -328,8 +341,11 @@ def _resume_placeholder(c: Cluster, j: Journal, phase: Phase) -> None:
                 why, f"pod {pod} keeps running on {source}; the placeholder was deleted"
             )
         j(Phase.HANDING_OVER)
-    podmigrate.hand_over(c, ns, pod, new, source, target)
-    j.succeeded(None, f"pod {pod} runs as pod {new} on node {target} (taken over after a controller restart)")
+    downtime = _source_downtime(c, source, st.get("outgoingId") or None)
+    how = "" if downtime is None else f" (downtime {downtime:.2f} s)"
+    podmigrate.hand_over(c, ns, pod, new, source, target, how)
+    reason = f"pod {pod} runs as pod {new} on node {target} (taken over after a controller restart)"
+    j.succeeded(None, reason, downtime)
 
 
 def carry(c: Cluster, obj: dict, me: str, deleting: bool = False) -> None:
