@@ -82,7 +82,7 @@ def test_a_held_trainer_holds_no_descriptor_on_the_request(tmp_path):
     """CRIU reopens by path every file a frozen process holds: a trainer frozen while reading the
     request would fail its restore wherever the request is gone (another host; here after the
     release). Once held (where criuctl freezes it), the trainer must only stat the request.
-    Sampled for 3 s: a poll that opened the file every 5 ms was caught about once in 200 samples."""
+    Sampled for 3 s: a poll that opened the file every 5 ms was caught in about one sample in 400."""
     job = Job.run("held", "train_mlp.py", "--steps", "400", "--step-time", "0.02")
     job.wait_for(r"^step 5 ")
     w = workloads.load("held")
