@@ -37,7 +37,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from criuctl.client import migrate as agent_migrate
@@ -165,10 +165,8 @@ class Journal:
         if downtime is not None:  # taken over: what the source's agent measured
             facts.update(downtimeSeconds=downtime, downtime=podmigrations.downtime_text(downtime))
         if result is not None:
-            import dataclasses
-
             facts.update(
-                result=dataclasses.asdict(result),
+                result=asdict(result),
                 mode=result.mode,
                 downtimeSeconds=result.downtime_seconds,
                 downtime=podmigrations.downtime_text(result.downtime_seconds),
