@@ -5,6 +5,7 @@ nftables rule sets in a network namespace of their own."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -250,3 +251,38 @@ def test_a_rank_listening_on_another_address_of_its_node_takes_that_endpoint_alo
     assert p.endpoints.moves[("10.9.0.99", 49555)] == d
     rules = {r.node.name: sorted(map(tuple, r.rules)) for r in p.redirects}
     assert (A, 50009, "10.9.0.99", 49555, d) in rules["a"]
+
+
+POD_SCRIPT = """
+import socket, subprocess, sys, time
+subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+s = socket.create_server(("127.0.0.1", 0))
+c = socket.create_connection(s.getsockname())
+a, _ = s.accept()
+six = socket.create_server(("::", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+print(s.getsockname()[1], c.getsockname()[1], six.getsockname()[1], flush=True)
+time.sleep(60)
+"""
+
+
+@needs("util-linux")
+def test_endpoints_are_read_in_the_workloads_own_network_namespace():
+    """A pod's process has its own network namespace: its sockets are in that namespace's table,
+    never in the agent's (psutil reads the agent's, and saw nothing of a pod)."""
+    from criuctl.net import peers
+
+    p = subprocess.Popen(
+        ["unshare", "--net", sys.executable, "-c", POD_SCRIPT], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        listen, client, six = map(int, p.stdout.readline().split())
+        ends = peers.of_tree(p.pid)
+        assert ends.listening == sorted([("127.0.0.1", listen), ("::", six)])
+        assert ends.connections == sorted(
+            [("127.0.0.1", client, "127.0.0.1", listen), ("127.0.0.1", listen, "127.0.0.1", client)]
+        )
+        # none of them is in this process's namespace
+        assert not [s for s in peers.sockets([os.getpid()]) if s.local[1] in (listen, client, six)]
+    finally:
+        p.kill()
+        p.wait()

@@ -299,7 +299,7 @@ class Agent:
         for row in out:
             if (h := moved.get(row["name"])) is not None and h[0] == row["root_pid"]:
                 row["state"], row["moved_to"], row["rss_bytes"] = workloads.MIGRATED, h[1], None
-            if row["alive"] and row["state"] == workloads.RUNNING and not row.get("container"):
+            if row["alive"] and row["state"] == workloads.RUNNING:  # a container's, in its pod's netns
                 ends = peers.of_tree(row["root_pid"])
                 ends.connections = self.redirects.translate(ends.connections, kept)
                 row["tcp"] = ends.to_json()

@@ -24,6 +24,7 @@ from criuctl.container.runtime import Container, Runtime
 from criuctl.core import durable, nsinit, procinfo, workloads
 from criuctl.core.errors import CriuctlError
 from criuctl.format.bundle import ContainerFacts
+from criuctl.net import peers
 
 NAME_PREFIX = "ctr-"
 # Devices a checkpoint can hold open: CRIU reopens them by path on the target.
@@ -248,16 +249,14 @@ def _refuse_unknown_devices(pids: list[int]) -> None:
 
 def _refuse_remote_tcp(pids: list[int]) -> None:
     """A container moves to another node's address: a connection to another host cannot follow."""
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            for c in psutil.Process(pid).net_connections(kind="tcp"):
-                if c.raddr and c.status == psutil.CONN_ESTABLISHED and not _loopback(c.raddr.ip):
-                    raise NotCheckpointable(
-                        f"PID {pid} has an open TCP connection to {c.raddr.ip}:{c.raddr.port}, which "
-                        "cannot follow the container to another node",
-                        "nothing was frozen; multi-node jobs move rank by rank (not yet supported "
-                        "for containers), or close the connection first",
-                    )
+    for s in peers.sockets(pids):
+        if s.established and not _loopback(s.remote[0]):
+            raise NotCheckpointable(
+                f"the container has an open TCP connection to {s.remote[0]}:{s.remote[1]}, which "
+                "cannot follow it to another node",
+                "nothing was frozen; multi-node jobs move rank by rank (not yet supported "
+                "for containers), or close the connection first",
+            )
 
 
 def _loopback(ip: str) -> bool:

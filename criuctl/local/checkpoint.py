@@ -148,13 +148,7 @@ def lift_network_lock(pids: list[int], images_dir: Path | None = None, table: st
     found = [table] if table else []
     if images_dir is not None and (t := netlock.table_for_images(images_dir)):
         found.append(t)
-    found += netlock.tables_holding(
-        {
-            (c.laddr.ip, c.laddr.port, c.raddr.ip, c.raddr.port)
-            for c in peers.sockets(pids)
-            if c.laddr and c.raddr
-        }
-    )
+    found += netlock.tables_holding({(*s.local, *s.remote) for s in peers.sockets(pids) if s.remote[1]})
     return [t for t in dict.fromkeys(found) if netlock.lift(t)]
 
 

@@ -3,24 +3,27 @@
 A rank of a multi-node job holds established connections to the other ranks (the rendezvous
 store, gloo's pairs) and listens for them. An agent reports both for each workload; the client
 joins the reports of every node into jobs (`criuctl.client.jobs`): two workloads are ranks of one
-job when a connection of one ends at an endpoint of the other. Read through psutil, in the caller's
-network namespace (an agent shares its node's with the workloads it runs).
+job when a connection of one ends at an endpoint of the other.
+
+Read from `/proc/PID/net/tcp{,6}`, the socket table of the *process's* network namespace, matched
+against the sockets its descriptors hold. psutil reads `/proc/net/tcp`, the caller's namespace: an
+agent in its node's namespace would see no socket of a pod, which has its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+import socket
+import struct
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-import psutil
+from pathlib import Path
 
 from criuctl.core import procinfo
 from criuctl.core.workloads import EndpointsJson
 from criuctl.net.readdress import canonical
 
-if TYPE_CHECKING:
-    from psutil._ntuples import pconn  # psutil's connection tuple (types-psutil names it)
+ESTABLISHED, LISTEN = 0x01, 0x0A  # include/net/tcp_states.h
 
 
 @dataclass
@@ -45,23 +48,83 @@ class Endpoints:
         )
 
 
-def sockets(pids: list[int]) -> Iterator[pconn]:
-    """psutil's view of every TCP socket `pids` hold (a process gone meanwhile holds none)."""
+@dataclass(frozen=True)
+class Socket:
+    """One TCP socket as the kernel's table shows it (addresses canonical: v4-mapped as IPv4)."""
+
+    local: tuple[str, int]
+    remote: tuple[str, int]
+    state: int
+
+    @property
+    def established(self) -> bool:
+        return self.state == ESTABLISHED
+
+
+def _address(text: str) -> tuple[str, int]:
+    """`0100007F:1F90` (IPv4) or 32 hex digits (IPv6), each 32-bit word in host byte order."""
+    addr, _, port = text.partition(":")
+    raw = bytes.fromhex(addr)
+    words = struct.unpack(f"={len(raw) // 4}I", raw)
+    packed = struct.pack(f"!{len(words)}I", *words)
+    family = socket.AF_INET if len(packed) == 4 else socket.AF_INET6
+    return canonical(socket.inet_ntop(family, packed)), int(port, 16)
+
+
+def _inodes(pid: int) -> set[int]:
+    out: set[int] = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:  # gone, or not ours to read
+        return out
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            out.add(int(link[8:-1]))
+    return out
+
+
+def _table(pid: int) -> Iterator[tuple[int, Socket]]:
+    """(inode, socket) for every TCP socket of `pid`'s network namespace."""
+    for name in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{name}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if len(f) > 9:
+                yield int(f[9]), Socket(_address(f[1]), _address(f[2]), int(f[3], 16))
+
+
+def sockets(pids: Iterable[int]) -> list[Socket]:
+    """Every TCP socket `pids` hold (a process gone meanwhile holds none), each once, read in each
+    process's own network namespace."""
+    held: dict[int, set[int]] = {}  # the first pid of each namespace → the sockets of all there
+    by_ns: dict[str, int] = {}
     for pid in pids:
         try:
-            yield from psutil.Process(pid).net_connections(kind="tcp")
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            ns = os.readlink(f"/proc/{pid}/ns/net")
+        except OSError:
             continue
+        held.setdefault(by_ns.setdefault(ns, pid), set()).update(_inodes(pid))
+    found: dict[int, Socket] = {}
+    for pid, inodes in held.items():
+        found.update((ino, s) for ino, s in _table(pid) if ino in inodes and ino)
+    return list(found.values())
 
 
 def of_tree(root_pid: int) -> Endpoints:
     """Every TCP endpoint the processes of `root_pid`'s tree hold (each socket once)."""
     out = Endpoints()
-    for c in sockets(procinfo.tree_pids(root_pid)):
-        if c.status == psutil.CONN_LISTEN and c.laddr:
-            out.listening.append((canonical(c.laddr.ip), c.laddr.port))
-        elif c.status == psutil.CONN_ESTABLISHED and c.laddr and c.raddr:
-            out.connections.append((canonical(c.laddr.ip), c.laddr.port, canonical(c.raddr.ip), c.raddr.port))
+    for s in sockets(procinfo.tree_pids(root_pid)):
+        if s.state == LISTEN:
+            out.listening.append(s.local)
+        elif s.established:
+            out.connections.append((*s.local, *s.remote))
     out.listening = sorted(set(out.listening))
     out.connections = sorted(set(out.connections))
     return out
