@@ -33,6 +33,7 @@ def training_pod(
     node: str | None = None,
     labels: dict | None = None,
     extra_spec: dict | None = None,
+    container: str = "train",
 ) -> dict:
     mounts = [p for p in (*HOST_PYTHON, str(REPO)) if Path(p).exists()]
     spec = {
@@ -40,7 +41,7 @@ def training_pod(
         "terminationGracePeriodSeconds": 10,
         "containers": [
             {
-                "name": "train",
+                "name": container,
                 "image": BUSYBOX,
                 "imagePullPolicy": "Never",
                 "command": [PY, JOB],

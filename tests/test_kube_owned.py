@@ -41,7 +41,7 @@ SYSTEM_NS = "criuctl-system"
 
 def _template(name: str, node: str, steps_: int) -> dict:
     """A pod template for a controller: the training pod, kept on `node` by a nodeSelector."""
-    pod = training_pod(name, steps=steps_)
+    pod = training_pod(name, steps=steps_, container="pytorch")  # PyTorchJob's name; any for a StatefulSet
     spec = {**pod["spec"], "nodeSelector": {"kubernetes.io/hostname": node}}
     labels = {**pod["metadata"]["labels"], "app": name}
     return {"metadata": {"labels": labels, "annotations": pod["metadata"]["annotations"]}, "spec": spec}

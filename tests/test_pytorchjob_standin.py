@@ -84,8 +84,16 @@ def test_pods_env_labels_and_owner_as_the_operator_makes_them() -> None:
         "MASTER_ADDR": "mnist-master-0",
         "WORLD_SIZE": "3",
         "RANK": "0",
+        "PET_MASTER_ADDR": "mnist-master-0",
+        "PET_MASTER_PORT": "29500",
+        "PET_NNODES": "3",
+        "PET_NODE_RANK": "0",
+        "PET_NPROC_PER_NODE": "1",
     }
-    assert _env(worker) | {"RANK": "0"} == _env(master) and _env(worker)["RANK"] == "2"
+    ranks = {"RANK": "0", "PET_NODE_RANK": "0"}
+    assert (
+        _env(worker) | ranks == _env(master) and _env(worker)["RANK"] == _env(worker)["PET_NODE_RANK"] == "2"
+    )
     assert worker["metadata"]["labels"] == {
         "app": "mnist",
         L + "operator-name": "pytorchjob-controller",
@@ -128,6 +136,9 @@ def test_conditions_follow_kubeflow_common() -> None:
     ]
     assert ptj.invalid(ptj.replica_specs({"spec": {"pytorchReplicaSpecs": {"Master": {"replicas": 1}}}}))
     assert ptj.invalid(ptj.replica_specs(_job())) is None
+    unnamed = _job()
+    unnamed["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["name"] = "train"
+    assert ptj.invalid(ptj.replica_specs(unnamed)) == "there is no container named pytorch in Worker"
 
 
 def test_a_deleted_worker_leaves_restarting_written_once(monkeypatch: pytest.MonkeyPatch) -> None:

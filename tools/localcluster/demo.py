@@ -30,7 +30,7 @@ _FINAL = re.compile(r"^final (\w+)$")
 def pod(name: str, steps: int, node: str, migratable: bool) -> dict:
     paths = [p for p in (*HOST_PYTHON, str(REPO)) if Path(p).exists()]
     container = {
-        "name": "train",
+        "name": "pytorch",  # the training operator refuses a replica without one of this name
         "image": BUSYBOX,
         "imagePullPolicy": "Never",
         "command": [PY, SCRIPT],

@@ -14,7 +14,11 @@ that part of the operator's v1 PyTorchJob controller, the way the operator does 
 - the operator's env appended on every container: PYTHONUNBUFFERED ("0" as the operator writes it;
   CPython unbuffers on any non-empty value), MASTER_PORT (the master's port `pytorchjob-port`,
   default 23456), MASTER_ADDR (`<job>-master-0`), WORLD_SIZE (all replicas), RANK (master 0, worker
-  i → i+1); the replica's restartPolicy on the pod (default OnFailure; ExitCode → Never);
+  i → i+1), and torchrun's PET_MASTER_ADDR, PET_MASTER_PORT, PET_NNODES (all replicas),
+  PET_NODE_RANK (= RANK), PET_NPROC_PER_NODE (`spec.nprocPerNode`, default 1); the replica's
+  restartPolicy on the pod (default OnFailure; ExitCode → Never);
+- the operator's validation that every replica has a container named `pytorch` (the job is Failed
+  otherwise, as training-operator >= 1.7 refuses it);
 - a replica pod that is gone is made again under its name while the job has neither Succeeded nor
   Failed (criuctl's migration of a worker relies on this);
 - `status` through the status subresource, by kubeflow/common's rules: conditions Created, Running
@@ -118,16 +122,19 @@ def invalid(specs: dict[str, dict]) -> str | None:
     if replicas(specs.get("Master", {})) != 1:
         return "there must be exactly 1 Master replica (a job without one is not supported here)"
     for rtype, spec in specs.items():
-        if not ((spec.get("template") or {}).get("spec") or {}).get("containers"):
+        containers = ((spec.get("template") or {}).get("spec") or {}).get("containers")
+        if not containers:
             return f"{rtype} has no template with containers"
+        if not any(c.get("name") == DEFAULT_CONTAINER for c in containers):  # ValidateV1PyTorchJob
+            return f"there is no container named {DEFAULT_CONTAINER} in {rtype}"
     return None
 
 
 def _port(spec: dict) -> int:
-    """The `pytorchjob-port` of the replica's "pytorch" container (else its first); 23456, which the
-    operator's defaulting adds when it is absent."""
+    """The `pytorchjob-port` of the replica's "pytorch" container; 23456, which the operator's
+    defaulting adds when it is absent."""
     containers = spec["template"]["spec"]["containers"]
-    main = next((c for c in containers if c.get("name") == DEFAULT_CONTAINER), containers[0])
+    main = next(c for c in containers if c.get("name") == DEFAULT_CONTAINER)
     ports = main.get("ports") or []
     return next((int(p["containerPort"]) for p in ports if p.get("name") == PORT_NAME), DEFAULT_PORT)
 
@@ -158,12 +165,21 @@ def pod_for(job: dict, rtype: str, index: int) -> dict:
     policy = specs[rtype].get("restartPolicy", "OnFailure")
     spec["restartPolicy"] = "Never" if policy == "ExitCode" else policy
     world = sum(replicas(s) for s in specs.values())
+    port, master = str(_port(specs["Master"])), name_of(job["metadata"]["name"], "Master", 0)
+    rank = str(index + 1 if rtype == "Worker" else index)
     env = [
         {"name": "PYTHONUNBUFFERED", "value": "0"},
-        {"name": "MASTER_PORT", "value": str(_port(specs["Master"]))},
-        {"name": "MASTER_ADDR", "value": name_of(job["metadata"]["name"], "Master", 0)},
+        {"name": "MASTER_PORT", "value": port},
+        {"name": "MASTER_ADDR", "value": master},
         {"name": "WORLD_SIZE", "value": str(world)},
-        {"name": "RANK", "value": str(index + 1 if rtype == "Worker" else index)},
+        {"name": "RANK", "value": rank},
+        # torchrun's (elastic launch's) names for the same, as training-operator >= 1.7 sets them:
+        # one process per pod unless the job says nprocPerNode; NNODES counts pods, not processes
+        {"name": "PET_MASTER_ADDR", "value": master},
+        {"name": "PET_MASTER_PORT", "value": port},
+        {"name": "PET_NNODES", "value": str(world)},
+        {"name": "PET_NODE_RANK", "value": rank},
+        {"name": "PET_NPROC_PER_NODE", "value": str((job.get("spec") or {}).get("nprocPerNode", 1))},
     ]
     for c in spec["containers"]:
         c["env"] = [*(c.get("env") or []), *env]
