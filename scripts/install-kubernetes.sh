@@ -23,6 +23,7 @@ command -v etcd >/dev/null || missing+=(etcd-server)
 [ -x /usr/lib/cni/bridge ] || [ -x /usr/lib/cni/host-local ] || missing+=(containernetworking-plugins)
 command -v kubectl >/dev/null || missing+=(kubernetes-client)
 command -v openssl >/dev/null || missing+=(openssl)
+command -v dnsmasq >/dev/null || [ -x /usr/sbin/dnsmasq ] || missing+=(dnsmasq-base) # the cluster's DNS
 # the binaries not built yet: only those are built (a cache from before kube-proxy builds just it)
 unbuilt() { for b in $WHAT; do [ -x "$BIN/$b" ] || printf '%s ' "$b"; done; }
 built() { [ -z "$(unbuilt)" ]; }

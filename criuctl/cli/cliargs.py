@@ -56,7 +56,14 @@ VERBS: dict[str, Verb] = {
             opt(
                 "--jobs",
                 action="store_true",
-                help="ask every node and show workloads joined by TCP connections as jobs, rank by rank",
+                help="ask every node and show workloads joined by TCP connections as jobs, rank by rank "
+                "(on Kubernetes: every node's agent, a pod's rank shown by the pod's name)",
+            ),
+            opt(
+                "--kubeconfig",
+                metavar="FILE",
+                help="with --jobs: ask the cluster's agents (default when $KUBECONFIG or "
+                "~/.kube/config is there and no node was added with `criuctl node add`)",
             ),
         ),
     ),

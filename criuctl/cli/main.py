@@ -38,10 +38,18 @@ def _cmd_run(a: argparse.Namespace) -> int:
 def _cmd_ps(a: argparse.Namespace) -> int:
     from criuctl.cli import render
 
+    if a.kubeconfig and not a.jobs:
+        raise CriuctlError("--kubeconfig is for `criuctl ps --jobs`", "add --jobs")
     if a.jobs:
-        from criuctl.client import jobs
+        from criuctl.client import agents, jobs
+        from criuctl.kube import cluster
 
-        found = jobs.survey()
+        if a.kubeconfig or (cluster.wanted(None, None) and not agents.all_nodes()):
+            from criuctl.kube.jobs import cluster_survey
+
+            found = cluster_survey(cluster.connect(a.kubeconfig))
+        else:
+            found = jobs.survey()
         render.jobs_table(found.jobs)
         if found.silent:
             print(f"criuctl: no answer from node {', '.join(found.silent)}", file=sys.stderr)

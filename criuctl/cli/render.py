@@ -138,7 +138,7 @@ def jobs_table(jobs: list) -> None:
     for col in ("JOB", "RANK", "NODE", "CONNECTED TO"):
         t.add_column(col)
     for job in sorted(jobs, key=lambda j: j.name):
-        for r in sorted(job.ranks, key=lambda r: r.workload):
+        for r in sorted(job.ranks, key=lambda r: r.shown):
             peers = sorted(
                 {
                     link.peer.label if link.peer else f"{link.conn[2]}:{link.conn[3]} (not criuctl's)"
@@ -146,7 +146,7 @@ def jobs_table(jobs: list) -> None:
                     if link.rank is r and link.peer is not r
                 }
             )
-            t.add_row(job.name, r.workload, r.node, ", ".join(peers) or "-")
+            t.add_row(job.name, r.shown, r.node, ", ".join(peers) or "-")
     out.print(t)
 
 

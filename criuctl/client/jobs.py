@@ -26,10 +26,16 @@ class Rank:
     node: str
     workload: str
     tcp: Endpoints
+    pod: str = ""  # NAMESPACE/POD of a container's workload: what its user knows it by
+
+    @property
+    def shown(self) -> str:
+        """The pod's name for a container (ctr-<id> means nothing to its user), else the workload's."""
+        return self.pod.partition("/")[2] or self.workload
 
     @property
     def label(self) -> str:
-        return f"{self.workload}@{self.node}"
+        return f"{self.shown}@{self.node}"
 
 
 @dataclass
@@ -48,8 +54,9 @@ class Job:
 
     @property
     def name(self) -> str:
-        """The ranks' common name prefix ("ddp" for ddp-0, ddp-1), else the first rank's name."""
-        names = sorted(r.workload for r in self.ranks)
+        """The ranks' common name prefix ("ddp" for ddp-0, ddp-1; for pods ddp-master-0 and
+        ddp-worker-0, their pods' names), else the first rank's name."""
+        names = sorted(r.shown for r in self.ranks)
         prefix = ""
         for chars in zip(*names, strict=False):
             if len(set(chars)) > 1:
@@ -108,6 +115,12 @@ class JobSurvey:
     silent: list[str]  # nodes that did not answer: a job may have ranks there too
 
 
+def _pod(where: str | None) -> str:
+    """NAMESPACE/POD of a container's row (the agent writes NAMESPACE/POD/CONTAINER)."""
+    parts = (where or "").split("/")
+    return "/".join(parts[:2]) if len(parts) == 3 else ""
+
+
 def survey(nodes: list[Node] | None = None) -> JobSurvey:
     """Every running workload of every node, joined into jobs (all nodes asked at once)."""
     nodes = list(all_nodes().values()) if nodes is None else nodes
@@ -122,7 +135,7 @@ def survey(nodes: list[Node] | None = None) -> JobSurvey:
     with ThreadPoolExecutor(max_workers=min(16, len(nodes) or 1)) as pool:
         answers = list(pool.map(ask, nodes))
     ranks = [
-        Rank(node.name, row["name"], Endpoints.from_json(row["tcp"]))
+        Rank(node.name, row["name"], Endpoints.from_json(row["tcp"]), _pod(row.get("pod")))
         for node, rows in zip(nodes, answers, strict=True)
         for row in rows or []
         if row.get("state") == "running" and row.get("alive") and isinstance(row.get("tcp"), dict)
@@ -132,7 +145,7 @@ def survey(nodes: list[Node] | None = None) -> JobSurvey:
 
 
 def job_of(found: JobSurvey, name: str) -> Job | None:
-    """The job named `name`, or the job one of whose ranks is workload `name`."""
+    """The job named `name`, or the job one of whose ranks is workload (or pod) `name`."""
     return next((j for j in found.jobs if j.name == name and len(j.ranks) > 1), None) or next(
-        (j for j in found.jobs if j.rank(name) is not None), None
+        (j for j in found.jobs if j.rank(name) is not None or any(r.shown == name for r in j.ranks)), None
     )

@@ -1,8 +1,10 @@
 """One rank of a multi-node DistributedDataParallel job on gloo: TCP store on rank 0, gloo pairs.
 
 Started once per node (`criuctl run` per rank, like torchrun's workers on each host of a job), with
-the rank-0 node's address as the rendezvous. Each rank draws its own batches, DDP averages the
-gradients over TCP, rank 0 reports the all-reduced loss of every step and the final weights.
+the rank-0 node's address as the rendezvous; or in a PyTorchJob's pod, from the operator's
+environment (`env://`: MASTER_ADDR, a Service's DNS name, MASTER_PORT, RANK, WORLD_SIZE).
+Each rank draws its own batches, DDP averages the gradients over TCP, rank 0 reports the
+all-reduced loss of every step and the final weights.
 Nothing here knows about criuctl: a rank that moves must simply go on.
 
 `--dcp DIR --save-every K` is the application-level contender (bench/multinode.py): every K steps
@@ -22,9 +24,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import _report
 
 p = argparse.ArgumentParser()
-p.add_argument("--rank", type=int, required=True)
-p.add_argument("--world", type=int, required=True)
-p.add_argument("--master", required=True, help="HOST:PORT of rank 0's store")
+p.add_argument("--rank", type=int, default=None, help="default: $RANK (as a PyTorchJob's pod has it)")
+p.add_argument("--world", type=int, default=None, help="default: $WORLD_SIZE")
+p.add_argument("--master", help="HOST:PORT of rank 0's store; default: $MASTER_ADDR:$MASTER_PORT (env://)")
 p.add_argument("--ifname", default="eth0", help="the interface gloo talks over")
 p.add_argument("--steps", type=int, default=100)
 p.add_argument("--step-time", type=float, default=0.05)
@@ -36,7 +38,11 @@ p.add_argument("--save-every", type=int, default=10)
 a = p.parse_args()
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", a.ifname)
-dist.init_process_group("gloo", init_method=f"tcp://{a.master}", rank=a.rank, world_size=a.world)
+if a.master:
+    dist.init_process_group("gloo", init_method=f"tcp://{a.master}", rank=a.rank, world_size=a.world)
+else:  # what a training operator's pod does: MASTER_ADDR is a Service's DNS name
+    dist.init_process_group("gloo", init_method="env://")
+    a.rank = dist.get_rank()
 torch.manual_seed(0)
 hidden = [m for _ in range(a.depth) for m in (torch.nn.Linear(a.width, a.width), torch.nn.ReLU())]
 layers = [torch.nn.Linear(16, a.width), torch.nn.ReLU(), *hidden, torch.nn.Linear(a.width, 1)]

@@ -17,7 +17,8 @@ delete each other's logs and cgroups) where the kernel settings the kubelet insi
 files of ours, so the machine's own are never touched. criuctl's agent (the DaemonSet) and webhook
 (the Deployment) run from `manifests/` as a user applies them, from the image built here from the
 Dockerfile (scripts/build-image.sh, cached by content), with nothing of the checkout mounted. What
-cannot run here has a named stand-in: the training operator (`localcluster.pytorchjob`).
+cannot run here has a named stand-in: the training operator (`localcluster.pytorchjob`), and the
+cluster DNS (`localcluster.dns`: Debian's dnsmasq fed from the API, for CoreDNS).
 
 Not a product: it binds to addresses of its own bridge, uses token authentication with tokens it
 writes into DIR, and runs a Kubernetes that is end-of-life. Every part is recorded in DIR/state.json

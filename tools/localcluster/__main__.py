@@ -131,6 +131,23 @@ def up(lay: Layout) -> Layout:
     for part in ("kube-scheduler", "kube-controller-manager"):
         pki.kubeconfig(lay, lay.dir / f"{part}.kubeconfig", tokens[part])
     control.start(lay, tokens)
+    # no CoreDNS in Debian: dnsmasq fed from the API (localcluster.dns), the kubelets' clusterDNS
+    control.spawn(
+        lay,
+        "dns-standin",
+        [
+            str(REPO / ".venv" / "bin" / "python"),
+            "-m",
+            "localcluster.dns",
+            "--kubeconfig",
+            str(lay.kubeconfig),
+            "--listen",
+            lay.host_ip,
+            "--dir",
+            str(lay.dir / "dns"),
+        ],
+        env={"PYTHONPATH": str(REPO / "tools"), "PATH": f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin"},
+    )
     addons.agent_image(lay)
     for name in lay.nodes:
         node.start(lay, name, tokens[f"node-{name}"], tokens["kube-proxy"])

@@ -126,6 +126,7 @@ def _files(lay: Layout, n: NodeInfo, token: str, proxy_token: str) -> Path:
         "hairpinMode": "none",
         "resolvConf": "/etc/resolv.conf",
         "clusterDomain": "cluster.local",
+        "clusterDNS": [lay.host_ip],  # the DNS stand-in (localcluster.dns)
         "serializeImagePulls": False,
         "nodeStatusUpdateFrequency": "4s",
         "evictionHard": {
