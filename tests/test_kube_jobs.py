@@ -14,9 +14,9 @@ import json
 import time
 
 import pytest
+from localcluster.layout import REPO
 
 from tests.conftest import needs_criu
-from tests.jobs import REPO
 from tests.kube import Kubectl, criuctl, final, steps, training_pod
 
 pytestmark = [needs_criu, pytest.mark.slow]
