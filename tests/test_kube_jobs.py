@@ -87,7 +87,7 @@ def test_a_multi_worker_pytorchjob_is_one_job_and_its_worker_is_refused_whole(lo
         # every pod is a rank of one job, each connected to the others across both nodes
         r = criuctl(lay, "ps", "--jobs", "--kubeconfig", str(lay.kubeconfig))
         assert r.returncode == 0, r.stderr
-        rows = [line.split() for line in r.stdout.splitlines() if line.startswith("ddp ")]
+        rows = [row for line in r.stdout.splitlines() if (row := line.split()) and row[0] == "ddp"]
         assert sorted((row[1], row[2]) for row in rows) == [
             ("ddp-master-0", "a"),
             ("ddp-worker-0", "b"),
