@@ -44,6 +44,7 @@ from criuctl.core import durable, statedir, workloads
 from criuctl.core.errors import CriuctlError
 from criuctl.format import bundle
 from criuctl.local import checkpoint
+from criuctl.net import readdress
 
 if TYPE_CHECKING:
     from criuctl.agent.server import Agent
@@ -98,6 +99,7 @@ class Bundles:
             "workload": w.name,
             "out": str(self.root / bid),
             "leave_running": bool(body.get("leave_running")),
+            "connections": bool(body.get("connections")),
         }
         h = await Handoff.spawn("dump", json.dumps(spec), work, work / "handoff.log")
         try:
@@ -164,8 +166,12 @@ class Bundles:
         try:
             name = workloads.validate_name(body["name"]) if body.get("name") else None
             into = container_id(body.get("into"))
+            moves = body.get("readdress")
+            table = readdress.EndpointMap.from_json(moves).to_json() if moves is not None else None
         except BadInto as exc:
             return fail(400, str(exc), "name the placeholder by its container ID (hex digits)")
+        except ValueError as exc:
+            return fail(400, f"bad readdress: {exc}", "use `criuctl migrate`")
         except CriuctlError as exc:
             return fail(400, exc.what, exc.hint)
         if not (path / bundle.MANIFEST).exists():
@@ -185,6 +191,7 @@ class Bundles:
             name=name,
             placeholder=into,
             runtime=self.agent.runtimes.endpoint if into else None,
+            readdress=table,
         )
         h = await Handoff.spawn("target", spec.to_json(), work, work / f"restore-{path.name}.log")
         try:

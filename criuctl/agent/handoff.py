@@ -247,8 +247,9 @@ def target(spec_file: Path) -> int:
         page_server = (host, int(port))
     try:
         into = _placeholder(spec)
+        endpoints = readdress.EndpointMap.from_json(spec.readdress) if spec.readdress else None
         restored = restoring.restore_stopped(
-            Path(spec.bundle), spec.name, page_server, spec.digests, into=into
+            Path(spec.bundle), spec.name, page_server, spec.digests, into=into, endpoints=endpoints
         )
     except CriuctlError as exc:
         _error(exc)
@@ -355,7 +356,12 @@ def dump(spec_file: Path) -> int:
     """A checkpoint the agent asked for: the same exactly-once dump as `criuctl dump`."""
     spec = json.loads(spec_file.read_text())
     try:
-        out = checkpoint.dump(spec["workload"], Path(spec["out"]), bool(spec.get("leave_running")))
+        out = checkpoint.dump(
+            spec["workload"],
+            Path(spec["out"]),
+            bool(spec.get("leave_running")),
+            connections=bool(spec.get("connections")),
+        )
     except CriuctlError as exc:
         _error(exc)
         return 1

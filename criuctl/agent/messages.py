@@ -167,12 +167,14 @@ class OutgoingStatus(TypedDict):
     # None after the lease's commit, which knows only an upper bound)
 
 
-class RedirectRequest(TypedDict):
+class RedirectRequest(TypedDict, total=False):
     """POST /v1/redirects: a staying rank's connections re-pointed, following the moved rank's
-    migration (its ticket)."""
+    migration (its ticket); or, for a pod's rank (`workload`: a container here), in the pod's own
+    network namespace, kept or removed by whoever moves its peer (criuctl.kube.jobmoves)."""
 
     rules: Rows  # [[local, port, old remote, port, new remote], ...]
     ticket: TicketJson
+    workload: str
 
 
 class RedirectAnswer(TypedDict):
@@ -188,6 +190,9 @@ class CheckpointRequest(TypedDict, total=False):
 
     id: str
     leave_running: bool
+    # a job's rank on Kubernetes: its established TCP connections are dumped as they are (its
+    # successor's restore re-addresses them: criuctl.kube.jobmoves) instead of refused
+    connections: bool
 
 
 class CheckpointAnswer(TypedDict):
@@ -207,6 +212,9 @@ class BundleKept(TypedDict):
 class BundleRestoreRequest(TypedDict, total=False):
     name: str  # the restored workload's name (default: the bundle's)
     into: str  # a placeholder container's ID
+    # a job's rank: its sockets' new addresses, [[old address, port, new address], ...]
+    # (`criuctl.net.readdress.EndpointMap`), applied to a copy of the verified images
+    readdress: Rows
 
 
 class BundleRestored(TypedDict):

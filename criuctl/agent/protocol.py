@@ -360,6 +360,8 @@ class TargetSpec:
     placeholder: str | None = None  # a container's bundle: the placeholder container (ID) to restore into
     runtime: str | None = None  # the runtime endpoint that runs the placeholder
     follow: TicketJson | None = None  # `TargetRecord.follow` as JSON: asked when the lease breaks
+    # a job's rank restored into a pod of another address: [[old address, port, new address], ...]
+    readdress: list[list[str | int]] | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

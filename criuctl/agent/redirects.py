@@ -1,6 +1,7 @@
 """HTTP routes and records of the redirects a node keeps for ranks that stay while a peer moves.
 
-POST   /v1/redirects             install one (token): the rules, and the moved rank's upload ticket
+POST   /v1/redirects             install one (token): the rules, and the moved rank's upload ticket;
+                                 or the rules and a workload here (a pod's), in its network namespace
 POST   /v1/redirects/{id}/keep   the moved rank runs on its new node: keep it for the job's life
 DELETE /v1/redirects/{id}        remove it (the move was aborted)
 
@@ -10,6 +11,11 @@ the lease (the client died) asks the moved rank's target, with the ticket, what 
 running: keep; aborted: remove; no answer: ask again. A restarted agent asks the same for every
 record it finds pending. A kept redirect goes once its connections are gone (the job ended), and
 the listing of workloads shows each connection through the kept ones: the peer's true address.
+
+A pod's redirect (its rank stays, a peer pod moves through its successor) lives in the pod's own
+network namespace, where it translates only that pod's packets and ends with it. It follows no
+ticket: the successor's restore (criuctl.kube.jobmoves) keeps it once the moved rank runs, or
+removes it when that restore failed; its record goes once the pod's namespace is gone.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -30,7 +37,7 @@ from criuctl.agent import records, verdicts
 from criuctl.agent.httpjson import body_json, error, fail, valid_id
 from criuctl.agent.messages import RedirectAnswer, RedirectRequest, Rows, StateAnswer
 from criuctl.agent.protocol import TargetState, Ticket, timeouts
-from criuctl.core import statedir
+from criuctl.core import statedir, workloads
 from criuctl.core.errors import CriuctlError
 from criuctl.core.retry import Backoff
 from criuctl.net import netcut
@@ -50,19 +57,36 @@ PENDING, KEPT = "pending", "kept"
 class RedirectRecord:
     id: str
     rules: Rows  # [[local, port, old remote, port, new remote], ...]
-    ticket: Ticket  # the moved rank's migration on its target: its outcome decides
+    ticket: Ticket | None  # the moved rank's migration on its target: its outcome decides
     table: str
     state: str = PENDING
     created: float = field(default_factory=time.time)
+    pid: int | None = None  # a pod's: a process in its network namespace, where the rules are
+    netns: int | None = None  # that namespace's inode (a reused PID is another namespace)
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "ticket": self.ticket.to_json()}
+        return {**asdict(self), "ticket": self.ticket.to_json() if self.ticket else None}
 
     @classmethod
     def from_json(cls, d: object) -> RedirectRecord:
         if not isinstance(d, dict):
             raise ValueError("not an object")
-        return cls(**{**d, "ticket": Ticket.from_json(d["ticket"])})
+        return cls(**{**d, "ticket": Ticket.from_json(d["ticket"]) if d.get("ticket") else None})
+
+    def where(self) -> int | None:
+        """The PID to act through (None: this namespace); NamespaceGone once the pod ended."""
+        if self.pid is None:
+            return None
+        try:
+            if os.stat(f"/proc/{self.pid}/ns/net").st_ino == self.netns:
+                return self.pid
+        except OSError:
+            pass
+        raise NamespaceGone(self.id)
+
+
+class NamespaceGone(Exception):
+    """A pod's redirect whose namespace is gone: so are its rules."""
 
 
 def parse_rules(raw: object) -> list[netcut.Redirect]:
@@ -104,23 +128,35 @@ class Redirects:
 
     async def new(self, r: web.Request) -> web.Response:
         body: RedirectRequest = await body_json(r)
+        pid = netns = None
         try:
             rules = parse_rules(body.get("rules"))
-            ticket = Ticket.from_json(body.get("ticket"))
+            ticket = None if "workload" in body else Ticket.from_json(body.get("ticket"))
+            if "workload" in body:
+                w = await asyncio.to_thread(
+                    self.agent.runtimes.resolve, workloads.validate_name(str(body["workload"]))
+                )
+                pid = w.root_pid
+                netns = os.stat(f"/proc/{pid}/ns/net").st_ino
         except (ValueError, TypeError) as exc:
             return fail(400, f"bad redirect: {exc}", "use `criuctl migrate`")
+        except OSError as exc:
+            return fail(409, f"the workload's network namespace is gone: {exc.strerror}")
+        except CriuctlError as exc:
+            return self.agent.error_response(exc)
         rid = uuid.uuid4().hex
-        rec = RedirectRecord(rid, [list(x) for x in rules], ticket, netcut.NAT + rid)
+        rec = RedirectRecord(rid, [list(x) for x in rules], ticket, netcut.NAT + rid, pid=pid, netns=netns)
         await asyncio.to_thread(records.write, self._path(rid), rec.to_json())  # before the rules
         try:
-            await asyncio.to_thread(netcut.redirect, rid, rules)
+            await asyncio.to_thread(netcut.redirect, rid, rules, pid)
         except CriuctlError as exc:
             await asyncio.to_thread(self._drop, rec)
             return fail(
                 503, f"node {self.agent.name} cannot redirect the job's connections: {exc.what}", exc.hint
             )
-        self.agent.spawn(self.settle(rid, self.agent.opts.lease_seconds))
-        log.info("redirect", extra={"id": rid, "rules": len(rules), "target": ticket.node})
+        if ticket is not None:
+            self.agent.spawn(self.settle(rid, self.agent.opts.lease_seconds))
+        log.info("redirect", extra={"id": rid, "rules": len(rules), "target": ticket.node if ticket else pid})
         return web.json_response(RedirectAnswer(id=rid))
 
     async def keep(self, r: web.Request) -> web.Response:
@@ -141,7 +177,8 @@ class Redirects:
     # ----------------------------------------------------------------------------------- upkeep
 
     def _drop(self, rec: RedirectRecord) -> None:
-        netcut.remove(rec.table)
+        with contextlib.suppress(NamespaceGone):
+            netcut.remove(rec.table, rec.where())
         self._path(rec.id).unlink(missing_ok=True)
 
     async def settle(self, rid: str, seconds: float) -> None:
@@ -149,6 +186,8 @@ class Redirects:
         await asyncio.sleep(seconds)
         backoff = Backoff(timeouts().ask_backoff_max)
         while (rec := await asyncio.to_thread(self._load, rid)) is not None and rec.state == PENDING:
+            if rec.ticket is None:
+                return  # a pod's: whoever moves its peer keeps or removes it
             state = await asyncio.to_thread(verdicts.ask_state, rec.ticket)
             log.warning("redirect lease expired", extra={"id": rid, "target_state": state})
             if state == TargetState.RUNNING:
@@ -164,16 +203,22 @@ class Redirects:
         return [
             rec.id
             for _, rec in records.scan(self.folder, "*.json", RedirectRecord.from_json)
-            if isinstance(rec, RedirectRecord) and rec.state == PENDING
+            if isinstance(rec, RedirectRecord) and rec.state == PENDING and rec.ticket is not None
         ]
 
     def tidy(self) -> None:
         """Kept redirects whose connections are all gone (the job ended) go too."""
         live = {(canonical(c.laddr.ip), c.laddr.port) for c in _tcp() if c.laddr}
         for _, rec in records.scan(self.folder, "*.json", RedirectRecord.from_json):
-            if not isinstance(rec, RedirectRecord) or rec.state != KEPT:
+            if not isinstance(rec, RedirectRecord):
                 continue
-            if not any((la, lp) in live for la, lp, *_ in rec.rules):
+            if rec.pid is not None:  # a pod's: it goes with the pod's namespace
+                try:
+                    rec.where()
+                except NamespaceGone:
+                    self._path(rec.id).unlink(missing_ok=True)
+                continue
+            if rec.state == KEPT and not any((la, lp) in live for la, lp, *_ in rec.rules):
                 self._drop(rec)
 
     def kept(self) -> list[RedirectRecord]:

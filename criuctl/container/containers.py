@@ -198,11 +198,14 @@ def _netns(pid: int | str) -> int:
     return os.stat(f"/proc/{pid}/ns/net").st_ino
 
 
-def plan(w: workloads.Workload, pids: list[int]) -> DumpPlan:
-    """The container-specific half of a dump, or NotCheckpointable before anything is frozen."""
+def plan(w: workloads.Workload, pids: list[int], connections: bool = False) -> DumpPlan:
+    """The container-specific half of a dump, or NotCheckpointable before anything is frozen.
+    `connections`: its TCP connections to other hosts go into the images as they are (a job's rank,
+    re-addressed where it is restored) instead of being refused."""
     pid = w.root_pid
     _refuse_unknown_devices(pids)
-    _refuse_remote_tcp(pids)
+    if not connections:
+        _refuse_remote_tcp(pids)
     # the node's view, not ours: the agent's container lacks most of the node's folders
     inside, view = mounts.of(pid), NodeView.of_runtime(w.runtime)
     points = view.externals(inside)

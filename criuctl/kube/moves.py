@@ -51,6 +51,10 @@ class Move:
     size: int = 0  # the bundle's bytes, once kept
     freeze: float = 0.0  # seconds the dump held the job frozen, once kept
     note: str = ""
+    # a job's rank (a worker with TCP connections to its peers, criuctl.kube.jobmoves): the pod's
+    # address when it was dumped, and its connections then, as JSON (`criuctl.net.peers.Endpoints`)
+    address: str = ""
+    tcp: str = ""
     version: str = ""  # the ConfigMap's resourceVersion this was read at ("" for a new one)
 
     @property

@@ -100,7 +100,8 @@ def next_name(name: str) -> str:
 
 def _owned(c: Cluster, pod: dict, ctr: dict) -> owners.Owner | None:
     """The controller that recreates the pod under its name (it moves through its successor), None
-    for a bare pod; any other controller, or a multi-node job's worker, is refused in one line."""
+    for a bare pod; any other controller is refused in one line. A multi-worker job's pod moves like
+    any (its connections follow it: criuctl.kube.jobmoves)."""
     meta = pod["metadata"]
     ref = owners.controller_ref(pod)
     if ref is None:
@@ -112,14 +113,6 @@ def _owned(c: Cluster, pod: dict, ctr: dict) -> owners.Owner | None:
             f"nothing was changed; criuctl moves bare pods and the pods of {' and '.join(owners.SAME_NAME)}s",
         )
     o = owners.owner(c, pod)
-    if o is not None and o.kind == "PyTorchJob" and o.replicas > 1:
-        raise NotMigratable(
-            f"pod {meta['name']} is one of {o.replicas} replicas of PyTorchJob {o.name}: it holds TCP "
-            "connections to its peers, which move only with the coordinated multi-node migration "
-            "(built for `criuctl run` ranks on nodes, not yet for pods)",
-            "nothing was changed; a single-replica job's pod moves, and `criuctl migrate --job` moves "
-            "ranks run under `criuctl run`",
-        )
     if o is None or not o.wants_back:
         raise NotMigratable(f"pod {meta['name']}: {o.why if o else 'no owner'}", "nothing was changed")
     if not mutate.has_prestop(ctr):

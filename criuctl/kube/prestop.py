@@ -21,6 +21,8 @@ without criuctl: its controller starts it over; nothing runs twice.
 
 from __future__ import annotations
 
+import ipaddress
+import json
 import logging
 import time
 import uuid
@@ -30,6 +32,7 @@ from criuctl.client.agents import AgentClient
 from criuctl.core.errors import CriuctlError
 from criuctl.kube import events, moves, mutate, owners, podmigrations, podplan, podvolumes
 from criuctl.kube.cluster import Cluster, NotFound, agent_for, call, container_id, delete_now, workload_row
+from criuctl.net import peers
 
 log = logging.getLogger("criuctl.kube")
 
@@ -101,8 +104,6 @@ def leaving(c: Cluster, namespace: str, name: str, node: str) -> str:
             return "no controller recreates it under its name: it ends with its pod"
         if not o.wants_back:
             return f"{o.why}: it ends with its pod"
-        if o.replicas > 1 and o.kind == "PyTorchJob":
-            return f"one of {o.replicas} replicas of PyTorchJob {o.name}: multi-node moves are not on main"
     cid = container_id(pod, wrapped[0]["name"])
     if cid is None:
         return "its container does not run: nothing to keep"
@@ -112,6 +113,8 @@ def leaving(c: Cluster, namespace: str, name: str, node: str) -> str:
         why_not = row.get("why_not") if row is not None else None
         return f"nothing to checkpoint ({why_not or 'no job in the container'})"
     needed = max(podplan.pod_memory(pod), int(row.get("rss_bytes") or 0))
+    tcp = peers.Endpoints.from_json(row.get("tcp"))  # a job's rank: re-addressed where it is restored
+    ranked = any(not ipaddress.ip_address(c[2]).is_loopback for c in tcp.connections)
     target = requested.target if requested else _target(c, pod, node, needed)
     dst = agent_for(c, c.serialize(call(f"node {target}", c.core.read_node, target)))
     m = moves.Move(
@@ -125,6 +128,8 @@ def leaving(c: Cluster, namespace: str, name: str, node: str) -> str:
         bundle=uuid.uuid4().hex,
         since=requested.since if requested else time.time(),
         version=requested.version if requested else "",
+        address=pod["status"].get("podIP") or "" if ranked else "",
+        tcp=json.dumps(tcp.to_json()) if ranked else "",
     )
     m = moves.save(c, m)  # before the dump: a crash after it leaves the bundle's id on record
     if requested is None:  # a drain or an eviction: listed with every other move (a courtesy)
@@ -136,7 +141,7 @@ def leaving(c: Cluster, namespace: str, name: str, node: str) -> str:
     source = AgentClient(src, timeout=CHECKPOINT_TIMEOUT)
     try:
         out: CheckpointAnswer = source.post(
-            f"/v1/workloads/{row['name']}/checkpoint", CheckpointRequest(id=m.bundle)
+            f"/v1/workloads/{row['name']}/checkpoint", CheckpointRequest(id=m.bundle, connections=ranked)
         )
     except CriuctlError as exc:
         m.phase, m.note = (

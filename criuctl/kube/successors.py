@@ -29,7 +29,7 @@ import time
 from criuctl.agent.messages import BundleRestoreRequest
 from criuctl.client.agents import AgentClient, AgentError
 from criuctl.core.errors import CriuctlError
-from criuctl.kube import events, moves, mutate
+from criuctl.kube import events, jobmoves, moves, mutate
 from criuctl.kube.cluster import Cluster, NotFound, agent_for, call, container_id, delete_now, workload_row
 
 log = logging.getLogger("criuctl.kube")
@@ -157,10 +157,24 @@ def step(c: Cluster, m: moves.Move, node: str) -> None:
         _finish(c, m, pod, node)  # restored before this agent restarted
         return
     here = _agent(c, node)
+    rewire, pid = None, None
     try:
         restore = BundleRestoreRequest(into=cid)
+        rewire = jobmoves.plan(c, m, pod["status"].get("podIP") or "")
+        if rewire is not None:  # a job's rank: its connections follow it (criuctl.kube.jobmoves)
+            row = workload_row(here.node, cid)
+            pid = int(row["root_pid"]) if row else None
+            if pid is None:
+                return  # the agent does not list the placeholder yet: next tick
+            jobmoves.prepare(c, rewire, m.bundle, pid)
+            restore["readdress"] = rewire.readdress
+            if rewire.foreign:
+                said = f"connections to {', '.join(rewire.foreign)} cannot follow it: they will be reset"
+                events.record(c, pod, events.Reason.FAILED, said)
         AgentClient(here.node, timeout=RESTORE_TIMEOUT).post(f"/v1/bundles/{m.bundle}/restore", restore)
     except CriuctlError as exc:
+        if rewire is not None:
+            jobmoves.undo(c, rewire, m.bundle, pid)
         others = [n for n in m.copies() if n != node]
         why = f"the restore on node {node} failed ({exc.what})"
         if (isinstance(exc, AgentError) and exc.status == 409) or not others:
@@ -171,6 +185,8 @@ def step(c: Cluster, m: moves.Move, node: str) -> None:
         events.record(c, pod, events.Reason.FAILED, f"{why}: it is restored on node {others[0]} instead")
         delete_now(c, pod)
         return
+    if rewire is not None and pid is not None:
+        jobmoves.commit(c, rewire, m.bundle, pid)
     _finish(c, m, pod, node)
 
 

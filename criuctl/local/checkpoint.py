@@ -285,6 +285,7 @@ def freeze(
     boundary: bool = True,
     durable: bool = True,
     on_dumping: Callable[[Path], None] | None = None,
+    connections: bool = False,
 ) -> Frozen:
     """Freeze workload `target` (name or PID) and seal its bundle in a new directory under `parent`.
 
@@ -296,6 +297,8 @@ def freeze(
     the seal: a migration's source keeps its tree frozen in memory until the target decides, so its
     bundle is only the stream's buffer and a power loss takes the tree with it either way.
     `on_dumping(folder)` is called as CRIU starts writing the bundle there (a migration streams it).
+    `connections`: a container's TCP connections to other hosts are dumped, not refused (a job's
+    rank whose restore re-addresses them, criuctl.kube.jobmoves).
     """
     started = time.monotonic()
     criu.require_version()
@@ -304,7 +307,18 @@ def freeze(
     lock = locks.lock_workload(w.name, _purpose())
     try:
         return _freeze_locked(
-            w, key, lock, parent, lazy_port, progress, started, endpoints, boundary, durable, on_dumping
+            w,
+            key,
+            lock,
+            parent,
+            lazy_port,
+            progress,
+            started,
+            endpoints,
+            boundary,
+            durable,
+            on_dumping,
+            connections,
         )
     except BaseException:
         lock.release()
@@ -334,6 +348,7 @@ def _freeze_locked(
     boundary: bool = True,
     durable: bool = True,
     on_dumping: Callable[[Path], None] | None = None,
+    connections: bool = False,
 ) -> Frozen:
     now = workloads.load(w.name)
     if now is None or now.root_pid != w.root_pid or now.state != workloads.RUNNING or not w.alive():
@@ -349,7 +364,7 @@ def _freeze_locked(
             f"PID {pid} ({name}) holds {what} (fd {fd}), which CRIU cannot checkpoint",
             f"{fix}; nothing was frozen, the workload keeps running",
         )
-    plan = containers.plan(w, pids) if w.container else None  # refusals come before the freeze
+    plan = containers.plan(w, pids, connections) if w.container else None  # refusals come before the freeze
     staging = Path(tempfile.mkdtemp(prefix=f".{w.name}.partial-", dir=parent))
     images = staging / bundle.IMAGES_DIR
     images.mkdir(mode=0o700)
@@ -479,6 +494,7 @@ def dump(
     leave_running: bool = False,
     progress: Progress = _quiet,
     freezer: Callable[..., Frozen] | None = None,
+    connections: bool = False,
 ) -> DumpOutcome:
     """Checkpoint workload `target` (name or PID) into bundle directory `out` (`freezer`: how;
     CRIU by default, `statesnapshot.freeze_state` for the training-state snapshot)."""
@@ -486,7 +502,9 @@ def dump(
     out = out.absolute()
     _check_out_dir(out)
     if freezer is None:  # a snapshot leaves the tree running: its bundle needs no fsync to be safe
-        frozen = freeze(target, out.parent, progress=progress, durable=not leave_running)
+        frozen = freeze(
+            target, out.parent, progress=progress, durable=not leave_running, connections=connections
+        )
     else:
         frozen = freezer(target, out.parent, progress=progress)
     try:

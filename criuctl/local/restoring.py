@@ -29,6 +29,7 @@ from criuctl.engine import criu
 from criuctl.format import bundle
 from criuctl.gpu import gpustate
 from criuctl.local import interrupts, stepboundary, supervisor
+from criuctl.net import readdress
 
 
 def _quiet(_msg: str) -> None:
@@ -118,6 +119,7 @@ def restore_stopped(
     digests: dict[str, str] | None = None,
     progress=_quiet,
     into: placeholder.Placeholder | None = None,
+    endpoints: readdress.EndpointMap | None = None,
 ) -> Restored:
     """Verify a bundle and recreate its tree, stopped, as our child (see `Restored`).
 
@@ -126,6 +128,9 @@ def restore_stopped(
     `interrupts.Interrupted` if SIGINT/SIGTERM/SIGHUP came while CRIU restored: by then what CRIU
     restored is dead and reaped. A container's bundle is restored only `into` a placeholder
     container (`criuctl.container.placeholder`), which then holds the tree's files, namespaces and cgroups.
+    `endpoints` gives its TCP sockets new addresses (a job's rank in a pod, whose successor has another
+    address than the pod it was dumped in): applied to a copy of the socket image, after the bundle
+    was verified, so the bundle itself stays as signed and can be restored again elsewhere.
     """
     bundle_dir = bundle_dir.absolute()
     t0 = time.monotonic()
@@ -141,6 +146,8 @@ def restore_stopped(
     gpu_map = gpustate.plan(manifest.gpu)  # a node without the GPUs is refused before CRIU runs
     images = bundle_dir / bundle.IMAGES_DIR
     work = Path(tempfile.mkdtemp(prefix=f"restore-{name}-", dir=statedir.RESTORES.ensure()))
+    if endpoints is not None:
+        images = _readdressed(images, work, endpoints)
     stdio, inherit, into_options = _destination(bundle_dir, manifest, into)
     lazy = None
     result: criu.RestoreResult | None = None
@@ -187,6 +194,20 @@ def restore_stopped(
     )
     phases = {"verify": verified, "criu_restore": result.seconds}
     return Restored(w, stdio, result.seconds, lazy, into, manifest, gpu_map, phases=phases)
+
+
+def _readdressed(images: Path, work: Path, endpoints: readdress.EndpointMap) -> Path:
+    """An images folder of links to the verified images but a rewritten copy of `files.img`, the
+    one image that holds socket addresses (CRIU follows the links; the pages are never copied)."""
+    out = work / "images"
+    out.mkdir(mode=0o700)
+    for f in images.iterdir():
+        if f.name == "files.img":
+            (out / f.name).write_bytes(f.read_bytes())
+        else:
+            (out / f.name).symlink_to(f)
+    readdress.apply(out, endpoints)
+    return out
 
 
 def _placeholder_pipes(into: placeholder.Placeholder | None, manifest: bundle.Manifest) -> dict[str, str]:

@@ -16,9 +16,10 @@ connections must be re-pointed on both ends without either end seeing a reset:
   A later move of the same rank stacks another redirect *after* this one (out: oldest first;
   prerouting: newest first), written in the addresses the previous one already translates to.
 
-Tables are `inet criuctl-cut-<id>` and `inet criuctl-nat-<id>` in the caller's network namespace;
-IPv4 on the wire (v4-mapped IPv6 sockets send IPv4). Below the agent; talks to the kernel through
-`netlock.Nft` (libnftables).
+Tables are `inet criuctl-cut-<id>` and `inet criuctl-nat-<id>` in the caller's network namespace,
+or, given `pid`, in that process's (a pod's: `criuctl.net.netns`; they end with it); IPv4 on the
+wire (v4-mapped IPv6 sockets send IPv4). Below the agent; talks to the kernel through `netlock.Nft`
+(libnftables).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import ipaddress
 import re
 
+from criuctl.net import netns
 from criuctl.net.netlock import FAMILY, NetlockError, Nft
 
 CUT, NAT = "criuctl-cut-", "criuctl-nat-"
@@ -74,8 +76,10 @@ def _table(prefix: str, ident: str) -> str:
     return prefix + ident
 
 
-def cut(ident: str, conns: list[Tuple]) -> str:
+def cut(ident: str, conns: list[Tuple], pid: int | None = None) -> str:
     """Drop every packet of `conns` (as seen from this node), both ways; the table's name."""
+    if pid is not None:
+        return str(netns.run_in(pid, cut, ident, [list(c) for c in conns]))
     table = _table(CUT, ident)
     lines = [
         f"add table {FAMILY} {table}",
@@ -90,8 +94,10 @@ def cut(ident: str, conns: list[Tuple]) -> str:
     return table
 
 
-def redirect(ident: str, rules: list[Redirect]) -> str:
+def redirect(ident: str, rules: list[Redirect], pid: int | None = None) -> str:
     """Translate each connection's old remote address to its new one, stacked after earlier ones."""
+    if pid is not None:
+        return str(netns.run_in(pid, redirect, ident, [list(r) for r in rules]))
     table = _table(NAT, ident)
     depth = len(tables(NAT))  # redirects already here: this one acts after them
     lines = [
@@ -108,10 +114,12 @@ def redirect(ident: str, rules: list[Redirect]) -> str:
     return table
 
 
-def remove(table: str) -> bool:
+def remove(table: str, pid: int | None = None) -> bool:
     """Delete one of our tables; True if it was there. Idempotent."""
     if not table.startswith((CUT, NAT)):
         raise ValueError(f"{table!r} is not a criuctl rule set")
+    if pid is not None:
+        return bool(netns.run_in(pid, remove, table))
     with Nft() as nft:
         ok, _, err = nft.run(f"delete table {FAMILY} {table}")
     if ok or "No such file or directory" in err:
@@ -122,8 +130,10 @@ def remove(table: str) -> bool:
     )
 
 
-def tables(prefix: str) -> list[str]:
-    """Our tables of one kind (`CUT` or `NAT`) in this network namespace."""
+def tables(prefix: str, pid: int | None = None) -> list[str]:
+    """Our tables of one kind (`CUT` or `NAT`) in this network namespace (or `pid`'s)."""
+    if pid is not None:
+        return list(netns.run_in(pid, tables, prefix))
     with Nft() as nft:
         ok, out, err = nft.run(f"list tables {FAMILY}")
     if not ok:

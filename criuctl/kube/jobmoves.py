@@ -1,0 +1,155 @@
+"""A rank of a multi-worker job moved through its successor pod: its TCP connections follow it.
+
+A PyTorchJob's worker holds connections to every other rank (the rendezvous store, gloo's pairs).
+Its successor pod gets a new address on its new node, so when the worker's bundle is restored
+there, every connection must be re-pointed on both ends without either end seeing a reset, and
+without stopping the ranks that stay (criuctl.client.jobmove does the same for ranks on hosts):
+
+    dump        (the preStop, criuctl.kube.prestop) the pod's address and connections go into the
+                move record; the connections are dumped established. CRIU's network lock holds
+                them in the old pod's namespace until it ends with the pod: no reset from there
+    cut         in the successor's network namespace, before anything else: every packet of the
+                connections in their new form is dropped, so a peer's retransmission never meets
+                a kernel without the socket (which would answer with a reset)
+    redirect    in each staying peer pod's namespace (through its node's agent): a stateless
+                translation of the old address to the new one, out and back (criuctl.net.netcut)
+    restore     the bundle, its socket image re-addressed to the successor's address (a copy,
+                after the signature was checked: criuctl.local.restoring)
+    run         the cut lifts, the redirects are kept for the job's life (they end with the pods)
+    on failure  the redirects go and the cut lifts; the restore falls back to the other copy
+                (criuctl.kube.successors), which does all this again for its own address
+
+The ranks that stay are never stopped: their TCP retransmits into the gap and reaches the new pod
+once the redirect is in place. A connection whose far end is no pod of the cluster (a database
+outside) cannot follow: it is reset when the moved rank sends on it, and said in an Event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import logging
+from dataclasses import dataclass, field
+
+from criuctl.agent.messages import RedirectAnswer, RedirectRequest, Rows
+from criuctl.client.agents import AgentClient
+from criuctl.core.errors import CriuctlError
+from criuctl.kube import moves, mutate
+from criuctl.kube.cluster import Cluster, agent_for, call, container_id, workload_row
+from criuctl.net import netcut
+from criuctl.net.peers import Endpoints
+
+log = logging.getLogger("criuctl.kube")
+
+
+@dataclass
+class PeerRedirect:
+    pod: str  # NAMESPACE/POD of the rank that stays
+    node: str
+    workload: str  # a workload of that pod on its node's agent: its network namespace
+    rules: Rows = field(default_factory=list)  # [[local, port, old remote, port, new remote], ...]
+    id: str = ""  # the agent's redirect, once installed
+
+
+@dataclass
+class Rewire:
+    """What the restore of a job's rank at `new` needs: its images' new addresses, its cut, its
+    peers' redirects; and the connections no pod holds the far end of."""
+
+    old: str
+    new: str
+    readdress: Rows  # [[old address, port, new address], ...]
+    cut: list[tuple[str, int, str, int]]
+    peers: list[PeerRedirect]
+    foreign: list[str]  # "ADDRESS:PORT" of connections that cannot follow
+
+
+def _loopback(addr: str) -> bool:
+    return ipaddress.ip_address(addr).is_loopback
+
+
+def plan(c: Cluster, m: moves.Move, new: str) -> Rewire | None:
+    """The rewiring of move `m`'s rank into a pod at address `new`; None for a pod with no
+    connection to another pod (it moves as any pod)."""
+    if not m.tcp or not m.address:
+        return None
+    ends = Endpoints.from_json(json.loads(m.tcp))
+    old = m.address
+    local = {(la, lp) for la, lp, _, _ in ends.connections} | set(ends.listening)
+    readdress: Rows = [[a, p, new] for a, p in sorted(local) if a == old]
+    by_ip: dict[str, dict] = {}
+    for p in call(
+        "the pods", c.core.list_pod_for_all_namespaces, field_selector="status.phase=Running"
+    ).items:
+        pod = c.serialize(p)
+        ip = pod["status"].get("podIP")
+        if ip and not pod["spec"].get("hostNetwork") and not pod["metadata"].get("deletionTimestamp"):
+            by_ip[ip] = pod
+    cut: list[tuple[str, int, str, int]] = []
+    peers: dict[str, PeerRedirect] = {}
+    foreign: list[str] = []
+    for la, lp, ra, rp in ends.connections:
+        if _loopback(ra):
+            continue
+        cut.append((new if la == old else la, lp, ra, rp))
+        peer = by_ip.get(ra)
+        if peer is None:
+            foreign.append(f"{ra}:{rp}")
+            continue
+        key = f"{peer['metadata']['namespace']}/{peer['metadata']['name']}"
+        if key not in peers:
+            ctr = next((x for x in peer["spec"]["containers"] if mutate.is_wrapped(x)), None)
+            ctr = ctr or peer["spec"]["containers"][0]
+            cid = container_id(peer, ctr["name"])
+            node = peer["spec"]["nodeName"]
+            agent = agent_for(c, c.serialize(call(f"node {node}", c.core.read_node, node)))
+            row = workload_row(agent, cid) if cid else None
+            if row is None:
+                foreign.append(f"{ra}:{rp} (pod {key}: its agent does not list it)")
+                continue
+            peers[key] = PeerRedirect(key, node, row["name"])
+        peers[key].rules.append([ra, rp, old, lp, new])
+    return Rewire(old, new, readdress, cut, list(peers.values()), foreign)
+
+
+def prepare(c: Cluster, rw: Rewire, ident: str, pid: int) -> None:
+    """The cut in the successor's namespace (process `pid`'s), then every peer's redirect. On any
+    failure what was done is undone and the error raised: the restore must not go on."""
+    netcut.cut(ident, rw.cut, pid)
+    try:
+        for pr in rw.peers:
+            agent = AgentClient(_agent(c, pr.node), timeout=30)
+            answer: RedirectAnswer = agent.post(
+                "/v1/redirects", RedirectRequest(rules=pr.rules, workload=pr.workload)
+            )
+            pr.id = answer["id"]
+    except CriuctlError:
+        undo(c, rw, ident, pid)
+        raise
+
+
+def _agent(c: Cluster, node: str):
+    return agent_for(c, c.serialize(call(f"node {node}", c.core.read_node, node)))
+
+
+def undo(c: Cluster, rw: Rewire, ident: str, pid: int | None) -> None:
+    """The restore failed: the peers' redirects go (their packets go back to the old address,
+    where nothing answers), and the cut lifts."""
+    for pr in rw.peers:
+        if pr.id:
+            with contextlib.suppress(CriuctlError):
+                AgentClient(_agent(c, pr.node), timeout=30).delete(f"/v1/redirects/{pr.id}")
+            pr.id = ""
+    if pid is not None:
+        with contextlib.suppress(CriuctlError, ValueError):
+            netcut.remove(netcut.CUT + ident, pid)
+
+
+def commit(c: Cluster, rw: Rewire, ident: str, pid: int) -> None:
+    """The rank runs in its successor: its peers' redirects are kept, its cut lifts."""
+    for pr in rw.peers:
+        with contextlib.suppress(CriuctlError):
+            AgentClient(_agent(c, pr.node), timeout=30).post(f"/v1/redirects/{pr.id}/keep")
+    with contextlib.suppress(CriuctlError):
+        netcut.remove(netcut.CUT + ident, pid)

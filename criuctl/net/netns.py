@@ -1,0 +1,81 @@
+"""Run a function in another process's network namespace: a pod's, from its node's agent.
+
+A pod has a network namespace of its own. The rules that keep a job's connections whole while one
+of its ranks moves (`criuctl.net.netcut`) must act on the pod's own packets, so they go into the
+pod's namespace, where they also die with it (nothing is left behind when the pod ends). The agent
+lives in its node's namespace and runs threads; it forks a child that enters the pod's namespace,
+runs the function, sends back its JSON answer or its error, and exits: the agent's own threads
+never change namespace. Below `netcut`; imports only `errors`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+from criuctl.core.errors import CriuctlError
+
+_CLONE_NEWNET = 0x40000000
+
+
+class NetnsError(CriuctlError):
+    """The namespace could not be entered (its process is gone), or the function failed in it."""
+
+
+def _same(pid: int) -> bool:
+    return os.stat(f"/proc/{pid}/ns/net").st_ino == os.stat("/proc/self/ns/net").st_ino
+
+
+def run_in(pid: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` in process `pid`'s network namespace; its result must be JSON. An error in it
+    comes back as a NetnsError with the same words (a CriuctlError's what and hint)."""
+    try:
+        if _same(pid):
+            return fn(*args)
+        fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise NetnsError(
+            f"process {pid}'s network namespace cannot be opened ({exc.strerror})",
+            "its pod has ended, or the agent lacks hostPID/root",
+        ) from exc
+    read, write = os.pipe()
+    try:
+        child = os.fork()
+    except OSError:
+        os.close(read)
+        os.close(write)
+        os.close(fd)
+        raise
+    if child == 0:  # pragma: no cover - the forked child (its coverage is not collected)
+        os.close(read)
+        answer: dict[str, Any]
+        try:
+            if ctypes.CDLL(None, use_errno=True).setns(fd, _CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                raise NetnsError(f"cannot enter process {pid}'s network namespace: {os.strerror(err)}", "")
+            answer = {"result": fn(*args)}
+        except CriuctlError as exc:
+            answer = {"what": exc.what, "hint": exc.hint}
+        except BaseException as exc:  # any failure is said to the parent, never raised in the child
+            answer = {"what": f"{type(exc).__name__}: {exc}", "hint": ""}
+        try:
+            os.write(write, json.dumps(answer).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.close(fd)
+    with os.fdopen(read, "rb") as f:
+        data = f.read()
+    os.waitpid(child, 0)
+    try:
+        answer = json.loads(data)
+    except ValueError:
+        raise NetnsError(
+            f"the helper in process {pid}'s network namespace died", "see the agent log"
+        ) from None
+    if "result" not in answer:
+        raise NetnsError(answer["what"], answer["hint"])
+    return answer["result"]
