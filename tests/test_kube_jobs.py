@@ -115,3 +115,44 @@ def test_a_multi_worker_pytorchjob_is_one_job_and_its_worker_is_refused_whole(lo
         assert job["status"]["conditions"][-1]["type"] == "Succeeded", json.dumps(job["status"])
     finally:
         k("delete", "pytorchjob", "ddp", "--wait=false", check=False)
+
+
+def test_a_pytorchjob_worker_moves_with_its_connections_and_the_job_never_stops(local_cluster) -> None:
+    """`criuctl migrate` of a worker of a running 3-rank PyTorchJob: the operator recreates it, its
+    successor on the other node gets the restored worker with every connection re-pointed; the
+    master and the other worker never stop. The job ends with an uninterrupted run's losses and
+    weights, and no pod restarted."""
+    from tests.test_multinode import STEPS as REF_STEPS
+    from tests.test_multinode import reference
+
+    lay, k = local_cluster
+    job = ddp_job("mv")
+    for spec in job["spec"]["pytorchReplicaSpecs"].values():  # the reference's steps, slower
+        ctr = spec["template"]["spec"]["containers"][0]
+        ctr["args"] = [DDP, *REF_STEPS[:2], "--step-time", "0.3"]
+    ref_steps, ref_final = reference(3)
+    k.apply(job)
+    try:
+        _wait_steps(k, "mv-master-0", 15)
+        before = _restarts(k, "mv")
+        r = criuctl(lay, "migrate", "mv-worker-0", "a", "-o", "json")
+        assert r.returncode == 0, r.stderr[-3000:]
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        assert out["target"] == "a", out
+        new = k.get("pod", "mv-worker-0")
+        assert new["spec"]["nodeName"] == "a" and new["metadata"]["uid"] != before["mv-worker-0"][0]
+        assert "criuctl.io/migrated-at" in new["metadata"]["annotations"]
+        r = criuctl(lay, "ps", "--jobs", "--kubeconfig", str(lay.kubeconfig))
+        rows = [row for line in r.stdout.splitlines() if (row := line.split()) and row[0] == "mv"]
+        assert ("mv-worker-0", "a") in [(row[1], row[2]) for row in rows], r.stdout
+        deadline = time.monotonic() + 300
+        while not final(log := k.logs("mv-master-0")):
+            assert time.monotonic() < deadline, log[-1500:]
+            time.sleep(2)
+        assert steps(log) == ref_steps, "the job's losses differ from an uninterrupted run's"
+        assert final(log) == [ref_final], "final weights differ from an uninterrupted run"
+        after = _restarts(k, "mv")
+        assert after["mv-master-0"] == before["mv-master-0"] and after["mv-worker-1"] == before["mv-worker-1"]
+        assert after["mv-worker-0"][1] == 0, "the moved worker's successor restarted"
+    finally:
+        k("delete", "pytorchjob", "mv", "--wait=false", check=False)
