@@ -113,6 +113,13 @@ def plan(c: Cluster, m: moves.Move, new: str) -> Rewire | None:
     return Rewire(old, new, readdress, cut, list(peers.values()), foreign)
 
 
+def container_pid(agent: AgentClient, cid: str) -> int | None:
+    """The PID of container `cid` as its node's agent sees it (an empty placeholder too, which is
+    no workload): a process in the pod's network namespace."""
+    rows = agent.get("/v1/containers")
+    return next((int(r["root_pid"]) for r in rows if r.get("container") == cid and r.get("root_pid")), None)
+
+
 def prepare(c: Cluster, rw: Rewire, ident: str, pid: int) -> None:
     """The cut in the successor's namespace (process `pid`'s), then every peer's redirect. On any
     failure what was done is undone and the error raised: the restore must not go on."""

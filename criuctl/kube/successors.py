@@ -162,8 +162,7 @@ def step(c: Cluster, m: moves.Move, node: str) -> None:
         restore = BundleRestoreRequest(into=cid)
         rewire = jobmoves.plan(c, m, pod["status"].get("podIP") or "")
         if rewire is not None:  # a job's rank: its connections follow it (criuctl.kube.jobmoves)
-            row = workload_row(here.node, cid)
-            pid = int(row["root_pid"]) if row else None
+            pid = jobmoves.container_pid(here, cid)
             if pid is None:
                 return  # the agent does not list the placeholder yet: next tick
             jobmoves.prepare(c, rewire, m.bundle, pid)
