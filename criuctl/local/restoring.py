@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -197,15 +198,20 @@ def restore_stopped(
 
 
 def _readdressed(images: Path, work: Path, endpoints: readdress.EndpointMap) -> Path:
-    """An images folder of links to the verified images but a rewritten copy of `files.img`, the
-    one image that holds socket addresses (CRIU follows the links; the pages are never copied)."""
+    """An images folder of hard links to the verified images but a rewritten copy of `files.img`,
+    the one image that holds socket addresses (the pages are never copied). Not symbolic links:
+    CRIU opens some images after it entered the restored mount namespace, where a path of ours
+    means nothing."""
     out = work / "images"
     out.mkdir(mode=0o700)
     for f in images.iterdir():
         if f.name == "files.img":
             (out / f.name).write_bytes(f.read_bytes())
-        else:
-            (out / f.name).symlink_to(f)
+            continue
+        try:
+            os.link(f, out / f.name)
+        except OSError:  # another file system: a copy
+            shutil.copy2(f, out / f.name)
     readdress.apply(out, endpoints)
     return out
 
