@@ -188,3 +188,46 @@ def test_a_users_cluster_beside_the_tests(local_cluster, tmp_path: Path) -> None
         test_k.wait_running("after-the-other-went")
     finally:
         test_k("delete", "pod", "after-the-other-went", "--wait=false", check=False)
+
+
+def test_the_dns_stand_in_serves_what_corednss_kubernetes_plugin_does() -> None:
+    from localcluster import dns
+
+    services = [
+        {"metadata": {"namespace": "ml", "name": "web"}, "spec": {"clusterIP": "10.96.0.7"}},
+        {"metadata": {"namespace": "ml", "name": "ddp-master-0"}, "spec": {"clusterIP": "None"}},
+        {"metadata": {"namespace": "ml", "name": "tj"}, "spec": {"clusterIP": "None"}},
+    ]
+    endpoints = [
+        {
+            "metadata": {"namespace": "ml", "name": "ddp-master-0"},
+            "subsets": [{"addresses": [{"ip": "10.1.100.4"}]}],
+        },
+        {
+            "metadata": {"namespace": "ml", "name": "tj"},
+            "subsets": [
+                {
+                    "addresses": [{"ip": "10.1.101.5", "hostname": "tj-node-0-0"}],
+                    "notReadyAddresses": [{"ip": "10.1.101.9"}],
+                }
+            ],
+        },
+        {"metadata": {"namespace": "ml", "name": "web"}, "subsets": [{"addresses": [{"ip": "10.1.100.8"}]}]},
+    ]
+    pods = [
+        {"metadata": {"namespace": "ml"}, "spec": {}, "status": {"podIP": "10.1.100.4"}},
+        {
+            "metadata": {"namespace": "kube-system"},
+            "spec": {"hostNetwork": True},
+            "status": {"podIP": "10.1.0.2"},
+        },
+    ]
+    recs = dns.records(services, endpoints, pods)
+    assert recs == {
+        "web.ml.svc.cluster.local": {"10.96.0.7"},  # a Service with a cluster IP: that IP only
+        "ddp-master-0.ml.svc.cluster.local": {"10.1.100.4"},  # headless: its ready pods
+        "tj.ml.svc.cluster.local": {"10.1.101.5"},
+        "tj-node-0-0.tj.ml.svc.cluster.local": {"10.1.101.5"},  # hostname + subdomain (JobSet's pods)
+        "10-1-100-4.ml.pod.cluster.local": {"10.1.100.4"},
+    }
+    assert dns.hosts_text(recs).splitlines()[0] == "10.1.100.4 10-1-100-4.ml.pod.cluster.local"

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -286,3 +287,48 @@ def test_endpoints_are_read_in_the_workloads_own_network_namespace():
     finally:
         p.kill()
         p.wait()
+
+
+@needs("pycriu")
+def test_a_restore_readdresses_a_copy_and_leaves_the_verified_images_alone(tmp_path):
+    """A pod's rank is re-addressed where it is restored: on a copy of files.img beside hard links
+    to the other images, so the bundle stays as signed (a fallback restore elsewhere reads it again)."""
+    from criuctl.local import restoring
+
+    images, work = tmp_path / "images", tmp_path / "work"
+    images.mkdir()
+    work.mkdir()
+    _files_img(images / "files.img", [(2, B, 40000, A, 29500)])
+    (images / "pages-1.img").write_bytes(b"\0" * 4096)
+    original = (images / "files.img").read_bytes()
+    out = restoring._readdressed(images, work, readdress.EndpointMap.from_json([[B, 40000, C]]))
+    assert _sockets(out / "files.img") == [(C, 40000, A, 29500)]
+    assert (images / "files.img").read_bytes() == original, "the verified image was changed"
+    assert os.path.samefile(out / "pages-1.img", images / "pages-1.img")
+    assert not (out / "pages-1.img").is_symlink()  # CRIU opens some images in the restored mount ns
+
+
+@needs("util-linux")
+def test_rules_go_into_another_processs_network_namespace():
+    """A pod's cut and redirects are made in the pod's namespace (a forked child enters it), never
+    in the caller's, and are listed and removed there."""
+    from criuctl.net import netcut
+
+    p = subprocess.Popen(["unshare", "--net", "sleep", "60"])
+    try:
+        time.sleep(0.3)
+        ours = set(netcut.tables(netcut.CUT))
+        assert netcut.cut("podcut", [("10.9.0.4", 40001, "10.9.0.2", 29500)], p.pid) == "criuctl-cut-podcut"
+        netcut.redirect("podnat", [("10.9.0.2", 29500, "10.9.0.3", 40001, "10.9.0.4")], p.pid)
+        assert netcut.tables(netcut.CUT, p.pid) == ["criuctl-cut-podcut"]
+        assert netcut.tables(netcut.NAT, p.pid) == ["criuctl-nat-podnat"]
+        assert set(netcut.tables(netcut.CUT)) == ours, "a rule went into the caller's namespace"
+        assert netcut.remove("criuctl-cut-podcut", p.pid) is True
+        assert netcut.tables(netcut.CUT, p.pid) == []
+    finally:
+        p.kill()
+        p.wait()
+    from criuctl.net import netns
+
+    with pytest.raises(netns.NetnsError, match="network namespace cannot be opened"):
+        netcut.tables(netcut.CUT, p.pid)
