@@ -190,11 +190,18 @@ def restore_stopped(
         restored_from=str(bundle_dir),
         container=into.container.id if into else None,
         pod_uid=(into.container.pod_uid or None) if into else None,
+        pod=_pod_of(into),
         runtime=into.container.runtime if into else None,
         control=manifest.control_dir or None,
     )
     phases = {"verify": verified, "criu_restore": result.seconds}
     return Restored(w, stdio, result.seconds, lazy, into, manifest, gpu_map, phases=phases)
+
+
+def _pod_of(into: placeholder.Placeholder | None) -> str | None:
+    """NAMESPACE/POD/CONTAINER of the placeholder the job now runs in (what `ps --jobs` shows)."""
+    c = into.container if into else None
+    return f"{c.pod_namespace}/{c.pod_name}/{c.name}" if c is not None and c.pod_name else None
 
 
 def _readdressed(images: Path, work: Path, endpoints: readdress.EndpointMap) -> Path:
