@@ -177,6 +177,21 @@ def combined_steps(parts: list[dict[int, str]]) -> dict[int, str]:
     return out
 
 
+def drain(k: Kubectl, node: str, selector: str) -> None:
+    """`kubectl drain NODE` of this test's pods only: a pod another failed test left there (bare
+    pods make drain refuse) must not decide the test."""
+    r = k(
+        "drain",
+        node,
+        f"--pod-selector={selector}",
+        "--ignore-daemonsets",
+        "--delete-emptydir-data",
+        "--timeout=300s",
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def criuctl(lay, *args: str) -> subprocess.CompletedProcess:
     """A criuctl command as a user runs it, with the local cluster's kubeconfig."""
     env = {**os.environ, "KUBECONFIG": str(lay.kubeconfig)}

@@ -15,7 +15,7 @@ import pytest
 from localcluster.layout import REPO
 
 from tests.conftest import needs_criu
-from tests.kube import Kubectl, criuctl, final, steps, training_pod
+from tests.kube import Kubectl, criuctl, drain, final, steps, training_pod
 
 pytestmark = [needs_criu, pytest.mark.slow]
 
@@ -176,16 +176,7 @@ def test_a_drain_moves_the_worker_on_the_node_and_the_job_goes_on(local_cluster)
     try:
         _wait_steps(k, "dw-master-0", 15)
         before = _restarts(k, "dw")
-        r = k(
-            "drain",
-            "b",
-            "--pod-selector=training.kubeflow.org/job-name=dw",
-            "--ignore-daemonsets",
-            "--delete-emptydir-data",
-            "--timeout=300s",
-            check=False,
-        )
-        assert r.returncode == 0, r.stderr[-2000:]
+        drain(k, "b", "training.kubeflow.org/job-name=dw")
         deadline = time.monotonic() + 180
         while True:
             new = k.get("pod", "dw-worker-0")

@@ -25,6 +25,7 @@ from tests.kube import (
     Kubectl,
     LogFollower,
     combined_steps,
+    drain,
     final,
     grant_migrator,
     steps,
@@ -208,23 +209,12 @@ def test_drain_moves_the_pod_without_loss(local_cluster, ref) -> None:
     _, k = local_cluster
     k.apply(_statefulset("dr", "a"))
 
-    def drain() -> str:
-        # only this test's pods: a pod another failed test left on a (bare pods make drain refuse)
-        # must not decide this test
-        r = k(
-            "drain",
-            "a",
-            "--pod-selector=app=dr",
-            "--ignore-daemonsets",
-            "--delete-emptydir-data",
-            "--timeout=300s",
-            check=False,
-        )
-        assert r.returncode == 0, r.stderr[-2000:]
+    def drain_a() -> str:
+        drain(k, "a", "app=dr")
         return "b"
 
     try:
-        _moved_mid_training(k, "dr-0", ref, drain)
+        _moved_mid_training(k, "dr-0", ref, drain_a)
         # the drain's move is listed with every other: a PodMigration the controller followed
         (pm,) = [
             o["metadata"]["name"]
