@@ -193,3 +193,34 @@ def test_a_drain_moves_the_worker_on_the_node_and_the_job_goes_on(local_cluster)
     finally:
         k("uncordon", "b", check=False)
         k("delete", "pytorchjob", "dw", "--wait=false", check=False)
+
+
+def test_a_worker_whose_restore_fails_on_the_target_comes_back_on_its_node(local_cluster) -> None:
+    """The restore on node a fails (criuctl.core.faults, in node a's state dir): the peers'
+    redirects to a go, the cut lifts, and the worker is restored from the source's own copy into
+    its successor on b, rewired to that pod's address. The job never stops for good, and ends as
+    an uninterrupted run does."""
+    lay, k = local_cluster
+    fault = lay.node_dir("a") / "var-lib-criuctl" / "faults" / "restore"
+    fault.parent.mkdir(exist_ok=True)
+    k.apply(_slow(ddp_job("fb"), "0.3"))
+    try:
+        _wait_steps(k, "fb-master-0", 15)
+        before = _restarts(k, "fb")
+        fault.touch()
+        r = criuctl(lay, "migrate", "fb-worker-0", "a")
+        fault.unlink()
+        assert "Traceback" not in r.stderr, r.stderr
+        assert "on node b" in r.stderr, r.stderr  # where the job runs: said as it is
+        new = k.get("pod", "fb-worker-0")
+        assert new["spec"]["nodeName"] == "b" and new["metadata"]["uid"] != before["fb-worker-0"][0]
+        assert "criuctl.io/migrated-at" in new["metadata"]["annotations"]
+        events = k("get", "events", "--field-selector", "involvedObject.name=fb-worker-0").stdout
+        assert "injected fault" in events, events[-2000:]
+        _finishes_as_the_reference(k, "fb", 3)
+        after = _restarts(k, "fb")
+        assert after["fb-master-0"] == before["fb-master-0"] and after["fb-worker-1"] == before["fb-worker-1"]
+        _no_rule_on_the_nodes(lay)
+    finally:
+        fault.unlink(missing_ok=True)
+        k("delete", "pytorchjob", "fb", "--wait=false", check=False)

@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 
 from criuctl.container import placeholder
-from criuctl.core import procinfo, statedir, workloads
+from criuctl.core import faults, procinfo, statedir, workloads
 from criuctl.core.errors import CriuctlError
 from criuctl.engine import criu
 from criuctl.format import bundle
@@ -156,6 +156,10 @@ def restore_stopped(
     progress("restoring")
     with interrupts.deferred() as caught:
         try:
+            if faults.injected(faults.Fault.RESTORE):
+                raise criu.CriuError(
+                    "CRIU restore failed: injected fault", "a test's fault (criuctl.core.faults)"
+                )
             if page_server is not None:
                 lazy = criu.lazy_pages_daemon(images, work, *page_server)
             result = criu.restore(

@@ -66,10 +66,18 @@ def overlay(lay: Layout) -> Path:
     ]
     # a short lease: a frozen source whose client died asks the target after 20 s, not 120 s (the
     # tests of a dead client wait for it)
-    lease = [
+    lease: list[dict] = [
         {"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": v}
         for v in ("--lease", f"{lay.agent_lease:g}")
     ]
+    # the tests make a node's restores fail (criuctl.core.faults) by a file in its state dir
+    lease.append(
+        {
+            "op": "add",
+            "path": "/spec/template/spec/containers/0/env/-",
+            "value": {"name": "CRIUCTL_FAULT_DIR", "value": "/var/lib/criuctl/faults"},
+        }
+    )
     patches = [{"path": f"secret{i}.json"} for i in range(len(secrets))]
     patches.append({"target": {"kind": "DaemonSet", "name": "criuctl-agent"}, "patch": json.dumps(lease)})
     # the controller's Lease short too: a replica takes a dead leader's moves up within seconds
