@@ -151,6 +151,27 @@ def _wrapped_container(pod: dict) -> dict:
     return wrapped[0]
 
 
+def _refuse_foreign(c: Cluster, name: str, row: dict) -> None:
+    """A job's rank follows its peers' pods (criuctl.kube.jobmoves): a connection to anything else
+    (a database outside, a node's address) could not follow it to its successor's address."""
+    import ipaddress
+
+    conns = [
+        x for x in (row.get("tcp") or {}).get("connections", []) if not ipaddress.ip_address(x[2]).is_loopback
+    ]
+    if not conns:
+        return
+    pods = call("the pods", c.core.list_pod_for_all_namespaces, field_selector="status.phase=Running").items
+    ips = {p.status.pod_ip for p in pods if p.status.pod_ip and not p.spec.host_network}
+    for _, _, ra, rp in conns:
+        if ra not in ips:
+            raise NotMigratable(
+                f"pod {name} has a TCP connection to {ra}:{rp}, which is no pod of the cluster: it "
+                "could not follow the pod to its new address",
+                "nothing was changed; end that connection first (a job's ranks may talk to each other)",
+            )
+
+
 _DNS1123 = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
@@ -207,6 +228,8 @@ def plan(c: Cluster, namespace: str, name: str, target: str) -> PodPlan:
     if row.get("why_not"):
         raise NotMigratable(f"pod {name}: {row['why_not']}", "nothing was changed")
     workload = row["name"]
+    if owner is not None:
+        _refuse_foreign(c, name, row)
     needed = max(needed, int(row.get("rss_bytes") or 0))
     if needed > free:
         raise CriuctlError(
