@@ -301,10 +301,11 @@ def test_refused_without_memory_on_the_target(running) -> None:
         k("delete", "pod", "filler", "--grace-period=1")
 
 
-def test_refuses_controller_owned_and_multi_worker_pods(running) -> None:
+def test_refuses_pods_whose_controller_would_not_bring_them_back(running) -> None:
     """The PyTorchJob CRD is the stand-in operator's (`up` installs it); this job has no pod
     templates, so the stand-in creates no pods for it (it marks it failed validation): the worker
-    pod here is made by hand, owned by the job as the operator's would be."""
+    pod here is made by hand, owned by the job as the operator's would be. A finished job would not
+    recreate its worker, so the move is refused (a running job's worker moves: test_kube_jobs)."""
     lay, k = running
     job = {
         "apiVersion": "kubeflow.org/v1",
@@ -324,7 +325,7 @@ def test_refuses_controller_owned_and_multi_worker_pods(running) -> None:
     k.apply(worker)
     try:
         k.wait_running("ddp-worker-0")
-        assert "one of 2 replicas of PyTorchJob ddp" in _refused(lay, k, "ddp-worker-0", "b")
+        assert "the PyTorchJob has finished" in _refused(lay, k, "ddp-worker-0", "b")
     finally:
         k("delete", "pod", "ddp-worker-0", "--grace-period=1", "--wait=false")
     trainer = training_pod("x", steps=100000, node="a")  # migratable: only the owner is refused
