@@ -15,7 +15,7 @@ import pytest
 from localcluster.layout import REPO
 
 from tests.conftest import needs_criu
-from tests.kube import Kubectl, criuctl, drain, final, steps, training_pod
+from tests.kube import Kubectl, LogFollower, combined_steps, criuctl, drain, final, steps, training_pod
 
 pytestmark = [needs_criu, pytest.mark.slow]
 
@@ -100,7 +100,9 @@ def _slow(job: dict, step_time: str) -> dict:
     return job
 
 
-def _finishes_as_the_reference(k: Kubectl, job: str, world: int) -> None:
+def _finishes_as_the_reference(k: Kubectl, job: str, world: int, earlier: tuple[str, ...] = ()) -> None:
+    """The master's log (and `earlier` logs of its pods, a moved master's) has every step of an
+    uninterrupted run with its loss, each once, and its final weights."""
     from tests.test_multinode import reference
 
     ref_steps, ref_final = reference(world)
@@ -108,7 +110,8 @@ def _finishes_as_the_reference(k: Kubectl, job: str, world: int) -> None:
     while not final(log := k.logs(f"{job}-master-0")):
         assert time.monotonic() < deadline, log[-1500:]
         time.sleep(2)
-    assert steps(log) == ref_steps, "the job's losses differ from an uninterrupted run's"
+    got = combined_steps([*(steps(t) for t in earlier), steps(log)])
+    assert got == ref_steps, "the job's losses differ from an uninterrupted run's"
     assert final(log) == [ref_final], "final weights differ from an uninterrupted run"
     while (status := k.get("pytorchjob", job)["status"])["conditions"][-1]["type"] != "Succeeded":
         assert time.monotonic() < deadline, json.dumps(status)  # its pods exit after the last line
@@ -126,12 +129,16 @@ def _no_rule_on_the_nodes(lay) -> None:
         assert r.returncode == 0 and "criuctl-" not in r.stdout and "CRIU-" not in r.stdout, r.stdout
 
 
-def test_a_pytorchjob_worker_moves_with_its_connections_and_the_job_never_stops(local_cluster) -> None:
+@pytest.mark.parametrize(("moved", "to"), [("mv-worker-0", "a"), ("mv-master-0", "b")])
+def test_a_pytorchjob_pod_moves_with_its_connections_and_the_job_never_stops(
+    local_cluster, moved: str, to: str
+) -> None:
     """A 3-rank gloo DDP PyTorchJob (master on a, workers on b; the workers find the master by its
-    Service's DNS name) is one job to criuctl. `criuctl migrate` of a worker: the operator
-    recreates it, its successor on node a gets the restored worker with every connection
-    re-pointed, and the master and the other worker never stop. The job ends with an uninterrupted
-    run's losses and weights; no pod restarted; no rule left on a node."""
+    Service's DNS name) is one job to criuctl. `criuctl migrate` of a worker, or of the master (the
+    rendezvous store and every rank's peer): the operator recreates it, its successor on the other
+    node gets the restored rank with every connection re-pointed, and the other ranks never stop.
+    The job ends with an uninterrupted run's losses and weights; no pod restarted; no rule left on
+    a node."""
     lay, k = local_cluster
     pods = ["mv-master-0", "mv-worker-0", "mv-worker-1"]
     k.apply(_slow(ddp_job("mv"), "0.3"))
@@ -147,22 +154,28 @@ def test_a_pytorchjob_worker_moves_with_its_connections_and_the_job_never_stops(
         ]
         _all_connected(rows, pods)
 
-        r = criuctl(lay, "migrate", "mv-worker-0", "a", "-o", "json")
+        old_master = LogFollower(k, "mv-master-0")  # a moved master's log goes on in its successor
+        old_master.start()
+        r = criuctl(lay, "migrate", moved, to, "-o", "json")
         assert r.returncode == 0, r.stderr[-3000:]
         out = json.loads(r.stdout.strip().splitlines()[-1])
-        assert out["target"] == "a" and out["via_successor"], out
-        new = k.get("pod", "mv-worker-0")
-        assert new["spec"]["nodeName"] == "a" and new["metadata"]["uid"] != before["mv-worker-0"][0]
+        assert out["target"] == to and out["via_successor"], out
+        new = k.get("pod", moved)
+        assert new["spec"]["nodeName"] == to and new["metadata"]["uid"] != before[moved][0]
         assert "criuctl.io/migrated-at" in new["metadata"]["annotations"]
-        # still one job, the moved worker on a, every connection seen whole through the redirects
+        # still one job, the moved rank on its new node, every connection seen whole through the redirects
         rows = _jobs(lay, "mv")
-        assert ("mv-worker-0", "a") in [(r[0], r[1]) for r in rows], rows
+        assert (moved, to) in [(r[0], r[1]) for r in rows], rows
         _all_connected(rows, pods)
 
-        _finishes_as_the_reference(k, "mv", 3)
+        earlier = ()
+        if moved == "mv-master-0":
+            old_master.join(60)
+            earlier = (old_master.text,)
+        _finishes_as_the_reference(k, "mv", 3, earlier)
         after = _restarts(k, "mv")
-        assert after["mv-master-0"] == before["mv-master-0"] and after["mv-worker-1"] == before["mv-worker-1"]
-        assert after["mv-worker-0"][1] == 0, "the moved worker's successor restarted"
+        assert all(after[p] == before[p] for p in pods if p != moved), (before, after)
+        assert after[moved][1] == 0, "the moved rank's successor restarted"
         _no_rule_on_the_nodes(lay)
     finally:
         k("delete", "pytorchjob", "mv", "--wait=false", check=False)
