@@ -129,9 +129,10 @@ def _no_rule_on_the_nodes(lay) -> None:
         assert r.returncode == 0 and "criuctl-" not in r.stdout and "CRIU-" not in r.stdout, r.stdout
 
 
-@pytest.mark.parametrize(("moved", "to"), [("mv-worker-0", "a"), ("mv-master-0", "b")])
+# each case its own job: a job deleted with --wait=false still has its pods for a while
+@pytest.mark.parametrize(("job", "moved", "to"), [("mw", "mw-worker-0", "a"), ("mm", "mm-master-0", "b")])
 def test_a_pytorchjob_pod_moves_with_its_connections_and_the_job_never_stops(
-    local_cluster, moved: str, to: str
+    local_cluster, job: str, moved: str, to: str
 ) -> None:
     """A 3-rank gloo DDP PyTorchJob (master on a, workers on b; the workers find the master by its
     Service's DNS name) is one job to criuctl. `criuctl migrate` of a worker, or of the master (the
@@ -140,21 +141,17 @@ def test_a_pytorchjob_pod_moves_with_its_connections_and_the_job_never_stops(
     The job ends with an uninterrupted run's losses and weights; no pod restarted; no rule left on
     a node."""
     lay, k = local_cluster
-    pods = ["mv-master-0", "mv-worker-0", "mv-worker-1"]
-    k.apply(_slow(ddp_job("mv"), "0.3"))
+    pods = [f"{job}-master-0", f"{job}-worker-0", f"{job}-worker-1"]
+    k.apply(_slow(ddp_job(job), "0.3"))
     try:
-        _wait_steps(k, "mv-master-0", 15)
-        before = _restarts(k, "mv")
+        _wait_steps(k, pods[0], 15)
+        before = _restarts(k, job)
         assert sorted(before) == pods and all(n == 0 for _, n in before.values()), before
-        rows = _jobs(lay, "mv")
-        assert [(r[0], r[1]) for r in rows] == [
-            ("mv-master-0", "a"),
-            ("mv-worker-0", "b"),
-            ("mv-worker-1", "b"),
-        ]
+        rows = _jobs(lay, job)
+        assert [(r[0], r[1]) for r in rows] == [(pods[0], "a"), (pods[1], "b"), (pods[2], "b")], rows
         _all_connected(rows, pods)
 
-        old_master = LogFollower(k, "mv-master-0")  # a moved master's log goes on in its successor
+        old_master = LogFollower(k, pods[0])  # a moved master's log goes on in its successor
         old_master.start()
         r = criuctl(lay, "migrate", moved, to, "-o", "json")
         assert r.returncode == 0, r.stderr[-3000:]
@@ -164,21 +161,21 @@ def test_a_pytorchjob_pod_moves_with_its_connections_and_the_job_never_stops(
         assert new["spec"]["nodeName"] == to and new["metadata"]["uid"] != before[moved][0]
         assert "criuctl.io/migrated-at" in new["metadata"]["annotations"]
         # still one job, the moved rank on its new node, every connection seen whole through the redirects
-        rows = _jobs(lay, "mv")
+        rows = _jobs(lay, job)
         assert (moved, to) in [(r[0], r[1]) for r in rows], rows
         _all_connected(rows, pods)
 
         earlier = ()
-        if moved == "mv-master-0":
+        if moved == pods[0]:
             old_master.join(60)
             earlier = (old_master.text,)
-        _finishes_as_the_reference(k, "mv", 3, earlier)
-        after = _restarts(k, "mv")
+        _finishes_as_the_reference(k, job, 3, earlier)
+        after = _restarts(k, job)
         assert all(after[p] == before[p] for p in pods if p != moved), (before, after)
         assert after[moved][1] == 0, "the moved rank's successor restarted"
         _no_rule_on_the_nodes(lay)
     finally:
-        k("delete", "pytorchjob", "mv", "--wait=false", check=False)
+        k("delete", "pytorchjob", job, "--wait=false", check=False)
 
 
 def test_a_drain_moves_the_worker_on_the_node_and_the_job_goes_on(local_cluster) -> None:
