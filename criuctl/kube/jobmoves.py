@@ -103,8 +103,7 @@ def plan(c: Cluster, m: moves.Move, new: str) -> Rewire | None:
             ctr = ctr or peer["spec"]["containers"][0]
             cid = container_id(peer, ctr["name"])
             node = peer["spec"]["nodeName"]
-            agent = agent_for(c, c.serialize(call(f"node {node}", c.core.read_node, node)))
-            row = workload_row(agent, cid) if cid else None
+            row = workload_row(_agent(c, node).node, cid) if cid else None
             if row is None:
                 foreign.append(f"{ra}:{rp} (pod {key}: its agent does not list it)")
                 continue
@@ -126,8 +125,7 @@ def prepare(c: Cluster, rw: Rewire, ident: str, pid: int) -> None:
     netcut.cut(ident, rw.cut, pid)
     try:
         for pr in rw.peers:
-            agent = AgentClient(_agent(c, pr.node), timeout=30)
-            answer: RedirectAnswer = agent.post(
+            answer: RedirectAnswer = _agent(c, pr.node).post(
                 "/v1/redirects", RedirectRequest(rules=pr.rules, workload=pr.workload)
             )
             pr.id = answer["id"]
@@ -136,8 +134,8 @@ def prepare(c: Cluster, rw: Rewire, ident: str, pid: int) -> None:
         raise
 
 
-def _agent(c: Cluster, node: str):
-    return agent_for(c, c.serialize(call(f"node {node}", c.core.read_node, node)))
+def _agent(c: Cluster, node: str) -> AgentClient:
+    return AgentClient(agent_for(c, c.serialize(call(f"node {node}", c.core.read_node, node))), timeout=30)
 
 
 def undo(c: Cluster, rw: Rewire, ident: str, pid: int | None) -> None:
@@ -146,7 +144,7 @@ def undo(c: Cluster, rw: Rewire, ident: str, pid: int | None) -> None:
     for pr in rw.peers:
         if pr.id:
             with contextlib.suppress(CriuctlError):
-                AgentClient(_agent(c, pr.node), timeout=30).delete(f"/v1/redirects/{pr.id}")
+                _agent(c, pr.node).delete(f"/v1/redirects/{pr.id}")
             pr.id = ""
     if pid is not None:
         with contextlib.suppress(CriuctlError, ValueError):
@@ -157,6 +155,6 @@ def commit(c: Cluster, rw: Rewire, ident: str, pid: int) -> None:
     """The rank runs in its successor: its peers' redirects are kept, its cut lifts."""
     for pr in rw.peers:
         with contextlib.suppress(CriuctlError):
-            AgentClient(_agent(c, pr.node), timeout=30).post(f"/v1/redirects/{pr.id}/keep")
+            _agent(c, pr.node).post(f"/v1/redirects/{pr.id}/keep")
     with contextlib.suppress(CriuctlError):
         netcut.remove(netcut.CUT + ident, pid)
