@@ -42,6 +42,7 @@ console = Console(stderr=True)
 SCRIPT = "train_ddp_nodes.py"
 SIZES = {"small": ("--width", "64"), "130MiB": ("--width", "2048", "--depth", "2")}
 STEPS, AT, EVERY = 80, 25, 10  # steps of the job, the step to move at, DCP interval
+COLUMNS = ("ranks", "state / rank", "contender", "job stall", "steps lost")  # bench/kube_jobs.py's too
 
 
 def _log_times(c: Cluster, name: str) -> dict[int, float]:
@@ -78,7 +79,7 @@ def _start(c: Cluster, prefix: str, placement: list[str], size: str, dcp: Path |
         )
 
 
-def _stall(times: dict[int, float]) -> tuple[float, float]:
+def job_stall(times: dict[int, float]) -> tuple[float, float]:
     """(longest gap between consecutive steps less the median gap, the median gap)."""
     steps = sorted(times)
     gaps = [times[b] - times[a] for a, b in itertools.pairwise(steps) if b == a + 1]
@@ -111,7 +112,7 @@ def bench_criuctl(c: Cluster, prefix: str, world: int, size: str, mode: str) -> 
         raise SystemExit(f"criuctl migrate failed: {r.stderr[-2000:]}")
     res = json.loads(r.stdout)
     _wait_done(c, f"{prefix}-0")
-    stall, step = _stall(_log_times(c, f"{prefix}-0"))
+    stall, step = job_stall(_log_times(c, f"{prefix}-0"))
     time.sleep(1)
     _kill(c, prefix)
     rank = res["ranks"][0]
@@ -144,7 +145,7 @@ def bench_restart(c: Cluster, prefix: str, world: int, size: str, work: Path) ->
     _wait_done(c, f"{prefix}r-0")
     after = _log_times(c, f"{prefix}r-0")
     first = min(after)
-    _, step = _stall(before)
+    _, step = job_stall(before)
     time.sleep(1)
     _kill(c, prefix + "r")
     shutil.rmtree(dcp, ignore_errors=True)
@@ -156,7 +157,7 @@ def bench_restart(c: Cluster, prefix: str, world: int, size: str, work: Path) ->
     )
 
 
-def _fmt(vals: list[float], unit: str = "s") -> str:
+def fmt(vals: list[float], unit: str = "s") -> str:
     med = statistics.median(vals)
     return f"{med:.2f} {unit} [{min(vals):.2f}–{max(vals):.2f}]" if len(vals) > 1 else f"{med:.2f} {unit}"
 
@@ -195,15 +196,7 @@ def main() -> int:
     table = Table(
         title=f"moving rank 1 of a running multi-node gloo DDP job over {PLAIN} (median \\[min–max])"
     )
-    for col in (
-        "ranks",
-        "state / rank",
-        "contender",
-        "job stall",
-        "steps lost",
-        "its downtime",
-        "bytes moved",
-    ):
+    for col in (*COLUMNS, "its downtime", "bytes moved"):
         table.add_column(col)
     for row in rows:
         runs = row["runs"]
@@ -213,9 +206,9 @@ def main() -> int:
             str(row["ranks"]),
             row["size"],
             what,
-            _fmt([r["stall"] for r in runs]),
+            fmt([r["stall"] for r in runs]),
             str(max(r["lost"] for r in runs)),
-            _fmt([r["downtime"] for r in runs]),
+            fmt([r["downtime"] for r in runs]),
             f"{statistics.median(nbytes) / (1 << 20):.0f} MiB" if nbytes else "-",
         )
     Console(width=170).print(table)

@@ -78,6 +78,51 @@ def training_pod(
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
 
 
+DDP_JOB = str(REPO / "tests" / "workloads" / "train_ddp_nodes.py")
+
+
+def _replica(name: str, node: str, replicas: int, args: list[str], migratable: bool, dcp: str) -> dict:
+    pod = training_pod(name, container="pytorch", extra_spec={"terminationGracePeriodSeconds": 5})
+    spec = {k: v for k, v in pod["spec"].items() if k != "restartPolicy"}
+    spec["nodeSelector"] = {"kubernetes.io/hostname": node}
+    ctr = spec["containers"][0]
+    ctr["args"] = [DDP_JOB, *args]
+    ctr["command"] = ctr["command"][:1]
+    ctr["resources"] = {"requests": {"memory": "128Mi", "cpu": "10m"}}
+    if dcp:  # a folder every node sees (the local cluster's nodes share the host's disk)
+        ctr["volumeMounts"].append({"name": "dcp", "mountPath": dcp})
+        spec["volumes"].append({"name": "dcp", "hostPath": {"path": dcp, "type": "DirectoryOrCreate"}})
+    meta = {k: pod["metadata"][k] for k in ("labels", "annotations")}
+    meta["labels"] = {**meta["labels"], "app": name}
+    if not migratable:
+        meta["labels"].pop("criuctl.io/migratable")
+    return {"replicas": replicas, "restartPolicy": "OnFailure", "template": {"metadata": meta, "spec": spec}}
+
+
+def ddp_job(
+    name: str,
+    master_node: str = "a",
+    worker_node: str = "b",
+    workers: int = 2,
+    args: tuple[str, ...] = ("--steps", "300", "--step-time", "0.05"),
+    migratable: bool = True,
+    dcp: str = "",
+) -> dict:
+    """A PyTorchJob as a user writes one: a master and `workers` workers running gloo DDP
+    (tests/workloads/train_ddp_nodes.py `args`); `dcp`: a host folder mounted there in every pod."""
+    return {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": {"name": name},
+        "spec": {
+            "pytorchReplicaSpecs": {
+                "Master": _replica(name, master_node, 1, list(args), migratable, dcp),
+                "Worker": _replica(name, worker_node, workers, list(args), migratable, dcp),
+            }
+        },
+    }
+
+
 class Kubectl:
     def __init__(self, lay: Layout) -> None:
         self.lay = lay
@@ -198,11 +243,18 @@ def criuctl(lay, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*CRIUCTL, *args], capture_output=True, text=True, env=env, timeout=300)
 
 
-def migrate_pod(lay, k: Kubectl, pod: str, node: str, *opts: str, gone: bool = True) -> str:
+def migrate_pod(
+    lay, k: Kubectl, pod: str, node: str, *opts: str, gone: bool = True, refused_while: str = ""
+) -> str:
     """Move `pod` with the CLI; returns the new pod's name, checked to run on `node` (and, with
     `gone`, the old pod deleted: the kubelet may take half a minute to remove it, while a short job
-    on the new pod runs to its end)."""
-    r = criuctl(lay, "migrate", pod, node, "-o", "json", *opts)
+    on the new pod runs to its end). `refused_while`: a refusal naming it is tried again, twice,
+    10 s apart (a node's kubelet still showing its cached copy of an edited ConfigMap)."""
+    for _ in range(3 if refused_while else 1):
+        r = criuctl(lay, "migrate", pod, node, "-o", "json", *opts)
+        if r.returncode == 0 or refused_while not in r.stderr or "Traceback" in r.stderr:
+            break
+        time.sleep(10)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["pod"] == pod and out["target"] == node
@@ -239,17 +291,13 @@ def criuctl_runs_the_built_image(lay: Layout, k: Kubectl) -> list[dict]:
     return agents
 
 
-class Controller:
-    """The controller Deployment's replicas, stopped at a named instant and killed by the tests: the
-    local cluster's overlay gives them the pause folder DIR/pause (criuctl.agent.points), whose
-    `armed` file every replica reads."""
+class Points:
+    """Named instants (criuctl.agent.points) armed in a pause folder that the processes of the
+    local cluster read: the controller's replicas DIR/pause, an agent its node's state dir's."""
 
-    def __init__(self, lay: Layout, k: Kubectl) -> None:
-        self.k, self.pause = k, lay.dir / "pause"
-
-    def leader(self) -> str:
-        lease = self.k.get("lease", "criuctl-controller", "criuctl-system") or {}
-        return (lease.get("spec", {}).get("holderIdentity") or "").rpartition("_")[0]
+    def __init__(self, folder: Path) -> None:
+        self.pause = folder
+        folder.mkdir(exist_ok=True)
 
     def arm(self, *points: str) -> None:
         for p in points:
@@ -263,11 +311,25 @@ class Controller:
     def reached(self, point: str, timeout: float = 180) -> None:
         deadline = time.monotonic() + timeout
         while not (self.pause / point).exists():
-            assert time.monotonic() < deadline, f"the controller never reached {point}"
+            assert time.monotonic() < deadline, f"nothing reached {point} (armed in {self.pause})"
             time.sleep(0.1)
 
     def go(self, point: str) -> None:
         (self.pause / f"{point}.go").touch()
+
+
+class Controller(Points):
+    """The controller Deployment's replicas, stopped at a named instant and killed by the tests: the
+    local cluster's overlay gives them the pause folder DIR/pause, whose `armed` file every replica
+    reads."""
+
+    def __init__(self, lay: Layout, k: Kubectl) -> None:
+        super().__init__(lay.dir / "pause")
+        self.k = k
+
+    def leader(self) -> str:
+        lease = self.k.get("lease", "criuctl-controller", "criuctl-system") or {}
+        return (lease.get("spec", {}).get("holderIdentity") or "").rpartition("_")[0]
 
     def kill_leader(self) -> str:
         """Kill the leading replica's pod at once (no grace): the other replica takes the Lease over

@@ -150,6 +150,18 @@ _CRI_STUBS = _import("criuctl_cri.api_pb2_grpc", f"{_MAKE_INSTALL} (criuctl's bu
 _RUNC = _tool("runc", install=f"{_MAKE_INSTALL} (apt-get install runc)")
 _BUSYBOX = _file(BUSYBOX_TAR, f"{_MAKE_INSTALL} (scripts/install-containerd.sh builds it)")
 
+
+def _tcp_rto_max() -> str | None:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.setsockopt(socket.IPPROTO_TCP, 44, 1000)  # TCP_RTO_MAX_MS
+        except OSError:
+            return f"this kernel ({os.uname().release}) has no TCP_RTO_MAX_MS: use Linux >= 6.15"
+    return None
+
+
 REQUIREMENTS: dict[str, Requirement] = {
     r.name: r
     for r in (
@@ -265,6 +277,12 @@ REQUIREMENTS: dict[str, Requirement] = {
                 "mode, cannot be tested here; use a kernel with CONFIG_USERFAULTFD=y "
                 "(Debian 12's has it)",
             ),
+        ),
+        Requirement(
+            "tcp-rto-max",
+            "bounding the staying ranks' retransmission backoff (criuctl.net.rto)",
+            Source.KERNEL,
+            _tcp_rto_max,
         ),
         Requirement("gpu", "the real CUDA driver's checkpoint API", Source.HARDWARE, _gpu),
     )

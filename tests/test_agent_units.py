@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import os
 import secrets
 import subprocess
+import sys
 import tarfile
 import threading
 import time
@@ -224,9 +226,6 @@ def test_an_unreachable_node_is_one_clear_error(tmp_path):
 def test_a_warm_handoff_exits_when_its_agent_closes_the_lease_and_takes_its_title_with_its_job(tmp_path):
     """The handoff started ahead (`warmstart`): gone with its agent's pipe; once it has a job, its
     command line reads as a cold handoff's, which is how ps and the tests find a migration's handoff."""
-    import subprocess
-    import sys
-
     from criuctl.agent import warmstart
 
     def start() -> tuple[subprocess.Popen, int]:
@@ -263,6 +262,31 @@ def test_a_warm_handoff_exits_when_its_agent_closes_the_lease_and_takes_its_titl
     )
     shown = subprocess.run([sys.executable, "-c", probe, warmstart.blank()], capture_output=True, text=True)
     assert shown.stdout.split("\0")[:5] == [sys.executable, "-m", "criuctl.agent.handoff", "dump", str(spec)]
+
+
+def test_a_handoff_that_hits_a_bug_says_so_on_its_events_pipe_with_the_traceback_in_its_log(tmp_path):
+    """An exception no role expected (here: a spec that is not JSON) is an error event naming it,
+    so the agent's one line tells what broke; before, the process died and the line said only
+    that it ended without reporting."""
+    spec, log = tmp_path / "target-spec.json", tmp_path / "handoff.log"
+    spec.write_text("{not json")
+    r, w = os.pipe()
+    with log.open("wb") as out:
+        p = subprocess.run(
+            [sys.executable, "-m", "criuctl.agent.handoff", "target", str(spec), "--events-fd", str(w)],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            pass_fds=(w,),
+            timeout=60,
+        )
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        said = [json.loads(line) for line in f.read().splitlines()]
+    assert p.returncode == 1
+    assert len(said) == 1 and said[0]["event"] == "error", said
+    assert said[0]["what"].startswith("the target handoff failed: JSONDecodeError: "), said
+    assert "Traceback" in log.read_text()
 
 
 def _fits(answer: object, kind: type) -> None:

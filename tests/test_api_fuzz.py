@@ -23,6 +23,7 @@ from criuctl.agent.server import Agent, AgentOptions
 ROUTES = [
     ("GET", "/v1/workloads/{x}/logs"),
     ("POST", "/v1/workloads/{x}/checkpoint"),
+    ("POST", "/v1/workloads/{x}/brace"),
     ("GET", "/v1/bundles/{x}"),
     ("PUT", "/v1/bundles/{x}"),
     ("POST", "/v1/bundles/{x}/restore"),

@@ -8,47 +8,34 @@ that stay never stop, and the job ends as an uninterrupted run does.
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import time
 
 import pytest
-from localcluster.layout import REPO
+from localcluster import __main__ as lc
 
+from criuctl.agent.protocol import Point
 from tests.conftest import needs_criu
-from tests.kube import Kubectl, LogFollower, combined_steps, criuctl, drain, final, steps, training_pod
+from tests.jobs import CRIUCTL
+from tests.kube import (
+    DDP_JOB,
+    Kubectl,
+    LogFollower,
+    Points,
+    combined_steps,
+    criuctl,
+    ddp_job,
+    drain,
+    final,
+    steps,
+    training_pod,
+)
 
 pytestmark = [needs_criu, pytest.mark.slow]
 
-DDP = str(REPO / "tests" / "workloads" / "train_ddp_nodes.py")
-STEPS = 300
-
-
-def _replica(name: str, node: str, replicas: int) -> dict:
-    pod = training_pod(name, container="pytorch", extra_spec={"terminationGracePeriodSeconds": 5})
-    spec = {k: v for k, v in pod["spec"].items() if k != "restartPolicy"}
-    spec["nodeSelector"] = {"kubernetes.io/hostname": node}
-    ctr = spec["containers"][0]
-    ctr["args"] = [DDP, "--steps", str(STEPS), "--step-time", "0.05"]
-    ctr["command"] = ctr["command"][:1]
-    ctr["resources"] = {"requests": {"memory": "128Mi", "cpu": "10m"}}
-    meta = {k: pod["metadata"][k] for k in ("labels", "annotations")}
-    meta["labels"] = {**meta["labels"], "app": name}
-    return {"replicas": replicas, "restartPolicy": "OnFailure", "template": {"metadata": meta, "spec": spec}}
-
-
-def ddp_job(name: str, master_node: str = "a", worker_node: str = "b", workers: int = 2) -> dict:
-    """A PyTorchJob as a user writes one: a master and `workers` workers running gloo DDP."""
-    return {
-        "apiVersion": "kubeflow.org/v1",
-        "kind": "PyTorchJob",
-        "metadata": {"name": name},
-        "spec": {
-            "pytorchReplicaSpecs": {
-                "Master": _replica(name, master_node, 1),
-                "Worker": _replica(name, worker_node, workers),
-            }
-        },
-    }
+SYSTEM_NS = "criuctl-system"
 
 
 def _restarts(k: Kubectl, job: str) -> dict[str, tuple[str, int]]:
@@ -96,7 +83,7 @@ def _slow(job: dict, step_time: str) -> dict:
 
     for spec in job["spec"]["pytorchReplicaSpecs"].values():
         ctr = spec["template"]["spec"]["containers"][0]
-        ctr["args"] = [DDP, *REF_STEPS[:2], "--step-time", step_time]
+        ctr["args"] = [DDP_JOB, *REF_STEPS[:2], "--step-time", step_time]
     return job
 
 
@@ -116,6 +103,14 @@ def _finishes_as_the_reference(k: Kubectl, job: str, world: int, earlier: tuple[
     while (status := k.get("pytorchjob", job)["status"])["conditions"][-1]["type"] != "Succeeded":
         assert time.monotonic() < deadline, json.dumps(status)  # its pods exit after the last line
         time.sleep(1)
+
+
+def _migrated(k: Kubectl, pod: str) -> str:
+    """The message of the newest Migrated Event of pod `pod`."""
+    out = k("get", "events", "--field-selector", f"involvedObject.name={pod},reason=Migrated", "-o", "json")
+    items = sorted(json.loads(out.stdout)["items"], key=lambda e: e["lastTimestamp"] or "")
+    assert items, f"no Migrated event for {pod}"
+    return items[-1]["message"]
 
 
 def _no_rule_on_the_nodes(lay) -> None:
@@ -160,6 +155,11 @@ def test_a_pytorchjob_pod_moves_with_its_connections_and_the_job_never_stops(
         new = k.get("pod", moved)
         assert new["spec"]["nodeName"] == to and new["metadata"]["uid"] != before[moved][0]
         assert "criuctl.io/migrated-at" in new["metadata"]["annotations"]
+        # its Event says what the stall was made of, and that the staying ranks' connections to it
+        # were braced (criuctl.net.rto): 2 peers x (the store's or gloo's) connections
+        said = _migrated(k, moved)
+        assert all(f"{step} " in said for step in ("checkpoint", "deleted", "kept", "running")), said
+        assert re.search(r"; [1-9][0-9]* of the staying ranks' connections to it retransmitted", said), said
         # still one job, the moved rank on its new node, every connection seen whole through the redirects
         rows = _jobs(lay, job)
         assert (moved, to) in [(r[0], r[1]) for r in rows], rows
@@ -178,31 +178,94 @@ def test_a_pytorchjob_pod_moves_with_its_connections_and_the_job_never_stops(
         k("delete", "pytorchjob", job, "--wait=false", check=False)
 
 
-def test_a_drain_moves_the_worker_on_the_node_and_the_job_goes_on(local_cluster) -> None:
-    """`kubectl drain b` with one worker of a 2-rank job there: the eviction's preStop checkpoints
-    it, its successor is restored on a with its connections; the master never stops."""
+def test_a_drain_moves_the_workers_on_the_node_one_after_another(local_cluster) -> None:
+    """`kubectl drain b` with both workers of a 3-rank job there: the drain evicts them at once, and
+    their preStops move them one after another (criuctl.kube.prestop: the second waits until the
+    first runs on a, then re-points its connection to it too). The master never stops; the job
+    ends as an uninterrupted run does, the workers' connection to each other whole."""
     lay, k = local_cluster
-    k.apply(_slow(ddp_job("dw", workers=1), "0.3"))
+    k.apply(_slow(ddp_job("dw", workers=2), "0.3"))
+    workers = ["dw-worker-0", "dw-worker-1"]
     try:
         _wait_steps(k, "dw-master-0", 15)
         before = _restarts(k, "dw")
         drain(k, "b", "training.kubeflow.org/job-name=dw")
-        deadline = time.monotonic() + 180
-        while True:
-            new = k.get("pod", "dw-worker-0")
-            notes = (new or {}).get("metadata", {}).get("annotations") or {}
-            if new and "criuctl.io/migrated-at" in notes:
-                break
-            assert time.monotonic() < deadline, f"the worker was not restored: {new}"
-            time.sleep(1)
-        assert new["spec"]["nodeName"] == "a"
-        _finishes_as_the_reference(k, "dw", 2)
+        deadline = time.monotonic() + 300
+        for w in workers:
+            while True:
+                new = k.get("pod", w)
+                notes = (new or {}).get("metadata", {}).get("annotations") or {}
+                if new and "criuctl.io/migrated-at" in notes:
+                    break
+                assert time.monotonic() < deadline, f"{w} was not restored: {new}"
+                time.sleep(1)
+            assert new["spec"]["nodeName"] == "a"
+        rows = _jobs(lay, "dw")
+        _all_connected(rows, ["dw-master-0", *workers])
+        _finishes_as_the_reference(k, "dw", 3)
         after = _restarts(k, "dw")
-        assert after["dw-master-0"] == before["dw-master-0"] and after["dw-worker-0"][1] == 0
+        assert after["dw-master-0"] == before["dw-master-0"]
+        assert all(after[w][1] == 0 for w in workers), after
         _no_rule_on_the_nodes(lay)
     finally:
         k("uncordon", "b", check=False)
         k("delete", "pytorchjob", "dw", "--wait=false", check=False)
+
+
+def test_the_agent_of_a_staying_workers_node_killed_mid_move_loses_nothing(local_cluster) -> None:
+    """worker-0 moves from b to a; node a's agent stops once the staying ranks' redirects are in
+    place (master-0's on a, worker-1's on b) and before it restores, and b's agent pod is killed
+    there. The restore goes on; the keep of worker-1's redirect waits for b's restarted agent
+    (criuctl.kube.jobmoves), so that b's record of it is kept: `criuctl ps --jobs` shows worker-1
+    connected to worker-0 on a, and a later move would re-point that connection. The job ends as
+    an uninterrupted run does, no pod restarted, no rule left."""
+    lay, k = local_cluster
+    pods = ["ks-master-0", "ks-worker-0", "ks-worker-1"]
+    k.apply(_slow(ddp_job("ks"), "0.3"))
+    points = Points(lay.node_dir("a") / "var-lib-criuctl" / "pause")
+    try:
+        _wait_steps(k, pods[0], 15)
+        before = _restarts(k, "ks")
+        points.arm(Point.SUCCESSOR_REDIRECTED)
+        env = {**os.environ, "KUBECONFIG": str(lay.kubeconfig)}
+        cli = subprocess.Popen(
+            [*CRIUCTL, "migrate", pods[1], "a", "-o", "json"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        points.reached(Point.SUCCESSOR_REDIRECTED)
+        (agent,) = [
+            p["metadata"]["name"]
+            for p in k.pods(SYSTEM_NS, "app.kubernetes.io/name=criuctl-agent")
+            if p["spec"]["nodeName"] == "b"
+        ]
+        k("-n", SYSTEM_NS, "delete", "pod", agent, "--grace-period=0", "--force")
+        points.disarm()
+        points.go(Point.SUCCESSOR_REDIRECTED)
+        out, err = cli.communicate(timeout=600)
+        assert cli.returncode == 0, err[-3000:]
+        assert json.loads(out.strip().splitlines()[-1])["target"] == "a"
+        assert k.get("pod", pods[1])["spec"]["nodeName"] == "a"
+        _agents_back(lay)  # b's lists worker-1 again: through its redirect, kept or not
+        _all_connected(_jobs(lay, "ks"), pods)
+        _finishes_as_the_reference(k, "ks", 3)
+        after = _restarts(k, "ks")
+        assert all(after[p] == before[p] for p in pods if p != pods[1]), (before, after)
+        assert after[pods[1]][1] == 0, "the moved rank's successor restarted"
+        _no_rule_on_the_nodes(lay)
+    finally:
+        points.disarm()
+        k("delete", "pytorchjob", "ks", "--wait=false", check=False)
+        _agents_back(lay)  # the next test needs b's agent again
+
+
+def _agents_back(lay) -> None:
+    deadline = time.monotonic() + 120
+    while not lc._agents_ready(lay):
+        assert time.monotonic() < deadline, "b's agent did not come back"
+        time.sleep(1)
 
 
 def test_a_worker_whose_restore_fails_on_the_target_comes_back_on_its_node(local_cluster) -> None:
@@ -234,3 +297,149 @@ def test_a_worker_whose_restore_fails_on_the_target_comes_back_on_its_node(local
     finally:
         fault.unlink(missing_ok=True)
         k("delete", "pytorchjob", "fb", "--wait=false", check=False)
+
+
+def train_job(name: str, nodes: int = 3) -> dict:
+    """A TrainJob as a user writes one for Kubeflow Trainer's torch runtime: the script reads the
+    rank, world and master that Trainer's PET_* variables carry (torchrun's own names)."""
+    from tests.test_multinode import STEPS as REF_STEPS
+
+    ctr = ddp_job(name)["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    pod = training_pod(name, container="pytorch")
+    dist = [
+        "--rank",
+        "$(PET_NODE_RANK)",
+        "--world",
+        "$(PET_NNODES)",
+        "--master",
+        "$(PET_MASTER_ADDR):$(PET_MASTER_PORT)",
+    ]
+    override = {
+        "targetJobs": [{"name": "node"}],
+        "metadata": {k: pod["metadata"][k] for k in ("labels", "annotations")},
+        "spec": {
+            "terminationGracePeriodSeconds": 5,
+            "volumes": pod["spec"]["volumes"],
+            # Trainer's override merges volumeMounts into the container by name; here the template's
+            "containers": [{"name": "node", "volumeMounts": ctr["volumeMounts"]}],
+        },
+    }
+    return {
+        "apiVersion": "trainer.kubeflow.org/v1alpha1",
+        "kind": "TrainJob",
+        "metadata": {"name": name},
+        "spec": {
+            "runtimeRef": {"name": "torch-distributed"},
+            "trainer": {
+                "numNodes": nodes,
+                "image": ctr["image"],
+                "command": ctr["command"],
+                "args": [DDP_JOB, *REF_STEPS[:2], "--step-time", "0.3", *dist],
+                "resourcesPerNode": ctr["resources"],
+            },
+            "podTemplateOverrides": [override],
+        },
+    }
+
+
+def _trainjob_pods(k: Kubectl, job: str) -> dict[str, dict]:
+    """The job's live pods by completion index."""
+    pods = k.pods(selector=f"jobset.sigs.k8s.io/jobset-name={job}")
+    live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    return {p["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"]: p for p in live}
+
+
+@pytest.mark.parametrize("how", ["migrate", "drain"])
+def test_a_trainjob_pod_moves_by_index_and_the_job_never_stops(local_cluster, how: str) -> None:
+    """A 3-node TrainJob (the stand-in makes its pods as JobSet does: random names, hostname
+    `trn-node-0-I`, subdomain `trn`; rank 0's store found as `trn-node-0-0.trn`). `criuctl migrate`
+    of index 1's pod, or `kubectl drain` of its node (every index there moves, one after another,
+    rank 0 too if it is there): a successor has another name but the same index, hostname and DNS
+    name, and criuctl knows it by that (criuctl.kube.owners.identity). The job never stops and ends
+    as an uninterrupted run does; no pod restarted; no rule left on a node."""
+    lay, k = local_cluster
+    job = {"migrate": "trn", "drain": "trd"}[how]
+    k.apply(train_job(job))
+    source = ""
+    try:
+        deadline = time.monotonic() + 180
+        while len(pods := _trainjob_pods(k, job)) < 3 or any(
+            p["status"].get("phase") != "Running" for p in pods.values()
+        ):
+            assert time.monotonic() < deadline, {i: p["status"].get("phase") for i, p in pods.items()}
+            time.sleep(1)
+        rank0 = pods["0"]["metadata"]["name"]
+        _wait_steps(k, rank0, 15)
+        assert {p["spec"]["hostname"] for p in pods.values()} == {f"{job}-node-0-{i}" for i in range(3)}
+        name, source = pods["1"]["metadata"]["name"], pods["1"]["spec"]["nodeName"]
+        to = "a" if source == "b" else "b"
+        before = {
+            i: (p["metadata"]["uid"], p["status"]["containerStatuses"][0]["restartCount"])
+            for i, p in pods.items()
+        }
+        rows = _jobs(lay, f"{job}-node-0")  # a job is named by its pods' common prefix
+        _all_connected(rows, [p["metadata"]["name"] for p in pods.values()])
+        first0 = LogFollower(k, rank0)  # a moved rank 0's log goes on in its successor
+        first0.start()
+
+        if how == "migrate":
+            moved = ["1"]
+            r = criuctl(lay, "migrate", name, to, "-o", "json")
+            assert r.returncode == 0, r.stderr[-3000:]
+            out = json.loads(r.stdout.strip().splitlines()[-1])
+            assert out["target"] == to and out["via_successor"], out
+        else:
+            moved = sorted(i for i, p in pods.items() if p["spec"]["nodeName"] == source)
+            drain(k, source, f"jobset.sigs.k8s.io/jobset-name={job}")
+        deadline = time.monotonic() + 300
+        for i in moved:
+            while True:
+                new = _trainjob_pods(k, job).get(i) or {"metadata": {}}
+                if new["metadata"].get("uid", before[i][0]) != before[i][0] and "criuctl.io/migrated-at" in (
+                    new["metadata"].get("annotations") or {}
+                ):
+                    break
+                assert time.monotonic() < deadline, f"index {i} was not restored: {new}"
+                time.sleep(1)
+            old = pods[i]["metadata"]["name"]
+            assert new["metadata"]["name"] != old
+            assert new["spec"]["nodeName"] == to and new["spec"]["hostname"] == f"{job}-node-0-{i}"
+            assert new["metadata"]["annotations"]["criuctl.io/migrated-from"] == f"default/{old}@{source}"
+        now = _trainjob_pods(k, job)
+        rows = _jobs(lay, f"{job}-node-0")
+        assert (now["1"]["metadata"]["name"], to) in [(r[0], r[1]) for r in rows], rows
+        _all_connected(rows, [p["metadata"]["name"] for p in now.values()])
+
+        from tests.test_multinode import reference
+
+        ref_steps, ref_final = reference(3)
+        rank0_now = now["0"]["metadata"]["name"]
+        deadline = time.monotonic() + 300
+        while not final(log := k.logs(rank0_now)):
+            assert time.monotonic() < deadline, log[-1500:]
+            time.sleep(2)
+        earlier = []
+        if rank0_now != rank0:
+            first0.join(60)
+            earlier = [steps(first0.text)]
+        assert combined_steps([*earlier, steps(log)]) == ref_steps, (
+            "the losses differ from an uninterrupted run's"
+        )
+        assert final(log) == [ref_final], "final weights differ from an uninterrupted run"
+        after = _trainjob_pods(k, job)
+        for i in before:
+            if i in moved:
+                assert after[i]["status"]["containerStatuses"][0]["restartCount"] == 0
+                continue
+            assert after[i]["metadata"]["uid"] == before[i][0], f"index {i}'s pod was replaced"
+            assert after[i]["status"]["containerStatuses"][0]["restartCount"] == before[i][1]
+        while (k.get("trainjob", job).get("status") or {}).get("conditions", [{}])[-1].get(
+            "type"
+        ) != "Complete":
+            assert time.monotonic() < deadline, k.get("trainjob", job)
+            time.sleep(1)
+        _no_rule_on_the_nodes(lay)
+    finally:
+        if how == "drain" and source:
+            k("uncordon", source, check=False)
+        k("delete", "trainjob", job, "--wait=false", check=False)

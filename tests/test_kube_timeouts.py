@@ -24,7 +24,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from localcluster import pytorchjob
+from localcluster import pytorchjob, trainjob
 
 from criuctl.core.env import KUBE_TIMEOUTS
 from criuctl.core.errors import CriuctlError
@@ -284,19 +284,22 @@ def test_the_pytorchjob_stand_in_ends_each_poll(silent: Silent, tmp_path: Path, 
     for step in (
         lambda: pytorchjob.install(config),
         lambda: pytorchjob.Controller(api.api_client(config, FAST)[0], FAST).sync(),
+        lambda: trainjob.Controller(api.api_client(config, FAST)[0], FAST).sync(),
     ):
         started = time.monotonic()
         with pytest.raises(api.NoAnswer):
             step()
         assert time.monotonic() - started < FAST.connect + FAST.read + 1
     stop = threading.Event()
-    loop = threading.Thread(target=pytorchjob.run, args=(config, stop, 0.1), daemon=True)
+    kinds = (pytorchjob.Controller, trainjob.Controller)
+    loop = threading.Thread(target=pytorchjob.run, args=(config, stop, 0.1, kinds), daemon=True)
     loop.start()
     time.sleep(FAST.connect + FAST.read + 0.5)
     stop.set()
     loop.join(FAST.connect + FAST.read + 1)
     assert not loop.is_alive(), "the stand-in's loop did not stop: a poll did not end"
-    assert "PyTorchJob stand-in: " in caplog.text, "no poll ended with its failure logged"
+    for kind in ("PyTorchJob", "TrainJob"):
+        assert f"{kind} stand-in: " in caplog.text, "no poll ended with its failure logged"
 
 
 # ------------------------------------------------------------------------------ no bypass

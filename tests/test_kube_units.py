@@ -3,9 +3,11 @@ NAME means a pod, the PodMigration's body and conditions, the controller's optio
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -162,3 +164,81 @@ def test_hostile_names_are_refused_before_any_request(args: list[str], tmp_path:
     )
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and len(lines) == 1 and "is not a valid" in lines[0], r.stderr
+
+
+class _Objects:
+    """The custom-objects API over a dict of (group, plural, name) → object: what owners reads."""
+
+    def __init__(self, objs: dict[tuple[str, str, str], dict]) -> None:
+        self.objs = objs
+
+    def get_namespaced_custom_object(self, group: str, version: str, ns: str, plural: str, name: str) -> dict:
+        from kubernetes.client.exceptions import ApiException
+
+        if (group, plural, name) not in self.objs:
+            raise ApiException(status=404, reason="Not Found")
+        return self.objs[(group, plural, name)]
+
+
+def _obj(name: str, uid: str, owner: dict | None = None, **rest: Any) -> dict:
+    meta = {"name": name, "uid": uid, "ownerReferences": [owner] if owner else []}
+    return {"metadata": meta, **rest}
+
+
+def test_a_jobset_pod_belongs_to_its_jobset_through_its_indexed_job() -> None:
+    """On a real cluster a TrainJob's pod is owned by an Indexed Job, which a JobSet owns; the
+    stand-in's JobSet owns its pods itself. Either way the JobSet decides whether it wants the pod
+    back; a Job of no JobSet (a plain Job) keeps refusing."""
+    from types import SimpleNamespace
+
+    from criuctl.kube import owners
+
+    js_ref = {"kind": "JobSet", "name": "trn", "uid": "js", "controller": True}
+    job_ref = {"kind": "Job", "name": "trn-node-0", "uid": "job", "controller": True}
+    jobset = _obj(
+        "trn", "js", spec={"replicatedJobs": [{"replicas": 1, "template": {"spec": {"parallelism": 3}}}]}
+    )
+    objs = {
+        ("batch", "jobs", "trn-node-0"): _obj("trn-node-0", "job", js_ref),
+        ("jobset.x-k8s.io", "jobsets", "trn"): jobset,
+    }
+    c = SimpleNamespace(custom=_Objects(objs))
+    pod = _obj("trn-node-0-1-x7k2q", "p", job_ref, spec={"hostname": "trn-node-0-1", "subdomain": "trn"})
+    pod["metadata"].update(namespace="ml", labels={"jobset.sigs.k8s.io/jobset-name": "trn"})
+    o = owners.owner(c, pod)
+    assert o is not None and (o.kind, o.name, o.replicas, o.wants_back) == ("JobSet", "trn", 3, True)
+    standin = copy.deepcopy(pod)
+    standin["metadata"]["ownerReferences"] = [js_ref]
+    assert owners.owner(c, standin) == o
+    jobset["status"] = {"conditions": [{"type": "Completed", "status": "True"}]}
+    o = owners.owner(c, pod)
+    assert o is not None and not o.wants_back and o.why == "the JobSet has finished"
+    del jobset["status"]
+    objs[("batch", "jobs", "trn-node-0")]["metadata"]["ownerReferences"] = []
+    assert owners.owner(c, pod) is None, "a Job no JobSet owns: its pods do not come back by index"
+    plain = copy.deepcopy(pod)
+    del plain["spec"]["subdomain"]
+    assert owners.owner(c, plain) is None, "no stable DNS name: nothing its successor shares"
+    del objs[("jobset.x-k8s.io", "jobsets", "trn")]
+    o = owners.owner(c, standin)
+    assert o is not None and not o.wants_back and o.why == "its JobSet is gone"
+
+
+def test_a_moves_breakdown_is_the_time_between_its_stamped_steps_in_order(monkeypatch) -> None:
+    """What the MIGRATED Event says the stall was made of: each step's seconds since the step
+    stamped before it, in the path's order; a step never stamped (a restore a restarted agent
+    found done) is left out, not counted as zero."""
+    from criuctl.kube import moves
+
+    m = moves.Move("default", "w-0", "uid", "b", "pytorch", moves.Phase.DUMPING)
+    now = iter([100.0, 101.5, 101.6, 103.0, 104.25])
+    monkeypatch.setattr(moves.time, "time", lambda: next(now))
+    for step in ("prestop", "checkpoint", "deleted", "kept", "running"):
+        m.stamp(step)
+    assert m.breakdown() == [
+        ("checkpoint", 1.5),
+        ("deleted", pytest.approx(0.1)),
+        ("kept", pytest.approx(1.4)),
+        ("running", 1.25),
+    ]
+    assert moves.Move("default", "w-0", "uid", "b", "pytorch", moves.Phase.KEPT).breakdown() == []

@@ -398,6 +398,8 @@ AGENT_RULES = {
     ("", "persistentvolumes"): {"get"},
     ("apps", "statefulsets"): {"get"},
     ("kubeflow.org", "pytorchjobs"): {"get"},
+    ("batch", "jobs"): {"get"},
+    ("jobset.x-k8s.io", "jobsets"): {"get"},
     # a drain's move is recorded as a PodMigration (criuctl.kube.prestop)
     ("criuctl.io", "podmigrations"): {"create"},
 }
@@ -468,6 +470,8 @@ CONTROLLER_RULES = {
     ("", "events"): {"create"},
     ("apps", "statefulsets"): {"get"},
     ("kubeflow.org", "pytorchjobs"): {"get"},
+    ("batch", "jobs"): {"get"},
+    ("jobset.x-k8s.io", "jobsets"): {"get"},
     ("", "persistentvolumeclaims"): {"get"},
     ("", "persistentvolumes"): {"get"},
 }
@@ -541,7 +545,11 @@ _RESOURCE = {
     "persistent_volume": ("", "persistentvolumes"),
 }
 # the custom objects a module reads or writes: by the group its calls name
-_CUSTOM = {"podmigrations": ("criuctl.io", "podmigrations"), "owners": ("kubeflow.org", "pytorchjobs")}
+_CUSTOM = {
+    "podmigrations": [("criuctl.io", "podmigrations")],
+    # the owner a pod comes back to: a PyTorchJob, or a JobSet's Job and the JobSet
+    "owners": [("kubeflow.org", "pytorchjobs"), ("batch", "jobs"), ("jobset.x-k8s.io", "jobsets")],
+}
 
 
 def _calls(where: str) -> set[tuple[str, str, str]]:
@@ -565,11 +573,10 @@ def _calls(where: str) -> set[tuple[str, str, str]]:
         verb = _VERB[verb_word]
         rest = rest.removeprefix("namespaced_").removeprefix("cluster_").removesuffix("_for_all_namespaces")
         if api == "custom":
-            group, resource = _CUSTOM[module]
-            resource += "/status" if rest.endswith("_status") else ""
+            status = "/status" if rest.endswith("_status") else ""
+            out |= {(group, resource + status, verb) for group, resource in _CUSTOM[module]}
         else:
-            group, resource = _RESOURCE[rest]
-        out.add((group, resource, verb))
+            out.add((*_RESOURCE[rest], verb))
     return out
 
 

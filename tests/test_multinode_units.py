@@ -166,10 +166,17 @@ def test_plan_maps_cuts_and_redirects(nodes):
     assert sorted(map(tuple, move.cut)) == [(d, 40001, A, 29500), (d, 51000, A, 50000), (d, 51001, C, 52001)]
     rules = {r.node.name: sorted(map(tuple, r.rules)) for r in p.redirects}
     assert rules == {"a": [(A, 29500, B, 40001, d), (A, 50000, B, 51000, d)], "c": [(C, 52001, B, 51001, d)]}
+    # the staying ranks' connections to it, braced before the freeze (criuctl.net.rto)
+    braced = {(b.node.name, b.workload): sorted(map(tuple, b.connections)) for b in p.braces}
+    assert braced == {
+        ("a", "ddp-0"): [(A, 29500, B, 40001), (A, 50000, B, 51000)],
+        ("c", "ddp-2"): [(C, 52001, B, 51001)],
+    }
     both = jobmove.plan(job, {"ddp-1": "d", "ddp-2": "b"})  # a connection between two moved ranks
     m2 = next(m for m in both.moves if m.rank.workload == "ddp-2")
     assert [d, 51001, B, 52001] in both.moves[0].cut and [B, 52001, d, 51001] in m2.cut
     assert {r.node.name for r in both.redirects} == {"a"}  # only rank 0 stays
+    assert [b.workload for b in both.braces] == ["ddp-0"]
 
 
 def test_plan_refusals_are_one_line(nodes):

@@ -16,6 +16,7 @@ import pytest
 from criuctl.container import mounts, nodeview, rootfsdiff, volumes
 from criuctl.container.nodeview import NodeView
 from criuctl.container.volumes import Kind
+from criuctl.core.errors import CriuctlError
 from criuctl.kube import podvolumes
 from tests.requirements import needs
 
@@ -350,3 +351,28 @@ def test_volumes_no_other_node_sees_alike_are_refused_by_name(volume: dict, says
     assert podvolumes.check(_pod(*follow), NODE_B, {}, {}) is None
     r = podvolumes.check(_pod(*follow, {"name": "odd", **volume}), NODE_B, {}, {})
     assert r is not None and r.volume == "odd" and says in r.what and r.hint, r
+
+
+def test_a_volumes_digest_is_read_as_the_process_sees_it_and_waits_out_a_kubelet_swap(
+    tmp_path, monkeypatch
+) -> None:
+    """Read through /proc/PID/root: the digest is what that process sees. A read that lost a race
+    with the kubelet's swap (the old folder removed between the link and the file) is tried again,
+    not a crash; a volume still unreadable after the retries is one clear error."""
+    _atomic_writer(tmp_path / "a", "..2026_12_01_10_00_00.1", {"lr": "0.003"})
+    want = volumes.digest(str(tmp_path / "a"))
+    assert volumes.seen_digest(os.getpid(), str(tmp_path / "a"), "volume cfg (api)") == want
+    with pytest.raises(CriuctlError) as err:
+        volumes.seen_digest(os.getpid(), str(tmp_path / "missing"), "volume cfg (api)")
+    assert err.value.what.startswith("cannot read volume cfg (api) at "), err.value.what
+
+    real, lost = volumes.digest, [FileNotFoundError(2, "No such file or directory")] * 2
+
+    def racing(base: str) -> str:
+        if lost:
+            raise lost.pop()
+        return real(base)
+
+    monkeypatch.setattr(volumes, "digest", racing)
+    assert volumes.seen_digest(os.getpid(), str(tmp_path / "a"), "volume cfg (api)") == want
+    assert not lost

@@ -748,3 +748,38 @@ def test_a_move_record_name_is_unambiguous_and_fits() -> None:
     assert moves.record_name("ml", "st-0") == "move.ml.st-0"
     long = moves.record_name("n" * 63, "p" * 253)
     assert len(long) <= 253 and long.startswith("move.")
+
+
+def jobset_pod(index: int = 1) -> Obj:
+    """A TrainJob's pod as its Indexed Job creates it: no name yet (generateName), its completion
+    index's hostname under the JobSet's subdomain."""
+    p = pod(TRAIN, hostname=f"trn-node-0-{index}", subdomain="trn")
+    p["metadata"]["generateName"] = f"trn-node-0-{index}-"
+    p["metadata"]["labels"]["jobset.sigs.k8s.io/jobset-name"] = "trn"
+    p["metadata"]["ownerReferences"] = [{"kind": "Job", "name": "trn-node-0", "controller": True}]
+    return p
+
+
+def test_a_jobset_pod_is_known_by_its_dns_name_not_its_random_one() -> None:
+    """Its successor gets a new random name but the same hostname and subdomain: that is what its
+    preStop hook, its move record and the webhook's lookup are keyed by."""
+    from criuctl.kube import moves, webhook
+
+    p = jobset_pod()
+    assert mutate.identity(p) == "trn-node-0-1.trn" and mutate.indexed(p)
+    assert mutate.identity(named(pod(TRAIN))) == "st-0", "any other pod: its name"
+    no_subdomain = copy.deepcopy(p)
+    del no_subdomain["spec"]["subdomain"]
+    assert not mutate.indexed(no_subdomain) and mutate.identity(no_subdomain) == ""
+    hook = containers_by_name(mutate.wrap(p, prestop_port=7071))["train"]["lifecycle"]["preStop"]
+    assert hook["httpGet"]["path"].endswith("/ml/trn-node-0-1.trn")
+    assert "lifecycle" not in containers_by_name(mutate.wrap(no_subdomain, prestop_port=7071))["train"]
+
+    m = moves.Move("ml", "trn-node-0-1.trn", "u", "a", "train", moves.Phase.KEPT, target="b", holder="b")
+    asked: list[tuple[str, str]] = []
+    opts = webhook.Options(prestop_port=7071, pending=lambda ns, n: asked.append((ns, n)) or m)
+    out = webhook.review(admission(p), opts)["response"]
+    new = apply_patch(p, json.loads(base64.b64decode(out["patch"])))
+    assert asked == [("ml", "trn-node-0-1.trn")]
+    assert new["spec"]["nodeName"] == "b" and mutate.is_placeholder(new)
+    assert new["spec"]["hostname"] == "trn-node-0-1" and new["spec"]["subdomain"] == "trn"

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import IO
 
@@ -388,7 +389,17 @@ def main(argv: list[str] | None = None) -> int:
         if job is None:
             return 0
         role, spec, _log = job
-    return {"source": source, "target": target, "dump": dump}[role](spec)
+    try:
+        return {"source": source, "target": target, "dump": dump}[role](spec)
+    except Exception as exc:  # a bug: said on the events pipe too, not only in the log
+        traceback.print_exc()  # to the handoff's log
+        _emit(
+            Event.ERROR,
+            what=f"the {role} handoff failed: {type(exc).__name__}: {exc}",
+            hint="a criuctl bug: please report it with the handoff's log",
+            detail="".join(traceback.format_exception_only(exc)).strip(),
+        )
+        return 1
 
 
 if __name__ == "__main__":

@@ -181,6 +181,18 @@ class RedirectAnswer(TypedDict):
     id: str
 
 
+class BraceRequest(TypedDict):
+    """POST /v1/workloads/NAME/brace: a staying rank's connections to a peer about to move, whose
+    retransmission backoff is bounded before that peer freezes (criuctl.net.rto)."""
+
+    connections: Rows  # [[local, port, remote, port], ...] as the rank's namespace shows them
+
+
+class BraceAnswer(TypedDict):
+    sockets: int  # how many were bounded
+    why_not: str  # why none could be, where so ("" otherwise)
+
+
 # ----------------------------------------------------------------------------------- kept bundles
 
 

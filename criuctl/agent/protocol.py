@@ -477,3 +477,4 @@ class Point(enum.StrEnum):
     SOURCE_SENT_RECORDED = "source.sent-recorded"  # source agent: SENT recorded, client not told
     TARGET_RECEIVED = "target.received"  # target agent: RECEIVED recorded, source not answered
     TARGET_RUNNING = "target.running"  # target agent: RUNNING, client not answered
+    SUCCESSOR_REDIRECTED = "successor.redirected"  # holder agent: a rank's peers redirected, not restored

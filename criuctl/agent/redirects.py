@@ -4,6 +4,7 @@ POST   /v1/redirects             install one (token): the rules, and the moved r
                                  or the rules and a workload here (a pod's), in its network namespace
 POST   /v1/redirects/{id}/keep   the moved rank runs on its new node: keep it for the job's life
 DELETE /v1/redirects/{id}        remove it (the move was aborted)
+POST   /v1/workloads/{name}/brace  bound the backoff of its connections to a peer about to move
 
 A redirect (`criuctl.net.netcut`) is right exactly when the moved rank runs on its new node, so it
 follows that rank's migration, never the client: one the client neither kept nor removed within
@@ -35,12 +36,19 @@ from aiohttp import web
 
 from criuctl.agent import records, verdicts
 from criuctl.agent.httpjson import body_json, error, fail, valid_id
-from criuctl.agent.messages import RedirectAnswer, RedirectRequest, Rows, StateAnswer
+from criuctl.agent.messages import (
+    BraceAnswer,
+    BraceRequest,
+    RedirectAnswer,
+    RedirectRequest,
+    Rows,
+    StateAnswer,
+)
 from criuctl.agent.protocol import TargetState, Ticket, timeouts
-from criuctl.core import statedir, workloads
+from criuctl.core import procinfo, statedir, workloads
 from criuctl.core.errors import CriuctlError
 from criuctl.core.retry import Backoff
-from criuctl.net import netcut
+from criuctl.net import netcut, peers, rto
 from criuctl.net.readdress import canonical
 
 if TYPE_CHECKING:
@@ -104,6 +112,7 @@ class Redirects:
         r.add_post("/v1/redirects", self.new)
         r.add_post("/v1/redirects/{id}/keep", self.keep)
         r.add_delete("/v1/redirects/{id}", self.remove)
+        r.add_post("/v1/workloads/{name}/brace", self.brace)
 
     @property
     def folder(self) -> Path:
@@ -173,6 +182,37 @@ class Redirects:
             )
         await asyncio.to_thread(self._drop, rec)
         return web.json_response(StateAnswer(state="removed"))
+
+    async def brace(self, r: web.Request) -> web.Response:
+        """Before a peer freezes: its connections from this workload retransmit at least every
+        second while it is away (criuctl.net.rto), so that it is heard from as soon as it is back."""
+        body: BraceRequest = await body_json(r)
+        try:
+            name = workloads.validate_name(r.match_info["name"])
+            conns = [
+                (str(a), int(p), str(b), int(q))
+                for a, p, b, q in netcut.parse(body.get("connections"), "apap")
+            ]
+            w = await asyncio.to_thread(self.agent.runtimes.resolve, name)
+        except (ValueError, TypeError) as exc:
+            return fail(400, f"bad brace: {exc}", "use `criuctl migrate`")
+        except workloads.BadName as exc:
+            return fail(400, exc.what, exc.hint)
+        except CriuctlError as exc:
+            return self.agent.error_response(exc)
+        done = await asyncio.to_thread(self._brace, procinfo.tree_pids(w.root_pid), set(conns))
+        log.info("braced", extra={"workload": name, "sockets": done.sockets, "why_not": done.why_not})
+        return web.json_response(BraceAnswer(sockets=done.sockets, why_not=done.why_not))
+
+    def _brace(self, pids: list[int], wanted: set[tuple[str, int, str, int]]) -> rto.Braced:
+        """`wanted` is as the listing shows them, through this node's kept redirects (a peer that
+        moved before: the socket itself still names its first address): each socket matched by
+        what it names or by what the listing shows of it."""
+        held = [(ino, (*s.local, *s.remote)) for ino, s in peers.held(pids).items() if s.established]
+        shown = self.translate([c for _, c in held], self.kept())
+        return rto.brace(
+            pids, {ino for (ino, c), seen in zip(held, shown, strict=True) if {c, seen} & wanted}
+        )
 
     # ----------------------------------------------------------------------------------- upkeep
 

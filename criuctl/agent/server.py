@@ -8,7 +8,8 @@
     …      /v1/bundles/{id}[/restore]        stream out, receive, restore   ┘
     …      /v1/incoming…                     the target side of a migration   criuctl.agent.incoming
     …      /v1/outgoing…                     the source side of a migration   criuctl.agent.outgoing
-    …      /v1/redirects…                    a staying rank's re-pointed peers criuctl.agent.redirects
+    …      /v1/redirects…                    a staying rank's re-pointed peers ┐ criuctl.agent.redirects
+    POST   /v1/workloads/{name}/brace        its backoff to a moving peer      ┘
     GET    /metrics                          Prometheus: migrations by result, bytes, downtime
 
 Freezing and restoring happen in handoff processes (`criuctl.agent.handoff`) leased to this one;
@@ -301,8 +302,11 @@ class Agent:
                 row["state"], row["moved_to"], row["rss_bytes"] = workloads.MIGRATED, h[1], None
             if row["alive"] and row["state"] == workloads.RUNNING:  # a container's, in its pod's netns
                 ends = peers.of_tree(row["root_pid"])
-                ends.connections = self.redirects.translate(ends.connections, kept)
+                raw, ends.connections = ends.connections, self.redirects.translate(ends.connections, kept)
                 row["tcp"] = ends.to_json()
+                sent = {(a[2], a[3], b[2]) for a, b in zip(raw, ends.connections, strict=True) if a != b}
+                if sent:
+                    row["redirected"] = [list(t) for t in sorted(sent)]
         return out
 
     async def workload_logs(self, r: web.Request) -> web.StreamResponse:

@@ -7,8 +7,8 @@ ranks (`execute`), each rank going through the same exactly-once migration as a 
 
     phase      moved rank (its source and target)           ranks that stay (their nodes)
     -------    ------------------------------------------   ------------------------------------
-    prepare    target: make room, *cut* the rank's          —
-               connections in their new form off
+    prepare    target: make room, *cut* the rank's          bound the backoff of their connections
+               connections in their new form off            to it (`criuctl.net.rto`)
     send       freeze without a step boundary; every        keep running (TCP retransmits into
                endpoint of a moved rank re-addressed in     the gap: the source's network lock
                the images; stream                           and the cut drop it, nobody resets)
@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from criuctl.agent import points
-from criuctl.agent.messages import RedirectAnswer, RedirectRequest, Rows
+from criuctl.agent.messages import BraceRequest, RedirectAnswer, RedirectRequest, Rows
 from criuctl.agent.protocol import Point
 from criuctl.client.agents import AgentClient, Node, get_node
 from criuctl.client.jobs import Job, Rank
@@ -64,11 +64,22 @@ class Redirect:
 
 
 @dataclass
+class Brace:
+    """A staying rank's connections to the moving ranks, their backoff bounded before the freeze
+    (criuctl.net.rto: the rank restored is heard from within a second, not at TCP's next try)."""
+
+    node: Node
+    workload: str
+    connections: Rows  # [[local, port, remote, port], ...]
+
+
+@dataclass
 class JobPlan:
     job: Job
     moves: list[RankMove]
     endpoints: EndpointMap
     redirects: list[Redirect]
+    braces: list[Brace] = field(default_factory=list)
 
 
 @dataclass
@@ -166,10 +177,14 @@ def plan(job: Job, wanted: dict[str, str], silent: Collection[str] = ()) -> JobP
             if not ipaddress.ip_address(ra).is_loopback:
                 m.cut.append([endpoints.moves.get((la, lp), la), lp, endpoints.moves.get((ra, rp), ra), rp])
     redirects: dict[tuple[str, str], Redirect] = {}
+    braces: dict[tuple[str, str], Brace] = {}
     for link in job.links:
         if link.rank.workload in moving or link.peer is None or link.peer.workload not in moving:
             continue
         la, lp, ra, rp = link.conn
+        braces.setdefault(
+            (link.rank.node, link.rank.workload), Brace(get_node(link.rank.node), link.rank.workload, [])
+        ).connections.append([la, lp, ra, rp])
         m = moving[link.peer.workload]
         r = redirects.setdefault(
             (link.rank.node, m.rank.workload), Redirect(get_node(link.rank.node), m.rank.workload, [])
@@ -182,7 +197,7 @@ def plan(job: Job, wanted: dict[str, str], silent: Collection[str] = ()) -> JobP
                 "nothing was frozen",
             )
         r.rules.append([la, lp, ra, rp, endpoints.moves[(ra, rp)]])
-    return JobPlan(job, moves, endpoints, list(redirects.values()))
+    return JobPlan(job, moves, endpoints, list(redirects.values()), list(braces.values()))
 
 
 def _quiet(_phase: str, **_facts: object) -> None:
@@ -233,6 +248,11 @@ def execute(p: JobPlan, progress: Progress = _quiet, mode: str | None = STOP_AND
         except CriuctlError as exc:
             raise _roll_back(p, moves, [], {f"rank {name}": exc}) from exc
         moves.append(m)
+    for b in p.braces:  # best effort: a staying rank not braced only resumes later
+        with contextlib.suppress(CriuctlError):
+            AgentClient(b.node).post(
+                f"/v1/workloads/{b.workload}/brace", BraceRequest(connections=b.connections)
+            )
     try:
         failed = {f"rank {k}": v for k, v in _each(Move.send, moves).items()}
         if not failed:

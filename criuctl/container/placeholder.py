@@ -155,11 +155,13 @@ def prepare(ph: Placeholder, bundle_dir: Path, facts: ContainerFacts) -> None:
     its volumes into the placeholder's (a file already there with the same content is left alone);
     refuse a ConfigMap or Secret whose files differ from those the job saw."""
     for point, want in sorted(facts.volume_digests.items()):
-        if volumes.digest(_reach(ph, point)) != want:
-            m = ph.mount(point)
-            v = volumes.classify(m, ph.view.paths(m)) if m is not None else None
+        _reach(ph, point)  # it has the volume at all
+        m = ph.mount(point)
+        v = volumes.classify(m, ph.view.paths(m)) if m is not None else None
+        label = v.label() if v else "the volume"
+        if volumes.seen_digest(ph.pid, point, label) != want:
             raise NotAPlaceholder(
-                f"{v.label() if v else 'the volume'} at {point} holds other files on this node than the "
+                f"{label} at {point} holds other files on this node than the "
                 "job saw: it was changed since the job's pod started",
                 "put back what the job saw, or restart the job to take the new content",
             )

@@ -33,6 +33,8 @@ from pathlib import Path, PurePosixPath
 
 from criuctl.container import mounts, rootfsdiff
 from criuctl.container.nodeview import NodeView
+from criuctl.core.errors import CriuctlError
+from criuctl.core.retry import Backoff
 from criuctl.format.bundle import ContainerFacts
 
 # filesystems whose files every node mounting them sees alike (fuse: the CSI drivers of object
@@ -219,6 +221,28 @@ def digest(base: str) -> str:
     return h.hexdigest()
 
 
+def seen_digest(pid: int, point: str, label: str) -> str:
+    """`digest` of the volume at `point` as process `pid` sees it (through its root: a subPath's
+    file stays readable there after the kubelet replaced it on the node). The kubelet swaps a
+    ConfigMap's `..data` link while it updates it: a read in that instant is tried again."""
+    backoff = Backoff(cap=0.4, first=0.05)
+    for _ in range(_DIGEST_TRIES - 1):
+        try:
+            return digest(f"/proc/{pid}/root{point}")
+        except OSError:
+            backoff.sleep()
+    try:
+        return digest(f"/proc/{pid}/root{point}")
+    except OSError as exc:
+        raise CriuctlError(
+            f"cannot read {label} at {point}: {exc.strerror or exc}",
+            "is the kubelet updating it? try the move again",
+        ) from exc
+
+
+_DIGEST_TRIES = 5
+
+
 def carry(
     vols: list[Volume],
     view: NodeView,
@@ -238,7 +262,7 @@ def carry(
             continue
         rel = f"{folder}/{i}.tar"
         if v.kind is Kind.API:
-            facts.volume_digests[v.point] = digest(source)
+            facts.volume_digests[v.point] = seen_digest(pids[0], v.point, v.label())
             continue
         if v.kind in CARRIED_WHOLE and not os.path.isdir(source):
             continue  # a subPath of one file: the volume it is cut from carries it, when mounted too

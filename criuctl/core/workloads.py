@@ -215,6 +215,9 @@ class WorkloadRow(TypedDict):
     checkpointable: NotRequired[bool]
     why_not: NotRequired[str | None]  # why criuctl cannot checkpoint it (None: it can)
     tcp: NotRequired[EndpointsJson]
+    # [[remote as the tree's sockets hold it, port, remote the node's kept redirects send it to], ...]:
+    # a peer that moved since (its connections are listed as `tcp` with the redirected address)
+    redirected: NotRequired[list[list[str | int]]]
 
 
 def row(w: Workload) -> WorkloadRow:

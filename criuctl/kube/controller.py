@@ -42,7 +42,7 @@ from typing import Any
 
 from criuctl.client import migrate as agent_migrate
 from criuctl.core.errors import CriuctlError
-from criuctl.kube import events, moves, podmigrate, podmigrations, podplan
+from criuctl.kube import events, moves, owners, podmigrate, podmigrations, podplan
 from criuctl.kube.cluster import SYSTEM_NS, Cluster, agent_for, call, connect
 from criuctl.kube.podmigrations import COMMITTED, Phase
 
@@ -215,8 +215,9 @@ def _prestop(c: Cluster, j: Journal) -> None:
         notes.get(podmigrations.SOURCE_NODE, ""),
         notes.get(podmigrations.SOURCE_UID),
     )
-    m = moves.read(c, j.ns, pod)
-    live = podmigrate.read_pod(c, j.ns, pod) or {}
+    ident = notes.get(podmigrations.SOURCE_IDENTITY) or pod
+    m = moves.read(c, j.ns, ident)
+    live = owners.current(c, j.ns, ident, not_uid=uid or "") or {}
     came = (live.get("metadata", {}).get("annotations") or {}).get(events.MIGRATED_FROM)
     if (m is None or m.uid != uid) and came != f"{j.ns}/{pod}@{source}":
         raise podplan.NotMigratable(
@@ -229,6 +230,7 @@ def _prestop(c: Cluster, j: Journal) -> None:
         target=j.obj["spec"]["node"],
         source=source,
         sourceUID=uid or "",
+        identity=ident,
         via="successor",
         startedAt=j.obj["metadata"].get("creationTimestamp") or podmigrations.now(),
     )
@@ -262,6 +264,7 @@ def _fresh(c: Cluster, j: Journal) -> None:
         newPod=p.placeholder_name,
         via=via,
         owner=p.owner,
+        identity=p.identity or p.pod,
         sourceUID=p.source_pod["metadata"]["uid"],
         conditions=checked,
     )
@@ -295,7 +298,7 @@ def _resume_owned(c: Cluster, j: Journal, phase: Phase) -> None:
     result = podmigrate.follow_owned(
         c,
         j.ns,
-        st["pod"],
+        st.get("identity") or st["pod"],
         st.get("sourceUID", ""),
         st.get("workload", ""),
         st.get("source", ""),

@@ -30,17 +30,21 @@ import contextlib
 import ipaddress
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 
-from criuctl.agent.messages import RedirectAnswer, RedirectRequest, Rows
-from criuctl.client.agents import AgentClient
+from criuctl.agent.messages import BraceAnswer, BraceRequest, RedirectAnswer, RedirectRequest, Rows
+from criuctl.client.agents import AgentClient, AgentError
 from criuctl.core.errors import CriuctlError
+from criuctl.core.retry import Backoff
 from criuctl.kube import moves, mutate
 from criuctl.kube.cluster import Cluster, agent_for, call, container_id, workload_row
 from criuctl.net import netcut
 from criuctl.net.peers import Endpoints
 
 log = logging.getLogger("criuctl.kube")
+
+PEER_AGENT_WAIT = 120.0  # a staying peer's agent silent this long leaves its redirect's record as it was
 
 
 @dataclass
@@ -78,13 +82,19 @@ def plan(c: Cluster, m: moves.Move, new: str) -> Rewire | None:
     old = m.address
     local = {(la, lp) for la, lp, _, _ in ends.connections} | set(ends.listening)
     readdress: Rows = [[a, p, new] for a, p in sorted(local) if a == old]
+    readdress += json.loads(m.rewired or "[]")  # peers moved before it: as its redirects had them
     by_ip: dict[str, dict] = {}
     for p in call(
         "the pods", c.core.list_pod_for_all_namespaces, field_selector="status.phase=Running"
     ).items:
         pod = c.serialize(p)
         ip = pod["status"].get("podIP")
-        if ip and not pod["spec"].get("hostNetwork") and not pod["metadata"].get("deletionTimestamp"):
+        # a peer being deleted still runs (its preStop waits for this move: criuctl.kube.prestop)
+        if (
+            ip
+            and not pod["spec"].get("hostNetwork")
+            and (ip not in by_ip or not pod["metadata"].get("deletionTimestamp"))
+        ):
             by_ip[ip] = pod
     cut: list[tuple[str, int, str, int]] = []
     peers: dict[str, PeerRedirect] = {}
@@ -110,6 +120,30 @@ def plan(c: Cluster, m: moves.Move, new: str) -> Rewire | None:
             peers[key] = PeerRedirect(key, node, row["name"])
         peers[key].rules.append([ra, rp, old, lp, new])
     return Rewire(old, new, readdress, cut, list(peers.values()), foreign)
+
+
+def brace(c: Cluster, m: moves.Move) -> int:
+    """Before the rank freezes: each staying peer's connections to it retransmit at least every
+    second while it is away (criuctl.net.rto), so that the rank restored is heard from at once
+    instead of at the peers' next doubled try. Best effort: a peer not reached (its agent, a
+    kernel without the option) only resumes later. The sockets bounded."""
+    try:
+        rw = plan(c, m, m.address)
+    except CriuctlError as exc:  # never a reason to stop the move: it only resumes later
+        log.warning("peers not braced", extra={"pod": f"{m.namespace}/{m.pod}", "why": exc.line()})
+        return 0
+    done = 0
+    for pr in rw.peers if rw else []:
+        body = BraceRequest(connections=[r[:4] for r in pr.rules])
+        try:
+            answer: BraceAnswer = _agent(c, pr.node).post(f"/v1/workloads/{pr.workload}/brace", body)
+        except CriuctlError as exc:
+            log.warning("peer not braced", extra={"pod": pr.pod, "node": pr.node, "why": exc.line()})
+            continue
+        if answer.get("why_not"):
+            log.info("peer not braced", extra={"pod": pr.pod, "node": pr.node, "why": answer["why_not"]})
+        done += int(answer.get("sockets") or 0)
+    return done
 
 
 def container_pid(agent: AgentClient, cid: str) -> int | None:
@@ -140,11 +174,10 @@ def _agent(c: Cluster, node: str) -> AgentClient:
 
 def undo(c: Cluster, rw: Rewire, ident: str, pid: int | None) -> None:
     """The restore failed: the peers' redirects go (their packets go back to the old address,
-    where nothing answers), and the cut lifts."""
+    where the rank comes back), and the cut lifts."""
     for pr in rw.peers:
         if pr.id:
-            with contextlib.suppress(CriuctlError):
-                _agent(c, pr.node).delete(f"/v1/redirects/{pr.id}")
+            _peer_answers(c, pr, "delete", f"/v1/redirects/{pr.id}")
             pr.id = ""
     if pid is not None:
         with contextlib.suppress(CriuctlError, ValueError):
@@ -153,8 +186,36 @@ def undo(c: Cluster, rw: Rewire, ident: str, pid: int | None) -> None:
 
 def commit(c: Cluster, rw: Rewire, ident: str, pid: int) -> None:
     """The rank runs in its successor: its peers' redirects are kept, its cut lifts."""
-    for pr in rw.peers:
-        with contextlib.suppress(CriuctlError):
-            _agent(c, pr.node).post(f"/v1/redirects/{pr.id}/keep")
     with contextlib.suppress(CriuctlError):
         netcut.remove(netcut.CUT + ident, pid)
+    for pr in rw.peers:
+        _peer_answers(c, pr, "post", f"/v1/redirects/{pr.id}/keep")
+
+
+def _peer_answers(c: Cluster, pr: PeerRedirect, method: str, path: str) -> bool:
+    """Keep or remove a staying peer's redirect, asking again while its agent does not answer.
+
+    The rules live in the peer pod's namespace whatever its agent does, but only the agent's record
+    says what they are: a redirect left pending is missing from the job's listing and from the next
+    move's re-addressing (that rank's connection would then point at an address nobody has), and the
+    rules of a failed move must be gone before the rank comes back at its old address. A restarting
+    agent (its DaemonSet's pod killed) answers again within seconds. An answer that refuses (the
+    pod and its redirect are gone: 404) settles it too. False, logged, when it stays silent."""
+    deadline, backoff = time.monotonic() + PEER_AGENT_WAIT, Backoff(cap=5.0, first=0.5)
+    while True:
+        try:
+            getattr(_agent(c, pr.node), method)(path)
+            return True
+        except AgentError as exc:
+            if exc.status < 500:
+                return False
+            err: CriuctlError = exc
+        except CriuctlError as exc:
+            err = exc
+        if time.monotonic() > deadline:
+            log.warning(
+                "peer's redirect not settled",
+                extra={"pod": pr.pod, "node": pr.node, "redirect": pr.id, "why": err.line()},
+            )
+            return False
+        backoff.sleep()

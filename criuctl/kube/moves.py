@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
+import json
 import time
 from dataclasses import asdict, dataclass, fields
 from enum import StrEnum
@@ -27,6 +29,15 @@ from enum import StrEnum
 from criuctl.kube.cluster import SYSTEM_NS, Cluster, NotFound, call
 
 LABEL = "criuctl.io/move"  # on every record: they are listed by it
+
+# the successor path's steps, each stamped when it ended (`Move.stamp`): the preStop began; the
+# job was dumped (frozen from inside `checkpoint`); its pod was deleted; the bundle was kept on the
+# holder; the holder's loop saw the successor's placeholder run; the restored job runs
+STEPS = ("prestop", "checkpoint", "deleted", "kept", "successor", "running")
+
+# bundles whose preStop is at work in this process: the moves loop leaves their records alone
+# (a record `dumping` whose pod is gone is otherwise one whose preStop died: its loop finishes it)
+AT_WORK: set[str] = set()
 
 
 class Phase(StrEnum):
@@ -39,7 +50,7 @@ class Phase(StrEnum):
 @dataclass
 class Move:
     namespace: str
-    pod: str
+    pod: str  # its identity (criuctl.kube.owners.identity): the name, or a JobSet pod's HOST.SUBDOMAIN
     uid: str  # the source pod's UID: its successor has another
     source: str  # node
     container: str
@@ -55,11 +66,34 @@ class Move:
     # address when it was dumped, and its connections then, as JSON (`criuctl.net.peers.Endpoints`)
     address: str = ""
     tcp: str = ""
+    # [[old, port, new], ...] as JSON: peers that moved before it, whose address its sockets still
+    # hold (its pod's redirects sent them on); its restore re-addresses them too
+    rewired: str = ""
+    source_pod: str = ""  # the source pod's own name (a JobSet's pod's is not `pod`)
+    # {step: time.time()} as JSON: when each step of the successor path ended (`STEPS`)
+    stamps: str = ""
+    braced: int = 0  # the staying peers' sockets whose backoff was bounded (criuctl.net.rto)
     version: str = ""  # the ConfigMap's resourceVersion this was read at ("" for a new one)
+
+    @property
+    def name(self) -> str:
+        """The source pod's name (a record written before `source_pod` existed: `pod`)."""
+        return self.source_pod or self.pod
 
     @property
     def key(self) -> str:
         return record_name(self.namespace, self.pod)
+
+    def stamp(self, step: str) -> None:
+        """Note that `step` (one of `STEPS`) ended now; saved with the record's next write."""
+        self.stamps = json.dumps({**json.loads(self.stamps or "{}"), step: time.time()})
+
+    def breakdown(self) -> list[tuple[str, float]]:
+        """Seconds each step of the successor path took, in order, for those stamped: what the job's
+        stall is made of (`docs/kubernetes.md`, "The successor path's stall")."""
+        at = json.loads(self.stamps or "{}")
+        done = [(step, at[step]) for step in STEPS if step in at]
+        return [(step, t - prev) for (_, prev), (step, t) in itertools.pairwise(done)]
 
     def copies(self) -> list[str]:
         """The nodes that may hold the bundle: the holder first, then the source's own copy."""
@@ -67,7 +101,8 @@ class Move:
 
 
 def record_name(namespace: str, pod: str) -> str:
-    """`move.NAMESPACE.POD`: unambiguous (a namespace has no dots), hashed when too long."""
+    """`move.NAMESPACE.POD` (POD: the pod's identity): unambiguous (a namespace has no dots),
+    hashed when too long."""
     name = f"move.{namespace}.{pod}"
     return name if len(name) <= 253 else "move." + hashlib.sha256(name.encode()).hexdigest()
 
@@ -79,6 +114,7 @@ def _from(cm) -> Move:
     kw["since"] = float(kw.get("since") or 0)
     kw["size"] = int(kw.get("size") or 0)
     kw["freeze"] = float(kw.get("freeze") or 0)
+    kw["braced"] = int(kw.get("braced") or 0)
     kw["version"] = cm.metadata.resource_version
     return Move(**kw)
 

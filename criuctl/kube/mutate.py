@@ -19,6 +19,7 @@ from criuctl.core import env, nsinit
 Pod = dict[str, Any]
 
 LABEL = "criuctl.io/migratable"  # on a pod or a namespace: "true" opts in, on a pod "false" opts out
+JOBSET_LABEL = "jobset.sigs.k8s.io/jobset-name"  # a JobSet's pod (Kubeflow Trainer's TrainJob runs on one)
 INJECTED = "criuctl.io/injected"  # "true" once the webhook has seen the pod: never wrapped twice
 PYTHON_ANNOTATION = "criuctl.io/python"  # the image's Python 3, when it is not `python3` on PATH
 NOT_WRAPPED = "criuctl.io/not-wrapped"  # JSON {container: why it was left alone}
@@ -68,6 +69,21 @@ def not_wrapped(pod: Pod) -> dict[str, str]:
     return json.loads(text) if text else {}
 
 
+def indexed(pod: Pod) -> bool:
+    """A JobSet's pod with the stable DNS name its Indexed Job gives it (hostname and subdomain)."""
+    spec, labels = pod.get("spec") or {}, (pod.get("metadata") or {}).get("labels") or {}
+    return bool(labels.get(JOBSET_LABEL) and spec.get("hostname") and spec.get("subdomain"))
+
+
+def identity(pod: Pod) -> str:
+    """What the pod's successor shares with it (criuctl.kube.owners): `HOSTNAME.SUBDOMAIN` for a
+    JobSet's pod (its name is random, and an admission webhook sees none yet: generateName), else
+    its name ("" for none)."""
+    if indexed(pod):
+        return f"{pod['spec']['hostname']}.{pod['spec']['subdomain']}"
+    return (pod.get("metadata") or {}).get("name") or ""
+
+
 def prestop_hook(port: int, namespace: str, name: str) -> dict[str, Any]:
     """The preStop hook that checkpoints the job when the pod is deleted (drain, eviction, `criuctl
     migrate` of a controller's pod): an httpGet the kubelet itself makes to its node's agent on
@@ -115,8 +131,8 @@ def wrap(pod: Pod, prestop_port: int | None = None, namespace: str | None = None
     if used and not any(v.get("name") == VOLUME for v in spec.get("volumes", [])):
         host_path = {"path": INJECT_DIR, "type": "Directory"}  # the agent made it: missing means no agent
         spec.setdefault("volumes", []).append({"name": VOLUME, "hostPath": host_path})
-    name, namespace = meta.get("name"), namespace or meta.get("namespace")
-    if prestop_port and name and namespace:  # a generateName pod's successor has another name: no use
+    name, namespace = identity(new), namespace or meta.get("namespace")
+    if prestop_port and name and namespace:  # a generateName pod's successor shares nothing: no use
         hooked = False
         for c in spec.get("containers", []):
             if is_wrapped(c) and not (c.get("lifecycle") or {}).get("preStop"):

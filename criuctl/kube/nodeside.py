@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("criuctl.kube")
 
-TICK = 2.0
+TICK = 2.0  # one list of the move records per node per tick: cheap on a cluster of many nodes
+TICK_BUSY = 0.2  # while this node is to restore a move: only the holder's (or target's) agent
 
 
 def extension(port: int, kubeconfig: str | None) -> Callable[[Agent, web.Application], None]:
@@ -84,10 +85,11 @@ async def _prestop(r: web.Request, c: cluster.Cluster, node: str) -> web.Respons
 
 async def _loop(c: cluster.Cluster, node: str) -> None:
     while True:
+        busy = False
         try:
-            await asyncio.to_thread(successors.tick, c, node)
+            busy = await asyncio.to_thread(successors.tick, c, node)
         except CriuctlError as exc:
             log.warning("moves not read", extra={"why": exc.line()})
         except Exception:  # a bug here must not take the agent (and the migrations it drives) down
             log.exception("moves loop")
-        await asyncio.sleep(TICK)
+        await asyncio.sleep(TICK_BUSY if busy else TICK)

@@ -1,9 +1,15 @@
-"""Which controllers recreate a deleted pod under the same name, and whether they want it back.
+"""Which controllers recreate a deleted pod with the same identity, and whether they want it back.
 
 A StatefulSet recreates ordinal N while N < replicas; the training operator recreates a
-PyTorchJob's replica (the local cluster's stand-in does the same). For those, a migrated pod keeps
-its name by being recreated as the placeholder (criuctl.kube.moves). A ReplicaSet's or a Job's
-pods get new names: nothing could tell their successor from any other pod, so they are not moved.
+PyTorchJob's replica (the local cluster's stand-in does the same): both under the same name. A
+JobSet's pod (Kubeflow Trainer's TrainJob runs on one) belongs to an Indexed Job, which recreates
+a completion index with a new random name but the same hostname and subdomain, so its DNS name,
+what its peers use, is kept. For all of these a migrated pod keeps its identity by being recreated
+*as the placeholder* (criuctl.kube.moves). A ReplicaSet's or a plain Job's pods get new names and
+nothing else that stays: nothing could tell their successor from any other pod, so they do not move.
+
+A pod's identity (`identity`) is its name, or for a JobSet's pod `HOSTNAME.SUBDOMAIN`: the name its
+successor shares, which keys its move record, its preStop hook and the webhook's lookup.
 """
 
 from __future__ import annotations
@@ -11,58 +17,106 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from criuctl.kube.cluster import Cluster, NotFound, call
+from criuctl.kube.mutate import JOBSET_LABEL, identity, indexed
+
+__all__ = ["KINDS", "SAME_INDEX", "SAME_NAME", "Owner", "current", "identity", "indexed", "owner", "pods_of"]
 
 SAME_NAME = ("StatefulSet", "PyTorchJob")
+# JobSet (jobset.x-k8s.io) owns Jobs that own the pods; the local cluster's stand-in owns the pods
+# itself (Kubernetes 1.20 has no Indexed Jobs). Either way the JobSet says whether it wants them.
+JOBSET = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
+SAME_INDEX = ("Job", "JobSet")
+KINDS = (*SAME_NAME, *SAME_INDEX)
 
 
 @dataclass
 class Owner:
     kind: str
     name: str
-    replicas: int  # of the whole job (PyTorchJob) or the set
+    replicas: int  # of the whole job (PyTorchJob, JobSet) or the set
     wants_back: bool  # it exists, is not being deleted, and still counts this pod among its own
     why: str = ""  # when not wants_back
 
 
-def controller_ref(pod: dict) -> dict | None:
-    return next((r for r in pod["metadata"].get("ownerReferences") or [] if r.get("controller")), None)
+def controller_ref(obj: dict) -> dict | None:
+    return next((r for r in obj["metadata"].get("ownerReferences") or [] if r.get("controller")), None)
+
+
+def pods_of(c: Cluster, namespace: str, ident: str) -> list[dict]:
+    """The pods of identity `ident` in `namespace`: none, the pod, or it and its successor."""
+    if "." not in ident:  # a name: a pod's own (a JobSet's identity always has a subdomain)
+        try:
+            pod = call(f"pod {namespace}/{ident}", c.core.read_namespaced_pod, ident, namespace)
+        except NotFound:
+            return []
+        return [c.serialize(pod)]
+    pods = call(f"pods of {ident}", c.core.list_namespaced_pod, namespace, label_selector=JOBSET_LABEL).items
+    return [p for p in map(c.serialize, pods) if identity(p) == ident]
+
+
+def current(c: Cluster, namespace: str, ident: str, not_uid: str = "") -> dict | None:
+    """The pod of identity `ident`: one whose UID is not `not_uid` (a successor) before the one
+    whose UID it is, a live one before one being deleted."""
+    found = pods_of(c, namespace, ident)
+    found.sort(key=lambda p: (p["metadata"]["uid"] == not_uid, bool(p["metadata"].get("deletionTimestamp"))))
+    return found[0] if found else None
+
+
+def _finished(obj: dict) -> bool:
+    return any(
+        c["type"] in ("Succeeded", "Completed", "Failed") and c["status"] == "True"
+        for c in (obj.get("status") or {}).get("conditions") or []
+    )
+
+
+def _read(c: Cluster, ref: dict, ns: str) -> dict:
+    kind, name = ref["kind"], ref["name"]
+    what = f"{kind} {name}"
+    if kind == "StatefulSet":
+        return c.serialize(call(what, c.apps.read_namespaced_stateful_set, name, ns))
+    group, version, plural = {"Job": ("batch", "v1", "jobs"), "JobSet": JOBSET}.get(
+        kind, ("kubeflow.org", "v1", "pytorchjobs")
+    )
+    return call(what, c.custom.get_namespaced_custom_object, group, version, ns, plural, name)
 
 
 def owner(c: Cluster, pod: dict) -> Owner | None:
-    """The pod's controller, if it is one that recreates by name; None for a bare pod.
+    """The pod's controller, if it is one that recreates with the same identity; None for a bare
+    pod. A JobSet's pod's Job is passed for its JobSet, which decides whether it is wanted back.
 
     Raises nothing for a controller of another kind: the caller refuses it with its kind named."""
     ref = controller_ref(pod)
-    if ref is None or ref["kind"] not in SAME_NAME:
+    if ref is None or ref["kind"] not in KINDS:
         return None
     ns, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
+    if ref["kind"] in SAME_INDEX and not indexed(pod):
+        return None
     try:
-        if ref["kind"] == "StatefulSet":
-            obj = c.serialize(
-                call(f"StatefulSet {ref['name']}", c.apps.read_namespaced_stateful_set, ref["name"], ns)
-            )
-            replicas = int(obj["spec"].get("replicas", 1))
-            ordinal = int(name.rsplit("-", 1)[1]) if name.rsplit("-", 1)[-1].isdigit() else 0
-            counted, why = ordinal < replicas, f"the StatefulSet now has {replicas} replica(s)"
-        else:
-            obj = call(
-                f"PyTorchJob {ref['name']}",
-                c.custom.get_namespaced_custom_object,
-                "kubeflow.org",
-                "v1",
-                ns,
-                "pytorchjobs",
-                ref["name"],
-            )
-            specs = obj.get("spec", {}).get("pytorchReplicaSpecs", {})
-            replicas = sum(int(s.get("replicas", 1)) for s in specs.values())
-            done = any(
-                c_["type"] in ("Succeeded", "Failed") and c_["status"] == "True"
-                for c_ in obj.get("status", {}).get("conditions") or []
-            )
-            counted, why = not done, "the PyTorchJob has finished"
+        obj = _read(c, ref, ns)
+        if ref["kind"] == "Job":  # a JobSet's Indexed Job: its JobSet is the one that decides
+            job_ref = controller_ref(obj)
+            if job_ref is None or job_ref["kind"] != "JobSet":
+                return None
+            ref, obj = job_ref, _read(c, job_ref, ns)
     except NotFound:
         return Owner(ref["kind"], ref["name"], 0, False, f"its {ref['kind']} is gone")
+    if ref["kind"] == "StatefulSet":
+        replicas = int(obj["spec"].get("replicas", 1))
+        ordinal = int(name.rsplit("-", 1)[1]) if name.rsplit("-", 1)[-1].isdigit() else 0
+        counted, why = ordinal < replicas, f"the StatefulSet now has {replicas} replica(s)"
+    elif ref["kind"] == "JobSet":
+        rjobs = (obj.get("spec") or {}).get("replicatedJobs") or []
+        replicas = sum(
+            int(r.get("replicas", 1))
+            * int(((r.get("template") or {}).get("spec") or {}).get("parallelism", 1))
+            for r in rjobs
+        )
+        ended = _finished(obj) or bool((obj.get("status") or {}).get("terminalState"))
+        counted, why = not ended, "the JobSet has finished"
+    else:
+        specs = obj.get("spec", {}).get("pytorchReplicaSpecs", {})
+        replicas = sum(int(s.get("replicas", 1)) for s in specs.values())
+        counted, why = not _finished(obj), "the PyTorchJob has finished"
     if obj["metadata"].get("uid") != ref.get("uid"):
         return Owner(ref["kind"], ref["name"], 0, False, f"its {ref['kind']} was replaced")
     if obj["metadata"].get("deletionTimestamp"):

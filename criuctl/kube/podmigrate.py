@@ -35,7 +35,7 @@ from criuctl.agent.protocol import Point
 from criuctl.client import migrate as agent_migrate
 from criuctl.client.agents import AgentClient, AgentError, Node
 from criuctl.core.errors import CriuctlError
-from criuctl.kube import events, moves
+from criuctl.kube import events, moves, owners
 from criuctl.kube.cluster import Cluster, NotFound, call
 from criuctl.kube.podmigrations import Phase
 from criuctl.kube.podplan import PodPlan, plan
@@ -270,7 +270,7 @@ def request_owned(c: Cluster, p: PodPlan, journal: Journal = _unrecorded) -> Non
     """Record the move (naming the target) and delete the pod: its preStop checkpoints the job."""
     uid = p.source_pod["metadata"]["uid"]
     journal(Phase.PLACING, sourceUID=uid)
-    stale = moves.read(c, p.namespace, p.pod)
+    stale = moves.read(c, p.namespace, p.identity)
     if stale is not None and (
         stale.uid != uid or stale.phase != moves.Phase.REQUESTED or stale.target != p.target
     ):
@@ -281,13 +281,14 @@ def request_owned(c: Cluster, p: PodPlan, journal: Journal = _unrecorded) -> Non
             c,
             moves.Move(
                 p.namespace,
-                p.pod,
+                p.identity,
                 uid,
                 p.source,
                 p.container,
                 moves.Phase.REQUESTED,
                 target=p.target,
                 since=time.time(),
+                source_pod=p.pod,
             ),
         )
     said = f"moving to node {p.target}: checkpointed on delete, restored into its successor"
@@ -307,15 +308,16 @@ def follow_owned(
     journal: Journal = _unrecorded,
     started: float | None = None,
 ) -> agent_migrate.MigrationResult:
-    """Follow the move record of pod `pod` (of `uid`, deleted) until its successor runs the job.
-    Level-triggered: it reads only the record and the pods, so it is taken up again as is."""
+    """Follow the move record of pod `pod` (its identity, criuctl.kube.owners; of `uid`, deleted)
+    until its successor runs the job. Level-triggered: it reads only the record and the pods, so
+    it is taken up again as is."""
     started = started or time.time()
     seen: moves.Move | None = None
     phase: moves.Phase | None = None
     deadline = started + OWNED_TIMEOUT
     while time.time() < deadline:
         m = moves.read(c, namespace, pod)
-        live = read_pod(c, namespace, pod)
+        live = owners.current(c, namespace, pod, not_uid=uid)
         successor = live if live is not None and live["metadata"]["uid"] != uid else None
         if m is not None and m.phase != phase:
             phase, seen = m.phase, m
@@ -325,6 +327,7 @@ def follow_owned(
         if m is None and successor is not None:  # a pod made after our delete, restored
             notes = successor["metadata"].get("annotations") or {}
             if events.MIGRATED_AT in notes:
+                journal(Phase.HANDING_OVER, newPod=successor["metadata"]["name"])
                 return _owned_result(workload, source, seen, successor["spec"]["nodeName"], started)
         if m is not None and m.phase == moves.Phase.FAILED:
             raise agent_migrate.MigrationFailed(m.note, f"see `kubectl -n {namespace} get events`")
@@ -360,4 +363,4 @@ def execute_owned(
     progress("checkpoint")
     request_owned(c, p, journal)
     uid = p.source_pod["metadata"]["uid"]
-    return follow_owned(c, p.namespace, p.pod, uid, p.workload, p.source, progress, journal, started)
+    return follow_owned(c, p.namespace, p.identity, uid, p.workload, p.source, progress, journal, started)

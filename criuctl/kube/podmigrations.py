@@ -90,15 +90,20 @@ def body(
 ORIGIN = f"{GROUP}/origin"  # who asked: "criuctl migrate", "prestop" (a drain or eviction), or none (kubectl)
 SOURCE_UID = f"{GROUP}/source-uid"  # a preStop's record: the deleted pod's UID
 SOURCE_NODE = f"{GROUP}/source-node"
+SOURCE_IDENTITY = f"{GROUP}/source-identity"  # what its successor shares (criuctl.kube.owners.identity)
 PRESTOP = "prestop"
 
 
-def record_drain(c: Cluster, namespace: str, pod: str, uid: str, source: str, target: str) -> dict:
+def record_drain(
+    c: Cluster, namespace: str, pod: str, uid: str, source: str, target: str, identity: str = ""
+) -> dict:
     """The PodMigration of a move a pod's preStop hook started (a drain, an eviction): so that every
     move in a cluster is listed in one place. The controller follows it to its end; it runs no
     check and makes no step of its own (the agents carry it: criuctl.kube.prestop)."""
     obj = body(namespace, pod, target, name=f"{pod[:200]}-prestop-{uid[:8]}", origin=PRESTOP)
-    obj["metadata"]["annotations"].update({SOURCE_UID: uid, SOURCE_NODE: source})
+    obj["metadata"]["annotations"].update(
+        {SOURCE_UID: uid, SOURCE_NODE: source, SOURCE_IDENTITY: identity or pod}
+    )
     return create(c, obj)
 
 

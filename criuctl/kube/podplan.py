@@ -44,6 +44,7 @@ class PodPlan:
     source_pod: dict
     placeholder: dict | None  # None: a controller's pod, whose successor is the placeholder
     owner: str = ""  # "KIND NAME" of that controller
+    identity: str = ""  # what its successor shares with it (criuctl.kube.owners.identity)
 
     def summary(self) -> dict[str, Any]:
         keys = (
@@ -57,6 +58,7 @@ class PodPlan:
             "memory_needed",
             "memory_free",
             "owner",
+            "identity",
         )
         return {k: getattr(self, k) for k in keys}
 
@@ -106,11 +108,12 @@ def _owned(c: Cluster, pod: dict, ctr: dict) -> owners.Owner | None:
     ref = owners.controller_ref(pod)
     if ref is None:
         return None
-    if ref["kind"] not in owners.SAME_NAME:
+    if ref["kind"] not in owners.KINDS or (ref["kind"] in owners.SAME_INDEX and not owners.indexed(pod)):
         raise NotMigratable(
             f"pod {meta['name']} is owned by {ref['kind']} {ref['name']}, which replaces it with a pod "
             "of another name: nothing could tell its successor apart, so it does not move",
-            f"nothing was changed; criuctl moves bare pods and the pods of {' and '.join(owners.SAME_NAME)}s",
+            f"nothing was changed; criuctl moves bare pods and the pods of {', '.join(owners.SAME_NAME)}s "
+            "and JobSets (a TrainJob's)",
         )
     o = owners.owner(c, pod)
     if o is None or not o.wants_back:
@@ -121,7 +124,7 @@ def _owned(c: Cluster, pod: dict, ctr: dict) -> owners.Owner | None:
             "the webhook added one): its job would end with it",
             "recreate the pod (delete it: its controller makes a new one); nothing was changed",
         )
-    pending = moves.read(c, meta["namespace"], meta["name"])
+    pending = moves.read(c, meta["namespace"], owners.identity(pod))
     if pending is not None and pending.phase in (moves.Phase.DUMPING, moves.Phase.KEPT):
         raise CriuctlError(
             f"pod {meta['name']} is already moving (bundle {pending.bundle})",
@@ -253,6 +256,7 @@ def plan(c: Cluster, namespace: str, name: str, target: str) -> PodPlan:
             pod,
             None,
             f"{owner.kind} {owner.name}",
+            owners.identity(pod),
         )
     body = mutate.placeholder(pod, target, f"{namespace}/{name}")
     taken = {

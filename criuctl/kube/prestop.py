@@ -28,15 +28,16 @@ import time
 import uuid
 
 from criuctl.agent.messages import CheckpointAnswer, CheckpointRequest
-from criuctl.client.agents import AgentClient
+from criuctl.client.agents import AgentClient, Node
 from criuctl.core.errors import CriuctlError
-from criuctl.kube import events, moves, mutate, owners, podmigrations, podplan, podvolumes
-from criuctl.kube.cluster import Cluster, NotFound, agent_for, call, container_id, delete_now, workload_row
+from criuctl.kube import events, jobmoves, moves, mutate, owners, podmigrations, podplan, podvolumes
+from criuctl.kube.cluster import Cluster, agent_for, call, container_id, delete_now, workload_row
 from criuctl.net import peers
 
 log = logging.getLogger("criuctl.kube")
 
 CHECKPOINT_TIMEOUT = 600.0  # the agent's own freeze timeout is shorter: this only bounds a dead link
+PEER_WAIT = 180.0  # of the preStop's 300 s (mutate.PRESTOP_GRACE), for the peers moving before it
 
 
 class Refused(CriuctlError):
@@ -72,24 +73,67 @@ def _target(c: Cluster, pod: dict, source: str, needed: int) -> str:
     return best[1]
 
 
-def leaving(c: Cluster, namespace: str, name: str, node: str) -> str:
-    """What became of the job of pod NAMESPACE/NAME, being deleted on `node` (this agent's)."""
-    for kind, value in (("pod", name), ("namespace", namespace)):
+def _remotes(row: dict) -> set[str]:
+    """The peer addresses of a rank's connections, as its sockets hold them and as redirected."""
+    tcp = peers.Endpoints.from_json(row.get("tcp"))
+    return {ra for _, _, ra, _ in tcp.connections} | {str(r[0]) for r in row.get("redirected") or []}
+
+
+def _after_peers(c: Cluster, m: moves.Move, src: Node, cid: str, row: dict) -> moves.Move:
+    """One rank of a job after another: a rank whose peer is moving (a drain evicts every pod of a
+    node at once) waits until that peer runs again, first come first served (the record's `since`,
+    then its bundle id), then reads its connections again. Its peer's move has redirected them by
+    then (criuctl.kube.jobmoves), so its own move re-points them to where the peer is now; two
+    peers moved at once would each re-point the other's old address, and their connection breaks.
+    The rank runs all the while: only the order of the dumps changes. `row` is its agent's row as
+    `m` was written from; `m` comes back as it is when no peer was ahead."""
+    deadline = time.monotonic() + PEER_WAIT
+    waited = False
+    while True:
+        remotes = _remotes(row)
+        ahead = [
+            o
+            for o in moves.every(c)
+            if o.key != m.key
+            and o.phase in (moves.Phase.DUMPING, moves.Phase.KEPT)
+            and o.address in remotes
+            and (o.since, o.bundle) < (m.since, m.bundle)
+        ]
+        if not ahead or time.monotonic() > deadline:
+            break
+        log.info("waiting for a peer's move", extra={"pod": m.name, "peer": ahead[0].name})
+        time.sleep(1)
+        row, waited = workload_row(src, cid) or {}, True
+    if not waited:
+        return m
+    if ahead:
+        log.warning("a peer's move did not end in time", extra={"pod": m.name, "peer": ahead[0].name})
+    m.tcp = json.dumps(peers.Endpoints.from_json(row.get("tcp")).to_json())
+    m.rewired = json.dumps(row.get("redirected") or [])
+    return moves.save(c, m)
+
+
+def leaving(c: Cluster, namespace: str, ident: str, node: str) -> str:
+    """What became of the job of pod NAMESPACE/IDENT (its identity, criuctl.kube.owners: its name,
+    or a JobSet pod's HOSTNAME.SUBDOMAIN), being deleted on `node` (this agent's)."""
+    began = time.time()
+    for kind, value in (("pod", ident), ("namespace", namespace)):
         podplan.check_name(kind, value)
-    try:
-        pod = c.serialize(call(f"pod {namespace}/{name}", c.core.read_namespaced_pod, name, namespace))
-    except NotFound:
+    found = owners.pods_of(c, namespace, ident)
+    if not found:
         return "the pod is gone: nothing to keep"
-    meta = pod["metadata"]
-    if pod["spec"].get("nodeName") != node or not meta.get("deletionTimestamp"):
+    mine = [p for p in found if p["spec"].get("nodeName") == node and p["metadata"].get("deletionTimestamp")]
+    if len(mine) != 1:
         raise Refused(
-            f"pod {namespace}/{name} is not being deleted on node {node}",
+            f"pod {namespace}/{ident} is not being deleted on node {node}",
             "only its kubelet's preStop hook calls this",
         )
+    pod = mine[0]
+    meta, name = pod["metadata"], pod["metadata"]["name"]
     wrapped = [ctr for ctr in pod["spec"]["containers"] if mutate.is_wrapped(ctr)]
     if len(wrapped) != 1:
         return "no single container under criuctl's init: it ends with its pod"
-    move = moves.read(c, namespace, name)
+    move = moves.read(c, namespace, ident)
     if move is not None and move.uid != meta["uid"]:
         if move.phase in (moves.Phase.DUMPING, moves.Phase.KEPT):
             return f"this pod's predecessor's move is pending (bundle {move.bundle}): left alone"
@@ -119,7 +163,7 @@ def leaving(c: Cluster, namespace: str, name: str, node: str) -> str:
     dst = agent_for(c, c.serialize(call(f"node {target}", c.core.read_node, target)))
     m = moves.Move(
         namespace,
-        name,
+        ident,
         meta["uid"],
         node,
         wrapped[0]["name"],
@@ -130,14 +174,31 @@ def leaving(c: Cluster, namespace: str, name: str, node: str) -> str:
         version=requested.version if requested else "",
         address=pod["status"].get("podIP") or "" if ranked else "",
         tcp=json.dumps(tcp.to_json()) if ranked else "",
+        rewired=json.dumps(row.get("redirected") or []) if ranked else "",
+        source_pod=name,
     )
+    m.stamps = json.dumps({"prestop": began})
     m = moves.save(c, m)  # before the dump: a crash after it leaves the bundle's id on record
     if requested is None:  # a drain or an eviction: listed with every other move (a courtesy)
         try:
-            podmigrations.record_drain(c, namespace, name, meta["uid"], node, target)
+            podmigrations.record_drain(c, namespace, name, meta["uid"], node, target, ident)
         except CriuctlError as exc:
             log.warning("no PodMigration recorded", extra={"pod": f"{namespace}/{name}", "why": exc.what})
     events.record(c, pod, events.Reason.STARTED, f"deleted: checkpointing its job for node {target}")
+    if ranked:
+        m = _after_peers(c, m, src, cid, dict(row))
+        m.braced = jobmoves.brace(c, m)
+    moves.AT_WORK.add(m.bundle)
+    try:
+        return _checkpoint(c, m, pod, row, ranked, src, dst)
+    finally:
+        moves.AT_WORK.discard(m.bundle)
+
+
+def _checkpoint(c: Cluster, m: moves.Move, pod: dict, row: dict, ranked: bool, src: Node, dst: Node) -> str:
+    """Dump the job, delete its pod at once (its successor is made while the bundle is copied),
+    copy the bundle to the target: `kept`."""
+    namespace, name, target = m.namespace, m.name, m.target
     source = AgentClient(src, timeout=CHECKPOINT_TIMEOUT)
     try:
         out: CheckpointAnswer = source.post(
@@ -151,17 +212,28 @@ def leaving(c: Cluster, namespace: str, name: str, node: str) -> str:
         moves.save(c, m)
         events.record(c, pod, events.Reason.FAILED, m.note)
         raise
-    try:
-        size = source.copy_bundle(m.bundle, AgentClient(dst, timeout=CHECKPOINT_TIMEOUT))
-        m.holder, m.size, m.freeze = target, size, float(out["freeze_seconds"])
-    except CriuctlError as exc:
-        m.holder, m.note = node, f"not copied to node {target} ({exc.what}): restored on node {node}"
-        events.record(c, pod, events.Reason.FAILED, m.note)
-    m.phase = moves.Phase.KEPT
-    moves.save(c, m)
-    log.info("kept", extra={"pod": f"{namespace}/{name}", "bundle": m.bundle, "holder": m.holder})
+    m.stamp("checkpoint")
     # Its job's tree has ended: nothing runs in the pod. Kubernetes 1.20's kubelet, finding the
     # container gone when its preStop returns, fails the kill and retries a minute later; the pod
-    # would stay Terminating, its successor waiting, all that time.
-    delete_now(c, pod)
+    # would stay Terminating, its successor waiting, all that time. Deleted now, before the copy:
+    # its controller makes the successor (pinned to the target while the record is `dumping`)
+    # while the bundle travels.
+    try:
+        delete_now(c, pod)
+        m.stamp("deleted")
+    except CriuctlError as exc:  # its kubelet ends it, a minute later: so does the successor come
+        why = exc.line()
+        log.warning("pod not deleted before the copy", extra={"pod": f"{namespace}/{name}", "why": why})
+    m.freeze = float(out["freeze_seconds"])
+    try:
+        m.size = source.copy_bundle(m.bundle, AgentClient(dst, timeout=CHECKPOINT_TIMEOUT))
+        m.holder = target
+    except CriuctlError as exc:
+        m.holder = m.source
+        m.note = f"not copied to node {target} ({exc.what}): restored on node {m.source}"
+        events.record(c, pod, events.Reason.FAILED, m.note)
+    m.phase = moves.Phase.KEPT
+    m.stamp("kept")
+    moves.save(c, m)
+    log.info("kept", extra={"pod": f"{namespace}/{name}", "bundle": m.bundle, "holder": m.holder})
     return f"checkpointed into bundle {m.bundle}, kept on node {m.holder}"

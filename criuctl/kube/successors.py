@@ -26,11 +26,13 @@ import contextlib
 import logging
 import time
 
+from criuctl.agent import points
 from criuctl.agent.messages import BundleRestoreRequest
+from criuctl.agent.protocol import Point
 from criuctl.client.agents import AgentClient, AgentError
 from criuctl.core.errors import CriuctlError
-from criuctl.kube import events, jobmoves, moves, mutate
-from criuctl.kube.cluster import Cluster, NotFound, agent_for, call, container_id, delete_now, workload_row
+from criuctl.kube import events, jobmoves, moves, mutate, owners
+from criuctl.kube.cluster import Cluster, agent_for, call, container_id, delete_now, workload_row
 
 log = logging.getLogger("criuctl.kube")
 
@@ -50,10 +52,8 @@ def _holds_job(c: Cluster, node: str, cid: str) -> bool:
 
 
 def _pod(c: Cluster, m: moves.Move) -> dict | None:
-    try:
-        return c.serialize(call(f"pod {m.namespace}/{m.pod}", c.core.read_namespaced_pod, m.pod, m.namespace))
-    except NotFound:
-        return None
+    """The pod of the move's identity: its successor once there is one, else the source pod."""
+    return owners.current(c, m.namespace, m.pod, not_uid=m.uid)
 
 
 def _fail(c: Cluster, m: moves.Move, why: str, pod: dict | None) -> None:
@@ -77,26 +77,36 @@ def _finish(c: Cluster, m: moves.Move, pod: dict, node: str) -> None:
     stamp = {
         "metadata": {
             "annotations": {
-                events.MIGRATED_FROM: f"{m.namespace}/{m.pod}@{m.source}",
+                events.MIGRATED_FROM: f"{m.namespace}/{m.name}@{m.source}",
                 events.MIGRATED_AT: events.now(),
             }
         }
     }
-    call("the new pod", c.core.patch_namespaced_pod, m.pod, m.namespace, stamp)
-    said = f"restored on node {node} from node {m.source} (bundle {m.bundle})"
+    call("the new pod", c.core.patch_namespaced_pod, pod["metadata"]["name"], m.namespace, stamp)
+    steps = m.breakdown()
+    took = "; ".join(f"{step} {seconds:.2f} s" for step, seconds in steps)
+    said = f"restored on node {node} from node {m.source} (bundle {m.bundle}){f': {took}' if took else ''}"
+    if m.braced:
+        said += f"; {m.braced} of the staying ranks' connections to it retransmitted at least every second"
     events.record(c, pod, events.Reason.MIGRATED, said)
     for other in {m.source, m.target} - {node, ""}:
         # a copy left on a node that is down stays there, root-only
         with contextlib.suppress(CriuctlError):
             _agent(c, other).delete(f"/v1/bundles/{m.bundle}")
     moves.forget(c, m)
-    log.info("restored", extra={"pod": f"{m.namespace}/{m.pod}", "bundle": m.bundle, "node": node})
+    log.info(
+        "restored",
+        extra={"pod": f"{m.namespace}/{m.pod}", "bundle": m.bundle, "node": node, "steps": dict(steps)},
+    )
 
 
 def _settle_dumping(c: Cluster, m: moves.Move, node: str) -> None:
-    pod = _pod(c, m)
-    if pod is not None and pod["metadata"]["uid"] == m.uid:
+    if m.bundle in moves.AT_WORK:
+        return  # its preStop, in this process, deleted the pod and copies the bundle
+    found = owners.pods_of(c, m.namespace, m.pod)
+    if any(p["metadata"]["uid"] == m.uid for p in found):
         return  # its preStop is still at work
+    pod = next(iter(found), None)
     src = _agent(c, node)
     try:
         src.get(f"/v1/bundles/{m.bundle}/manifest")
@@ -153,6 +163,7 @@ def step(c: Cluster, m: moves.Move, node: str) -> None:
     cid = container_id(pod, ctr["name"]) if ctr else None
     if cid is None:
         return  # not started yet
+    m.stamp("successor")
     if _holds_job(c, node, cid):
         _finish(c, m, pod, node)  # restored before this agent restarted
         return
@@ -166,6 +177,7 @@ def step(c: Cluster, m: moves.Move, node: str) -> None:
             if pid is None:
                 return  # the agent does not list the placeholder yet: next tick
             jobmoves.prepare(c, rewire, m.bundle, pid)
+            points.reach(Point.SUCCESSOR_REDIRECTED)
             restore["readdress"] = rewire.readdress
             if rewire.foreign:
                 said = f"connections to {', '.join(rewire.foreign)} cannot follow it: they will be reset"
@@ -184,14 +196,20 @@ def step(c: Cluster, m: moves.Move, node: str) -> None:
         events.record(c, pod, events.Reason.FAILED, f"{why}: it is restored on node {others[0]} instead")
         delete_now(c, pod)
         return
+    m.stamp("running")
     if rewire is not None and pid is not None:
         jobmoves.commit(c, rewire, m.bundle, pid)
     _finish(c, m, pod, node)
 
 
-def tick(c: Cluster, node: str) -> None:
+def tick(c: Cluster, node: str) -> bool:
+    """Advance every record this node can; True while one this node will restore is under way
+    (its loop then looks again at once: each second it waits is a second of the job's stall)."""
+    busy = False
     for m in moves.every(c):
         try:
             step(c, m, node)
         except CriuctlError as exc:  # a Conflict: another writer advanced it; read again next tick
             log.info("move not advanced", extra={"pod": f"{m.namespace}/{m.pod}", "why": exc.line()})
+        busy |= m.phase in (moves.Phase.DUMPING, moves.Phase.KEPT) and (m.holder or m.target) == node
+    return busy

@@ -83,7 +83,7 @@ def _admit(body: Any, opts: Options) -> tuple[dict[str, Any], str]:
         if mutate.is_placeholder(pod):
             return _response(uid), f"{who}: a placeholder, left alone"
         namespace = req.get("namespace") or (pod.get("metadata") or {}).get("namespace")
-        name = (pod.get("metadata") or {}).get("name")
+        name = mutate.identity(pod)  # what a predecessor's move record is keyed by
         try:
             move = opts.pending(namespace, name) if opts.pending and namespace and name else None
         except MovesUnknown as exc:

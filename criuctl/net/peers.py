@@ -21,6 +21,7 @@ from pathlib import Path
 
 from criuctl.core import procinfo
 from criuctl.core.workloads import EndpointsJson
+from criuctl.net import sockfds
 from criuctl.net.readdress import canonical
 
 ESTABLISHED, LISTEN = 0x01, 0x0A  # include/net/tcp_states.h
@@ -71,23 +72,7 @@ def _address(text: str) -> tuple[str, int]:
     return canonical(socket.inet_ntop(family, packed)), int(port, 16)
 
 
-def _inodes(pid: int) -> set[int]:
-    out: set[int] = set()
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:  # gone, or not ours to read
-        return out
-    for fd in fds:
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            out.add(int(link[8:-1]))
-    return out
-
-
-def _table(pid: int) -> Iterator[tuple[int, Socket]]:
+def table(pid: int) -> Iterator[tuple[int, Socket]]:
     """(inode, socket) for every TCP socket of `pid`'s network namespace."""
     for name in ("tcp", "tcp6"):
         try:
@@ -100,21 +85,27 @@ def _table(pid: int) -> Iterator[tuple[int, Socket]]:
                 yield int(f[9]), Socket(_address(f[1]), _address(f[2]), int(f[3], 16))
 
 
-def sockets(pids: Iterable[int]) -> list[Socket]:
-    """Every TCP socket `pids` hold (a process gone meanwhile holds none), each once, read in each
-    process's own network namespace."""
-    held: dict[int, set[int]] = {}  # the first pid of each namespace → the sockets of all there
-    by_ns: dict[str, int] = {}
+def held(pids: Iterable[int]) -> dict[int, Socket]:
+    """Every TCP socket `pids` hold, by inode (a process gone meanwhile holds none), read once per
+    network namespace, in each process's own."""
+    by_ns: dict[str, set[int]] = {}  # a namespace → the sockets of all its processes here
+    first: dict[str, int] = {}  # a namespace → a pid in it, to read its table through
     for pid in pids:
         try:
             ns = os.readlink(f"/proc/{pid}/ns/net")
         except OSError:
             continue
-        held.setdefault(by_ns.setdefault(ns, pid), set()).update(_inodes(pid))
+        first.setdefault(ns, pid)
+        by_ns.setdefault(ns, set()).update(ino for _, ino in sockfds.of(pid))
     found: dict[int, Socket] = {}
-    for pid, inodes in held.items():
-        found.update((ino, s) for ino, s in _table(pid) if ino in inodes and ino)
-    return list(found.values())
+    for ns, inodes in by_ns.items():
+        found.update((ino, s) for ino, s in table(first[ns]) if ino in inodes and ino)
+    return found
+
+
+def sockets(pids: Iterable[int]) -> list[Socket]:
+    """Every TCP socket `pids` hold, each once (`held`)."""
+    return list(held(pids).values())
 
 
 def of_tree(root_pid: int) -> Endpoints:

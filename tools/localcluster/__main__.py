@@ -153,9 +153,9 @@ def up(lay: Layout) -> Layout:
         node.start(lay, name, tokens[f"node-{name}"], tokens["kube-proxy"])
     node.pod_routes(lay)
     _wait("every node Ready", lambda: _nodes_ready(lay), 120)
-    # the training operator cannot run here: its stand-in (localcluster.pytorchjob, beside the
-    # package in tools/, not in it: hence its PYTHONPATH)
-    pytorchjob.install(str(lay.kubeconfig))
+    # the training operator and JobSet cannot run here: their stand-ins (localcluster.pytorchjob
+    # and .trainjob, in one process; beside the package in tools/, not in it: hence its PYTHONPATH)
+    pytorchjob.install_all(str(lay.kubeconfig))
     control.spawn(
         lay,
         "pytorchjob-standin",

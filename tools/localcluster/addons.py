@@ -78,6 +78,14 @@ def overlay(lay: Layout) -> Path:
             "value": {"name": "CRIUCTL_FAULT_DIR", "value": "/var/lib/criuctl/faults"},
         }
     )
+    # and stop an agent at a named instant (criuctl.agent.points) by DIR/pause/armed in its state dir
+    lease.append(
+        {
+            "op": "add",
+            "path": "/spec/template/spec/containers/0/env/-",
+            "value": {"name": "CRIUCTL_PAUSE_DIR", "value": "/var/lib/criuctl/pause"},
+        }
+    )
     patches = [{"path": f"secret{i}.json"} for i in range(len(secrets))]
     patches.append({"target": {"kind": "DaemonSet", "name": "criuctl-agent"}, "patch": json.dumps(lease)})
     # the controller's Lease short too: a replica takes a dead leader's moves up within seconds

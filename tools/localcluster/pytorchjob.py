@@ -53,39 +53,48 @@ from urllib3.exceptions import HTTPError
 
 from criuctl.kube import api
 
+__all__ = ["CRD", "Controller", "crd", "create", "install", "install_all", "run"]
+
 GROUP, VERSION, PLURAL, KIND = "kubeflow.org", "v1", "pytorchjobs", "PyTorchJob"
 CRD_NAME = f"{PLURAL}.{GROUP}"
 LABEL = "training.kubeflow.org/"
 OPERATOR = "pytorchjob-controller"
 DEFAULT_CONTAINER, PORT_NAME, DEFAULT_PORT = "pytorch", "pytorchjob-port", 23456
-CRD: dict[str, Any] = {
-    "apiVersion": "apiextensions.k8s.io/v1",
-    "kind": "CustomResourceDefinition",
-    "metadata": {"name": CRD_NAME},
-    "spec": {
-        "group": GROUP,
-        "scope": "Namespaced",
-        "names": {"plural": PLURAL, "singular": "pytorchjob", "kind": KIND, "listKind": "PyTorchJobList"},
-        "versions": [
-            {
-                "name": VERSION,
-                "served": True,
-                "storage": True,
-                # 1.20 requires a structural schema; the operator's own is generated, this one keeps all
-                "schema": {
-                    "openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
-                },
-                "subresources": {"status": {}},
-                "additionalPrinterColumns": [
-                    {"name": "State", "type": "string", "jsonPath": ".status.conditions[-1:].type"},
-                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-                ],
-            }
-        ],
-    },
-}
 EXCLUSIVE = {"Running": ("Restarting",), "Restarting": ("Running",)}  # one replaces the other
 log = logging.getLogger(__name__)
+
+
+def crd(group: str, version: str, plural: str, kind: str) -> dict[str, Any]:
+    """A namespaced CRD keeping every field (1.20 requires a structural schema; the operators' own
+    are generated), with the status subresource."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.{group}"},
+        "spec": {
+            "group": group,
+            "scope": "Namespaced",
+            "names": {"plural": plural, "singular": kind.lower(), "kind": kind, "listKind": kind + "List"},
+            "versions": [
+                {
+                    "name": version,
+                    "served": True,
+                    "storage": True,
+                    "schema": {
+                        "openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+                    },
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": [
+                        {"name": "State", "type": "string", "jsonPath": ".status.conditions[-1:].type"},
+                        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                    ],
+                }
+            ],
+        },
+    }
+
+
+CRD = crd(GROUP, VERSION, PLURAL, KIND)
 
 
 def name_of(job: str, rtype: str, index: int) -> str:
@@ -259,6 +268,8 @@ def _json(fn, *args: Any, **kw: Any) -> dict:
 class Controller:
     """One `sync` brings every PyTorchJob's pods, Services and status to what they should be."""
 
+    KIND = KIND
+
     def __init__(self, api_client: client.ApiClient, t: api.KubeTimeouts) -> None:
         self.core = api.bounded(client.CoreV1Api, api_client, t)
         self.custom = api.bounded(client.CustomObjectsApi, api_client, t)
@@ -311,13 +322,18 @@ class Controller:
                 self._create(self.core.create_namespaced_service, ns, service_for(job, rtype, i))
         return counts
 
-    def _create(self, fn, ns: str, obj: dict) -> None:
-        try:
-            fn(ns, obj, _preload_content=False)
-            log.info("created %s %s/%s", obj["kind"], ns, obj["metadata"]["name"])
-        except ApiException as exc:
-            if exc.status != 409:  # 409: made meanwhile (or its predecessor still terminating): next poll
-                raise
+    _create = staticmethod(lambda fn, ns, obj: create(fn, ns, obj))
+
+
+def create(fn, ns: str, obj: dict) -> None:
+    """`fn(ns, obj)`, a 409 (made meanwhile, or its predecessor of that name still terminating)
+    left for the next poll."""
+    try:
+        fn(ns, obj, _preload_content=False)
+        log.info("created %s %s/%s", obj["kind"], ns, obj["metadata"]["name"])
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
 
 
 def update_conditions(status: dict, name: str, specs: dict[str, dict], counts: dict[str, dict]) -> None:
@@ -356,47 +372,61 @@ def _short(exc: Exception) -> str:
     return f"HTTP {exc.status} {exc.reason}" if isinstance(exc, ApiException) else repr(exc)
 
 
-def install(kubeconfig: str, timeout: float = 60) -> None:
-    """Create (or bring up to date) the PyTorchJob CRD and return once PyTorchJobs are served."""
+def install(kubeconfig: str, timeout: float = 60, crd: dict[str, Any] = CRD) -> None:
+    """Create (or bring up to date) a CRD (the PyTorchJob's) and return once its objects are served."""
     t = api.timeouts()
+    name, spec = crd["metadata"]["name"], crd["spec"]
+    group, version, plural = spec["group"], spec["versions"][0]["name"], spec["names"]["plural"]
     api_client, _ = api.api_client(kubeconfig, t)  # its own (not the default): it may share a process
     ext = api.bounded(client.ApiextensionsV1Api, api_client, t)
     custom = api.bounded(client.CustomObjectsApi, api_client, t)
     try:
-        ext.create_custom_resource_definition(CRD, _preload_content=False)
+        ext.create_custom_resource_definition(crd, _preload_content=False)
     except ApiException as exc:
         if exc.status != 409:
             raise
-        current = _json(ext.read_custom_resource_definition, CRD_NAME)  # e.g. one without status
-        body = copy.deepcopy(CRD)
+        current = _json(ext.read_custom_resource_definition, name)  # e.g. one without status
+        body = copy.deepcopy(crd)
         body["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
-        ext.replace_custom_resource_definition(CRD_NAME, body, _preload_content=False)
+        ext.replace_custom_resource_definition(name, body, _preload_content=False)
     deadline = time.monotonic() + timeout
     while True:
-        status = _json(ext.read_custom_resource_definition, CRD_NAME).get("status") or {}
+        status = _json(ext.read_custom_resource_definition, name).get("status") or {}
         conds = status.get("conditions") or []  # null until the server has set one
         try:
             if any(c["type"] == "Established" and c["status"] == "True" for c in conds):
-                custom.list_cluster_custom_object(GROUP, VERSION, PLURAL, limit=1, _preload_content=False)
+                custom.list_cluster_custom_object(group, version, plural, limit=1, _preload_content=False)
                 return
         except ApiException as exc:
             if exc.status != 404:
                 raise
         if time.monotonic() > deadline:
-            raise TimeoutError(f"CRD {CRD_NAME} not served after {timeout:.0f}s")
+            raise TimeoutError(f"CRD {name} not served after {timeout:.0f}s")
         time.sleep(0.5)
 
 
-def run(kubeconfig: str, stop: threading.Event, interval: float = 1.0) -> None:
-    """Reconcile every `interval` seconds until `stop` is set; an API error waits for the next poll."""
+def run(kubeconfig: str, stop: threading.Event, interval: float = 0.25, kinds: tuple = (Controller,)) -> None:
+    """Reconcile every `interval` seconds until `stop` is set; an API error waits for the next poll.
+    The real operators watch and recreate a deleted pod at once: a slower poll here would add its
+    own wait to every move's stall through a successor."""
     t = api.timeouts()
-    ctl = Controller(api.api_client(kubeconfig, t)[0], t)
+    api_client = api.api_client(kubeconfig, t)[0]
+    controllers = [kind(api_client, t) for kind in kinds]
     while not stop.is_set():
-        try:
-            ctl.sync()
-        except (ApiException, HTTPError, OSError) as exc:
-            log.warning("PyTorchJob stand-in: %s", _short(exc))
+        for ctl in controllers:
+            try:
+                ctl.sync()
+            except (ApiException, HTTPError, OSError) as exc:
+                log.warning("%s stand-in: %s", ctl.KIND, _short(exc))
         stop.wait(interval)
+
+
+def install_all(kubeconfig: str) -> None:
+    """The CRDs of both stand-ins: PyTorchJob's, and TrainJob's and JobSet's (localcluster.trainjob)."""
+    from localcluster import trainjob
+
+    for crd in (CRD, *trainjob.CRDS):
+        install(kubeconfig, crd=crd)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -408,12 +438,14 @@ def main(argv: list[str] | None = None) -> int:
     if not a.kubeconfig:
         p.error("--kubeconfig or KUBECONFIG is required")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    install(a.kubeconfig)
+    from localcluster import trainjob
+
+    install_all(a.kubeconfig)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    log.info("PyTorchJob stand-in controller running (not the Kubeflow training operator)")
-    run(a.kubeconfig, stop)
+    log.info("PyTorchJob and TrainJob stand-in controllers running (not Kubeflow's operators, not JobSet)")
+    run(a.kubeconfig, stop, kinds=(Controller, trainjob.Controller))
     return 0
 
 
