@@ -5,8 +5,8 @@
 #                                   base made with mmdebstrap where no registry is reachable
 #   docker build -t criuctl-agent:0.1.0 .      works as well (no secrets: the base image's defaults)
 #
-# Debian 12, with CRIU 4.1.1 built by scripts/install-criu.sh, the script `make` runs: the same
-# checksum-verified source package and the same patch for sockets on kernels >= 6.16. The project is
+# Debian 12, with CRIU 4.2.1 built by scripts/install-criu.sh, the script `make` runs: the same
+# checksum-verified source package (unpatched: 4.2.1 carries the socket fixes for kernels >= 6.16 and >= 7.1). The project is
 # installed into /opt/criuctl/venv as a wheel, without extras: no torch, numpy or matplotlib (the
 # agent never imports them); the wheel carries the hook tree and the CRI client stubs (setup.py).
 # One image serves the agent and the webhook (another entrypoint argument): the webhook needs the
@@ -46,7 +46,7 @@ RUN mkdir -p /opt/criu-shim \
 # CRIU first, in a layer of its own, so that a change to the Python code does not rebuild it. The
 # script also wires pycriu into the venv it is given, and checks that it imports: here a scratch venv
 # that sees Debian's python3-protobuf (one of the script's build dependencies).
-COPY scripts/install-criu.sh scripts/lib.sh scripts/criu-sockopt-eopnotsupp.patch /opt/criuctl/src/scripts/
+COPY scripts/install-criu.sh scripts/lib.sh /opt/criuctl/src/scripts/
 RUN --mount=type=secret,id=ca --mount=type=secret,id=pip.conf --mount=type=secret,id=apt.sources \
     python3 -m venv --system-site-packages /tmp/criu-venv \
  && PATH="/opt/criu-shim:$PATH" build-env bash /opt/criuctl/src/scripts/install-criu.sh /tmp/criu-venv \

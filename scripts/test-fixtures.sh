@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Real things the tests need besides what bootstrap.sh installs (venv, CRIU 4.1.1, containerd 1.6):
+# Real things the tests need besides what bootstrap.sh installs (venv, CRIU 4.2.1, containerd 1.6):
 #  - Debian 12's own criu 3.17.1, unpacked (not installed) to check that criuctl refuses a CRIU < 4.0.
 #  - Kubernetes (scripts/install-kubernetes.sh) for the local cluster the Kubernetes tests start;
 #  - containerd 2 (scripts/install-containerd2.sh) for tests/test_cri_archive.py;

@@ -32,6 +32,7 @@ from criuctl.core.env import CRIU, TESTS_REQUIRE_ALL
 ENV_REQUIRE_ALL = TESTS_REQUIRE_ALL  # set by `make test` (Makefile), so by .ci/run
 MARK = "requires"
 CONTAINERD2 = Path(os.environ.get("CRIUCTL_CONTAINERD2", CACHE / "containerd-2"))
+INSTALL_CRIU = Path(__file__).parents[1] / "scripts" / "install-criu.sh"
 OLD_CRIU = CACHE / "criu-3.17" / "usr" / "sbin" / "criu"  # unpacked by scripts/test-fixtures.sh
 
 
@@ -106,7 +107,7 @@ def _root() -> str | None:
 def _criu() -> str | None:
     criu = CRIU.get()
     if shutil.which(criu) is None:
-        return f"no {criu} on PATH (CRIU >= 4.0): run `make install` (scripts/install-criu.sh)"
+        return f"no {criu} on PATH (CRIU >= 4.2.1): run `make install` (scripts/install-criu.sh)"
     return None
 
 
@@ -134,6 +135,13 @@ def _gpu() -> str | None:
     if ctypes.util.find_library("cuda") is None and not cuda.probe().loaded:
         return "no CUDA driver (libcuda.so.1) on this host; run on a GPU node (tests/gpu/check.sh)"
     return None
+
+
+def installed_criu() -> str:
+    """The CRIU release `make install` builds (scripts/install-criu.sh's CRIU_VERSION)."""
+    lines = INSTALL_CRIU.read_text().splitlines()
+    (v,) = [ln.partition("=")[2] for ln in lines if ln.startswith("CRIU_VERSION=")]
+    return v
 
 
 _MAKE_INSTALL = "run `make install`"

@@ -15,7 +15,7 @@ from criuctl.cli import cliargs, main
 from criuctl.engine import criu
 from criuctl.format import bundle
 from criuctl.format.bundle import Manifest, ProcessInfo
-from tests.requirements import missing, needs
+from tests.requirements import installed_criu, missing, needs
 
 pytestmark = needs("pycriu")
 if missing("pycriu") is None:
@@ -67,6 +67,41 @@ def test_restore_request_maps_inherited_fds(tmp_path):
 def test_hints_name_the_cause(log, expect):
     what, hint = criu.hint_for(log)
     assert expect in what and hint
+
+
+@pytest.mark.parametrize(
+    ("criu_version", "release", "needs"),
+    [
+        ((4, 1, 1), "6.15.9", []),
+        ((4, 1, 1), "6.18.44-fc-v1147", [(4, 2, 0)]),
+        ((4, 2, 0), "6.18.44-fc-v1147", []),
+        ((4, 2, 0), "7.1.0-rc3", [(4, 2, 1)]),
+        ((4, 1, 1), "7.2.1", [(4, 2, 0), (4, 2, 1)]),
+        ((4, 2, 1), "7.2.1", []),
+        ((4, 3, 0), "10.0", []),
+    ],
+)
+def test_a_criu_that_lacks_what_the_kernel_needs_is_named(criu_version, release, needs):
+    """The version floor alone passes a CRIU that cannot dump a TCP socket on this kernel: the
+    kernel's own floor says it (and the install script builds the release past both)."""
+    kernel = criu.kernel_release(release)
+    assert [f.criu for f in criu.missing_fixes(criu_version, kernel)] == needs
+    installed = installed_criu()
+    floor = tuple(int(x) for x in installed.split("."))
+    assert not criu.missing_fixes(floor, kernel), f"install-criu.sh's CRIU {installed} lacks a fix"
+
+
+def test_doctor_names_the_release_a_kernel_needs(monkeypatch):
+    from criuctl.cli import doctor
+
+    monkeypatch.setattr(criu, "require_version", lambda: (4, 1, 1))
+    monkeypatch.setattr(criu, "kernel_release", lambda: (7, 1))
+    c = doctor._criu_version()
+    assert not c.ok and "4.1.1" in c.detail and "kernel 7.1" in c.detail
+    assert "SO_PASSCRED" in c.detail and "UDP-Lite" in c.detail
+    assert c.fix == "install CRIU >= 4.2.1 with scripts/install-criu.sh"
+    monkeypatch.setattr(criu, "require_version", lambda: (4, 2, 1))
+    assert doctor._criu_version().ok
 
 
 def _manifest() -> Manifest:

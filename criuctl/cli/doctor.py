@@ -54,9 +54,20 @@ def _criuctl() -> Check:
 def _criu_version() -> Check:
     try:
         v = criu.require_version()
-        return Check("CRIU", True, f"{'.'.join(map(str, v))} at {criu.binary()}")
     except CriuctlError as exc:
         return Check("CRIU", False, exc.what, exc.hint)
+    shown, kernel = ".".join(map(str, v)), criu.kernel_release()
+    missing = criu.missing_fixes(v, kernel)
+    if not missing:
+        return Check("CRIU", True, f"{shown} at {criu.binary()}")
+    need = ".".join(map(str, max(f.criu for f in missing)))
+    on = "{}.{}".format(*kernel)
+    return Check(
+        "CRIU",
+        False,
+        f"{shown} at {criu.binary()} lacks what kernel {on} needs: {'; '.join(f.what for f in missing)}",
+        f"install CRIU >= {need} with scripts/install-criu.sh",
+    )
 
 
 def _criu_check() -> Check:

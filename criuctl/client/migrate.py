@@ -452,13 +452,26 @@ def source_downtime(source: Node, og_id: str | None) -> float | None:
 
 
 def _wait_pages(src: AgentClient, og_id: str | None, timeout: float | None = None) -> float | None:
-    deadline = time.monotonic() + (timeouts().pages if timeout is None else timeout)
+    st = _source_done(src, og_id, timeouts().pages if timeout is None else timeout)
+    return st.get("pages_seconds") if st else None
+
+
+def _source_done(src: AgentClient, og_id: str | None, timeout: float) -> OutgoingStatus | None:
+    """The source's status once its tree is gone (`done`); None when it is not within `timeout` or
+    its agent does not answer."""
+    deadline = time.monotonic() + timeout
     while og_id is not None and time.monotonic() < deadline:
         try:
             st: OutgoingStatus = src.get(f"/v1/outgoing/{og_id}", timeout=10)
         except CriuctlError:
             return None
         if st["state"] == "done":
-            return st.get("pages_seconds")
+            return st
         time.sleep(0.1)
     return None
+
+
+def source_ended(source: Node, og_id: str | None, timeout: float = 60.0) -> bool:
+    """Whether the source's copy of a moved job has ended (its tree is gone), waiting up to
+    `timeout`: only then may what holds it (a pod) be removed at once."""
+    return _source_done(AgentClient(source, timeout=10), og_id, timeout) is not None

@@ -50,6 +50,34 @@ def tree_options() -> TreeOptions:
     )
 
 
+@dataclass(frozen=True)
+class KernelFix:
+    """A kernel release that breaks CRIU releases before `criu`: the version floor alone (what any
+    CRIU 4 can do) does not say whether the installed one works on this node's kernel."""
+
+    kernel: tuple[int, int]
+    criu: tuple[int, int, int]
+    what: str
+
+
+# scripts/install-criu.sh installs a release that has every fix below
+KERNEL_FIXES = (
+    KernelFix((6, 16), (4, 2, 0), "SO_PASSCRED fails on TCP sockets: no job with a connection can be dumped"),
+    KernelFix((7, 1), (4, 2, 1), "UDP-Lite is gone: CRIU collects no socket at all"),
+)
+
+
+def kernel_release(release: str | None = None) -> tuple[int, int]:
+    """(major, minor) of this kernel (or of `release`, as `uname -r` prints it)."""
+    m = re.match(r"(\d+)\.(\d+)", release or os.uname().release)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def missing_fixes(criu: tuple[int, int, int], kernel: tuple[int, int]) -> list[KernelFix]:
+    """The fixes that `kernel` needs and CRIU `criu` lacks."""
+    return [f for f in KERNEL_FIXES if kernel >= f.kernel and criu < f.criu]
+
+
 class CriuError(CriuctlError):
     """CRIU refused or failed; `log_tail` holds the end of its log."""
 
@@ -74,7 +102,7 @@ _HINTS: list[tuple[str, str, str]] = [
     (
         r"Can't get \d+:\d+ opt: Operation not supported",
         "this CRIU cannot dump TCP/UDP sockets on kernels >= 6.16",
-        "reinstall CRIU with scripts/install-criu.sh, which applies criuctl's socket-option patch",
+        "install CRIU >= 4.2.1 with scripts/install-criu.sh",
     ),
     (
         r"Unexpected rt vDSO area bounds|vdso",

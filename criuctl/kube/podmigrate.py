@@ -9,6 +9,8 @@
     hand over   after the target commits and before the source   the job runs in the new pod; the
                 tree ends: the source pod is deleted, so its     source tree ends by the agents'
                 kubelet never restarts the container it sees die protocol either way
+    remove      once the source says its tree is gone: the      not gone in 60 s: the pod's
+                source pod again, without a grace period         own grace period ends it
     record      Events on both pods, provenance annotations
 
 A pod whose controller recreates it under its name (StatefulSet, PyTorchJob) moves through its
@@ -36,7 +38,7 @@ from criuctl.client import migrate as agent_migrate
 from criuctl.client.agents import AgentClient, AgentError, Node
 from criuctl.core.errors import CriuctlError
 from criuctl.kube import events, moves, owners
-from criuctl.kube.cluster import Cluster, NotFound, call
+from criuctl.kube.cluster import Cluster, NotFound, call, delete_now
 from criuctl.kube.podmigrations import Phase
 from criuctl.kube.podplan import PodPlan, plan
 
@@ -201,7 +203,10 @@ def execute(
         with contextlib.suppress(CriuctlError):  # the source agent still ends the tree; its kubelet
             _delete(c, p.namespace, p.pod)  # may restart a fresh copy (whose init then waits)
 
+    outgoing: list[str | None] = [None]
+
     def ids(og: str | None, inc: str) -> None:
+        outgoing[0] = og
         journal(Phase.MIGRATING, outgoingId=og or "", incomingId=inc)
 
     try:
@@ -243,6 +248,12 @@ def execute(
         raise
     how = f" ({result.mode}, downtime {result.downtime_seconds:.2f} s)"
     hand_over(c, p.namespace, p.pod, p.placeholder_name, p.source, p.target, how)
+    # Its tree gone, nothing runs in the source pod: Kubernetes 1.20's kubelet, finding the
+    # container gone when its preStop returns, fails the kill and retries a minute later, the pod
+    # Terminating all the while. Deleted now (this very pod, by UID), as the preStop path does.
+    if agent_migrate.source_ended(p.src, outgoing[0]):
+        with contextlib.suppress(CriuctlError):
+            delete_now(c, src_pod)
     return result
 
 
