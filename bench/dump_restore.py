@@ -279,6 +279,7 @@ def report(rows: list[dict]) -> None:
         "criuctl ÷ criu dump",
         "… ÷ criu dump + fsync",
         "criuctl ÷ criu restore",
+        "… its CRIU part ÷ criu restore",
         "criuctl dump ÷ torch.save",
         "criuctl restore ÷ torch.load",
     ):
@@ -290,6 +291,7 @@ def report(rows: list[dict]) -> None:
             ratio(runs, ("criuctl", "dump"), ("criu", "dump")),
             ratio(runs, ("criuctl", "dump"), ("criu", "dump_sync")),
             ratio(runs, ("criuctl", "restore"), ("criu", "restore")),
+            ratio(runs, ("criuctl", "restore_criu"), ("criu", "restore")),
             ratio(runs, ("criuctl", "dump"), ("torch", "save")),
             ratio(runs, ("criuctl", "restore"), ("torch", "load")),
         )

@@ -330,16 +330,25 @@ def follow_owned(
         m = moves.read(c, namespace, pod)
         live = owners.current(c, namespace, pod, not_uid=uid)
         successor = live if live is not None and live["metadata"]["uid"] != uid else None
+        seen = m or seen  # its latest word: a failed restore on the target leaves its note
         if m is not None and m.phase != phase:
-            phase, seen = m.phase, m
+            phase = m.phase
             progress(PHASES.get(m.phase, str(m.phase)))
             if m.phase == moves.Phase.KEPT:
                 journal(Phase.HANDING_OVER, bytesMoved=m.size)
         if m is None and successor is not None:  # a pod made after our delete, restored
             notes = successor["metadata"].get("annotations") or {}
             if events.MIGRATED_AT in notes:
-                journal(Phase.HANDING_OVER, newPod=successor["metadata"]["name"])
-                return _owned_result(workload, source, seen, successor["spec"]["nodeName"], started)
+                new, node = successor["metadata"]["name"], successor["spec"]["nodeName"]
+                journal(Phase.HANDING_OVER, newPod=new)
+                if seen is not None and seen.target and node != seen.target:
+                    # whole, but not where it was asked to go: said as the failure it is
+                    raise agent_migrate.MigrationFailed(
+                        f"pod {pod} was not moved to node {seen.target}: "
+                        f"{seen.note or 'it was restored elsewhere'}; it runs as pod {new} on node {node}",
+                        f"see `kubectl -n {namespace} get events --field-selector involvedObject.name={new}`",
+                    )
+                return _owned_result(workload, source, seen, node, started)
         if m is not None and m.phase == moves.Phase.FAILED:
             raise agent_migrate.MigrationFailed(m.note, f"see `kubectl -n {namespace} get events`")
         if m is not None and m.phase == moves.Phase.REQUESTED and successor is not None:
