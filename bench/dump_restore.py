@@ -8,11 +8,13 @@ Measured side by side in one run, on the same disk:
 
 Steady state, as far as a VM allows: guest memory is touched once before anything is timed (for a
 VM that keeps what it backed), one untimed round warms every contender, then each size is measured
-`--reps` times with the contenders' order alternating, everything a contender left (bundle,
-restored job) removed before the next one. Medians, with min–max. On the development VM freed
-memory goes straight back to the host (free page reporting, `min_free_ms=0`), so every GiB any
-contender allocates is a first touch (~0.6 s/GiB there): docs/benchmarks.md says what that means.
-Usage: python bench/dump_restore.py [--sizes 0.5 2 4] [--reps 3] [--dir /var/tmp/criuctl-bench]
+`--reps` times or more (until the median of criuctl's per-round ratio to plain CRIU settles:
+bench/rounds.py) with the contenders' order alternating (criuctl and plain CRIU back to back),
+everything a contender left (bundle, restored job) removed before the next one. Medians, with
+min–max. On the development VM freed memory goes straight back to the host (free page reporting,
+`min_free_ms=0`), so every GiB any contender allocates is a first touch (~0.6 s/GiB there):
+docs/benchmarks.md says what that means.
+Usage: python bench/dump_restore.py [--sizes 0.5 2 4] [--reps 3] [--most 8] [--dir /var/tmp/criuctl-bench]
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ from rich.console import Console
 from rich.table import Table
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from bench.rounds import paired, settle  # noqa: E402 - paired rounds until the spread is known
+
 CRIUCTL = [sys.executable, "-m", "criuctl.cli.main"]
 JOB = [sys.executable, str(HERE / "big_state.py")]
 console = Console(highlight=False, width=200)
@@ -187,7 +192,8 @@ def one_round(gib: float, work: Path, flip: bool) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", type=float, nargs="+", default=[0.5, 2, 4])
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3, help="rounds at least (bench/rounds.py)")
+    ap.add_argument("--most", type=int, default=8, help="rounds at most, while the median ratio moves")
     ap.add_argument("--dir", default="/var/tmp/criuctl-bench")
     ap.add_argument("--json", default=str(HERE / "results" / "dump_restore.json"))
     a = ap.parse_args()
@@ -200,10 +206,12 @@ def main() -> int:
     one_round(min(a.sizes), work, False)
     rows = []
     for gib in a.sizes:
-        runs = []
-        for rep in range(a.reps):
-            console.print(f"[bold]{gib} GiB[/] round {rep + 1}/{a.reps}")
-            runs.append(one_round(gib, work, rep % 2 == 1))
+
+        def one(turn: int, gib: float = gib) -> dict:
+            console.print(f"[bold]{gib} GiB[/] round {turn + 1}")
+            return one_round(gib, work, turn % 2 == 1)  # criuctl and plain CRIU back to back
+
+        runs = settle(one, SETTLE, a.reps, max(a.reps, a.most), say=console.print)
         rows.append(dict(gib=gib, runs=runs))
     drop(work)
     report(rows)
@@ -230,9 +238,15 @@ def spread(runs: list[dict], who: str, what: str) -> str:
 
 
 def ratio(runs: list[dict], a: tuple[str, str], b: tuple[str, str]) -> str:
-    """Median of the per-round ratios (each round's contenders ran side by side), with min–max."""
-    vals = [r[a[0]][a[1]] / r[b[0]][b[1]] for r in runs]
-    return f"{statistics.median(vals):.2f} ({min(vals):.2f}–{max(vals):.2f})"
+    """Median of the per-round ratios (each round's contenders ran back to back), min–max, rounds."""
+    return paired(runs, lambda r: r[a[0]][a[1]] / r[b[0]][b[1]])
+
+
+# a size's rounds go on while one of these still moves (criuctl against plain CRIU, per round)
+SETTLE = [
+    lambda r: r["criuctl"]["dump"] / r["criu"]["dump"],
+    lambda r: r["criuctl"]["restore"] / r["criu"]["restore"],
+]
 
 
 def report(rows: list[dict]) -> None:
@@ -273,7 +287,7 @@ def report(rows: list[dict]) -> None:
             ),
         )
     console.print(t)
-    t = Table(title="ratios: median of each round's ratio (min–max)")
+    t = Table(title="ratios: median of each round's ratio (min–max; rounds: until the median settles)")
     for col in (
         "state",
         "criuctl ÷ criu dump",

@@ -14,9 +14,11 @@ The agents serve plain HTTP (`--insecure`), as for every earlier result: the num
 comparable (TLS costs the stream its `sendfile`; not measured here).
 
 Steady state, as far as a VM allows: guest memory is touched once first, one untimed round at the
-smallest size warms every contender, then each size runs `--reps` rounds with the contenders' order
-rotating; each contender's job and files are gone before the next starts. Medians, min–max (on
-the development VM freed memory goes straight back to the host: see docs/benchmarks.md). `--post-copy-only`
+smallest size warms every contender, then each size runs `--reps` rounds or more (until the median
+of stop-and-copy's per-round ratio to plain CRIU settles: bench/rounds.py), stop-and-copy and plain
+CRIU back to back in each round and the order rotating; each contender's job and files are gone
+before the next starts. Medians, min–max (on the development VM freed memory goes straight back
+to the host: see docs/benchmarks.md). `--post-copy-only`
 sizes run post-copy alone (its downtime's growth with size). Downtime is freeze → running on the
 target. Run as root: `make bench-migrate` or `.venv/bin/python bench/migrate.py [--sizes 0.5 2 4]`.
 """
@@ -41,6 +43,7 @@ from rich.table import Table
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))
 
+from bench.rounds import paired, settle  # noqa: E402 - paired rounds until the spread is known
 from tests.cluster import PLAIN, Cluster  # noqa: E402 - the same nodes the tests use
 
 JOB = [sys.executable, str(HERE / "big_state.py")]
@@ -214,10 +217,13 @@ def one_round(c: Cluster, gib: float, work: Path, turn: int, only_post: bool = F
         "plain": lambda: bench_plain_criu(c, gib, work / "plain"),
         "app": lambda: bench_app_level(gib, work),
     }
+    # stop-and-copy and plain CRIU back to back (their order alternating): the pair a ratio is of
+    pair = ["stop-and-copy", "plain"] if turn % 2 == 0 else ["plain", "stop-and-copy"]
+    units = [pair, ["sealed"], ["post-copy"], ["app"]]
+    units = units[turn % len(units) :] + units[: turn % len(units)]
+    names = [n for unit in units for n in unit]
     if only_post:
-        jobs = {"post-copy": jobs["post-copy"]}
-    names = list(jobs)
-    names = names[turn % len(names) :] + names[: turn % len(names)]
+        names = ["post-copy"]
     out: dict = {"tcp": bench_tcp(c)}
     for name in names:
         console.print(f"  {gib} GiB {name} …")
@@ -229,7 +235,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", type=float, nargs="+", default=[0.5, 2, 4])
     ap.add_argument("--post-copy-only", type=float, nargs="*", default=[8], help="sizes for post-copy alone")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3, help="rounds at least (bench/rounds.py)")
+    ap.add_argument("--most", type=int, default=8, help="rounds at most, while the median ratio moves")
     ap.add_argument("--dir", default="/var/tmp/criuctl-bench-migrate")
     ap.add_argument("--json", default=str(HERE / "results" / "migrate.json"))
     a = ap.parse_args()
@@ -242,7 +249,16 @@ def main() -> int:
         one_round(c, min(a.sizes), work, 0)
         for gib in [*a.sizes, *a.post_copy_only]:
             only_post = gib in a.post_copy_only and gib not in a.sizes
-            runs = [one_round(c, gib, work, turn, only_post) for turn in range(1 if only_post else a.reps)]
+            if only_post:
+                runs = [one_round(c, gib, work, 0, True)]
+            else:
+                runs = settle(
+                    lambda turn, gib=gib: one_round(c, gib, work, turn),
+                    SETTLE,
+                    a.reps,
+                    max(a.reps, a.most),
+                    say=console.print,
+                )
             rows.append({"gib": gib, "runs": runs})
     Path(a.json).parent.mkdir(exist_ok=True)
     doc = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "transport": PLAIN, "rows": rows}
@@ -270,6 +286,13 @@ def _pages_done(r: dict) -> float:
     """Post-copy: the freeze until every page is on the target (downtime, then the pull)."""
     p = r["post-copy"]
     return p["downtime_seconds"] + (p["pages_seconds"] or 0.0)
+
+
+# a size's rounds go on while one of these still moves (criuctl against plain CRIU, per round)
+SETTLE = [
+    lambda x: x["stop-and-copy"]["downtime_seconds"] / x["plain"]["downtime"],
+    lambda x: _pages_done(x) / x["plain"]["downtime"],
+]
 
 
 def report(rows: list[dict]) -> None:
@@ -307,7 +330,7 @@ def report(rows: list[dict]) -> None:
             _vals(runs, lambda x: _stream_rate(x) / 1e9) if has else dash,
         )
     out.print(t)
-    t = Table(title="ratios: median of each round's ratio (min–max)")
+    t = Table(title="ratios: median of each round's ratio (min–max; rounds: until the median settles)")
     for col in (
         "state",
         "stop&copy ÷ plain CRIU",
@@ -320,9 +343,9 @@ def report(rows: list[dict]) -> None:
         runs = r["runs"]
         t.add_row(
             f"{r['gib']} GiB",
-            _vals(runs, lambda x: x["stop-and-copy"]["downtime_seconds"] / x["plain"]["downtime"]),
+            paired(runs, SETTLE[0]),
             _vals(runs, lambda x: _stream_rate(x) / x["tcp"]),
-            _vals(runs, lambda x: _pages_done(x) / x["plain"]["downtime"]),
+            paired(runs, SETTLE[1]),
             _vals(
                 runs, lambda x: x["post-copy"]["downtime_seconds"] / x["stop-and-copy"]["downtime_seconds"]
             ),
