@@ -330,6 +330,7 @@ def test_refuses_pods_whose_controller_would_not_bring_them_back(running) -> Non
         assert "the PyTorchJob has finished" in _refused(lay, k, "ddp-worker-0", "b")
     finally:
         k("delete", "pod", "ddp-worker-0", "--grace-period=1", "--wait=false")
+    k.wait_gone("pod", "ddp-worker-0")  # else it may go during the next refusal, which checks the pods
     trainer = training_pod("x", steps=100000, node="a")  # migratable: only the owner is refused
     dep = {
         "apiVersion": "apps/v1",

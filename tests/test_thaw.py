@@ -10,6 +10,7 @@ weights, over the connection it started with, leaving no `CRIU-*` nftables table
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -179,9 +180,15 @@ def test_second_dump_is_refused_at_once(job, tmp_path):
         text=True,
     )
     _wait_for_staging(tmp_path, first, name)
-    started = time.monotonic()
-    second = criuctl("dump", name, "-o", str(tmp_path / "second"), timeout=30)
-    took = time.monotonic() - started
+    # held where it holds the workload's lock: a small job's whole dump (1.1 s on a slow VM) could
+    # end before the second command had started, which then rightly dumped it (CI)
+    os.kill(first.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        second = criuctl("dump", name, "-o", str(tmp_path / "second"), timeout=30)
+        took = time.monotonic() - started
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
     line = assert_error_line(second, "already being checkpointed", "criuctl dump", "keeps running")
     assert second.returncode == 75, line
     assert took < 10, f"the second dump took {took:.1f} s to be refused"
