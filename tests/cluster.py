@@ -38,9 +38,15 @@ PLAIN = "plain TCP (agents --insecure)"  # Cluster(tls=False), as benchmark resu
 
 
 def _free_subnet(seed: int) -> str:
-    """A 10.N.0 /24 no interface here routes yet (a cluster left over by a killed run may hold one)."""
-    for i in range(100):
-        net = f"10.{77 + (seed + i) % 100}.0"
+    """A 10.N.0 /24 no interface here routes yet (a cluster left over by a killed run may hold one).
+
+    Each pytest-xdist worker has its own share of the N, so two workers never pick one net between
+    one's look and its `ip route add`."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    span = 100 // workers
+    for i in range(span):
+        net = f"10.{77 + worker * span + (seed + i) % span}.0"
         if not sh("ip", "route", "show", f"{net}.0/24").stdout.strip():
             return net
     raise AssertionError("no free 10.N.0.0/24 subnet for test nodes")

@@ -82,7 +82,10 @@ def _failed(r: subprocess.CompletedProcess) -> str:
 
 
 def test_stop_and_copy_a_to_b_to_a_with_dataloader_workers(tmp_path):
-    args = ("--steps", "40", "--workers", "2")
+    # ~0.3 s a step (32 reads of 20 ms over 2 workers): 40 steps left after the first move's step 20
+    # give the second move's start-up room; at 4 ms a read the job ended first on a slow VM (CI)
+    steps = 60
+    args = ("--steps", str(steps), "--workers", "2", "--read-latency", "0.02")
     ref_log = tmp_path / "ref.log"
     ref = Ref(tmp_path / "ref", "train_cnn_loader.py", *args, "--log", str(ref_log))
     with Cluster(tmp_path / "c") as c:
@@ -98,7 +101,7 @@ def test_stop_and_copy_a_to_b_to_a_with_dataloader_workers(tmp_path):
         assert_ran_once(c, "cnn", ref, "a")
         # the log file the job holds open kept being appended to, on every node, in order
         logged = [int(x.split()[1]) for x in log.read_text().splitlines() if x.startswith("step ")]
-        assert logged == list(range(40))
+        assert logged == list(range(steps))
         r = c.client("ps", "--node", "a", "--all")
         assert "cnn" in r.stdout, r.stdout
         r = c.client("logs", "cnn", "--node", "b", "--tail", "3")
@@ -326,7 +329,8 @@ def test_restore_failing_on_target(tmp_path):
     """
     data = tmp_path / "data"
     (data / "tmp").mkdir(parents=True)
-    args = ("--steps", "30", "--workers", "1")
+    # ~0.3 s a step: the job is still running when the move freezes it, on a slow VM too
+    args = ("--steps", "40", "--workers", "1", "--read-latency", "0.01")
     ref = Ref(tmp_path / "ref", "train_cnn_loader.py", *args, "--log", str(tmp_path / "ref.log"))
     with Cluster(tmp_path / "c", hide={"b": data}) as c:
         c.run(
