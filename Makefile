@@ -3,9 +3,6 @@
 #               PyTorchJob worker between the kubelet nodes of a local Kubernetes (scripts/local-cluster demo)
 #   make test   install everything, then run the whole test suite
 VENV := .venv
-# pytest-xdist workers: one runs the modules on the local Kubernetes, the other the rest meanwhile
-# (tests/conftest.py); most of a cluster test is waiting, so two halve the suite's time on 2 cores
-TEST_WORKERS ?= 2
 
 .PHONY: install demo test bench bench-migrate lint clean image
 install:
@@ -20,8 +17,7 @@ demo: install
 # with one line per missing thing; never a skip (tests/requirements.py). Only a GPU is a skip.
 test: install
 	@bash scripts/test-fixtures.sh
-	CRIUCTL_TESTS_REQUIRE_ALL=1 $(VENV)/bin/python -m pytest -ra --durations=25 \
-	  -n $(TEST_WORKERS) --dist loadgroup tests
+	CRIUCTL_TESTS_REQUIRE_ALL=1 bash scripts/run-tests.sh $(VENV)/bin/python
 
 # the agent image (Dockerfile) with buildah, podman or docker: criuctl-agent:VERSION-gCOMMIT
 # (docs/deploy.md, "The image"); `scripts/build-image.sh --push REPO` also pushes it

@@ -37,13 +37,15 @@ AGENT_CERT = Path(__file__).resolve().parent.parent / "scripts" / "agent-cert.sh
 PLAIN = "plain TCP (agents --insecure)"  # Cluster(tls=False), as benchmark results name their transport
 
 
+SHARE = "CRIUCTL_TESTS_SHARE"
+
+
 def _free_subnet(seed: int) -> str:
     """A 10.N.0 /24 no interface here routes yet (a cluster left over by a killed run may hold one).
 
-    Each pytest-xdist worker has its own share of the N, so two workers never pick one net between
-    one's look and its `ip route add`."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    Each of the sessions scripts/run-tests.sh runs side by side has its own share of the N
+    ($CRIUCTL_TESTS_SHARE, "I/N"), so two never pick one net between one's look and its `ip route add`."""
+    worker, workers = (int(x) for x in os.environ.get(SHARE, "0/1").split("/"))
     span = 100 // workers
     for i in range(span):
         net = f"10.{77 + worker * span + (seed + i) % span}.0"

@@ -13,33 +13,6 @@ pytest_runtest_setup = requirements.pytest_runtest_setup
 
 needs_criu = needs("criu")
 
-# Modules that share the one local Kubernetes of the session (the `local_cluster` fixture) or build
-# images beside it: one xdist worker runs them all, in order, so the cluster comes up once.
-CLUSTER_GROUP = "kubernetes"
-CLUSTER_MODULES = {"test_localcluster", "test_image"}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`make test` runs two pytest-xdist workers (`--dist loadgroup`): each module is one unit of
-    work, so its module-scoped nodes come up once, and the cluster's modules are one unit, run
-    first, so the other worker runs everything else meanwhile."""
-    modules: dict[str, list[pytest.Item]] = {}
-    for item in items:
-        modules.setdefault(item.module.__name__ if item.module else item.nodeid, []).append(item)
-
-    def group(name: str, members: list[pytest.Item]) -> str:
-        short = name.rsplit(".", 1)[-1]
-        on_cluster = short in CLUSTER_MODULES or any("local_cluster" in i.fixturenames for i in members)
-        return CLUSTER_GROUP if on_cluster else short
-
-    groups = {name: group(name, members) for name, members in modules.items()}
-    for name, members in modules.items():
-        for item in members:
-            item.add_marker(pytest.mark.xdist_group(groups[name]))
-    # the longest unit first (stable within it): the other worker starts on the rest at once
-    items.sort(key=lambda i: groups[i.module.__name__ if i.module else i.nodeid] != CLUSTER_GROUP)
-
-
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
     """`reference(script, *args)`: an uninterrupted run's losses and weights, run once per session."""
