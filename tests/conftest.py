@@ -13,6 +13,7 @@ pytest_runtest_setup = requirements.pytest_runtest_setup
 
 needs_criu = needs("criu")
 
+
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
     """`reference(script, *args)`: an uninterrupted run's losses and weights, run once per session."""
