@@ -155,6 +155,28 @@ def hint_for(log_tail: str) -> tuple[str, str]:
     return "CRIU failed", "see the CRIU log below"
 
 
+@dataclass(frozen=True)
+class PageTls:
+    """CRIU's TLS on a page-server connection, mutual and pinned: each end's CA file is the other
+    end's certificate (one made for this migration), so nothing else can be on the other end.
+    Names are not checked (`tls_no_cn_verify`): the pin is stronger than a name, and CRIU's server
+    would check the client's name against its *own* listening address."""
+
+    peer_cert: Path  # the only certificate this end accepts
+    cert: Path
+    key: Path
+
+
+@dataclass(frozen=True)
+class PagesTo:
+    """Stop-and-copy straight to the target: CRIU sends memory pages to a page server there (over
+    `tls`) and writes only the other images here."""
+
+    address: str
+    port: int
+    tls: PageTls
+
+
 @dataclass
 class DumpOptions:
     """What to checkpoint and how. `leave_stopped` leaves the tree frozen for the caller to commit."""
@@ -173,6 +195,7 @@ class DumpOptions:
     ghost_limit: int = 1 << 30  # deleted-but-open files (DataLoader shared memory) up to 1 GiB
     lazy_pages: bool = False  # post-copy: keep memory pages back and serve them on `page_server_port`
     page_server_port: int = 0
+    pages_to: PagesTo | None = None  # send memory pages to the target's page server, not to disk
     log_level: int = field(default_factory=env.CRIU_LOG_LEVEL.get)
     log_file: str = "dump.log"
 
@@ -272,7 +295,31 @@ def build_dump_request(o: DumpOptions, images_fd: int = -1, work_fd: int = -1) -
     if o.lazy_pages:
         opts.lazy_pages = True
         opts.ps.port = o.page_server_port  # with lazy_pages CRIU *serves* on this port (any address)
+    elif o.pages_to is not None:
+        opts.ps.address = o.pages_to.address  # without lazy_pages CRIU *connects* and sends pages
+        opts.ps.port = o.pages_to.port
+        _tls(opts, o.pages_to.tls)
     return opts
+
+
+def _tls(opts: Any, tls: PageTls) -> None:
+    opts.tls = True
+    opts.tls_cacert, opts.tls_cert, opts.tls_key = str(tls.peer_cert), str(tls.cert), str(tls.key)
+    opts.tls_no_cn_verify = True
+
+
+def tls_argv(tls: PageTls) -> list[str]:
+    """`_tls` for the criu command line."""
+    return [
+        "--tls",
+        "--tls-cacert",
+        str(tls.peer_cert),
+        "--tls-cert",
+        str(tls.cert),
+        "--tls-key",
+        str(tls.key),
+        "--tls-no-cn-verify",
+    ]
 
 
 def build_restore_request(o: RestoreOptions, images_fd: int = -1, work_fd: int = -1) -> Any:
@@ -472,6 +519,58 @@ def lazy_pages_daemon(
             tail,
         )
     return proc
+
+
+PAGE_SERVER_LOG = "page-server.log"
+
+
+def page_server(
+    images_dir: Path, work_dir: Path, sock: socket.socket, tls: PageTls
+) -> subprocess.Popen[bytes]:
+    """Run `criu page-server` on a connection already accepted (`--ps-socket`): it does the TLS
+    handshake (pinned, `tls`), writes the pagemap and page images the source's dump sends into
+    `images_dir`, and exits 0 once the dump closes the session; `wait_page_server` says how it
+    ended. A command, not RPC: CRIU's RPC would daemonize it, and its status would be lost."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    fd = sock.fileno()
+    argv = [
+        binary(),
+        "page-server",
+        "--ps-socket",
+        str(fd),
+        "-D",
+        str(images_dir),
+        "-W",
+        str(work_dir),
+        "-o",
+        PAGE_SERVER_LOG,
+        f"-v{env.CRIU_LOG_LEVEL.get()}",
+        *tls_argv(tls),
+    ]
+    return subprocess.Popen(argv, pass_fds=(fd,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+
+
+def wait_page_server(proc: subprocess.Popen[bytes], work_dir: Path, timeout: float) -> None:
+    """Until the page server has received the whole dump; a CriuError if it failed (a refused
+    certificate, a cut connection) or is still running after `timeout` (it is killed then)."""
+    try:
+        rc = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise CriuError(
+            f"CRIU's page server was still receiving after {timeout:.0f} s",
+            "the source stopped sending; nothing was restored from it",
+            log_tail(work_dir / PAGE_SERVER_LOG),
+        ) from None
+    if rc != 0:
+        tail = log_tail(work_dir / PAGE_SERVER_LOG)
+        what = "refused the sender's certificate" if "certificate" in tail.lower() else f"failed (exit {rc})"
+        raise CriuError(
+            f"CRIU's page server {what}",
+            "nothing was restored from what it received; see its log",
+            tail,
+        )
 
 
 def _request(req_type: str, **fields: Any) -> Any:

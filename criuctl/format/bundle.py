@@ -29,18 +29,21 @@ from pathlib import Path
 from criuctl.core.durable import fsync_dir
 from criuctl.core.procinfo import ProcessInfo as ProcessInfo
 from criuctl.format.manifest import _UNSIGNED
+from criuctl.format.manifest import DIRECT_PAGE_FILES as DIRECT_PAGE_FILES
 from criuctl.format.manifest import FORMAT_VERSION as FORMAT_VERSION
 from criuctl.format.manifest import MANIFEST as MANIFEST
 from criuctl.format.manifest import READABLE_VERSIONS as READABLE_VERSIONS
 from criuctl.format.manifest import SIGNATURE as SIGNATURE
 from criuctl.format.manifest import BundleError as BundleError
 from criuctl.format.manifest import ContainerFacts as ContainerFacts
+from criuctl.format.manifest import DirectPages as DirectPages
 from criuctl.format.manifest import GpuDevice as GpuDevice
 from criuctl.format.manifest import GpuFacts as GpuFacts
 from criuctl.format.manifest import MalformedManifest as MalformedManifest
 from criuctl.format.manifest import Manifest as Manifest
 from criuctl.format.manifest import StateFacts as StateFacts
 from criuctl.format.manifest import StepBoundary as StepBoundary
+from criuctl.format.manifest import Vouched as Vouched
 from criuctl.format.signing import Hasher as Hasher
 from criuctl.format.signing import file_digest as file_digest
 from criuctl.format.signing import hasher as hasher
@@ -222,10 +225,48 @@ def _bad_files(root: Path, manifest: Manifest, digests: dict[str, str] | None) -
             continue
         if got != digest:
             bad.append(f"{rel}: checksum mismatch")
+    direct = _direct_files(root) if manifest.direct_pages is not None else {}
     for path in _payload_files(root):
         rel = path.relative_to(root).as_posix()
-        if rel not in manifest.files:
+        if rel not in manifest.files and rel not in direct:
             bad.append(f"{rel}: not listed in the manifest")
+    return bad
+
+
+def _direct_files(root: Path) -> dict[str, Path]:
+    return {
+        p.relative_to(root).as_posix(): p for pattern in DIRECT_PAGE_FILES for p in sorted(root.glob(pattern))
+    }
+
+
+def _bad_direct(root: Path, manifest: Manifest, vouched: Vouched | None) -> list[str]:
+    """Pages that came straight from the source's dump: exactly the files this node's page server
+    wrote (`vouched`), over the session the signed manifest names, holding as many pages as the
+    source says it sent. Their digests, taken as the page server finished, are what this node
+    records (as `digests` are for a streamed file: not read a second time here). No voucher, no
+    restore: a bundle copied elsewhere has nobody left who saw those pages arrive."""
+    d = manifest.direct_pages
+    if d is None:
+        return (
+            ["images/: a page server vouches for pages the signed manifest does not name"] if vouched else []
+        )
+    if vouched is None:
+        return [
+            "images/: its memory pages came from a page server that only the agent which ran it can vouch for"
+        ]
+    if (vouched.source_cert, vouched.target_cert) != (d.source_cert, d.target_cert):
+        return ["images/: its memory pages came over another TLS session than the signed manifest names"]
+    bad = [f"{rel}: also listed in the manifest" for rel in vouched.files if rel in manifest.files]
+    present = _direct_files(root)
+    for rel in sorted(set(present) | set(vouched.files)):
+        if rel not in vouched.files:
+            bad.append(f"{rel}: not written by this node's page server")
+        elif rel not in present:
+            bad.append(f"{rel}: missing")
+        elif not stat.S_ISREG(os.lstat(present[rel]).st_mode):
+            bad.append(f"{rel}: not a regular file")
+    if vouched.pages != d.pages:
+        bad.append(f"images/: {vouched.pages} pages arrived where the source sent {d.pages}")
     return bad
 
 
@@ -239,7 +280,9 @@ class Verification:
         return self.signature_ok and not self.bad_files
 
 
-def check(root: Path, key: bytes, digests: dict[str, str] | None = None) -> Verification:
+def check(
+    root: Path, key: bytes, digests: dict[str, str] | None = None, vouched: Vouched | None = None
+) -> Verification:
     """Check signature and checksums; report every problem (for `inspect`).
 
     `digests` are this format's digests, computed while the files arrived (an agent hashes a bundle
@@ -248,10 +291,12 @@ def check(root: Path, key: bytes, digests: dict[str, str] | None = None) -> Veri
     raw = _read_raw(root)
     manifest = _parse(root, raw)
     signed = _signed_version(root, key, raw) == manifest.format_version
-    return Verification(signed, _bad_files(root, manifest, digests))
+    return Verification(signed, _bad_files(root, manifest, digests) + _bad_direct(root, manifest, vouched))
 
 
-def verify(root: Path, key: bytes, digests: dict[str, str] | None = None) -> Manifest:
+def verify(
+    root: Path, key: bytes, digests: dict[str, str] | None = None, vouched: Vouched | None = None
+) -> Manifest:
     """The manifest of a bundle that verifies; BundleError naming the first bad file otherwise.
 
     manifest.json is read once: the signature is checked on those bytes, and only then are the same
@@ -264,7 +309,7 @@ def verify(root: Path, key: bytes, digests: dict[str, str] | None = None) -> Man
             f"{root / SIGNATURE}: signature does not verify",
             "the bundle was altered or signed with another node's key; refusing to restore it",
         )
-    bad = _bad_files(root, manifest, digests)
+    bad = _bad_files(root, manifest, digests) + _bad_direct(root, manifest, vouched)
     if bad:
         raise BundleError(f"{root}/{bad[0]}", "the bundle was altered or damaged; refusing to restore it")
     return manifest

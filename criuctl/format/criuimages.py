@@ -22,6 +22,7 @@ IMAGE_PARSE_MAX = 64 << 20  # an image parsed here (pstree, core, fs, files, mou
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _PE_PARENT, _PE_PRESENT = 1 << 0, 1 << 2  # CRIU's pagemap entry flags (images/pagemap.proto)
 _ARGS_MAX = 64 << 10
+STATS_DUMP = "stats-dump"
 
 
 class ImageError(CriuctlError):
@@ -110,9 +111,30 @@ def dump_log_facts(root: Path) -> tuple[str, str, str]:
     return version, host, kernel
 
 
+def pages_written(*dirs: Path) -> int:
+    """How many memory pages CRIU's dump wrote, here or to a page server: its `stats-dump`, which
+    CRIU writes into its working folder once the images are closed (the first of `dirs` that has it)."""
+    path = next((d / STATS_DUMP for d in dirs if (d / STATS_DUMP).is_file()), dirs[0] / STATS_DUMP)
+    entries = _load_file(path)
+    dump = entries[0].get("dump") if entries else None
+    if not isinstance(dump, dict) or not isinstance(dump.get("pages_written"), int):
+        raise ImageError("stats-dump has no count of the pages written", "the dump did not complete")
+    return int(dump["pages_written"])
+
+
+def pagemap_pages(path: Path) -> int:
+    """How many pages a pagemap image says its pages image holds (its entries marked present)."""
+    entries = _load_file(path)
+    return sum(int(e.get("nr_pages", 0)) for e in entries[1:] if int(e.get("flags", 0)) & _PE_PRESENT)
+
+
 def _load(root: Path, name: str) -> list[dict[str, Any]]:
     """Entries of one CRIU image in the bundle, parsed by pycriu; ImageError when it is not one."""
-    path = root / bundle.IMAGES_DIR / name
+    return _load_file(root / bundle.IMAGES_DIR / name)
+
+
+def _load_file(path: Path) -> list[dict[str, Any]]:
+    name = path.name
     try:
         import pycriu.images
     except ImportError as exc:

@@ -99,6 +99,31 @@ class StateFacts:
 
 
 @dataclass
+class DirectPages:
+    """Memory pages that went from the source's dump straight to the target's CRIU page server
+    (`criuctl.net.directpages`): they are not among `files`, which the source signs; the session
+    they came over is. Only the agent whose page server wrote them can vouch for them (`Vouched`)."""
+
+    pages: int  # how many pages the dump sent (CRIU's count)
+    source_cert: str  # sha256 fingerprints of the two certificates made for that TLS session
+    target_cert: str
+
+
+@dataclass(frozen=True)
+class Vouched:
+    """What a target's own page server wrote, over a session pinned to these two certificates:
+    each file's digest (relative path in the bundle) and the pages the pagemaps list."""
+
+    files: dict[str, str]
+    pages: int
+    source_cert: str
+    target_cert: str
+
+
+DIRECT_PAGE_FILES = ("images/pagemap-*.img", "images/pages-*.img")  # what a page server writes
+
+
+@dataclass
 class Manifest:
     """Everything a reader (inspect, restore, an agent) needs to know before touching the images."""
 
@@ -111,6 +136,7 @@ class Manifest:
     stdio_pipes: dict[str, str] = field(default_factory=dict)  # "stdout" -> "pipe:[inode]"
     freeze_seconds: float = 0.0
     lazy_pages: bool = False  # post-copy: memory pages are not in the bundle, a page server has them
+    direct_pages: DirectPages | None = None  # stop-and-copy straight to the target's page server
     container: ContainerFacts | None = None  # a container's tree: restore only into a placeholder
     control_dir: str = ""  # where the job's hook looks for criuctl's requests (its environment says)
     boundary: StepBoundary | None = None  # None: no step boundary was asked for

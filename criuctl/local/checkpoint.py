@@ -38,10 +38,10 @@ from criuctl.container import containers, rootfsdiff
 from criuctl.core import durable, procinfo, statedir, workloads
 from criuctl.core.errors import CriuctlError
 from criuctl.engine import criu
-from criuctl.format import bundle, imagetail
+from criuctl.format import bundle, criuimages, imagetail
 from criuctl.gpu import gpustate
 from criuctl.local import locks, stepboundary
-from criuctl.net import netlock, peers, readdress, tcprepair
+from criuctl.net import netlock, pagetls, peers, readdress, tcprepair
 
 Progress = Callable[[str], None]
 
@@ -286,6 +286,7 @@ def freeze(
     durable: bool = True,
     on_dumping: Callable[[Path], None] | None = None,
     connections: bool = False,
+    pages_to: criu.PagesTo | None = None,
 ) -> Frozen:
     """Freeze workload `target` (name or PID) and seal its bundle in a new directory under `parent`.
 
@@ -298,7 +299,9 @@ def freeze(
     bundle is only the stream's buffer and a power loss takes the tree with it either way.
     `on_dumping(folder)` is called as CRIU starts writing the bundle there (a migration streams it).
     `connections`: a container's TCP connections to other hosts are dumped, not refused (a job's
-    rank whose restore re-addresses them, criuctl.kube.jobmoves).
+    rank whose restore re-addresses them, criuctl.kube.jobmoves). `pages_to`: memory pages go to
+    the target's page server, never to this disk; the manifest signs how many went, and over which
+    TLS session (`criuctl.net.directpages`).
     """
     started = time.monotonic()
     criu.require_version()
@@ -319,6 +322,7 @@ def freeze(
             durable,
             on_dumping,
             connections,
+            pages_to,
         )
     except BaseException:
         lock.release()
@@ -349,6 +353,7 @@ def _freeze_locked(
     durable: bool = True,
     on_dumping: Callable[[Path], None] | None = None,
     connections: bool = False,
+    pages_to: criu.PagesTo | None = None,
 ) -> Frozen:
     now = workloads.load(w.name)
     if now is None or now.root_pid != w.root_pid or now.state != workloads.RUNNING or not w.alive():
@@ -376,6 +381,7 @@ def _freeze_locked(
         log_file=bundle.DUMP_LOG,
         lazy_pages=lazy_port is not None,
         page_server_port=lazy_port or 0,
+        pages_to=pages_to,
         external=plan.external if plan else [],
         **criu.tree_options(),
     )
@@ -392,7 +398,7 @@ def _freeze_locked(
         with locks.host_dump_slot():
             t0 = time.monotonic()
             frozen.phases["prepare"] = t0 - started  # facts, GPU, the dump slot (not the boundary)
-            tail = None if frozen.lazy else imagetail.Tail(images).start()
+            tail = None if frozen.lazy or pages_to else imagetail.Tail(images).start()
             if on_dumping is not None:
                 on_dumping(staging)
             try:
@@ -420,6 +426,7 @@ def _freeze_locked(
             control_dir=w.control or "",
             boundary=frozen.boundary.facts() if frozen.boundary else None,
             gpu=frozen.gpu,
+            direct_pages=_direct_pages(staging, pages_to),
         )
         manifest.freeze_seconds = time.monotonic() - started
         frozen.manifest = bundle.seal(staging, manifest, key, durable, known)
@@ -444,6 +451,17 @@ def _freeze_locked(
             ) from exc
         raise
     return frozen
+
+
+def _direct_pages(staging: Path, pages_to: criu.PagesTo | None) -> bundle.DirectPages | None:
+    """What the manifest signs of pages sent straight to the target: CRIU's count, and the session."""
+    if pages_to is None:
+        return None
+    return bundle.DirectPages(
+        pages=criuimages.pages_written(staging, staging / bundle.IMAGES_DIR),
+        source_cert=pagetls.fingerprint(pages_to.tls.cert.read_text()),
+        target_cert=pagetls.fingerprint(pages_to.tls.peer_cert.read_text()),
+    )
 
 
 def _carry_files(staging: Path, plan: containers.DumpPlan) -> None:

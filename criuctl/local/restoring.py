@@ -121,6 +121,7 @@ def restore_stopped(
     progress=_quiet,
     into: placeholder.Placeholder | None = None,
     endpoints: readdress.EndpointMap | None = None,
+    vouched: bundle.Vouched | None = None,
 ) -> Restored:
     """Verify a bundle and recreate its tree, stopped, as our child (see `Restored`).
 
@@ -132,10 +133,12 @@ def restore_stopped(
     `endpoints` gives its TCP sockets new addresses (a job's rank in a pod, whose successor has another
     address than the pod it was dumped in): applied to a copy of the socket image, after the bundle
     was verified, so the bundle itself stays as signed and can be restored again elsewhere.
+    `vouched`: the memory pages this node's page server received straight from the source's dump
+    (`criuctl.net.directpages`); a bundle whose pages came that way restores only with it.
     """
     bundle_dir = bundle_dir.absolute()
     t0 = time.monotonic()
-    manifest = bundle.verify(bundle_dir, bundle.load_key(statedir.key_path(), create=False), digests)
+    manifest = bundle.verify(bundle_dir, bundle.load_key(statedir.key_path(), create=False), digests, vouched)
     verified = time.monotonic() - t0
     criu.require_version()
     if manifest.lazy_pages and page_server is None:
@@ -286,11 +289,15 @@ def _undo(
 
 
 def restore(
-    bundle_dir: Path, name: str | None = None, progress=_quiet, into: placeholder.Placeholder | None = None
+    bundle_dir: Path,
+    name: str | None = None,
+    progress=_quiet,
+    into: placeholder.Placeholder | None = None,
+    vouched: bundle.Vouched | None = None,
 ) -> int:
     """Verify and restore a bundle, then supervise it in the foreground; returns its exit status."""
     with interrupts.deferred() as caught:
-        r = restore_stopped(bundle_dir, name, progress=progress, into=into)
+        r = restore_stopped(bundle_dir, name, progress=progress, into=into, vouched=vouched)
         r.start()
         supervisor.forward_signals(r.workload.root_pid)  # before the signals are let through
     for sig in caught.signals:  # came after CRIU was done: the running job gets it, as under `run`
