@@ -28,6 +28,7 @@ from pathlib import Path
 import psutil
 import requests
 
+from criuctl.core import env
 from tests.jobs import CRIUCTL, Job, workload_cmd
 
 _STEP = re.compile(r"^step (\d+) loss (\S+)$")
@@ -37,15 +38,12 @@ AGENT_CERT = Path(__file__).resolve().parent.parent / "scripts" / "agent-cert.sh
 PLAIN = "plain TCP (agents --insecure)"  # Cluster(tls=False), as benchmark results name their transport
 
 
-SHARE = "CRIUCTL_TESTS_SHARE"
-
-
 def _free_subnet(seed: int) -> str:
     """A 10.N.0 /24 no interface here routes yet (a cluster left over by a killed run may hold one).
 
     Each of the sessions scripts/run-tests.sh runs side by side has its own share of the N
-    ($CRIUCTL_TESTS_SHARE, "I/N"), so two never pick one net between one's look and its `ip route add`."""
-    worker, workers = (int(x) for x in os.environ.get(SHARE, "0/1").split("/"))
+    (`env.TESTS_SHARE`, "I/N"), so two never pick one net between one's look and its `ip route add`."""
+    worker, workers = (int(x) for x in env.TESTS_SHARE.get().split("/"))
     span = 100 // workers
     for i in range(span):
         net = f"10.{77 + worker * span + (seed + i) % span}.0"

@@ -36,6 +36,7 @@ FAULTS = ("source-agent", "target-agent", "client", "link")
 
 # (point, fault, mode): client points see every fault, agent points their own party's and the others'
 STOP = "stop-and-copy"
+DIRECT = "direct"  # a stop-and-copy whose pages go straight into the target's page server
 CASES = (
     [
         (p, f, STOP)
@@ -75,6 +76,14 @@ CASES = (
         (Point.CLIENT_RESTORED, "source-agent", "post-copy"),
         (Point.CLIENT_TARGET_COMMITTED, "source-agent", "post-copy"),
         (Point.CLIENT_TARGET_COMMITTED, "client", "post-copy"),
+    ]
+    + [  # stop-and-copy with its pages straight into the target's page server (CRIUCTL_STREAM=direct)
+        *((Point.TARGET_PAGES_OPEN, f, DIRECT) for f in FAULTS),
+        (Point.SOURCE_STREAMING, "target-agent", DIRECT),  # the page server outlives its agent
+        (Point.SOURCE_STREAMING, "link", DIRECT),
+        (Point.SOURCE_FROZEN, "link", DIRECT),
+        (Point.TARGET_RECEIVED, "target-agent", DIRECT),  # the voucher is on disk, the agent new
+        (Point.CLIENT_SENT, "target-agent", DIRECT),
     ]
 )
 
@@ -164,6 +173,8 @@ def _one_case(c: Cluster, pause: Path, name: str, point: Point, fault: str, mode
     sampler = Sampler(c, name)
     sampler.start()
     env = {**os.environ, "CRIUCTL_STATE_DIR": str(c.client_state), PAUSE_DIR: str(pause)}
+    if mode == DIRECT:
+        env["CRIUCTL_STREAM"], mode = "direct", STOP
     p = subprocess.Popen(
         [*CRIUCTL, "migrate", name, "--to", "b", "--mode", mode],
         stdout=subprocess.PIPE,

@@ -92,7 +92,6 @@ def test_pages_go_straight_to_the_target_and_the_job_continues_bit_identically(t
     assert m.direct_pages is not None and m.direct_pages.pages == received.pages
     assert received.pages * 4096 == received.page_bytes > 50 << 20  # torch, the model, Adam, 3 processes
     assert m.direct_pages.source_cert == ends.src.fingerprint != m.direct_pages.target_cert
-    directpages.check(received, m.direct_pages.pages)
     # the rest of the bundle goes as the agents' stream carries it
     for p in frozen.bundle_dir.rglob("*"):
         if p.is_file():

@@ -108,6 +108,79 @@ def test_stop_and_copy_a_to_b_to_a_with_dataloader_workers(tmp_path):
         assert r.returncode == 0 and r.stdout.strip(), r.stderr
 
 
+def test_stop_and_copy_straight_into_the_targets_page_server_and_back(tmp_path, monkeypatch):
+    """CRIUCTL_STREAM=direct: the dump sends the memory pages into CRIU's page server on the target,
+    over TLS pinned to certificates the two agents made for this move; the agents' stream carries
+    only the other images and the signed manifest. The job continues bit-identically, twice."""
+    monkeypatch.setenv("CRIUCTL_STREAM", "direct")
+    steps = 60
+    args = ("--steps", str(steps), "--workers", "2", "--read-latency", "0.02")
+    ref = Ref(tmp_path / "ref", "train_cnn_loader.py", *args, "--log", str(tmp_path / "ref.log"))
+    with Cluster(tmp_path / "c") as c:
+        log = tmp_path / "train.log"
+        job = c.run("a", "cnn", "train_cnn_loader.py", *args, "--log", str(log))
+        c.wait_step("cnn", 8)
+        there = _migrate_ok(c, "cnn", "b", "--mode", "stop-and-copy")
+        assert job.wait(60) == 0 and "moved to node b" in job.err[-1]
+        # ~200 MB of memory moved, but not through the agents' stream
+        assert there["bytes_moved"] < 20 << 20, there
+        c.wait_step("cnn", 20)
+        _migrate_ok(c, "cnn", "a", "--mode", "stop-and-copy")
+        assert_ran_once(c, "cnn", ref, "a")
+        logged = [int(x.split()[1]) for x in log.read_text().splitlines() if x.startswith("step ")]
+        assert logged == list(range(steps))
+
+
+def test_a_page_session_opens_once_for_its_own_stop_and_copy_ticket_only(cluster):
+    """POST /v1/incoming/ID/pages: the upload ticket opens it (a node token or another ticket does
+    not), for a stop-and-copy still waiting for its bundle, once; what comes as the source's
+    certificate must be one."""
+    b = cluster.nodes["b"]
+
+    def incoming(mode: str) -> tuple[str, dict[str, str]]:
+        inc = requests.post(
+            f"{b.url}/v1/incoming",
+            json={"workload": "x", "mode": mode},
+            headers=b.auth(),
+            timeout=30,
+            verify=b.verify,
+        ).json()
+        return inc["id"], {"Authorization": f"Bearer {inc['ticket']}"}
+
+    def pages(mid: str, headers: dict[str, str], cert: object) -> requests.Response:
+        url = f"{b.url}/v1/incoming/{mid}/pages"
+        return requests.post(url, json={"cert": cert}, headers=headers, timeout=30, verify=b.verify)
+
+    from criuctl.net import pagetls
+
+    pem = pagetls.make_identity(cluster.root / "pem", "source").pem
+    mid, ticket = incoming("stop-and-copy")
+    _, other_ticket = incoming("stop-and-copy")
+    assert pages(mid, other_ticket, pem).status_code == 401
+    assert pages(mid, {}, pem).status_code == 401
+    for bad in (None, "garbage", pem + pem, "x" * 20000):
+        r = pages(mid, ticket, bad)
+        assert r.status_code == 400 and "certificate" in r.json()["what"], (bad, r.text)
+    r = pages(mid, ticket, pem)
+    assert r.ok, r.text
+    assert 0 < r.json()["port"] < 65536 and r.json()["cert"].startswith("-----BEGIN CERTIFICATE-----")
+    assert pages(mid, ticket, pem).status_code == 409  # once
+    post, post_ticket = incoming("post-copy")
+    assert pages(post, post_ticket, pem).status_code == 409  # post-copy's pages come the other way
+    # an abort ends the page server that waited for a dump that never came
+    assert requests.delete(f"{b.url}/v1/incoming/{mid}", headers=ticket, timeout=30, verify=b.verify).ok
+    port = r.json()["port"]
+    deadline = time.monotonic() + 10
+    while _listening(b, port) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _listening(b, port), "the aborted migration's page server still listens"
+
+
+def _listening(node, port: int) -> bool:
+    r = subprocess.run([*node.inside(), "ss", "-Htln", f"sport = :{port}"], capture_output=True, text=True)
+    return bool(r.stdout.strip())
+
+
 @needs("userfaultfd")
 def test_post_copy_a_to_b_to_a(cluster, mlp_ref):
     c = cluster

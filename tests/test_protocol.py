@@ -351,7 +351,7 @@ def test_target_runs_then_refuses_to_abort_and_its_tombstone_says_so(tmp_path):
         m = _target(tmp_path, h)
         box.append(m)
 
-        async def receive(dest):
+        async def receive(dest, _vouch):
             dest.mkdir()
             return {"x": "y"}
 
@@ -383,7 +383,7 @@ def test_target_aborts_a_restored_copy_that_never_ran(tmp_path):
         m = _target(tmp_path, h)
         box.append(m)
 
-        async def receive(dest):
+        async def receive(dest, _vouch):
             dest.mkdir()
             return {}
 
@@ -403,7 +403,7 @@ def test_target_restore_failure_is_failed_and_then_aborted(tmp_path):
         h = ScriptedHandoff([("until", frozenset({Event.RESTORED}), HandoffFailed("CRIU restore failed"))])
         m = _target(tmp_path, h)
 
-        async def receive(dest):
+        async def receive(dest, _vouch):
             dest.mkdir()
             return {}
 

@@ -140,6 +140,7 @@ class _Source:
         records.write(self.path, self.rec.to_json())  # before CRIU freezes anything
         try:
             endpoints = readdress.EndpointMap.from_json(spec.readdress) if spec.readdress else None
+            pages_to = criu.PagesTo.from_json(spec.pages_to) if spec.pages_to else None
             self.frozen = checkpoint.freeze(
                 w.name,
                 Path(spec.parent),
@@ -149,6 +150,7 @@ class _Source:
                 boundary=spec.boundary,
                 durable=False,
                 on_dumping=lambda folder: _emit(Event.DUMPING, bundle=str(folder)),
+                pages_to=pages_to,
             )
         except CriuctlError as exc:
             self._advance(SourceState.FAILED)
@@ -249,8 +251,15 @@ def target(spec_file: Path) -> int:
     try:
         into = _placeholder(spec)
         endpoints = readdress.EndpointMap.from_json(spec.readdress) if spec.readdress else None
+        vouched = bundle.Vouched(**spec.vouched) if spec.vouched else None
         restored = restoring.restore_stopped(
-            Path(spec.bundle), spec.name, page_server, spec.digests, into=into, endpoints=endpoints
+            Path(spec.bundle),
+            spec.name,
+            page_server,
+            spec.digests,
+            into=into,
+            endpoints=endpoints,
+            vouched=vouched,
         )
     except CriuctlError as exc:
         _error(exc)

@@ -32,6 +32,8 @@ from criuctl.agent.messages import (
     IncomingAnswer,
     IncomingRequest,
     IncomingStatus,
+    PagesAnswer,
+    PagesRequest,
     RestoreRequest,
     StateAnswer,
 )
@@ -54,6 +56,7 @@ from criuctl.core.errors import CriuctlError
 from criuctl.engine import criu
 from criuctl.format import bundle
 from criuctl.net import netcut
+from criuctl.net.pagetls import PeerCertError
 
 if TYPE_CHECKING:
     from criuctl.agent.server import Agent
@@ -77,6 +80,7 @@ class Incoming:
     def routes(self, r: web.UrlDispatcher) -> None:
         r.add_post("/v1/incoming", self.new)
         r.add_put("/v1/incoming/{id}/bundle", self.upload)
+        r.add_post("/v1/incoming/{id}/pages", self.pages)
         r.add_post("/v1/incoming/{id}/restore", self.restore)
         r.add_post("/v1/incoming/{id}/commit", self.commit)
         r.add_get("/v1/incoming/{id}", self.status)
@@ -118,7 +122,9 @@ class Incoming:
         if not path.startswith("/v1/incoming/"):
             return False
         if not (
-            request.method in ("GET", "DELETE") or (request.method == "PUT" and path.endswith("/bundle"))
+            request.method in ("GET", "DELETE")
+            or (request.method == "PUT" and path.endswith("/bundle"))
+            or (request.method == "POST" and path.endswith("/pages"))
         ):
             return False
         m = self.lookup(request.match_info.get("id", ""))
@@ -191,11 +197,23 @@ class Incoming:
         log.info("incoming", extra={"id": m.id, "workload": name, "mode": str(mode)})
         return web.json_response(IncomingAnswer(id=m.id, ticket=secret))
 
+    async def pages(self, r: web.Request) -> web.Response:
+        """The source's dump will send its memory pages straight here: a page server for it alone
+        (its certificate pinned), on a port of this node; answered with that port and this end's
+        certificate, which the source pins in turn."""
+        m = self._get(r)
+        body: PagesRequest = await body_json(r)
+        try:
+            session = await m.open_pages(body.get("cert"))
+        except CriuctlError as exc:
+            return fail(400 if isinstance(exc, PeerCertError) else 409, exc.what, exc.hint)
+        return web.json_response(PagesAnswer(port=session.port, cert=session.identity.pem))
+
     async def upload(self, r: web.Request) -> web.Response:
         m = self._get(r)
         started = time.monotonic()
         try:
-            out = await m.receive(lambda dest: self.agent.receive(r, dest))
+            out = await m.receive(lambda dest, vouch: self.agent.receive(r, dest, vouch))
         except (CriuctlError, OSError) as exc:
             self.agent.metrics.migrations.labels("target", m.rec.mode, "failed").inc()
             log.warning("receive failed", extra={"id": m.id, "error": str(exc)})

@@ -73,6 +73,19 @@ class IncomingAnswer(TypedDict):
     ticket: str
 
 
+class PagesRequest(TypedDict):
+    """POST /v1/incoming/ID/pages (the source agent, with the ticket): its certificate for this migration."""
+
+    cert: str  # PEM
+
+
+class PagesAnswer(TypedDict):
+    """Where the target's page server waits for this migration's dump, and the certificate it shows."""
+
+    port: int
+    cert: str  # PEM
+
+
 class IncomingStatus(SignedState):
     """GET /v1/incoming/ID: the migration's signed state, and its workload."""
 
@@ -107,6 +120,7 @@ class OutgoingRequest(TypedDict):
     readdress: NotRequired[Rows]  # a job's rank: [[old address, port, new address], ...]
     boundary: NotRequired[bool]  # False: no step boundary first (a job's rank)
     live: NotRequired[bool]  # False: stream only once the bundle is sealed
+    direct: NotRequired[bool]  # stop-and-copy: memory pages straight into the target's page server
 
 
 class Started(TypedDict):

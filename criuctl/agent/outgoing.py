@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from criuctl.agent import records, transfer, verdicts
+from criuctl.agent import pagesession, records, transfer, verdicts
 from criuctl.agent.handoffleases import Handoff
 from criuctl.agent.httpjson import body_json, error, fail, outcome_response, valid_id
 from criuctl.agent.messages import Failed, OutgoingEvent, OutgoingRequest, OutgoingStatus, Sent, Started
@@ -105,8 +105,11 @@ class Outgoing:
             moves = body.get("readdress")
             endpoints = readdress.EndpointMap.from_json(moves).to_json() if moves is not None else None
             boundary, live = body.get("boundary", True), body.get("live", True)
-            if not isinstance(boundary, bool) or not isinstance(live, bool):
-                raise ValueError("boundary and live must be true or false")
+            direct = body.get("direct", False)
+            if not all(isinstance(x, bool) for x in (boundary, live, direct)):
+                raise ValueError("boundary, live and direct must be true or false")
+            if direct and mode != Mode.STOP_AND_COPY:
+                raise ValueError("direct pages are a stop-and-copy's")
         except CriuctlError as exc:
             return fail(400, exc.what, exc.hint)
         except (ValueError, TypeError) as exc:
@@ -120,6 +123,13 @@ class Outgoing:
         mid = uuid.uuid4().hex
         folder = self.spool / mid
         folder.mkdir(mode=0o700)
+        pages_to = None
+        if direct:
+            try:
+                pages_to = await asyncio.to_thread(pagesession.open_at_target, ticket, folder / "pages")
+            except CriuctlError as exc:
+                await asyncio.to_thread(shutil.rmtree, folder, True)
+                return fail(502, exc.what, exc.hint)
         spec = SourceSpec(
             mid,
             w.name,
@@ -132,6 +142,7 @@ class Outgoing:
             endpoints,
             boundary,
             live,
+            pages_to.to_json() if pages_to else None,
         )
 
         async def send(source: Path | transfer.Source, counter: transfer.Counter) -> UploadAnswer:

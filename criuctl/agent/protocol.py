@@ -333,6 +333,9 @@ class SourceSpec:
     readdress: list[list[str | int]] | None = None
     boundary: bool = True
     live: bool = True  # stream page images while CRIU writes them (False: only once sealed)
+    # stop-and-copy straight into the target's page server (`criu.PagesTo` as JSON: address, port,
+    # and the paths of this end's certificate and key and of the target's pinned certificate)
+    pages_to: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -362,6 +365,7 @@ class TargetSpec:
     follow: TicketJson | None = None  # `TargetRecord.follow` as JSON: asked when the lease breaks
     # a job's rank restored into a pod of another address: [[old address, port, new address], ...]
     readdress: list[list[str | int]] | None = None
+    vouched: dict[str, Any] | None = None  # `bundle.Vouched` as JSON: pages this node's page server got
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -475,6 +479,9 @@ class Point(enum.StrEnum):
     SOURCE_STREAMING = "source.streaming"  # source agent: FREEZING, CRIU dumping, pages streaming
     SOURCE_FROZEN = "source.frozen"  # source agent: FROZEN, before the rest is streamed
     SOURCE_SENT_RECORDED = "source.sent-recorded"  # source agent: SENT recorded, client not told
+    TARGET_PAGES_OPEN = (
+        "target.pages-open"  # target agent: its page server waits for the dump; nothing frozen
+    )
     TARGET_RECEIVED = "target.received"  # target agent: RECEIVED recorded, source not answered
     TARGET_RUNNING = "target.running"  # target agent: RUNNING, client not answered
     SUCCESSOR_REDIRECTED = "successor.redirected"  # holder agent: a rank's peers redirected, not restored

@@ -52,6 +52,7 @@ from criuctl.agent.messages import Healthz, NodeInfo
 from criuctl.agent.outgoing import Outgoing
 from criuctl.agent.redirects import Redirects
 from criuctl.agent.runtimes import Runtimes
+from criuctl.agent.target import Vouch
 from criuctl.container import containers, runtime
 from criuctl.core import jsonlog, statedir, workloads
 from criuctl.core.errors import CriuctlError
@@ -247,8 +248,9 @@ class Agent:
             return fail(500, exc.what, exc.hint)
         return fail(500, f"{exc.__class__.__name__}: {exc}", f"see the agent log on node {self.name}")
 
-    async def receive(self, r: web.Request, dest: Path) -> dict[str, str]:
-        """Stream the request body into `dest`, hashing as it comes; verify; return the digests."""
+    async def receive(self, r: web.Request, dest: Path, vouch: Vouch | None = None) -> dict[str, str]:
+        """Stream the request body into `dest`, hashing as it comes; verify (with what this node's
+        page server says of pages that came straight from the dump, `vouch`); return the digests."""
         counter = transfer.Counter(started=time.monotonic())
         job = asyncio.ensure_future(receiver.receive(r.content.read, dest, counter))
         dog = asyncio.ensure_future(transfer.watchdog(counter, job, "receiving the bundle"))
@@ -264,7 +266,8 @@ class Agent:
                 await dog
         self.metrics.bytes.labels("received").inc(counter.done)
         key = bundle.load_key(statedir.key_path(), create=False)
-        await asyncio.to_thread(bundle.verify, dest, key, digests)
+        vouched = await vouch() if vouch is not None else None
+        await asyncio.to_thread(bundle.verify, dest, key, digests, vouched)
         return digests
 
     # ------------------------------------------------------------------------------- node

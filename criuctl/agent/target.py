@@ -17,6 +17,7 @@ import logging
 import shutil
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import asdict
 from pathlib import Path
 
 from criuctl.agent import points, protocol, records, verdicts
@@ -40,11 +41,16 @@ from criuctl.agent.protocol import (
 from criuctl.container import placeholder
 from criuctl.core import durable, procinfo
 from criuctl.core.errors import CriuctlError
+from criuctl.format import bundle
+from criuctl.net import directpages
 
 log = logging.getLogger("criuctl.agent")
 
 Spawn = Callable[[TargetSpec, Path], Awaitable[HandoffLike]]
-Receive = Callable[[Path], Awaitable[dict[str, str]]]  # stream into a folder, verify, return digests
+Vouch = Callable[[], Awaitable[bundle.Vouched | None]]  # the pages this node's page server received
+# stream into a folder, verify (with what vouches for pages that came straight), return the digests
+Receive = Callable[[Path, Vouch], Awaitable[dict[str, str]]]
+VOUCHED = "vouched.json"  # beside the bundle: what this node's page server received, for the restore
 
 
 class TargetMachine:
@@ -65,6 +71,7 @@ class TargetMachine:
         self.lock = asyncio.Lock()  # receive-done, restore, commit and abort never overlap
         # the images removed after a commit, in the background
         self.cleanup: asyncio.Future[None] | None = None
+        self.pages: directpages.Session | None = None  # stop-and-copy straight into this node's page server
 
     @property
     def id(self) -> str:
@@ -131,14 +138,51 @@ class TargetMachine:
 
     # ----------------------------------------------------------------------------------- steps
 
+    async def open_pages(self, source_cert: object) -> directpages.Session:
+        """Stop-and-copy straight to this node: a page server, for this migration's source only,
+        waits for the dump's pages (`criuctl.net.directpages`); before anything is frozen."""
+        async with self.lock:
+            if self.state != TargetState.NEW or self.rec.mode != Mode.STOP_AND_COPY or self.pages is not None:
+                raise CriuctlError(
+                    f"migration {self.id} ({self.rec.mode}, {self.state}) takes no page session now",
+                    "a page session is opened once, before a stop-and-copy's bundle comes",
+                )
+            session = await asyncio.to_thread(
+                directpages.Session,
+                self.dir / "pages",
+                self.bundle_dir / bundle.IMAGES_DIR,
+                source_cert,
+                self.t.freeze,
+            )
+            session.start(self.t.freeze + self.t.stall)
+            self.pages = session
+        await points.areach(Point.TARGET_PAGES_OPEN)
+        return session
+
+    async def _vouch(self) -> bundle.Vouched | None:
+        if self.pages is None:
+            return None
+        return await asyncio.to_thread(self.pages.vouched, self.t.stall)
+
+    def close_pages(self) -> None:
+        if self.pages is not None:
+            self.pages.close()
+
     async def receive(self, receive: Receive) -> Outcome:
         async with self.lock:
             if self.state != TargetState.NEW:
                 return Outcome(self.state, False, f"migration {self.id} already has a bundle ({self.state})")
             await asyncio.to_thread(self._write, TargetState.RECEIVING)
+        vouched: list[bundle.Vouched | None] = [None]
+
+        async def vouch() -> bundle.Vouched | None:
+            vouched[0] = await self._vouch()
+            return vouched[0]
+
         try:
-            digests = await receive(self.bundle_dir)
+            digests = await receive(self.bundle_dir, vouch)
         except (CriuctlError, OSError) as exc:
+            self.close_pages()
             await asyncio.to_thread(shutil.rmtree, self.bundle_dir, True)  # first: the disk may be full
             async with self.lock:
                 if self.state == TargetState.RECEIVING:
@@ -148,6 +192,8 @@ class TargetMachine:
             if self.state != TargetState.RECEIVING:  # aborted while the bytes came in
                 return Outcome(self.state, False, f"migration {self.id} was {self.state} meanwhile")
             await asyncio.to_thread(durable.replace_json, self.dir / "digests.json", digests)
+            if vouched[0] is not None:
+                await asyncio.to_thread(durable.replace_json, self.dir / VOUCHED, asdict(vouched[0]))
             await asyncio.to_thread(self._write, TargetState.RECEIVED)
         await points.areach(Point.TARGET_RECEIVED)
         return Outcome(self.state, True)
@@ -158,6 +204,8 @@ class TargetMachine:
                 return Outcome(self.state, False, f"migration {self.id} is {self.state}, not received")
             await asyncio.to_thread(self._write, TargetState.RESTORING)
             digests = json.loads((self.dir / "digests.json").read_text())
+            vouched_path = self.dir / VOUCHED
+            vouched = json.loads(vouched_path.read_text()) if vouched_path.exists() else None
             follow = self.rec.follow.to_json() if self.rec.follow else None
             spec = TargetSpec(
                 self.id,
@@ -170,6 +218,7 @@ class TargetMachine:
                 self.rec.placeholder,
                 self.rec.runtime,
                 follow,
+                vouched=vouched,
             )
             t0 = time.monotonic()
             try:
@@ -227,6 +276,7 @@ class TargetMachine:
             self._reload()
             if self.state == TargetState.RUNNING:
                 return Verdict.RUNNING
+            self.close_pages()  # a page server still waiting for this migration's dump takes nothing more
             h = self.handoff
             if (
                 self.rec.follow is not None

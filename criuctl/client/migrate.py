@@ -225,6 +225,8 @@ class Move:
             body["boundary"] = False
         if env.STREAM.get() == "sealed":  # for comparisons: no overlap of dump and transfer
             body["live"] = False
+        elif env.STREAM.get() == "direct" and self.mode == Mode.STOP_AND_COPY:
+            body["direct"] = True  # memory pages straight into the target's page server
         ev: OutgoingEvent
         for ev in self.src.events("/v1/outgoing", body):
             if ev["event"] == "started":

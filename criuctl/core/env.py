@@ -390,10 +390,12 @@ CUDA_REMAP: Var[bool] = Var(
 )
 STREAM: Var[str] = Var(
     "CRIUCTL_STREAM",
-    "`sealed`: a migration's bundle leaves only once sealed, for comparisons (bench/migrate.py)",
-    parse=_one_of("live", "sealed"),
+    "`sealed`: a migration's bundle leaves only once sealed, for comparisons (bench/migrate.py); "
+    "`direct`: a stop-and-copy's memory pages go straight into the target's CRIU page server, over "
+    "TLS pinned to certificates made for the migration (docs/architecture.md)",
+    parse=_one_of("live", "sealed", "direct"),
     default="live",
-    expect="live or sealed",
+    expect="live, sealed or direct",
     readers="criuctl.client.migrate: migrate",
     role=Role.TEST,
     example="sealed",
@@ -572,6 +574,16 @@ TESTS_REQUIRE_ALL: Var[str] = Var(
     shown="unset",
     expect="1",
     readers="tests/requirements.py",
+    role=Role.TOOLING,
+)
+TESTS_SHARE: Var[str] = Var(
+    "CRIUCTL_TESTS_SHARE",
+    "I/N: the share of the test nets (10.77-176.0.0/24) a test session picks from, when "
+    "scripts/run-tests.sh runs N sessions side by side",
+    parse=_text,
+    default="0/1",
+    expect="I/N, e.g. 1/2",
+    readers="tests/cluster.py",
     role=Role.TOOLING,
 )
 GPU_CARRY: Var[str] = Var(

@@ -176,6 +176,21 @@ class PagesTo:
     port: int
     tls: PageTls
 
+    def to_json(self) -> dict[str, Any]:
+        t = self.tls
+        return {
+            "address": self.address,
+            "port": self.port,
+            "peer_cert": str(t.peer_cert),
+            "cert": str(t.cert),
+            "key": str(t.key),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> PagesTo:
+        tls = PageTls(Path(d["peer_cert"]), Path(d["cert"]), Path(d["key"]))
+        return cls(str(d["address"]), int(d["port"]), tls)
+
 
 @dataclass
 class DumpOptions:

@@ -27,6 +27,7 @@ from pathlib import Path
 from criuctl.core.errors import CriuctlError
 from criuctl.engine import criu
 from criuctl.format import bundle, criuimages
+from criuctl.net import pagetls
 
 PAGE = 4096
 PAGES = "pages-*.img"
@@ -94,7 +95,13 @@ class PageReceiver:
             proc = criu.page_server(self.images_dir, self.work_dir, conn, self.tls)
             self.proc = proc
         criu.wait_page_server(proc, self.work_dir, receive_timeout)
-        return received(self.images_dir)
+        got = received(self.images_dir)
+        if got.page_bytes != got.pages * PAGE:
+            raise CriuctlError(
+                f"this node's page server wrote {got.page_bytes} bytes of pages for {got.pages} pages",
+                "the page images are damaged; nothing was restored from them, the job stays on its source",
+            )
+        return got
 
     def close(self) -> None:
         """Stop waiting for the source (an abort): a pending `receive` fails, a running page server
@@ -121,12 +128,48 @@ def received(images_dir: Path) -> Received:
     return Received(files, pages, page_bytes)
 
 
-def check(got: Received, sent_pages: int) -> None:
-    """The pages the signed manifest says the dump sent are the ones the page server wrote, and the
-    page images hold exactly those pages: else nothing may be restored."""
-    if got.pages != sent_pages or got.page_bytes != sent_pages * PAGE:
-        raise CriuctlError(
-            f"this node's page server wrote {got.pages} pages ({got.page_bytes} bytes) where the "
-            f"source's signed manifest says its dump sent {sent_pages}",
-            "the pages did not all arrive; nothing was restored from them, the job stays on its source",
-        )
+class Session:
+    """The target's end of one migration's page session: its certificate, the source's pinned, the
+    page server waiting in a thread. `open` answers what the source needs (port, certificate);
+    `vouched` is what this node then says of the pages, once the dump has sent them all."""
+
+    def __init__(self, folder: Path, images_dir: Path, source_pem: object, connect_timeout: float) -> None:
+        self.identity = pagetls.make_identity(folder, "target")
+        peer, self.source_cert = pagetls.pin(folder, "source", source_pem)
+        images_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.rx = PageReceiver("", images_dir, folder / "work", pagetls.tls(self.identity, peer))
+        self.port = self.rx.listen()
+        self._connect_timeout = connect_timeout
+        self._done = threading.Event()
+        self._result: Received | CriuctlError | None = None
+
+    def start(self, receive_timeout: float) -> None:
+        threading.Thread(target=self._run, args=(receive_timeout,), daemon=True, name="page-server").start()
+
+    def _run(self, receive_timeout: float) -> None:
+        try:
+            self._result = self.rx.receive(self._connect_timeout, receive_timeout)
+        except CriuctlError as exc:
+            self._result = exc
+        except OSError as exc:
+            self._result = CriuctlError(f"the page server failed: {exc}")
+        finally:
+            self._done.set()
+
+    def vouched(self, timeout: float) -> bundle.Vouched:
+        """Once the page server has ended (the source's dump closed the session before it sealed the
+        bundle, so this is at most a moment): what it wrote, vouched for; its error otherwise."""
+        if not self._done.wait(timeout):
+            self.close()
+            raise CriuctlError(
+                f"this node's page server was still receiving {timeout:.0f} s after the bundle came",
+                "nothing was restored; the job stays on its source",
+            )
+        got = self._result
+        if isinstance(got, CriuctlError):
+            raise got
+        assert got is not None
+        return got.vouched(self.source_cert, self.identity.fingerprint)
+
+    def close(self) -> None:
+        self.rx.close()
