@@ -4,8 +4,14 @@ For each state size: a job holding N GiB of model + Adam state is moved by
   criuctl stop-and-copy      dump (pages hashed as CRIU writes them), sign, stream the bundle
                              (sendfile; the target hashes as it receives), verify, restore
   criuctl post-copy          restore at once, pages pulled from the source's page server
+  criuctl direct             stop-and-copy with CRIUCTL_STREAM=direct: the dump sends the pages
+                             into CRIU's page server on the target over TLS pinned to certificates
+                             made for the move; the rest streams as above, verified with the
+                             target's voucher
   plain CRIU                 `criu dump --page-server` into `criu page-server` on the target,
                              the other images copied, `criu restore` (no checks, no signature)
+  plain CRIU + TLS           the same over CRIU's TLS, pinned as criuctl direct pins it: what the
+                             encryption alone costs
   app-level                  torch.save on the source, then a new process: import torch,
                              torch.load, one optimizer step (the target's first resumed step)
 and the ceiling: raw TCP throughput between the two namespaces (Python sockets, 1 MiB sends),
@@ -47,6 +53,7 @@ from bench.rounds import paired, settle  # noqa: E402 - paired rounds until the 
 from tests.cluster import PLAIN, Cluster  # noqa: E402 - the same nodes the tests use
 
 JOB = [sys.executable, str(HERE / "big_state.py")]
+CONTENDERS = ("stop-and-copy", "plain", "direct", "plain-tls", "sealed", "post-copy", "app")
 console = Console(stderr=True)
 PORT = 7310
 
@@ -97,7 +104,16 @@ def _kill_everywhere(c: Cluster, name: str) -> None:
                     subprocess.run(["kill", "-9", str(pid)], capture_output=True)
 
 
-def bench_plain_criu(c: Cluster, gib: float, work: Path) -> dict:
+def _tls_pair(work: Path) -> tuple[list[str], list[str]]:
+    """CRIU's TLS arguments for the page server and for the dump, pinned as criuctl's direct mode."""
+    from criuctl.engine.criu import PageTls, tls_argv
+    from criuctl.net import pagetls
+
+    src, dst = pagetls.make_identity(work / "tls", "source"), pagetls.make_identity(work / "tls", "target")
+    return tls_argv(PageTls(src.cert, dst.cert, dst.key)), tls_argv(PageTls(dst.cert, src.cert, src.key))
+
+
+def bench_plain_criu(c: Cluster, gib: float, work: Path, tls: bool = False) -> dict:
     a, b = c.nodes["a"], c.nodes["b"]
     job = _start(c, "plain", gib)
     root = json.loads((a.state / "workloads" / "plain.json").read_text())["root_pid"]
@@ -105,8 +121,9 @@ def bench_plain_criu(c: Cluster, gib: float, work: Path) -> dict:
     shutil.rmtree(work, ignore_errors=True)
     for d in (src, dst):
         d.mkdir(parents=True)
+    server_tls, dump_tls = _tls_pair(work) if tls else ([], [])
     server = subprocess.Popen(
-        [*b.inside(), "criu", "page-server", "-D", str(dst), "--port", str(PORT)],
+        [*b.inside(), "criu", "page-server", "-D", str(dst), "--port", str(PORT), *server_tls],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -132,6 +149,7 @@ def bench_plain_criu(c: Cluster, gib: float, work: Path) -> dict:
             "1G",
             "-o",
             "dump.log",
+            *dump_tls,
         ],
         check=True,
     )
@@ -208,20 +226,26 @@ def touch_memory() -> None:
     )
 
 
-def one_round(c: Cluster, gib: float, work: Path, turn: int, only_post: bool = False) -> dict:
+def one_round(
+    c: Cluster, gib: float, work: Path, turn: int, only_post: bool = False, contenders: tuple[str, ...] = ()
+) -> dict:
     """Every contender once, in an order that rotates with `turn`; raw TCP measured in the same round."""
     jobs = {
         "stop-and-copy": lambda: bench_criuctl(c, gib, "stop-and-copy"),
         "sealed": lambda: bench_criuctl(c, gib, "stop-and-copy", "sealed"),
         "post-copy": lambda: bench_criuctl(c, gib, "post-copy"),
         "plain": lambda: bench_plain_criu(c, gib, work / "plain"),
+        "direct": lambda: bench_criuctl(c, gib, "stop-and-copy", "direct"),
+        "plain-tls": lambda: bench_plain_criu(c, gib, work / "plain", tls=True),
         "app": lambda: bench_app_level(gib, work),
     }
-    # stop-and-copy and plain CRIU back to back (their order alternating): the pair a ratio is of
-    pair = ["stop-and-copy", "plain"] if turn % 2 == 0 else ["plain", "stop-and-copy"]
+    # the stop-and-copy family and plain CRIU back to back (the order reversing every other round):
+    # the rounds a ratio is of
+    pair = ["stop-and-copy", "plain", "direct", "plain-tls"]
+    pair = pair if turn % 2 == 0 else pair[::-1]
     units = [pair, ["sealed"], ["post-copy"], ["app"]]
     units = units[turn % len(units) :] + units[: turn % len(units)]
-    names = [n for unit in units for n in unit]
+    names = [n for unit in units for n in unit if n in contenders]
     if only_post:
         names = ["post-copy"]
     out: dict = {"tcp": bench_tcp(c)}
@@ -239,22 +263,26 @@ def main() -> int:
     ap.add_argument("--most", type=int, default=8, help="rounds at most, while the median ratio moves")
     ap.add_argument("--dir", default="/var/tmp/criuctl-bench-migrate")
     ap.add_argument("--json", default=str(HERE / "results" / "migrate.json"))
+    ap.add_argument(
+        "--only", nargs="+", choices=CONTENDERS, default=list(CONTENDERS), help="run these contenders alone"
+    )
     a = ap.parse_args()
+    only = tuple(a.only)
     work = Path(a.dir)
     shutil.rmtree(work, ignore_errors=True)
     rows = []
     with Cluster(work / "cluster", tls=False) as c:
         console.print("touching guest memory, then one untimed round …")
         touch_memory()
-        one_round(c, min(a.sizes), work, 0)
+        one_round(c, min(a.sizes), work, 0, contenders=only)
         for gib in [*a.sizes, *a.post_copy_only]:
             only_post = gib in a.post_copy_only and gib not in a.sizes
             if only_post:
-                runs = [one_round(c, gib, work, 0, True)]
+                runs = [one_round(c, gib, work, 0, True, only)]
             else:
                 runs = settle(
-                    lambda turn, gib=gib: one_round(c, gib, work, turn),
-                    SETTLE,
+                    lambda turn, gib=gib: one_round(c, gib, work, turn, contenders=only),
+                    settle_on(only),
                     a.reps,
                     max(a.reps, a.most),
                     say=console.print,
@@ -288,71 +316,92 @@ def _pages_done(r: dict) -> float:
     return p["downtime_seconds"] + (p["pages_seconds"] or 0.0)
 
 
-# a size's rounds go on while one of these still moves (criuctl against plain CRIU, per round)
-SETTLE = [
-    lambda x: x["stop-and-copy"]["downtime_seconds"] / x["plain"]["downtime"],
-    lambda x: _pages_done(x) / x["plain"]["downtime"],
+def _down(x: dict, name: str) -> float:
+    """A contender's downtime in one round (criuctl reports `downtime_seconds`, the others `downtime`)."""
+    r = x[name]
+    return r["downtime_seconds"] if "downtime_seconds" in r else r["downtime"]
+
+
+# (numerator, denominator, title): the per-round ratios, where both ran; a size's rounds go on while
+# one still moves (criuctl against plain CRIU, the goals' ratios)
+RATIOS = [
+    ("stop-and-copy", "plain", "stop&copy ÷ plain CRIU"),
+    ("direct", "plain", "direct ÷ plain CRIU"),
+    ("direct", "plain-tls", "direct ÷ plain CRIU + TLS"),
+    ("plain-tls", "plain", "plain + TLS ÷ plain"),
+    ("direct", "stop-and-copy", "direct ÷ stop&copy"),
+]
+SETTLE_ON = {"stop&copy ÷ plain CRIU", "direct ÷ plain CRIU"}
+
+
+def _ratio(num: str, den: str):
+    if num == "post-copy":
+        return lambda x: _pages_done(x) / _down(x, den)
+    return lambda x: _down(x, num) / _down(x, den)
+
+
+def settle_on(contenders: tuple[str, ...]) -> list:
+    fns = [_ratio(n, d) for n, d, title in RATIOS if title in SETTLE_ON and {n, d} <= set(contenders)]
+    if {"post-copy", "plain"} <= set(contenders):
+        fns.append(_ratio("post-copy", "plain"))
+    return fns or [lambda x: 1.0]
+
+
+COLUMNS = [  # (contender, column title, value of one round)
+    ("stop-and-copy", "stop&copy down", lambda x: _down(x, "stop-and-copy")),
+    ("direct", "direct down", lambda x: _down(x, "direct")),
+    ("sealed", "… sealed stream", lambda x: _down(x, "sealed")),
+    ("post-copy", "post-copy down", lambda x: _down(x, "post-copy")),
+    ("post-copy", "post-copy: all pages on b", _pages_done),
+    ("plain", "plain CRIU down", lambda x: _down(x, "plain")),
+    ("plain-tls", "plain CRIU + TLS down", lambda x: _down(x, "plain-tls")),
+    ("app", "app-level down", lambda x: _down(x, "app")),
+    ("tcp", "raw TCP GB/s", lambda x: x["tcp"] / 1e9),
+    ("sealed", "stream GB/s", lambda x: _stream_rate(x) / 1e9),
 ]
 
 
 def report(rows: list[dict]) -> None:
     out = Console(width=250)
-    full = [r for r in rows if "stop-and-copy" in r["runs"][0]]
     t = Table(
         title=f"migration a→b over {PLAIN}, seconds, median (min–max) — {machine()}, "
         f"{time.strftime('%Y-%m-%d')}"
     )
-    for col in (
-        "state",
-        "stop&copy down",
-        "… sealed stream",
-        "post-copy down",
-        "post-copy: all pages on b",
-        "plain CRIU down",
-        "app-level down",
-        "raw TCP GB/s",
-        "stream GB/s",
-    ):
-        t.add_column(col, justify="right")
+    ran = {k for r in rows for k in r["runs"][0]}
+    cols = [c for c in COLUMNS if c[0] in ran]
+    t.add_column("state", justify="right")
+    for _, title, _fn in cols:
+        t.add_column(title, justify="right")
     for r in rows:
         runs = r["runs"]
-        has = "stop-and-copy" in runs[0]
-        dash = "-"
-        t.add_row(
-            f"{r['gib']} GiB",
-            _vals(runs, lambda x: x["stop-and-copy"]["downtime_seconds"]) if has else dash,
-            _vals(runs, lambda x: x["sealed"]["downtime_seconds"]) if has else dash,
-            _vals(runs, lambda x: x["post-copy"]["downtime_seconds"]),
-            _vals(runs, _pages_done),
-            _vals(runs, lambda x: x["plain"]["downtime"]) if has else dash,
-            _vals(runs, lambda x: x["app"]["downtime"]) if has else dash,
-            _vals(runs, lambda x: x["tcp"] / 1e9),
-            _vals(runs, lambda x: _stream_rate(x) / 1e9) if has else dash,
-        )
+        t.add_row(f"{r['gib']} GiB", *(_vals(runs, fn) if name in runs[0] else "-" for name, _, fn in cols))
     out.print(t)
     t = Table(title="ratios: median of each round's ratio (min–max; rounds: until the median settles)")
-    for col in (
-        "state",
-        "stop&copy ÷ plain CRIU",
-        "stream ÷ raw TCP",
-        "post-copy pages done ÷ plain CRIU",
-        "post-copy ÷ stop&copy",
-    ):
-        t.add_column(col, justify="right")
-    for r in full:
+    ratios = [(n, d, title) for n, d, title in RATIOS if {n, d} <= ran]
+    t.add_column("state", justify="right")
+    for *_, title in ratios:
+        t.add_column(title, justify="right")
+    extra = [("stream ÷ raw TCP", "sealed", lambda x: _stream_rate(x) / x["tcp"])]
+    extra += (
+        [("post-copy pages done ÷ plain CRIU", "post-copy", _ratio("post-copy", "plain"))]
+        if "plain" in ran
+        else []
+    )
+    extra = [e for e in extra if e[1] in ran]
+    for title, _, _fn in extra:
+        t.add_column(title, justify="right")
+    for r in rows:
         runs = r["runs"]
+        if not all(n in runs[0] and d in runs[0] for n, d, _ in ratios):
+            continue
         t.add_row(
             f"{r['gib']} GiB",
-            paired(runs, SETTLE[0]),
-            _vals(runs, lambda x: _stream_rate(x) / x["tcp"]),
-            paired(runs, SETTLE[1]),
-            _vals(
-                runs, lambda x: x["post-copy"]["downtime_seconds"] / x["stop-and-copy"]["downtime_seconds"]
-            ),
+            *(paired(runs, _ratio(n, d)) for n, d, _ in ratios),
+            *(_vals(runs, fn) for _, _, fn in extra),
         )
     out.print(t)
     t = Table(title="where the time goes, median seconds (freeze and stream overlap in a live stream)")
-    cols = (
+    cols2 = (
         "state / mode",
         "handoff spawn",
         "step boundary",
@@ -366,11 +415,11 @@ def report(rows: list[dict]) -> None:
         "commit",
         "downtime",
     )
-    for col in cols:
+    for col in cols2:
         t.add_column(col, justify="right")
     inside = ("boundary", "prepare", "criu_dump", "seal")
     for r in rows:
-        for mode in ("stop-and-copy", "sealed", "post-copy"):
+        for mode in ("stop-and-copy", "direct", "sealed", "post-copy"):
             if mode not in r["runs"][0]:
                 continue
             ms = [x[mode] for x in r["runs"]]

@@ -30,7 +30,8 @@ from tests.jobs import CRIUCTL
 
 pytestmark = [needs_criu, pytest.mark.slow]
 
-JOB = ("train_mlp.py", "--steps", "60", "--step-time", "0.05")
+# 6 s of steps: after step 5 the migration has ~5.7 s to freeze it (2.75 s was too little on a slow VM)
+JOB = ("train_mlp.py", "--steps", "120", "--step-time", "0.05")
 LEASE = 3.0
 FAULTS = ("source-agent", "target-agent", "client", "link")
 

@@ -81,7 +81,12 @@ def _failed(r: subprocess.CompletedProcess) -> str:
 # ------------------------------------------------------------------------------------------ modes
 
 
-def test_stop_and_copy_a_to_b_to_a_with_dataloader_workers(tmp_path):
+@pytest.mark.parametrize("stream", ["live", "direct"])
+def test_stop_and_copy_a_to_b_to_a_with_dataloader_workers(tmp_path, monkeypatch, stream):
+    """`direct` (CRIUCTL_STREAM): the dump sends the memory pages into CRIU's page server on the
+    target, over TLS pinned to certificates the two agents made for this move; the agents' stream
+    carries only the other images and the signed manifest."""
+    monkeypatch.setenv("CRIUCTL_STREAM", stream)
     # ~0.3 s a step (32 reads of 20 ms over 2 workers): 40 steps left after the first move's step 20
     # give the second move's start-up room; at 4 ms a read the job ended first on a slow VM (CI)
     steps = 60
@@ -97,7 +102,11 @@ def test_stop_and_copy_a_to_b_to_a_with_dataloader_workers(tmp_path):
         assert c.running("cnn") == ["b"]
         c.wait_step("cnn", 20)
         back = _migrate_ok(c, "cnn", "a", "--mode", "stop-and-copy")
-        assert there["bytes_moved"] > 100 << 20 and back["downtime_seconds"] > 0
+        assert back["downtime_seconds"] > 0
+        if stream == "direct":  # ~200 MB of memory moved, but not through the agents' stream
+            assert there["bytes_moved"] < 20 << 20, there
+        else:
+            assert there["bytes_moved"] > 100 << 20, there
         assert_ran_once(c, "cnn", ref, "a")
         # the log file the job holds open kept being appended to, on every node, in order
         logged = [int(x.split()[1]) for x in log.read_text().splitlines() if x.startswith("step ")]
@@ -106,29 +115,6 @@ def test_stop_and_copy_a_to_b_to_a_with_dataloader_workers(tmp_path):
         assert "cnn" in r.stdout, r.stdout
         r = c.client("logs", "cnn", "--node", "b", "--tail", "3")
         assert r.returncode == 0 and r.stdout.strip(), r.stderr
-
-
-def test_stop_and_copy_straight_into_the_targets_page_server_and_back(tmp_path, monkeypatch):
-    """CRIUCTL_STREAM=direct: the dump sends the memory pages into CRIU's page server on the target,
-    over TLS pinned to certificates the two agents made for this move; the agents' stream carries
-    only the other images and the signed manifest. The job continues bit-identically, twice."""
-    monkeypatch.setenv("CRIUCTL_STREAM", "direct")
-    steps = 60
-    args = ("--steps", str(steps), "--workers", "2", "--read-latency", "0.02")
-    ref = Ref(tmp_path / "ref", "train_cnn_loader.py", *args, "--log", str(tmp_path / "ref.log"))
-    with Cluster(tmp_path / "c") as c:
-        log = tmp_path / "train.log"
-        job = c.run("a", "cnn", "train_cnn_loader.py", *args, "--log", str(log))
-        c.wait_step("cnn", 8)
-        there = _migrate_ok(c, "cnn", "b", "--mode", "stop-and-copy")
-        assert job.wait(60) == 0 and "moved to node b" in job.err[-1]
-        # ~200 MB of memory moved, but not through the agents' stream
-        assert there["bytes_moved"] < 20 << 20, there
-        c.wait_step("cnn", 20)
-        _migrate_ok(c, "cnn", "a", "--mode", "stop-and-copy")
-        assert_ran_once(c, "cnn", ref, "a")
-        logged = [int(x.split()[1]) for x in log.read_text().splitlines() if x.startswith("step ")]
-        assert logged == list(range(steps))
 
 
 def test_a_page_session_opens_once_for_its_own_stop_and_copy_ticket_only(cluster):
