@@ -38,5 +38,9 @@ wait "$bg"
 kube=$?
 echo "run-tests: ===================== the modules on the local Kubernetes (exit $kube) ====================="
 cat "$tmp/cluster.log"
-rm -f "$tmp/cluster.log"  # the sessions' folders stay, as pytest leaves its own
-[ "$rest" -eq 0 ] && [ "$kube" -eq 0 ]
+if [ "$rest" -eq 0 ] && [ "$kube" -eq 0 ]; then
+  rm -rf --one-file-system "$tmp"  # ~13 GB of jobs' files and bundles; kept when something failed
+  exit 0
+fi
+echo "run-tests: the tests' folders are kept for a look: $tmp"
+exit 1
