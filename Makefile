@@ -17,7 +17,7 @@ demo: install
 # with one line per missing thing; never a skip (tests/requirements.py). Only a GPU is a skip.
 test: install
 	@bash scripts/test-fixtures.sh
-	CRIUCTL_TESTS_REQUIRE_ALL=1 bash scripts/run-tests.sh $(VENV)/bin/python
+	CRIUCTL_TESTS_REQUIRE_ALL=1 bash scripts/run-tests.sh $(VENV)/bin/python --serial
 
 # the agent image (Dockerfile) with buildah, podman or docker: criuctl-agent:VERSION-gCOMMIT
 # (docs/deploy.md, "The image"); `scripts/build-image.sh --push REPO` also pushes it
