@@ -17,7 +17,7 @@ demo: install
 # with one line per missing thing; never a skip (tests/requirements.py). Only a GPU is a skip.
 test: install
 	@bash scripts/test-fixtures.sh
-	CRIUCTL_TESTS_REQUIRE_ALL=1 bash scripts/run-tests.sh $(VENV)/bin/python --serial
+	CRIUCTL_TESTS_REQUIRE_ALL=1 bash scripts/run-tests.sh $(VENV)/bin/python
 
 # the agent image (Dockerfile) with buildah, podman or docker: criuctl-agent:VERSION-gCOMMIT
 # (docs/deploy.md, "The image"); `scripts/build-image.sh --push REPO` also pushes it
@@ -26,6 +26,7 @@ image:
 
 bench: install
 	$(VENV)/bin/python bench/dump_restore.py
+	$(VENV)/bin/python bench/restore_limits.py
 	$(VENV)/bin/python bench/migrate.py
 
 bench-migrate: install

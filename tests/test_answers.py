@@ -360,6 +360,43 @@ def test_a_line_that_is_not_an_event_is_the_handoffs_failure_not_a_crash(line):
     asyncio.run(go())
 
 
+def test_a_job_that_ended_while_being_frozen_is_never_said_to_keep_running():
+    """Before: a migration whose job ended on its own while its source froze it said "workload
+    'job' ended while it was being frozen: ...; 'job' keeps running on a" (seen in CI). The handoff
+    says the workload ended (WorkloadEnded), the source agent's failure event carries it, and the
+    client's line says where the job is only when it is somewhere."""
+    from types import SimpleNamespace
+
+    from criuctl.agent.handoffleases import Handoff, HandoffFailed, _Process
+    from criuctl.client import migrate
+    from criuctl.client.agents import AgentError
+
+    async def failure(ended: bool) -> HandoffFailed:
+        reader = asyncio.StreamReader()
+        ev = {"event": "error", "what": "workload 'job' ended while it was being frozen", "ended": ended}
+        reader.feed_data(json.dumps(ev).encode() + b"\n")
+        h = Handoff(_Process(proc=None, events=reader, transport=None), Path("/var/log/handoff.log"))  # type: ignore[arg-type]
+        with pytest.raises(HandoffFailed) as e:
+            await h.event()
+        return e.value
+
+    assert asyncio.run(failure(True)).ended and not asyncio.run(failure(False)).ended
+
+    class Agent:  # the source failed before "sent": it forgot the migration (404)
+        node = SimpleNamespace(name="b")
+
+        def delete(self, path: str) -> None:
+            raise AgentError("no such migration", "", 404, {"what": "no such migration", "hint": ""})
+
+    for ended, says in ((True, False), (False, True)):
+        exc = migrate.MigrationFailed("workload 'job' ended while it was being frozen", "see its logs")
+        exc.ended = ended
+        got = migrate.abort(Agent(), Agent(), "og", "inc", exc, "job", "a")  # type: ignore[arg-type]
+        assert isinstance(got, migrate.MigrationFailed) and got.ended == ended
+        assert ("'job' keeps running on a" in got.line()) == says, got.line()
+        assert got.line().startswith("workload 'job' ended") and "see its logs" in got.line()
+
+
 @needs("criu")
 def test_lazy_pages_that_never_gets_ready_is_given_up_in_bounded_time(tmp_path):
     """Before: the restore read CRIU lazy-pages' readiness byte with no end; a daemon stuck before
@@ -376,3 +413,48 @@ def test_lazy_pages_that_never_gets_ready_is_given_up_in_bounded_time(tmp_path):
     assert not [
         p for p in psutil.process_iter(["cmdline"]) if str(images) in " ".join(p.info["cmdline"] or [])
     ]
+
+
+def test_a_node_slow_to_list_is_asked_again_before_the_move_says_nothing_runs(tmp_path, monkeypatch):
+    """CI: eight `criuctl migrate` at once, and agent a took 5-14 s to list its workloads to all
+    of them (2 cores, eight trainers): one client gave up after 10 s and said "no node runs a
+    workload named 'job1' (no answer from node a)". A silent node is now asked again, longer,
+    when no other runs the job; a node that answers in time is asked once."""
+    import http.server
+    import threading
+
+    from criuctl.client import agents
+
+    asked: list[float] = []
+    slow = [True]
+
+    class Slow(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            asked.append(time.monotonic())
+            if slow.pop() if slow else False:  # slow once, as a busy agent
+                time.sleep(0.6)
+            body = json.dumps([{"name": "job", "state": "running", "alive": True}]).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_a: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    token = tmp_path / "token"
+    token.write_text("t")
+    node = agents.Node("a", f"http://127.0.0.1:{srv.server_address[1]}", str(token))
+    monkeypatch.setattr(agents, "SURVEY_TIMEOUT", 0.2)
+    try:
+        found = agents.survey("job", [node])
+        assert [n.name for n in found.running_on] == ["a"] and found.silent == [], found
+        assert len(asked) == 2, asked  # the first ask timed out, the second waited for the answer
+        asked.clear()
+        found = agents.survey("job", [node])  # answers in time (not slow any more): asked once
+        assert [n.name for n in found.running_on] == ["a"] and len(asked) == 1
+    finally:
+        srv.shutdown()

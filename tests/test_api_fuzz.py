@@ -97,6 +97,7 @@ BODY = st.one_of(
             "live": JSONISH,
             "rules": JSONISH,
             "ticket": JSONISH,
+            "move": SEGMENT,
         }
     ).map(lambda v: json.dumps(v).encode()),
 )

@@ -30,12 +30,12 @@ def assert_error_line(r: subprocess.CompletedProcess, *needles: str) -> str:
 
 @pytest.fixture(scope="module")
 def ref():
-    return Reference("ref", "train_mlp.py", "--steps", "30")
+    return Reference("ref", "train_mlp.py", "--steps", "60")
 
 
 @pytest.fixture
 def job():
-    j = Job.run("mlp", "train_mlp.py", "--steps", "30")
+    j = Job.run("mlp", "train_mlp.py", "--steps", "60")
     j.wait_for_step(3)
     yield j
     j.kill()
@@ -105,7 +105,7 @@ def test_criu_too_old(tmp_path, job, ref):
 
 def test_unsupported_resource_leaves_job_running(tmp_path, ref):
     job = Job.run(
-        "uring", "train_mlp.py", "--steps", "30", "--hold-io-uring", run_flags=("--allow-io-uring",)
+        "uring", "train_mlp.py", "--steps", "60", "--hold-io-uring", run_flags=("--allow-io-uring",)
     )
     try:
         job.wait_for_step(3)
@@ -136,18 +136,23 @@ def sealed(tmp_path_factory):
     """One real bundle of a real job, and the key it was signed with."""
     d = tmp_path_factory.mktemp("sealed")
     env = {**os.environ, "CRIUCTL_STATE_DIR": str(d / "state")}
-    job = Job([*CRIUCTL, "run", "--name", "s", "--", *_cmd()], env=env)
-    job.wait_for_step(3)
-    r = subprocess.run([*CRIUCTL, "dump", "s", "-o", str(d / "b")], capture_output=True, text=True, env=env)
-    assert r.returncode == 0, r.stderr
-    job.wait()
+    # long enough that a loaded machine still freezes it mid-run (the dump ends it anyway)
+    job = Job([*CRIUCTL, "run", "--name", "s", "--", *_cmd("--steps", "2000")], env=env)
+    try:
+        job.wait_for_step(3)
+        dump = [*CRIUCTL, "dump", "s", "-o", str(d / "b")]
+        r = subprocess.run(dump, capture_output=True, text=True, env=env)
+        assert r.returncode == 0, r.stderr
+        job.wait()
+    finally:
+        job.kill()
     return d / "b", d / "state"
 
 
-def _cmd() -> list[str]:
+def _cmd(*args: str) -> list[str]:
     from tests.jobs import workload_cmd
 
-    return workload_cmd("train_mlp.py", "--steps", "30")
+    return workload_cmd("train_mlp.py", *args)
 
 
 def _copy_bundle(src: Path, dst: Path) -> Path:

@@ -17,7 +17,7 @@ def _freeze(job: Job, name: str, at_step: int, out, *flags: str) -> None:
 
 
 def test_training_loop_continues_bit_identically(tmp_path):
-    args = ("--steps", "30")
+    args = ("--steps", "60")
     ref = Reference("ref", "train_mlp.py", *args)
     job = Job.run("mlp", "train_mlp.py", *args)
     _freeze(job, "mlp", 10, tmp_path / "b")
@@ -49,8 +49,8 @@ def test_loader_workers_thread_and_appended_log(tmp_path):
 
 
 def test_ddp_gloo_job_with_tcp_connections(tmp_path):
-    ref = Reference("ref", "train_ddp.py", "--steps", "30")
-    job = Job.run("ddp", "train_ddp.py", "--steps", "30")
+    ref = Reference("ref", "train_ddp.py", "--steps", "60")
+    job = Job.run("ddp", "train_ddp.py", "--steps", "60")
     _freeze(job, "ddp", 10, tmp_path / "b")
     assert job.wait() == 0
     manifest = criuctl("inspect", str(tmp_path / "b"), "--output", "json")
@@ -77,7 +77,7 @@ def test_leave_running_snapshot_restored_while_original_runs(tmp_path):
 
 
 def test_one_bundle_restored_twice(tmp_path):
-    args = ("--steps", "25")
+    args = ("--steps", "50")
     ref = Reference("ref", "train_mlp.py", *args)
     job = Job.run("mlp", "train_mlp.py", *args)
     _freeze(job, "mlp", 6, tmp_path / "b")
@@ -89,11 +89,12 @@ def test_one_bundle_restored_twice(tmp_path):
 
 
 def test_stdout_and_stderr_forwarding_survive_restore(tmp_path):
-    job = Job.run("mlp", "train_mlp.py", "--steps", "30", "--exit-code", "3")
+    job = Job.run("mlp", "train_mlp.py", "--steps", "60", "--step-time", "0.1", "--exit-code", "3")
     _freeze(job, "mlp", 5, tmp_path / "b")
     assert job.wait() == 0  # the run command ends cleanly: its workload moved into the bundle
+    assert max(job.steps) < 50, "frozen too late to tell where the last heartbeat came from"
     restored = Job.restore(tmp_path / "b")
     assert restored.wait() == 3  # ...and restore exits with the workload's own status
-    assert any(line.startswith("step 29 ") for line in restored.out)
-    assert "stderr heartbeat 20" in restored.err
+    assert any(line.startswith("step 59 ") for line in restored.out)
+    assert "stderr heartbeat 50" in restored.err
     assert any("restored 'mlp'" in line for line in restored.err)

@@ -212,20 +212,31 @@ def test_a_drain_moves_the_workers_on_the_node_one_after_another(local_cluster) 
         k("delete", "pytorchjob", "dw", "--wait=false", check=False)
 
 
-def test_the_agent_of_a_staying_workers_node_killed_mid_move_loses_nothing(local_cluster) -> None:
-    """worker-0 moves from b to a; node a's agent stops once the staying ranks' redirects are in
-    place (master-0's on a, worker-1's on b) and before it restores, and b's agent pod is killed
-    there. The restore goes on; the keep of worker-1's redirect waits for b's restarted agent
-    (criuctl.kube.jobmoves), so that b's record of it is kept: `criuctl ps --jobs` shows worker-1
-    connected to worker-0 on a, and a later move would re-point that connection. The job ends as
-    an uninterrupted run does, no pod restarted, no rule left."""
+@pytest.mark.parametrize("victim", ["staying", "holder"])
+def test_an_agent_killed_between_the_redirects_and_the_restore_loses_nothing(
+    local_cluster, victim: str
+) -> None:
+    """worker-0 moves from b to a; node a's agent (the bundle's holder, whose loop restores it into
+    the successor) stops once the cut and the staying ranks' redirects are in place (master-0's on
+    a, worker-1's on b), before it restores, and there
+
+    - `staying`: b's agent pod is killed. The restore goes on; the keep of worker-1's redirect
+      waits for b's restarted agent (criuctl.kube.jobmoves), so that b's record of it is kept:
+      `criuctl ps --jobs` shows worker-1 connected to worker-0 on a, and a later move would
+      re-point that connection;
+    - `holder`: a's own agent pod is killed. Its DaemonSet's next pod finds the record `kept` and
+      does the step again: the same cut, the same redirects (each peer's agent knows them by the
+      move: none installed twice, none left pending), the restore.
+
+    The job ends as an uninterrupted run does, no pod restarted, no rule left on a node."""
     lay, k = local_cluster
-    pods = ["ks-master-0", "ks-worker-0", "ks-worker-1"]
-    k.apply(_slow(ddp_job("ks"), "0.3"))
+    job = {"staying": "ks", "holder": "kh"}[victim]
+    pods = [f"{job}-master-0", f"{job}-worker-0", f"{job}-worker-1"]
+    k.apply(_slow(ddp_job(job), "0.3"))
     points = Points(lay.node_dir("a") / "var-lib-criuctl" / "pause")
     try:
         _wait_steps(k, pods[0], 15)
-        before = _restarts(k, "ks")
+        before = _restarts(k, job)
         points.arm(Point.SUCCESSOR_REDIRECTED)
         env = {**os.environ, "KUBECONFIG": str(lay.kubeconfig)}
         cli = subprocess.Popen(
@@ -236,29 +247,56 @@ def test_the_agent_of_a_staying_workers_node_killed_mid_move_loses_nothing(local
             text=True,
         )
         points.reached(Point.SUCCESSOR_REDIRECTED)
-        (agent,) = [
-            p["metadata"]["name"]
-            for p in k.pods(SYSTEM_NS, "app.kubernetes.io/name=criuctl-agent")
-            if p["spec"]["nodeName"] == "b"
-        ]
-        k("-n", SYSTEM_NS, "delete", "pod", agent, "--grace-period=0", "--force")
+        assert sorted(_redirects(lay)) == [("a", "pending"), ("b", "pending")], _redirects(lay)
         points.disarm()
-        points.go(Point.SUCCESSOR_REDIRECTED)
+        if victim == "staying":
+            _kill_agent(k, "b")
+            points.go(Point.SUCCESSOR_REDIRECTED)
+        else:
+            _kill_agent(k, "a")
         out, err = cli.communicate(timeout=600)
         assert cli.returncode == 0, err[-3000:]
         assert json.loads(out.strip().splitlines()[-1])["target"] == "a"
         assert k.get("pod", pods[1])["spec"]["nodeName"] == "a"
-        _agents_back(lay)  # b's lists worker-1 again: through its redirect, kept or not
-        _all_connected(_jobs(lay, "ks"), pods)
-        _finishes_as_the_reference(k, "ks", 3)
-        after = _restarts(k, "ks")
+        _agents_back(lay)  # b's lists worker-1 again: through its redirect
+        # each peer's redirect kept, once: a restarted step found them by the move
+        assert sorted(_redirects(lay)) == [("a", "kept"), ("b", "kept")], _redirects(lay)
+        _all_connected(_jobs(lay, job), pods)
+        _finishes_as_the_reference(k, job, 3)
+        after = _restarts(k, job)
         assert all(after[p] == before[p] for p in pods if p != pods[1]), (before, after)
         assert after[pods[1]][1] == 0, "the moved rank's successor restarted"
         _no_rule_on_the_nodes(lay)
     finally:
         points.disarm()
-        k("delete", "pytorchjob", "ks", "--wait=false", check=False)
-        _agents_back(lay)  # the next test needs b's agent again
+        k("delete", "pytorchjob", job, "--wait=false", check=False)
+        _agents_back(lay)  # the next test needs the killed agent again
+
+
+def _kill_agent(k: Kubectl, node: str) -> None:
+    """The agent pod of `node` forced away at once (its DaemonSet makes another)."""
+    (agent,) = [
+        p["metadata"]["name"]
+        for p in k.pods(SYSTEM_NS, "app.kubernetes.io/name=criuctl-agent")
+        if p["spec"]["nodeName"] == node
+    ]
+    k("-n", SYSTEM_NS, "delete", "pod", agent, "--grace-period=0", "--force")
+
+
+def _redirects(lay) -> list[tuple[str, str]]:
+    """(node, state) of each pod redirect record on the nodes whose pods are still there."""
+    out = []
+    for node in lay.nodes:
+        for f in (lay.node_dir(node) / "var-lib-criuctl" / "redirects").glob("*.json"):
+            rec = json.loads(f.read_text())
+            try:  # an earlier job's, whose pod is gone, waits for its agent's janitor
+                ns = os.stat(f"/proc/{rec['pid']}/ns/net").st_ino if rec.get("pid") is not None else None
+                alive = ns is not None and ns == rec["netns"]
+            except OSError:
+                alive = False
+            if alive:
+                out.append((node, rec["state"]))
+    return out
 
 
 def _agents_back(lay) -> None:

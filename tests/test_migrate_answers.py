@@ -258,7 +258,7 @@ def test_a_failed_migration_whose_lock_cannot_be_lifted_runs_on_and_says_so_unti
     network lock (a fault switched on for the test). Before: no SIGCONT was sent, the record said
     FAILED and `migrate` said the job keeps running, while it stayed frozen for ever. Now the tree
     runs, and everything says its thaw is incomplete until the agent's retry lifts the lock."""
-    script, steps = "train_ddp.py", ("--steps", "40")  # TCP between its ranks: the lock matters
+    script, steps = "train_ddp.py", ("--steps", "80")  # TCP between its ranks: the lock matters
     ref = reference(script, *steps)
     faults = tmp_path / "faults"
     faults.mkdir()

@@ -28,7 +28,7 @@ from tests.test_boundaries import _wait_paused
 from tests.test_migrate import _failed
 
 pytestmark = [needs_criu, pytest.mark.slow]
-STEPS = ("--steps", "40")
+STEPS = ("--steps", "80")  # ~4 s: a loaded machine still freezes the job mid-run
 
 
 def _tables(c: Cluster, node: str) -> list[str]:

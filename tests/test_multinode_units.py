@@ -213,6 +213,7 @@ NETNS_SCRIPT = """
 import json, sys
 from criuctl.net import netcut
 netcut.cut("t1", [("10.9.0.4", 40001, "10.9.0.2", 29500)])
+netcut.cut("t1", [("10.9.0.4", 40001, "10.9.0.2", 29500)])  # asked again: the same rules, once
 netcut.redirect("r1", [("10.9.0.2", 29500, "10.9.0.3", 40001, "10.9.0.4")])
 netcut.redirect("r2", [("10.9.0.2", 29500, "10.9.0.4", 40001, "10.9.0.5")])
 out = {"cut": netcut.tables(netcut.CUT), "nat": netcut.tables(netcut.NAT)}
@@ -235,6 +236,7 @@ def test_rule_sets_in_a_network_namespace_of_their_own():
     assert out["cut"] == ["criuctl-cut-t1"] and out["nat"] == ["criuctl-nat-r1", "criuctl-nat-r2"]
     rules = out["ruleset"]
     assert "ip daddr set 10.9.0.4" in rules and "ip saddr set 10.9.0.3" in rules
+    assert rules.count(" drop") == 2, rules  # the cut's two rules, not doubled by its second call
     # the second redirect acts after the first on the way out, before it on the way in
     assert "type route hook output priority mangle + 1" in rules and "mangle + 2" in rules
     assert "priority raw - 1" in rules and "priority raw - 2" in rules

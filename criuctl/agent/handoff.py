@@ -55,7 +55,7 @@ from criuctl.agent.protocol import (
 )
 from criuctl.container import placeholder, runtime
 from criuctl.core import procinfo, workloads
-from criuctl.core.errors import CriuctlError
+from criuctl.core.errors import CriuctlError, WorkloadEnded
 from criuctl.core.retry import Backoff
 from criuctl.engine import criu
 from criuctl.format import bundle
@@ -78,7 +78,7 @@ def _emit(event: Event, **fields: object) -> None:
 
 
 def _error(exc: CriuctlError) -> None:
-    _emit(Event.ERROR, what=exc.what, hint=exc.hint, detail=exc.detail)
+    _emit(Event.ERROR, what=exc.what, hint=exc.hint, detail=exc.detail, ended=isinstance(exc, WorkloadEnded))
 
 
 def _command() -> str:

@@ -30,6 +30,8 @@ HandoffEvent = dict[str, Any]
 class HandoffFailed(CriuctlError):
     """The handoff process reported an error, or died without a word."""
 
+    ended = False  # the workload ended on its own while the handoff froze it (WorkloadEnded)
+
 
 class HandoffLike(Protocol):
     """What the state machines need of a handoff; unit tests pass fakes that fail loudly."""
@@ -109,7 +111,9 @@ class Handoff:
                 f"the handoff process sent something that is not an event: {line[:80]!r}", f"see {self.log}"
             ) from None
         if ev["event"] == Event.ERROR:
-            raise HandoffFailed(ev["what"], ev.get("hint", ""), ev.get("detail", ""))
+            failed = HandoffFailed(ev["what"], ev.get("hint", ""), ev.get("detail", ""))
+            failed.ended = ev.get("ended") is True
+            raise failed
         return ev
 
     async def until(self, wanted: set[Event], timeout: float | None = None) -> HandoffEvent:

@@ -166,6 +166,7 @@ class Failed(TypedDict):
     hint: str
     thawed: bool | str  # True, `protocol.INCOMPLETE` (with `left`), or "unconfirmed"
     left: str | None
+    ended: bool  # the workload ended on its own while it was being frozen: nothing runs on
 
 
 OutgoingEvent = Started | Frozen | Transferring | Sent | Failed
@@ -189,6 +190,9 @@ class RedirectRequest(TypedDict, total=False):
     rules: Rows  # [[local, port, old remote, port, new remote], ...]
     ticket: TicketJson
     workload: str
+    # a pod's: the move it follows (its bundle id). Asked again for the same move and pod (the
+    # holder's agent restarted between its redirects and its restore), the same redirect answers
+    move: str
 
 
 class RedirectAnswer(TypedDict):

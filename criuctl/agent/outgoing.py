@@ -170,8 +170,11 @@ class Outgoing:
         else:
             self.agent.metrics.migrations.labels("source", str(mode), "failed").inc()
             log.warning("outgoing failed", extra={"id": mid, "error": out.what})
-            thawed, left = out.facts.get("thawed", "unconfirmed"), out.facts.get("left")
-            await say(Failed(event="error", what=out.what, hint=out.hint, thawed=thawed, left=left))
+            f = out.facts
+            thawed, left, ended = f.get("thawed", "unconfirmed"), f.get("left"), f.get("ended") is True
+            await say(
+                Failed(event="error", what=out.what, hint=out.hint, thawed=thawed, left=left, ended=ended)
+            )
             await self._after_failure(m)
         with contextlib.suppress(ConnectionError, RuntimeError):
             await resp.write_eof()

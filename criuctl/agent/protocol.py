@@ -139,6 +139,7 @@ class Facts(TypedDict, total=False):
     # (`left` says what is left); "unconfirmed" when it cannot be told
     thawed: bool | str
     left: str | None
+    ended: bool  # source, failed freeze: the tree ended on its own meanwhile (nothing runs on)
     downtime_seconds: float | None  # source commit: frozen → the client said the target runs it
     now: bool  # source commit: this very call committed it (dropped before it is answered)
     # source, sent: the bytes and seconds of the stream, the target's answer; on the agent's clock

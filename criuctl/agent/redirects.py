@@ -71,6 +71,7 @@ class RedirectRecord:
     created: float = field(default_factory=time.time)
     pid: int | None = None  # a pod's: a process in its network namespace, where the rules are
     netns: int | None = None  # that namespace's inode (a reused PID is another namespace)
+    move: str | None = None  # a pod's: the move it follows, which may ask for it again
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "ticket": self.ticket.to_json() if self.ticket else None}
@@ -138,10 +139,15 @@ class Redirects:
     async def new(self, r: web.Request) -> web.Response:
         body: RedirectRequest = await body_json(r)
         pid = netns = None
+        move: str | None = None
         try:
             rules = parse_rules(body.get("rules"))
             ticket = None if "workload" in body else Ticket.from_json(body.get("ticket"))
             if "workload" in body:
+                if "move" in body:
+                    move = str(body["move"])
+                    if not valid_id(move):
+                        raise ValueError(f"bad move id {move[:60]!r}")
                 w = await asyncio.to_thread(
                     self.agent.runtimes.resolve, workloads.validate_name(str(body["workload"]))
                 )
@@ -153,8 +159,16 @@ class Redirects:
             return fail(409, f"the workload's network namespace is gone: {exc.strerror}")
         except CriuctlError as exc:
             return self.agent.error_response(exc)
+        wanted: Rows = [list(x) for x in rules]
+        if move is not None and (same := await asyncio.to_thread(self._of_move, move, netns)):
+            if same.rules == wanted:
+                log.info("redirect asked again", extra={"id": same.id, "move": move})
+                return web.json_response(RedirectAnswer(id=same.id))
+            if same.state == KEPT:
+                return fail(409, f"redirect {same.id} of move {move} is kept with other rules", state=KEPT)
+            await asyncio.to_thread(self._drop, same)  # the move's successor changed: its rules go
         rid = uuid.uuid4().hex
-        rec = RedirectRecord(rid, [list(x) for x in rules], ticket, netcut.NAT + rid, pid=pid, netns=netns)
+        rec = RedirectRecord(rid, wanted, ticket, netcut.NAT + rid, pid=pid, netns=netns, move=move)
         await asyncio.to_thread(records.write, self._path(rid), rec.to_json())  # before the rules
         try:
             await asyncio.to_thread(netcut.redirect, rid, rules, pid)
@@ -237,6 +251,17 @@ class Redirects:
                 await asyncio.to_thread(self._drop, rec)
             else:
                 await backoff.asleep()
+
+    def _of_move(self, move: str, netns: int | None) -> RedirectRecord | None:
+        """The redirect that move `move` installed in that network namespace earlier, if any."""
+        return next(
+            (
+                rec
+                for _, rec in records.scan(self.folder, "*.json", RedirectRecord.from_json)
+                if isinstance(rec, RedirectRecord) and rec.move == move and rec.netns == netns
+            ),
+            None,
+        )
 
     def pending(self) -> list[str]:
         """At start-up: the redirects a previous agent left unsettled."""

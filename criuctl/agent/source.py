@@ -124,7 +124,7 @@ class SourceMachine:
         except HandoffFailed as exc:
             await self._stop_stream(live, job)
             self._to(SourceState.FAILED)
-            return Outcome(self.state, False, exc.what, exc.hint, {"thawed": True})
+            return Outcome(self.state, False, exc.what, exc.hint, {"thawed": True, "ended": exc.ended})
         except TimeoutError:
             await self._stop_stream(live, job)
             return await self._failed_before_sent(

@@ -72,6 +72,7 @@ class TargetMachine:
         # the images removed after a commit, in the background
         self.cleanup: asyncio.Future[None] | None = None
         self.pages: directpages.Session | None = None  # stop-and-copy straight into this node's page server
+        self.vouched: bundle.Vouched | None = None  # what that page server received, once it ended
 
     @property
     def id(self) -> str:
@@ -160,9 +161,11 @@ class TargetMachine:
         return session
 
     async def _vouch(self) -> bundle.Vouched | None:
-        if self.pages is None:
-            return None
-        return await asyncio.to_thread(self.pages.vouched, self.t.stall)
+        """The page server's word for the pages it wrote, which the bundle's verification asks
+        for; kept on the machine for the restore handoff."""
+        if self.pages is not None:
+            self.vouched = await asyncio.to_thread(self.pages.vouched, self.t.stall)
+        return self.vouched
 
     def close_pages(self) -> None:
         if self.pages is not None:
@@ -173,14 +176,8 @@ class TargetMachine:
             if self.state != TargetState.NEW:
                 return Outcome(self.state, False, f"migration {self.id} already has a bundle ({self.state})")
             await asyncio.to_thread(self._write, TargetState.RECEIVING)
-        vouched: list[bundle.Vouched | None] = [None]
-
-        async def vouch() -> bundle.Vouched | None:
-            vouched[0] = await self._vouch()
-            return vouched[0]
-
         try:
-            digests = await receive(self.bundle_dir, vouch)
+            digests = await receive(self.bundle_dir, self._vouch)
         except (CriuctlError, OSError) as exc:
             self.close_pages()
             await asyncio.to_thread(shutil.rmtree, self.bundle_dir, True)  # first: the disk may be full
@@ -192,8 +189,8 @@ class TargetMachine:
             if self.state != TargetState.RECEIVING:  # aborted while the bytes came in
                 return Outcome(self.state, False, f"migration {self.id} was {self.state} meanwhile")
             await asyncio.to_thread(durable.replace_json, self.dir / "digests.json", digests)
-            if vouched[0] is not None:
-                await asyncio.to_thread(durable.replace_json, self.dir / VOUCHED, asdict(vouched[0]))
+            if self.vouched is not None:
+                await asyncio.to_thread(durable.replace_json, self.dir / VOUCHED, asdict(self.vouched))
             await asyncio.to_thread(self._write, TargetState.RECEIVED)
         await points.areach(Point.TARGET_RECEIVED)
         return Outcome(self.state, True)

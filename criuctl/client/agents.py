@@ -170,6 +170,14 @@ class Survey:
     refused: dict[str, str] = field(default_factory=dict)  # node -> why its container `name` cannot move
 
 
+SURVEY_TIMEOUT = 10.0  # seconds each node gets to list its workloads
+# A node silent in the first round is asked again, this long, when no other runs the workload: an
+# agent busy with many migrations at once on a small node (eight on 2 cores, beside a training
+# job or two) can take longer to list than the first round waits, and without its answer the
+# move would fail saying nothing runs the job. A node that is down costs this only then.
+SURVEY_PATIENCE = 45.0
+
+
 def survey(name: str, nodes: list[Node] | None = None) -> Survey:
     """Ask every node (all at once) whether its agent runs workload `name`."""
     workloads.validate_name(name)
@@ -177,9 +185,9 @@ def survey(name: str, nodes: list[Node] | None = None) -> Survey:
 
     why: dict[str, str] = {}
 
-    def ask(node: Node) -> bool | None:
+    def ask(node: Node, timeout: float) -> bool | None:
         try:
-            rows: list[WorkloadRow] = AgentClient(node, timeout=10).get("/v1/workloads", timeout=10)
+            rows: list[WorkloadRow] = AgentClient(node, timeout=timeout).get("/v1/workloads", timeout=timeout)
         except CriuctlError:
             return None
         for r in rows:
@@ -188,7 +196,11 @@ def survey(name: str, nodes: list[Node] | None = None) -> Survey:
         return running_here(rows, name)
 
     with ThreadPoolExecutor(max_workers=min(16, len(nodes) or 1)) as pool:
-        answers = list(pool.map(ask, nodes))
+        answers = list(pool.map(lambda n: ask(n, SURVEY_TIMEOUT), nodes))
+        if not any(answers) and None in answers:
+            again = [i for i, a in enumerate(answers) if a is None]
+            for i, a in zip(again, pool.map(lambda i: ask(nodes[i], SURVEY_PATIENCE), again), strict=True):
+                answers[i] = a
     return Survey(
         running_on=[n for n, a in zip(nodes, answers, strict=True) if a],
         silent=[n.name for n, a in zip(nodes, answers, strict=True) if a is None],

@@ -51,6 +51,9 @@ Progress = Callable[..., None]  # progress(phase, **facts)
 
 class MigrationFailed(CriuctlError):
     exit_code = 4
+    # the job ended on its own while it was being frozen (WorkloadEnded): it runs nowhere, as
+    # its own end decided, and no one may say it keeps running
+    ended = False
     # the job runs on the source again, but its thaw did not complete (what is left): its agent
     # retries; the caller says so wherever it reports (an Event on Kubernetes)
     thaw_left: str | None = None
@@ -246,7 +249,9 @@ class Move:
                 break
             elif ev["event"] == "error":
                 if ev.get("thawed", True) is True:
-                    raise MigrationFailed(ev["what"], ev.get("hint", ""))
+                    failed = MigrationFailed(ev["what"], ev.get("hint", ""))
+                    failed.ended = ev.get("ended") is True
+                    raise failed
                 if ev.get("thawed") == INCOMPLETE:
                     raise _thaw_incomplete(ev["what"], ev.get("left") or "", self.name, self.source.name)
                 why = _frozen_hint(self.name, self.source.name, self.target.name, "thawed: unconfirmed")
@@ -370,8 +375,14 @@ def _frozen_hint(name: str, source: str, target: str, why: str) -> str:
     )
 
 
-def _keeps_running(hint: str, name: str, node: str) -> str:
-    return "; ".join(filter(None, [hint, f"{name!r} keeps running on {node}"]))
+def _back_on(exc: CriuctlError, name: str, node: str) -> MigrationFailed:
+    """A failure after which the job runs on `node` again, as it did before the move (or, when it
+    ended on its own while being frozen, nowhere: then no one says it keeps running)."""
+    ended = isinstance(exc, MigrationFailed) and exc.ended
+    where = "" if ended else f"{name!r} keeps running on {node}"
+    err = MigrationFailed(exc.what, "; ".join(filter(None, [exc.hint, where])))
+    err.ended = ended
+    return err
 
 
 def _thaw_incomplete(what: str, left: str, name: str, node: str) -> MigrationFailed:
@@ -399,16 +410,16 @@ def abort(
     with contextlib.suppress(CriuctlError):  # a dead target agent's handoff kills its copy itself
         dst.delete(f"/v1/incoming/{inc_id}")
     if og_id is None:
-        return MigrationFailed(exc.what, _keeps_running(exc.hint, name, source))
+        return _back_on(exc, name, source)
     answer: StepAnswer | ErrorAnswer
     try:
         answer = src.delete(f"/v1/outgoing/{og_id}")
     except CriuctlError as err:
         if isinstance(err, AgentError) and err.status == 404:  # failed before "sent": the source thawed
-            return MigrationFailed(exc.what, _keeps_running(exc.hint, name, source))
+            return _back_on(exc, name, source)
         answer = err.body if isinstance(err, AgentError) and err.body else {"state": "unknown"}
     if answer.get("state") == "thawed" or answer.get("thawed") is True:
-        return MigrationFailed(exc.what, _keeps_running(exc.hint, name, source))
+        return _back_on(exc, name, source)
     if answer.get("thawed") == INCOMPLETE:
         return _thaw_incomplete(exc.what, answer.get("left") or "", name, source)
     return MigrationInDoubt(exc.what, _frozen_hint(name, source, dst.node.name, "thawed: unconfirmed"))

@@ -22,6 +22,11 @@ class CriuctlError(Exception):
         return f"{self.what}: {self.hint}" if self.hint else self.what
 
 
+class WorkloadEnded(CriuctlError):
+    """The workload ended on its own while criuctl was freezing it: nothing was checkpointed, and
+    nothing runs any more, so no caller may say that it "keeps running"."""
+
+
 class NotRoot(CriuctlError):
     exit_code = 77
 

@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from criuctl.client import migrate as agent_migrate
+from criuctl.client.agents import Node
 from criuctl.core.errors import CriuctlError
 from criuctl.kube import events, moves, owners, podmigrate, podmigrations, podplan
 from criuctl.kube.cluster import SYSTEM_NS, Cluster, agent_for, call, connect
@@ -309,12 +310,10 @@ def _resume_owned(c: Cluster, j: Journal, phase: Phase) -> None:
     j.succeeded(result, _moved_to(j, result))
 
 
-def _source_downtime(c: Cluster, source: str, og: str | None) -> float | None:
-    """What the source's agent measured, for a move taken over after its commit; None if it cannot
-    say (its agent away, the move forgotten): the status then shows no downtime rather than a guess."""
+def _agent_of(c: Cluster, node: str) -> Node | None:
+    """The agent of node `node`; None when there is none to ask (the caller then knows less)."""
     with contextlib.suppress(CriuctlError):
-        node = c.serialize(call(f"node {source}", c.core.read_node, source))
-        return agent_migrate.source_downtime(agent_for(c, node), og)
+        return agent_for(c, c.serialize(call(f"node {node}", c.core.read_node, node)))
     return None
 
 
@@ -342,9 +341,13 @@ def _resume_placeholder(c: Cluster, j: Journal, phase: Phase) -> None:
                 why, f"pod {pod} keeps running on {source}; the placeholder was deleted"
             )
         j(Phase.HANDING_OVER)
-    downtime = _source_downtime(c, source, st.get("outgoingId") or None)
+    # what the source's agent measured; none if it cannot say (its agent away, the move forgotten):
+    # the status then shows no downtime rather than a guess
+    og = st.get("outgoingId") or None
+    src_agent = _agent_of(c, source)
+    downtime = None if src_agent is None else agent_migrate.source_downtime(src_agent, og)
     how = "" if downtime is None else f" (downtime {downtime:.2f} s)"
-    podmigrate.hand_over(c, ns, pod, new, source, target, how)
+    podmigrate.hand_over(c, ns, pod, new, source, target, how, None if src_agent is None else (src_agent, og))
     reason = f"pod {pod} runs as pod {new} on node {target} (taken over after a controller restart)"
     j.succeeded(None, reason, downtime)
 

@@ -155,12 +155,14 @@ def container_pid(agent: AgentClient, cid: str) -> int | None:
 
 def prepare(c: Cluster, rw: Rewire, ident: str, pid: int) -> None:
     """The cut in the successor's namespace (process `pid`'s), then every peer's redirect. On any
-    failure what was done is undone and the error raised: the restore must not go on."""
+    failure what was done is undone and the error raised: the restore must not go on. Done again
+    for the same move (`ident`; the holder's agent restarted before its restore), the cut gets the
+    same rules and each peer's agent answers with the redirect it installed the first time."""
     netcut.cut(ident, rw.cut, pid)
     try:
         for pr in rw.peers:
             answer: RedirectAnswer = _agent(c, pr.node).post(
-                "/v1/redirects", RedirectRequest(rules=pr.rules, workload=pr.workload)
+                "/v1/redirects", RedirectRequest(rules=pr.rules, workload=pr.workload, move=ident)
             )
             pr.id = answer["id"]
     except CriuctlError:

@@ -154,11 +154,19 @@ def read_pod(c: Cluster, namespace: str, name: str) -> dict | None:
 
 
 def hand_over(
-    c: Cluster, namespace: str, pod: str, new_pod: str, source: str, target: str, how: str = ""
+    c: Cluster,
+    namespace: str,
+    pod: str,
+    new_pod: str,
+    source: str,
+    target: str,
+    how: str = "",
+    ended: tuple[Node, str | None] | None = None,
 ) -> None:
     """The job runs in `new_pod` on `target`: the source pod goes (before its tree ends, where the
     caller can: see the table), the new pod gets its provenance stamp, both get their Event. Each
-    step may be done again (a controller that restarted mid-way does it all again)."""
+    step may be done again (a controller that restarted mid-way does it all again). `ended`: the
+    source's agent and outgoing id, to remove the source pod at once when its tree ended."""
     src = read_pod(c, namespace, pod)
     with contextlib.suppress(CriuctlError):  # the source's agent ends the tree either way
         _delete(c, namespace, pod)
@@ -172,6 +180,12 @@ def hand_over(
         events.record(c, new, events.Reason.MIGRATED, f"from pod {pod} on node {source}{how}")
     if src is not None:
         events.record(c, src, events.Reason.MIGRATED, f"to pod {new_pod} on node {target}")
+    # Its tree gone, nothing runs in the source pod: Kubernetes 1.20's kubelet, finding the
+    # container gone when its preStop returns, fails the kill and retries a minute later, the pod
+    # Terminating all the while. Deleted now (this very pod, by UID), as the preStop path does.
+    if src is not None and ended is not None and agent_migrate.source_ended(*ended):
+        with contextlib.suppress(CriuctlError):
+            delete_now(c, src)
 
 
 def undo_placing(c: Cluster, namespace: str, pod: str, new_pod: str, source: str, why: str) -> None:
@@ -247,13 +261,7 @@ def execute(
         events.record(c, new_pod, events.Reason.FAILED, f"{exc.what}; this placeholder is deleted")
         raise
     how = f" ({result.mode}, downtime {result.downtime_seconds:.2f} s)"
-    hand_over(c, p.namespace, p.pod, p.placeholder_name, p.source, p.target, how)
-    # Its tree gone, nothing runs in the source pod: Kubernetes 1.20's kubelet, finding the
-    # container gone when its preStop returns, fails the kill and retries a minute later, the pod
-    # Terminating all the while. Deleted now (this very pod, by UID), as the preStop path does.
-    if agent_migrate.source_ended(p.src, outgoing[0]):
-        with contextlib.suppress(CriuctlError):
-            delete_now(c, src_pod)
+    hand_over(c, p.namespace, p.pod, p.placeholder_name, p.source, p.target, how, (p.src, outgoing[0]))
     return result
 
 

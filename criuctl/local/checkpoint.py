@@ -36,7 +36,7 @@ import psutil
 
 from criuctl.container import containers, rootfsdiff
 from criuctl.core import durable, procinfo, statedir, workloads
-from criuctl.core.errors import CriuctlError
+from criuctl.core.errors import CriuctlError, WorkloadEnded
 from criuctl.engine import criu
 from criuctl.format import bundle, criuimages, imagetail
 from criuctl.gpu import gpustate
@@ -438,7 +438,7 @@ def _freeze_locked(
         if isinstance(exc, CriuctlError) and not thawed.complete:
             exc.hint += f"; it runs again, but its thaw did not complete: {thawed.line()}"
         if isinstance(exc, criu.CriuError) and not w.alive():
-            raise CriuctlError(
+            raise WorkloadEnded(
                 f"workload {w.name!r} ended while it was being frozen",
                 f"nothing was checkpointed; see `criuctl logs {w.name}` for how it ended",
             ) from exc

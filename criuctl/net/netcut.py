@@ -81,8 +81,9 @@ def cut(ident: str, conns: list[Tuple], pid: int | None = None) -> str:
     if pid is not None:
         return str(netns.run_in(pid, cut, ident, [list(c) for c in conns]))
     table = _table(CUT, ident)
-    lines = [
+    lines = [  # asked again (a restarted agent's step), the same table gets exactly these rules
         f"add table {FAMILY} {table}",
+        f"flush table {FAMILY} {table}",
         f"add chain {FAMILY} {table} in {{ type filter hook input priority 0; }}",
         f"add chain {FAMILY} {table} out {{ type filter hook output priority 0; }}",
     ]
