@@ -144,3 +144,37 @@ def env_without(var: str) -> dict[str, str]:
     env = dict(os.environ)
     env.pop(var, None)
     return env
+
+
+def tree_state(pid: int) -> str:
+    """Each process of `pid`'s tree and each of its threads: state, kernel wait, signal masks.
+
+    For a test whose process did not end when it should have: what it and its tree wait on, so that
+    a hang seen once in CI says why instead of only that it timed out.
+    """
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return f"PID {pid} is gone"
+    fields = ("State", "SigQ", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt", "NSpid")
+    lines = []
+    for p in procs:
+        try:
+            lines.append(f"{p.pid} {' '.join(p.cmdline()[:6])}")
+            for tid in sorted(os.listdir(f"/proc/{p.pid}/task"), key=int):
+                t = Path(f"/proc/{p.pid}/task/{tid}")
+                status = dict(
+                    line.split(":\t", 1) for line in (t / "status").read_text().splitlines() if ":\t" in line
+                )
+                stack = (t / "stack").read_text().split("\n")[:4] if (t / "stack").exists() else []
+                calls = "|".join(s.split()[-1] for s in stack if s)
+                lines.append(
+                    f"  task {tid}: "
+                    + " ".join(f"{k}={status.get(k, '?').strip()}" for k in fields)
+                    + f" wchan={(t / 'wchan').read_text()} stack={calls}"
+                )
+        except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError, PermissionError) as exc:
+            lines.append(f"{p.pid}: {exc}")
+    return "\n".join(lines)
