@@ -423,7 +423,7 @@ def test_a_node_slow_to_list_is_asked_again_before_the_move_says_nothing_runs(tm
     import http.server
     import threading
 
-    from criuctl.client import agents
+    from criuctl.client import agents, jobs
 
     asked: list[float] = []
     slow = [True]
@@ -456,5 +456,12 @@ def test_a_node_slow_to_list_is_asked_again_before_the_move_says_nothing_runs(tm
         asked.clear()
         found = agents.survey("job", [node])  # answers in time (not slow any more): asked once
         assert [n.name for n in found.running_on] == ["a"] and len(asked) == 1
+        # the jobs' survey: before a move it waits for the slow node (a rank there would be left
+        # out of its job); a listing (`ps --jobs`) names it silent at once
+        for patient, silent, asks in ((True, [], 2), (False, ["a"], 1)):
+            slow.append(True)
+            asked.clear()
+            got = jobs.survey([node], patient=patient)
+            assert got.silent == silent and len(asked) == asks, (patient, got, asked)
     finally:
         srv.shutdown()

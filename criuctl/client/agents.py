@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -178,31 +178,43 @@ SURVEY_TIMEOUT = 10.0  # seconds each node gets to list its workloads
 SURVEY_PATIENCE = 45.0
 
 
+def list_everywhere(
+    nodes: list[Node], again: Callable[[list[list[WorkloadRow] | None]], bool] = lambda _: False
+) -> list[list[WorkloadRow] | None]:
+    """Each node's workload rows, all nodes asked at once; None for a node that did not answer.
+    A node silent in the first round is asked again, SURVEY_PATIENCE long, when `again(answers)`
+    says its answer could change what the caller concludes."""
+
+    def ask(node: Node, timeout: float) -> list[WorkloadRow] | None:
+        try:
+            rows: list[WorkloadRow] = AgentClient(node, timeout=timeout).get("/v1/workloads", timeout=timeout)
+            return rows
+        except CriuctlError:
+            return None
+
+    with ThreadPoolExecutor(max_workers=min(16, len(nodes) or 1)) as pool:
+        answers = list(pool.map(lambda n: ask(n, SURVEY_TIMEOUT), nodes))
+        if None in answers and again(answers):
+            silent = [i for i, a in enumerate(answers) if a is None]
+            for i, a in zip(silent, pool.map(lambda i: ask(nodes[i], SURVEY_PATIENCE), silent), strict=True):
+                answers[i] = a
+    return answers
+
+
 def survey(name: str, nodes: list[Node] | None = None) -> Survey:
     """Ask every node (all at once) whether its agent runs workload `name`."""
     workloads.validate_name(name)
     nodes = list(all_nodes().values()) if nodes is None else nodes
-
+    answers = list_everywhere(
+        nodes, again=lambda got: not any(running_here(rows, name) for rows in got if rows is not None)
+    )
     why: dict[str, str] = {}
-
-    def ask(node: Node, timeout: float) -> bool | None:
-        try:
-            rows: list[WorkloadRow] = AgentClient(node, timeout=timeout).get("/v1/workloads", timeout=timeout)
-        except CriuctlError:
-            return None
-        for r in rows:
+    for node, rows in zip(nodes, answers, strict=True):
+        for r in rows or []:
             if r.get("name") == name and isinstance(why_not := r.get("why_not"), str):
                 why[node.name] = why_not
-        return running_here(rows, name)
-
-    with ThreadPoolExecutor(max_workers=min(16, len(nodes) or 1)) as pool:
-        answers = list(pool.map(lambda n: ask(n, SURVEY_TIMEOUT), nodes))
-        if not any(answers) and None in answers:
-            again = [i for i, a in enumerate(answers) if a is None]
-            for i, a in zip(again, pool.map(lambda i: ask(nodes[i], SURVEY_PATIENCE), again), strict=True):
-                answers[i] = a
     return Survey(
-        running_on=[n for n, a in zip(nodes, answers, strict=True) if a],
+        running_on=[n for n, a in zip(nodes, answers, strict=True) if a and running_here(a, name)],
         silent=[n.name for n, a in zip(nodes, answers, strict=True) if a is None],
         refused=why,
     )

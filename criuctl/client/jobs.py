@@ -10,12 +10,9 @@ cannot move, since the far end would not follow. Loopback endpoints are told apa
 from __future__ import annotations
 
 import ipaddress
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from criuctl.client.agents import AgentClient, Node, all_nodes
-from criuctl.core.errors import CriuctlError
-from criuctl.core.workloads import WorkloadRow
+from criuctl.client.agents import Node, all_nodes, list_everywhere
 from criuctl.net.peers import Endpoints
 
 Conn = tuple[str, int, str, int]
@@ -121,19 +118,12 @@ def _pod(where: str | None) -> str:
     return "/".join(parts[:2]) if len(parts) == 3 else ""
 
 
-def survey(nodes: list[Node] | None = None) -> JobSurvey:
-    """Every running workload of every node, joined into jobs (all nodes asked at once)."""
+def survey(nodes: list[Node] | None = None, patient: bool = False) -> JobSurvey:
+    """Every running workload of every node, joined into jobs (all nodes asked at once). `patient`
+    (before a move): a node silent at first is asked again, longer, since a rank there would be
+    left out of its job (`agents.list_everywhere`); a listing (`ps --jobs`) does not wait for it."""
     nodes = list(all_nodes().values()) if nodes is None else nodes
-
-    def ask(node: Node) -> list[WorkloadRow] | None:
-        try:
-            rows: list[WorkloadRow] = AgentClient(node, timeout=10).get("/v1/workloads", timeout=10)
-            return rows
-        except CriuctlError:
-            return None
-
-    with ThreadPoolExecutor(max_workers=min(16, len(nodes) or 1)) as pool:
-        answers = list(pool.map(ask, nodes))
+    answers = list_everywhere(nodes, again=lambda _: patient)
     ranks = [
         Rank(node.name, row["name"], Endpoints.from_json(row["tcp"]), _pod(row.get("pod")))
         for node, rows in zip(nodes, answers, strict=True)

@@ -171,6 +171,11 @@ def agent_for(c: Cluster, node: dict) -> Node:
     return Node(name, f"https://{host}:{AGENT_PORT}", token, ca)
 
 
+def agent_of(c: Cluster, node: str) -> Node:
+    """The agent of the node named `node` (`agent_for` of the node as the API reads it now)."""
+    return agent_for(c, c.serialize(call(f"node {node}", c.core.read_node, node)))
+
+
 def workload_row(agent: Node, cid: str) -> workloads.WorkloadRow | None:
     """The agent's row for container `cid`: by the name it gives containers, or, for a job restored
     into a placeholder (which keeps the name it had on its first node), by its container."""

@@ -44,7 +44,7 @@ from criuctl.client import migrate as agent_migrate
 from criuctl.client.agents import Node
 from criuctl.core.errors import CriuctlError
 from criuctl.kube import events, moves, owners, podmigrate, podmigrations, podplan
-from criuctl.kube.cluster import SYSTEM_NS, Cluster, agent_for, call, connect
+from criuctl.kube.cluster import SYSTEM_NS, Cluster, agent_for, agent_of, call, connect
 from criuctl.kube.podmigrations import COMMITTED, Phase
 
 log = logging.getLogger("criuctl.controller")
@@ -313,7 +313,7 @@ def _resume_owned(c: Cluster, j: Journal, phase: Phase) -> None:
 def _agent_of(c: Cluster, node: str) -> Node | None:
     """The agent of node `node`; None when there is none to ask (the caller then knows less)."""
     with contextlib.suppress(CriuctlError):
-        return agent_for(c, c.serialize(call(f"node {node}", c.core.read_node, node)))
+        return agent_of(c, node)
     return None
 
 

@@ -38,7 +38,7 @@ from criuctl.client.agents import AgentClient, AgentError
 from criuctl.core.errors import CriuctlError
 from criuctl.core.retry import Backoff
 from criuctl.kube import moves, mutate
-from criuctl.kube.cluster import Cluster, agent_for, call, container_id, workload_row
+from criuctl.kube.cluster import Cluster, agent_of, call, container_id, workload_row
 from criuctl.net import netcut
 from criuctl.net.peers import Endpoints
 
@@ -171,7 +171,7 @@ def prepare(c: Cluster, rw: Rewire, ident: str, pid: int) -> None:
 
 
 def _agent(c: Cluster, node: str) -> AgentClient:
-    return AgentClient(agent_for(c, c.serialize(call(f"node {node}", c.core.read_node, node))), timeout=30)
+    return AgentClient(agent_of(c, node), timeout=30)
 
 
 def undo(c: Cluster, rw: Rewire, ident: str, pid: int | None) -> None:

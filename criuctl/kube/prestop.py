@@ -31,7 +31,7 @@ from criuctl.agent.messages import CheckpointAnswer, CheckpointRequest
 from criuctl.client.agents import AgentClient, Node
 from criuctl.core.errors import CriuctlError
 from criuctl.kube import events, jobmoves, moves, mutate, owners, podmigrations, podplan, podvolumes
-from criuctl.kube.cluster import Cluster, agent_for, call, container_id, delete_now, workload_row
+from criuctl.kube.cluster import Cluster, agent_for, agent_of, call, container_id, delete_now, workload_row
 from criuctl.net import peers
 
 log = logging.getLogger("criuctl.kube")
@@ -151,7 +151,7 @@ def leaving(c: Cluster, namespace: str, ident: str, node: str) -> str:
     cid = container_id(pod, wrapped[0]["name"])
     if cid is None:
         return "its container does not run: nothing to keep"
-    src = agent_for(c, c.serialize(call(f"node {node}", c.core.read_node, node)))
+    src = agent_of(c, node)
     row = workload_row(src, cid)
     if row is None or row.get("why_not"):
         why_not = row.get("why_not") if row is not None else None
@@ -160,7 +160,7 @@ def leaving(c: Cluster, namespace: str, ident: str, node: str) -> str:
     tcp = peers.Endpoints.from_json(row.get("tcp"))  # a job's rank: re-addressed where it is restored
     ranked = any(not ipaddress.ip_address(c[2]).is_loopback for c in tcp.connections)
     target = requested.target if requested else _target(c, pod, node, needed)
-    dst = agent_for(c, c.serialize(call(f"node {target}", c.core.read_node, target)))
+    dst = agent_of(c, target)
     m = moves.Move(
         namespace,
         ident,

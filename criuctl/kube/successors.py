@@ -32,7 +32,7 @@ from criuctl.agent.protocol import Point
 from criuctl.client.agents import AgentClient, AgentError
 from criuctl.core.errors import CriuctlError
 from criuctl.kube import events, jobmoves, moves, mutate, owners
-from criuctl.kube.cluster import Cluster, agent_for, call, container_id, delete_now, workload_row
+from criuctl.kube.cluster import Cluster, agent_of, call, container_id, delete_now, workload_row
 
 log = logging.getLogger("criuctl.kube")
 
@@ -42,7 +42,7 @@ RESTORE_TIMEOUT = 900.0
 
 
 def _agent(c: Cluster, node: str) -> AgentClient:
-    return AgentClient(agent_for(c, c.serialize(call(f"node {node}", c.core.read_node, node))), timeout=30)
+    return AgentClient(agent_of(c, node), timeout=30)
 
 
 def _holds_job(c: Cluster, node: str, cid: str) -> bool:
