@@ -144,3 +144,40 @@ def test_the_job_starts_unless_its_own_pod_was_marked(tmp_path: Path, uid: str, 
     p = _init_in(tmp_path, uid, marked)
     out, _ = p.communicate(timeout=30)
     assert p.returncode == 0 and out.strip() == "TRAINED"
+
+
+def test_a_helper_leaves_its_containers_cgroups_for_the_roots(tmp_path: Path) -> None:
+    """A process in a container's cgroup (here: a pids or unified cgroup of its own, made for the
+    test) leaves it for the hierarchy's root, where the container's end does not reach it; the
+    cgroup it left is then empty, and /sys/fs/cgroup gets no stray file."""
+    from criuctl.container import cgroups
+
+    mount = next(
+        (
+            m
+            for m in (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup"))
+            if (m / "cgroup.procs").exists()
+        ),
+        None,
+    )
+    if mount is None or os.geteuid() != 0:
+        pytest.skip("needs root and a pids or unified cgroup hierarchy")
+    box = mount / f"criuctl-test-{os.getpid()}"
+    box.mkdir()
+    try:
+        code = (
+            "import os, pathlib; from criuctl.container import cgroups\n"
+            f"pathlib.Path({str(box / 'cgroup.procs')!r}).write_text(str(os.getpid()))\n"
+            "before = open('/proc/self/cgroup').read()\n"
+            "print(cgroups.leave_container()); print(before, end='')\n"
+            "print(open('/proc/self/cgroup').read(), end='')"
+        )
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        first, *lines = r.stdout.splitlines()
+        assert first == "True", r.stdout
+        here = [line for line in lines if line.endswith(box.name)]
+        assert len(here) == 1, r.stdout  # in the box before, at the root after
+        assert not (box / "cgroup.procs").read_text().strip()
+        assert cgroups.ROOT.joinpath("cgroup.procs").exists() == (mount == cgroups.ROOT)
+    finally:
+        box.rmdir()

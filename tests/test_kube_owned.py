@@ -235,10 +235,13 @@ def _phase(k: Kubectl, pod: str) -> str | None:
     return (cm or {}).get("data", {}).get("phase")
 
 
-@pytest.mark.parametrize("victim", ["target agent", "controller"])
+@pytest.mark.parametrize("victim", ["target agent", "controller", "source agent"])
 def test_killed_mid_move_loses_nothing(local_cluster, ref, victim: str) -> None:
     """While the pod's preStop checkpoints the job for node b:
 
+    - a's agent pod, whose preStop is dumping the job, is killed: the dump (a handoff outside the
+      agent's container) goes on and ends the job's tree, and a's restarted agent finds the
+      bundle and carries it on to b;
     - b's agent pod is killed: the bundle's copy to b fails (the source's own copy is then the one
       kept, and the job comes back on a) or reaches b's restarted agent;
     - the leading controller is killed: the other replica takes the Lease over and follows the move
@@ -247,7 +250,7 @@ def test_killed_mid_move_loses_nothing(local_cluster, ref, victim: str) -> None:
 
     Either way the job resumes once, bit-identical, and no move record is left."""
     lay, k = local_cluster
-    name = {"target agent": "ka", "controller": "kc"}[victim]
+    name = {"target agent": "ka", "controller": "kc", "source agent": "ks"}[victim]
     pod = f"{name}-0"
     k.apply(_statefulset(name, "a"))
 
@@ -269,7 +272,8 @@ def test_killed_mid_move_loses_nothing(local_cluster, ref, victim: str) -> None:
             ctl.wait_leader(ctl.kill_leader())
         else:
             agents = k.pods(SYSTEM_NS, "app.kubernetes.io/name=criuctl-agent")
-            (agent,) = [p["metadata"]["name"] for p in agents if p["spec"]["nodeName"] == "b"]
+            node = "a" if victim == "source agent" else "b"
+            (agent,) = [p["metadata"]["name"] for p in agents if p["spec"]["nodeName"] == node]
             k("-n", SYSTEM_NS, "delete", "pod", agent, "--grace-period=0", "--force")
         out, err = cli.communicate(timeout=900)
         if cli.returncode == 4:  # the copy to b failed: whole on a, and said as the failure it is

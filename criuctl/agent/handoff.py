@@ -53,7 +53,7 @@ from criuctl.agent.protocol import (
     check_transition,
     timeouts,
 )
-from criuctl.container import placeholder, runtime
+from criuctl.container import cgroups, placeholder, runtime
 from criuctl.core import procinfo, workloads
 from criuctl.core.errors import CriuctlError, WorkloadEnded
 from criuctl.core.retry import Backoff
@@ -363,7 +363,13 @@ def _detach() -> None:
 
 
 def dump(spec_file: Path) -> int:
-    """A checkpoint the agent asked for: the same exactly-once dump as `criuctl dump`."""
+    """A checkpoint the agent asked for: the same exactly-once dump as `criuctl dump`.
+
+    In a pod (the DaemonSet), it first leaves the agent's container: it must run to its end
+    whatever becomes of the agent (criuctl.container.cgroups); a restarted agent finds the bundle
+    it sealed, or the job running on where the dump failed (criuctl.kube.successors)."""
+    if os.environ.get("KUBERNETES_SERVICE_HOST") and not cgroups.leave_container():
+        print("the dump stays in the agent's cgroups: it ends if the agent's pod does", file=sys.stderr)
     spec = json.loads(spec_file.read_text())
     try:
         out = checkpoint.dump(

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from criuctl.container import mounts, rootfsdiff, volumes
+from criuctl.container import cgroups, mounts, rootfsdiff, volumes
 from criuctl.container.containers import is_placeholder, runs_criuctl_init
 from criuctl.container.nodeview import NodeView
 from criuctl.container.runtime import Container, Runtime
@@ -234,7 +234,7 @@ def keep(ph: Placeholder, root_pid: int, join_cgroups: bool = False) -> int:
     them (`join_cgroups`, which the agent's keeper does to outlive the agent's own container).
     """
     if join_cgroups:
-        _join_cgroups(ph.pid)
+        cgroups.join_of(ph.pid)
     sig_fd = _open_signals(ph)
     try:
         pidfd = os.pidfd_open(ph.pid)
@@ -260,20 +260,6 @@ def keep(ph: Placeholder, root_pid: int, join_cgroups: bool = False) -> int:
         for fd in (sig_fd, pidfd):
             if fd is not None:
                 os.close(fd)
-
-
-def _join_cgroups(pid: int) -> None:
-    """Move this keeper into the placeholder's cgroups: it then outlives the agent's container (a
-    DaemonSet update stops every process in the agent's cgroup) and lives exactly as long as the
-    container it keeps. Its ~40 MB count against the container's memory. Best effort."""
-    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
-        _, ctrl, path = line.split(":", 2)
-        hierarchy = "unified" if not ctrl else ctrl.removeprefix("name=")
-        procs = Path("/sys/fs/cgroup") / hierarchy / path.lstrip("/") / "cgroup.procs"
-        if not procs.exists() and not ctrl:
-            procs = Path("/sys/fs/cgroup") / path.lstrip("/") / "cgroup.procs"  # cgroup v2 only
-        with contextlib.suppress(OSError):
-            procs.write_text(str(os.getpid()))
 
 
 def _open_signals(ph: Placeholder) -> int | None:
