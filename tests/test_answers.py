@@ -456,12 +456,12 @@ def test_a_node_slow_to_list_is_asked_again_before_the_move_says_nothing_runs(tm
         asked.clear()
         found = agents.survey("job", [node])  # answers in time (not slow any more): asked once
         assert [n.name for n in found.running_on] == ["a"] and len(asked) == 1
-        # the jobs' survey: before a move it waits for the slow node (a rank there would be left
-        # out of its job); a listing (`ps --jobs`) names it silent at once
-        for patient, silent, asks in ((True, [], 2), (False, ["a"], 1)):
+        # the jobs' survey: before a move of a job it does not find yet, it waits for the slow
+        # node (a rank there would be left out of it); a listing (`ps --jobs`) names it silent
+        for wanted, silent, asks in (("job", [], 2), (None, ["a"], 1)):
             slow.append(True)
             asked.clear()
-            got = jobs.survey([node], patient=patient)
-            assert got.silent == silent and len(asked) == asks, (patient, got, asked)
+            got = jobs.survey([node], wanted=wanted)
+            assert got.silent == silent and len(asked) == asks, (wanted, got, asked)
     finally:
         srv.shutdown()

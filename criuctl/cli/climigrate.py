@@ -149,7 +149,7 @@ def cmd_migrate(a: argparse.Namespace) -> int:
     if a.into is None and not a.break_connections:  # a rank of a job moves with its job, --from or not
         from criuctl.client import jobs
 
-        job = jobs.job_of(jobs.survey(patient=True), a.name)
+        job = jobs.job_of(jobs.survey(wanted=a.name), a.name)
         if job is not None and (len(job.ranks) > 1 or job.foreign):
             rank = job.rank(a.name)
             if a.source is not None and rank is not None and rank.node != a.source:
@@ -186,7 +186,7 @@ def _migrate_job(a: argparse.Namespace, name: str, wanted: dict[str, str]) -> in
     from criuctl.client import jobmove, jobs
     from criuctl.core import workloads
 
-    found = jobs.survey(patient=True)
+    found = jobs.survey(wanted=name)
     job = jobs.job_of(found, name)
     if job is None:
         silent = f" (no answer from node {', '.join(found.silent)})" if found.silent else ""

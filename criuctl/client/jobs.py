@@ -13,6 +13,7 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from criuctl.client.agents import Node, all_nodes, list_everywhere
+from criuctl.core.workloads import WorkloadRow
 from criuctl.net.peers import Endpoints
 
 Conn = tuple[str, int, str, int]
@@ -118,20 +119,32 @@ def _pod(where: str | None) -> str:
     return "/".join(parts[:2]) if len(parts) == 3 else ""
 
 
-def survey(nodes: list[Node] | None = None, patient: bool = False) -> JobSurvey:
-    """Every running workload of every node, joined into jobs (all nodes asked at once). `patient`
-    (before a move): a node silent at first is asked again, longer, since a rank there would be
-    left out of its job (`agents.list_everywhere`); a listing (`ps --jobs`) does not wait for it."""
+def survey(nodes: list[Node] | None = None, wanted: str | None = None) -> JobSurvey:
+    """Every running workload of every node, joined into jobs (all nodes asked at once). With
+    `wanted` (before a move), a node silent at first is asked again, longer, when the job named so
+    is not found or has a connection to no answering node's rank: a rank on the silent node would
+    be left out of it (`agents.list_everywhere`). A listing (`ps --jobs`) does not wait."""
     nodes = list(all_nodes().values()) if nodes is None else nodes
-    answers = list_everywhere(nodes, again=lambda _: patient)
-    ranks = [
-        Rank(node.name, row["name"], Endpoints.from_json(row["tcp"]), _pod(row.get("pod")))
-        for node, rows in zip(nodes, answers, strict=True)
-        for row in rows or []
-        if row.get("state") == "running" and row.get("alive") and isinstance(row.get("tcp"), dict)
-    ]
+
+    def joined(answers: list[list[WorkloadRow] | None]) -> list[Job]:
+        return group(
+            [
+                Rank(node.name, row["name"], Endpoints.from_json(row["tcp"]), _pod(row.get("pod")))
+                for node, rows in zip(nodes, answers, strict=True)
+                for row in rows or []
+                if row.get("state") == "running" and row.get("alive") and isinstance(row.get("tcp"), dict)
+            ]
+        )
+
+    def incomplete(answers: list[list[WorkloadRow] | None]) -> bool:
+        if wanted is None:
+            return False
+        job = job_of(JobSurvey(joined(answers), []), wanted)
+        return job is None or bool(job.foreign)
+
+    answers = list_everywhere(nodes, again=incomplete)
     silent = [n.name for n, a in zip(nodes, answers, strict=True) if a is None]
-    return JobSurvey(group(ranks), silent)
+    return JobSurvey(joined(answers), silent)
 
 
 def job_of(found: JobSurvey, name: str) -> Job | None:
