@@ -6,7 +6,8 @@
 #   docker build -t criuctl-agent:0.1.0 .      works as well (no secrets: the base image's defaults)
 #
 # Debian 12, with CRIU 4.2.1 built by scripts/install-criu.sh, the script `make` runs: the same
-# checksum-verified source package (unpatched: 4.2.1 carries the socket fixes for kernels >= 6.16 and >= 7.1). The project is
+# checksum-verified source package (4.2.1 carries the socket fixes for kernels >= 6.16 and >= 7.1),
+# with scripts/criu-patches/ applied (post-copy's page pull). The project is
 # installed into /opt/criuctl/venv as a wheel, without extras: no torch, numpy or matplotlib (the
 # agent never imports them); the wheel carries the hook tree and the CRI client stubs (setup.py).
 # One image serves the agent and the webhook (another entrypoint argument): the webhook needs the
@@ -45,8 +46,10 @@ RUN mkdir -p /opt/criu-shim \
 
 # CRIU first, in a layer of its own, so that a change to the Python code does not rebuild it. The
 # script also wires pycriu into the venv it is given, and checks that it imports: here a scratch venv
-# that sees Debian's python3-protobuf (one of the script's build dependencies).
+# that sees Debian's python3-protobuf (one of the script's build dependencies). The patches it
+# applies stay until the project's layer has run the script again.
 COPY scripts/install-criu.sh scripts/lib.sh /opt/criuctl/src/scripts/
+COPY scripts/criu-patches /opt/criuctl/src/scripts/criu-patches/
 RUN --mount=type=secret,id=ca --mount=type=secret,id=pip.conf --mount=type=secret,id=apt.sources \
     python3 -m venv --system-site-packages /tmp/criu-venv \
  && PATH="/opt/criu-shim:$PATH" build-env bash /opt/criuctl/src/scripts/install-criu.sh /tmp/criu-venv \

@@ -104,6 +104,25 @@ def test_doctor_names_the_release_a_kernel_needs(monkeypatch):
     assert doctor._criu_version().ok
 
 
+def test_doctor_says_when_criu_lacks_the_page_pull_patch(monkeypatch):
+    from criuctl.cli import doctor
+
+    monkeypatch.setattr(criu, "build", lambda: "")
+    c = doctor._page_pull()
+    assert not c.ok and not c.required and "one request at a time" in c.detail
+    assert "scripts/install-criu.sh" in c.fix
+
+
+@needs("criu")
+def test_the_installed_criu_is_built_with_the_patches_in_the_repository():
+    """install-criu.sh names its build after the patches' checksum: a CRIU built before a patch
+    changed is built over, never taken for the current one."""
+    patches = sorted((Path(__file__).resolve().parent.parent / "scripts/criu-patches").glob("*.patch"))
+    assert patches
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in patches)).hexdigest()[:12]
+    assert criu.build() == f"{criu.OUR_BUILD}{digest}"
+
+
 def _manifest() -> Manifest:
     return Manifest(
         workload="w",

@@ -610,16 +610,31 @@ def preload() -> None:
     _pycriu()
 
 
-def version() -> tuple[int, int, int]:
-    """(major, minor, sublevel) of the criu binary, asked over RPC."""
+# The GitID that scripts/install-criu.sh gives its build: this prefix, then the checksum of the
+# patches it applies (scripts/criu-patches/: post-copy's page pull with several requests in flight)
+OUR_BUILD = "criuctl-"
+
+
+def _version() -> Any:
     resp = _request("VERSION")
     if not resp.success or not resp.HasField("version"):
         raise CriuError(
             f"CRIU at {binary()} is too old to report its version",
             "install CRIU >= 4.0 with scripts/install-criu.sh",
         )
-    v = resp.version
+    return resp.version
+
+
+def version() -> tuple[int, int, int]:
+    """(major, minor, sublevel) of the criu binary, asked over RPC."""
+    v = _version()
     return v.major_number, v.minor_number, v.sublevel if v.HasField("sublevel") else 0
+
+
+def build() -> str:
+    """The binary's GitID ("" for a release tarball built as is): `OUR_BUILD`… for criuctl's."""
+    v = _version()
+    return str(v.gitid) if v.HasField("gitid") else ""
 
 
 def require_version() -> tuple[int, int, int]:
