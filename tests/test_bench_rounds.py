@@ -23,3 +23,45 @@ def test_rounds_go_on_while_the_median_ratio_moves_and_stop_at_the_cap() -> None
 def test_a_ratio_is_shown_with_its_spread_and_its_rounds() -> None:
     runs = [{"a": a, "b": 1.0} for a in (1.1, 1.4, 1.2)]
     assert paired(runs, lambda x: x["a"] / x["b"]) == "1.20 (1.10–1.40; 3 rounds)"
+
+
+def test_the_goals_table_reads_every_number_from_the_runs_results() -> None:
+    """bench/goals.py: per-round ratios from the raw rows, a mark per goal, "–" where nothing ran."""
+    from bench.goals import table
+
+    def mig(plain: float, snc: float, post_down: float, pages: float) -> dict:
+        return {
+            "plain": {"downtime": plain},
+            "stop-and-copy": {"downtime_seconds": snc},
+            "post-copy": {"downtime_seconds": post_down, "pages_seconds": pages},
+            "sealed": {"bytes_moved": 9e8, "transfer_seconds": 1.0},
+            "tcp": 1e9,
+        }
+
+    migrate = {
+        "machine": "m",
+        "date": "d",
+        "rows": [
+            {"gib": 2, "runs": [mig(10, 10.5, 0.4, 5.6), mig(10, 12, 0.4, 9.6), mig(8, 8.4, 0.6, 3.4)]},
+            {"gib": 8, "runs": [{"post-copy": {"downtime_seconds": 0.45, "pages_seconds": 30.0}}]},
+        ],
+    }
+    dump_restore = {
+        "machine": "m",
+        "date": "d",
+        "rows": [{"gib": 2, "runs": [{"criuctl": {"restore": 3.0}, "criu": {"restore": 2.0}}]}],
+    }
+    rows = {
+        ln.split(" | ")[0][2:]: ln.split(" | ")[1:]
+        for ln in table(dict(migrate=migrate, dump_restore=dump_restore)).splitlines()
+        if ln.startswith("| ")
+    }
+    assert rows["stop-and-copy downtime ÷ plain CRIU page-server migration"][:2] == [
+        "1.05 (1.05–1.20; 3) ✓",
+        "–",
+    ]
+    assert rows["criuctl's stream (sealed bundle) ÷ raw TCP"][0] == "0.90 (0.90–0.90; 3) ✓"
+    assert rows["`criuctl restore` ÷ plain `criu restore`"][0] == "1.50 (1) ✗"
+    assert rows["post-copy: every page on b ÷ plain CRIU's whole migration"][0] == "0.60 (0.50–1.00; 3) ✓"
+    assert rows["post-copy downtime, seconds"][:2] == ["–", "0.45 (1) ✓"]  # the goal is at 8 GiB alone
+    assert rows["… the same with pages straight into the target (`CRIUCTL_STREAM=direct`)"][0] == "–"

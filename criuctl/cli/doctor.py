@@ -103,7 +103,7 @@ def _page_pull() -> Check:
     except CriuctlError as exc:
         return Check("post-copy page pull", False, exc.what, exc.hint, required=False)
     if build.startswith(criu.OUR_BUILD):
-        return Check("post-copy page pull", True, f"8 requests in flight (CRIU build {build})", required=False)
+        return Check("post-copy page pull", True, f"8 requests in flight (build {build})", required=False)
     return Check(
         "post-copy page pull",
         False,
