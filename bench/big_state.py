@@ -1,6 +1,8 @@
 """A job holding N GiB of model + Adam state (params, grads, exp_avg, exp_avg_sq: 16 bytes/param).
 
-Prints `ready` once the state exists, then keeps training a small head (a step every 50 ms). With
+Prints `ready` once the state exists, then keeps training a small head (a step every 50 ms); with
+--dense every step is an Adam step of the whole model instead, as real training takes, so every
+page of the state is written each step (what post-copy's page pull meets in a real job). With
 --save/--load it instead times torch.save / torch.load of the same state (the app-level checkpoint
 criuctl replaces).
 """
@@ -15,6 +17,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--gib", type=float, required=True)
 p.add_argument("--save", help="time torch.save of the state to this file, then torch.load of it")
 p.add_argument("--resume", help="the app-level restart: load this file into a fresh model, take one step")
+p.add_argument("--dense", action="store_true", help="each step updates the whole model (prints `step N`)")
 a = p.parse_args()
 
 if a.resume:  # a new process (started by the bench): import torch, build, load, one step
@@ -53,6 +56,13 @@ if a.save:
     t_load = time.perf_counter() - t0
     size = os.path.getsize(a.save)
     print(f"save {t_save:.3f} load {t_load:.3f} bytes {size} tensors {len(loaded['model'])}", flush=True)
+elif a.dense:
+    print(f"ready {layers} layers", flush=True)
+    step = 0
+    while True:
+        opt.step()  # reads params, grads and both moments, writes params and moments: every page
+        step += 1
+        print(f"step {step} {time.time():.3f}", flush=True)
 else:
     # Training goes on in a small head, a step every 50 ms, so that criuctl's step boundary comes at
     # once (the hook holds a trainer at its next optimizer step), while the big state stays as it is.

@@ -25,7 +25,9 @@ of stop-and-copy's per-round ratio to plain CRIU settles: bench/rounds.py), stop
 CRIU back to back in each round and the order rotating; each contender's job and files are gone
 before the next starts. Medians, min–max (on the development VM freed memory goes straight back
 to the host: see docs/benchmarks.md). `--post-copy-only`
-sizes run post-copy alone (its downtime's growth with size). Downtime is freeze → running on the
+sizes run post-copy alone (its downtime's growth with size). `--dense`: every job's step is an Adam
+step of its whole state (bench/big_state.py), so that post-copy's pull races a job that faults on
+every page, as a real training job does. Downtime is freeze → running on the
 target. Run as root: `make bench-migrate` or `.venv/bin/python bench/migrate.py [--sizes 0.5 2 4]`.
 """
 
@@ -52,7 +54,7 @@ sys.path.insert(0, str(HERE.parent))
 from bench.rounds import paired, settle  # noqa: E402 - paired rounds until the spread is known
 from tests.cluster import PLAIN, Cluster  # noqa: E402 - the same nodes the tests use
 
-JOB = [sys.executable, str(HERE / "big_state.py")]
+JOB = [sys.executable, str(HERE / "big_state.py")]  # --dense appended by main() when asked
 CONTENDERS = ("stop-and-copy", "plain", "direct", "plain-tls", "sealed", "post-copy", "app")
 console = Console(stderr=True)
 PORT = 7310
@@ -266,7 +268,10 @@ def main() -> int:
     ap.add_argument(
         "--only", nargs="+", choices=CONTENDERS, default=list(CONTENDERS), help="run these contenders alone"
     )
+    ap.add_argument("--dense", action="store_true", help="jobs update their whole state every step")
     a = ap.parse_args()
+    if a.dense:
+        JOB.append("--dense")
     only = tuple(a.only)
     work = Path(a.dir)
     shutil.rmtree(work, ignore_errors=True)
@@ -289,7 +294,8 @@ def main() -> int:
                 )
             rows.append({"gib": gib, "runs": runs})
     Path(a.json).parent.mkdir(exist_ok=True)
-    doc = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "transport": PLAIN, "rows": rows}
+    doc = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "transport": PLAIN, "dense": a.dense}
+    doc["rows"] = rows
     Path(a.json).write_text(json.dumps(doc, indent=2))
     report(rows)
     return 0
