@@ -108,7 +108,7 @@ def _page_pull() -> Check:
         "post-copy page pull",
         False,
         f"CRIU at {criu.binary()} (build {build or 'unnamed'}) pulls one request at a time: post-copy's "
-        "pages reach the target at 0.1-0.4 GB/s, not at the link's speed",
+        "pages reach the target at 0.06-0.4 GB/s, not at the link's speed",
         "build CRIU with scripts/install-criu.sh (it applies scripts/criu-patches/)",
         required=False,
     )
