@@ -30,7 +30,7 @@ BASE_REPO=localhost/criuctl-base/debian
 BASE_MAX_AGE_DAYS=30 # a locally made base is reused this long, then made again (security updates)
 # What the Dockerfile copies (its .dockerignore says the same): the content key hashes exactly these
 INPUTS=(Dockerfile .dockerignore pyproject.toml setup.py MANIFEST.in README.md criuctl hooks
-  scripts/install-criu.sh scripts/lib.sh scripts/cri-proto.sh
+  scripts/install-criu.sh scripts/criu-patches scripts/lib.sh scripts/cri-proto.sh
   scripts/image-build-env.sh)
 
 archive_dir="" push="" base="" refresh=0
