@@ -123,8 +123,13 @@ def main() -> int:
     ap.add_argument("--migrate", default=str(HERE / "results" / "goals-migrate.json"))
     ap.add_argument("--dump-restore", default=str(HERE / "results" / "goals-dump_restore.json"))
     a = ap.parse_args()
-    results = {"migrate": json.loads(Path(a.migrate).read_text())}
-    results["dump_restore"] = json.loads(Path(a.dump_restore).read_text())
+    results = {}
+    for name, path in (("migrate", a.migrate), ("dump_restore", a.dump_restore)):
+        try:
+            results[name] = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            print(f"goals: cannot read {path} ({exc}); run the benches first (--help)", file=sys.stderr)
+            return 2
     print(table(results))
     return 0
 

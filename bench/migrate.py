@@ -294,8 +294,13 @@ def main() -> int:
                 )
             rows.append({"gib": gib, "runs": runs})
     Path(a.json).parent.mkdir(exist_ok=True)
-    doc = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "transport": PLAIN, "dense": a.dense}
-    doc["rows"] = rows
+    doc = {
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d"),
+        "transport": PLAIN,
+        "dense": a.dense,
+        "rows": rows,
+    }
     Path(a.json).write_text(json.dumps(doc, indent=2))
     report(rows)
     return 0
