@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,35 +22,19 @@ from criuctl.core.env import LIBCUDA, LIBNVML
 from criuctl.gpu import cuda, cudasteps, gpus
 from criuctl.gpu.cuda import CudaError, ProcessState
 from criuctl.gpu.gpus import GpuInfo, GpuMismatch
-from tests.requirements import require
+from tests.standin_gpu import H100, H200, Gpu, StandinGpus, compile_standins
 
-FAKES = Path(__file__).parent / "fakes"
 A = "GPU-aaaaaaaa-0000-1111-2222-000000000001"
 B = "GPU-bbbbbbbb-0000-1111-2222-000000000002"
 C = "GPU-cccccccc-0000-1111-2222-000000000003"
 MUTATING = ("lock", "checkpoint", "restore", "unlock")
 ILLEGAL = "CUDA_ERROR_ILLEGAL_STATE: the operation cannot be performed in the present state"
-H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
 
 
 @pytest.fixture(scope="session")
 def fake_libs(tmp_path_factory) -> dict[str, Path]:
     """The stand-ins, compiled once per session with the host's C compiler."""
-    require("cc")
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    assert cc is not None
-    out = tmp_path_factory.mktemp("fakes")
-    builds = {
-        "cuda": ("fake_libcuda.c", []),
-        "cuda_r550": ("fake_libcuda.c", ["-DFAKE_CUDA_NO_CHECKPOINT_API", "-Wno-unused-function"]),
-        "nvml": ("fake_nvml.c", []),
-    }
-    libs = {}
-    for key, (source, flags) in builds.items():
-        libs[key] = out / f"{key}.so"
-        cmd = [cc, "-shared", "-fPIC", "-O1", "-Wall", *flags, "-o", str(libs[key]), str(FAKES / source)]
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
-    return libs
+    return compile_standins(tmp_path_factory.mktemp("fakes"))
 
 
 class Fake:
@@ -493,3 +477,63 @@ def test_gpustate_suspends_what_the_driver_holds_and_undoes_a_dead_dumpers_lock(
     assert fake.calls(("unlock",)) == [f"unlock {locked}"]  # the leftover lock was undone first
     gpustate.give_back_tree([cpu_only, locked, fresh])
     assert [driver.state(p) for p in (locked, fresh)] == [ProcessState.RUNNING] * 2
+
+
+_CONTEXT_JOB = """
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+import _standin_cuda
+ctx = _standin_cuda.from_environment()
+child = os.fork()
+if child == 0:
+    time.sleep(60)
+    os._exit(0)
+print("child", child, flush=True)
+n = 0
+while True:
+    ctx.call()
+    n += 1
+    print("call", n, flush=True)
+    time.sleep(0.01)
+"""
+
+
+def test_a_standin_context_keeps_its_state_in_the_jobs_memory(fake_libs, tmp_path, monkeypatch):
+    """FAKE_CUDA_CONTEXTS mode: the state is the job's own (so CRIU carries it), a lock blocks the
+    job's CUDA calls until the unlock, a restore onto new GPUs is what the job then runs on, and a
+    child forked after CUDA started has no CUDA (NOT_INITIALIZED, as on r580)."""
+    for var in [v for v in os.environ if v.startswith(("FAKE_CUDA_", "FAKE_NVML_"))]:
+        monkeypatch.delenv(var)
+    gpus = StandinGpus(fake_libs, tmp_path)
+    for key, value in gpus.node_env(Gpu(H200, B)).items():
+        monkeypatch.setenv(key, value)
+    job = subprocess.Popen(
+        [sys.executable, "-c", _CONTEXT_JOB, str(Path(__file__).parent / "workloads")],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **gpus.job_env(Gpu(H200, A))},
+    )
+    try:
+        assert job.stdout.readline() == f"gpu {A}\n"
+        child = int(job.stdout.readline().split()[1])
+        driver = cuda.Driver.load()
+        assert cudasteps.cuda_processes(driver, [job.pid, child]) == [job.pid]
+        cudasteps.suspend(driver, [job.pid], 5)
+        assert driver.state(job.pid) is ProcessState.CHECKPOINTED
+        job.stdout.readline()  # a call that began before the lock may still print
+        stuck = []
+        reader = threading.Thread(target=lambda: stuck.append(job.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(0.5)
+        assert not stuck, f"the job ran a CUDA call while checkpointed: {stuck}"
+        with pytest.raises(CudaError, match="CUDA_ERROR_INVALID_VALUE"):  # A is not on this node
+            cudasteps.resume(driver, [job.pid])
+        cudasteps.resume(driver, [job.pid], {A: B})
+        reader.join(5)
+        assert stuck == [f"gpu {B}\n"], stuck  # the blocked call went on, on the new GPU
+        assert job.stdout.readline().startswith("call ")
+        assert driver.state(job.pid) is ProcessState.RUNNING
+        assert not (tmp_path / str(job.pid)).exists(), "context state must not be kept in files"
+    finally:
+        job.kill()
+        job.wait()

@@ -9,12 +9,21 @@
  * live one that never started CUDA CUDA_ERROR_NOT_INITIALIZED, a call in the wrong state
  * CUDA_ERROR_ILLEGAL_STATE, a lock past its timeout CUDA_ERROR_NOT_READY (the pid stays RUNNING), and a
  * restore whose GPU pairs are wrong CUDA_ERROR_INVALID_VALUE (the pid stays CHECKPOINTED).
- * State lives in files, because the dump and the restore run in different processes.
+ * State lives in files, because the dump and the restore run in different processes; or, for a job
+ * that opened a stand-in CUDA context (tests/workloads/_standin_cuda.py), in the job's own memory, as
+ * the real driver keeps it: CRIU then carries it to wherever the job is restored, and a source copy
+ * left behind keeps its own.
  *
  * Environment (read at every call, so a test may change it between calls):
  *   FAKE_CUDA_STATE_DIR     one file per pid ("<state> <devices>"), and calls.log: one line per call
  *   FAKE_CUDA_VERSION       what cuDriverGetVersion returns (default 13000, i.e. r580)
  *   FAKE_CUDA_PIDS          comma list of the pids that use CUDA; unset: every live pid does
+ *   FAKE_CUDA_CONTEXTS      a folder: a pid uses CUDA when it holds open a file "ctx-<hex address>" in
+ *                           it (and FAKE_CUDA_PIDS is unset); its state and GPUs are the struct
+ *                           fake_ctx at that address in its memory, read and written with
+ *                           process_vm_readv/writev. A process forked from it inherits the file and the
+ *                           memory but is not the struct's owner (its namespace PID differs): it has no
+ *                           CUDA, as a DataLoader worker forked after CUDA started has none.
  *   FAKE_CUDA_LOCK_DELAY_MS how long a lock takes; past the lock's timeoutMs it fails with
  *                           CUDA_ERROR_NOT_READY after waiting timeoutMs, and the pid stays RUNNING
  *   FAKE_CUDA_DEVICES       comma list of GPU UUIDs a pid holds, recorded at checkpoint
@@ -34,6 +43,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -100,7 +110,18 @@ static int initialized;
 struct pstate {
 	int state;
 	char devices[1024]; /* comma list of UUIDs, recorded at checkpoint */
+	unsigned long ctx;  /* the address of the pid's struct fake_ctx; 0: state in FAKE_CUDA_STATE_DIR */
 };
+
+/* A stand-in CUDA context inside the job (tests/workloads/_standin_cuda.py lays it out the same). */
+#define FAKE_CTX_MAGIC "FAKECTX1"
+struct fake_ctx {
+	char magic[8];
+	int state;
+	int owner; /* the namespace PID of the process that created it */
+	char devices[240]; /* the GPUs it is on: set by the job, replaced by a restore's new GPUs */
+};
+_Static_assert(sizeof(struct fake_ctx) == 256, "fake_ctx");
 
 static const char *env(const char *name, const char *fallback)
 {
@@ -133,6 +154,62 @@ static void sleep_ms(unsigned long ms)
 		;
 }
 
+/* The address in "ctx-<hex>" of the first such file in FAKE_CUDA_CONTEXTS the pid holds open; 0: none. */
+static unsigned long context_address(int pid)
+{
+	const char *dir = getenv("FAKE_CUDA_CONTEXTS");
+	char fdpath[64], link[4096], prefix[4096];
+	unsigned long addr = 0;
+	int fd;
+
+	if (!dir || !*dir)
+		return 0;
+	snprintf(prefix, sizeof(prefix), "%s/ctx-", dir);
+	for (fd = 0; fd < 1024 && !addr; fd++) {
+		ssize_t n;
+
+		snprintf(fdpath, sizeof(fdpath), "/proc/%d/fd/%d", pid, fd);
+		n = readlink(fdpath, link, sizeof(link) - 1);
+		if (n <= 0)
+			continue;
+		link[n] = '\0';
+		if (!strncmp(link, prefix, strlen(prefix)))
+			addr = strtoul(link + strlen(prefix), NULL, 16);
+	}
+	return addr;
+}
+
+/* The pid's PID in its own namespace: the last field of NSpid in /proc/PID/status. */
+static int ns_pid(int pid)
+{
+	char path[64], line[256];
+	int out = -1;
+	FILE *f;
+
+	snprintf(path, sizeof(path), "/proc/%d/status", pid);
+	f = fopen(path, "r");
+	if (!f)
+		return -1;
+	while (fgets(line, sizeof(line), f)) {
+		if (!strncmp(line, "NSpid:", 6)) {
+			char *last = strrchr(line, '\t');
+
+			out = atoi(last ? last + 1 : line + 6);
+		}
+	}
+	fclose(f);
+	return out;
+}
+
+static int context_io(int pid, unsigned long addr, struct fake_ctx *ctx, int write)
+{
+	struct iovec local = {ctx, sizeof(*ctx)}, remote = {(void *)addr, sizeof(*ctx)};
+	ssize_t n = write ? process_vm_writev(pid, &local, 1, &remote, 1, 0)
+			  : process_vm_readv(pid, &local, 1, &remote, 1, 0);
+
+	return n == (ssize_t)sizeof(*ctx) ? 0 : -1;
+}
+
 static int state_path(int pid, char *path, size_t size)
 {
 	const char *dir = getenv("FAKE_CUDA_STATE_DIR");
@@ -150,6 +227,17 @@ static int load(int pid, struct pstate *ps)
 	FILE *f;
 
 	memset(ps, 0, sizeof(*ps));
+	if (!getenv("FAKE_CUDA_PIDS") && (ps->ctx = context_address(pid))) {
+		struct fake_ctx ctx;
+
+		if (context_io(pid, ps->ctx, &ctx, 0) || memcmp(ctx.magic, FAKE_CTX_MAGIC, 8))
+			return -1;
+		if (ctx.owner != ns_pid(pid))
+			return 1; /* forked from the context's owner: no CUDA of its own */
+		ps->state = ctx.state;
+		snprintf(ps->devices, sizeof(ps->devices), "%.*s", (int)sizeof(ctx.devices), ctx.devices);
+		return 0;
+	}
 	if (state_path(pid, path, sizeof(path)))
 		return -1;
 	f = fopen(path, "r");
@@ -166,6 +254,15 @@ static int save(int pid, const struct pstate *ps)
 	char path[4096], tmp[4200];
 	FILE *f;
 
+	if (ps->ctx) {
+		struct fake_ctx ctx;
+
+		if (context_io(pid, ps->ctx, &ctx, 0))
+			return -1;
+		ctx.state = ps->state;
+		snprintf(ctx.devices, sizeof(ctx.devices), "%.*s", (int)sizeof(ctx.devices) - 1, ps->devices);
+		return context_io(pid, ps->ctx, &ctx, 1);
+	}
 	if (state_path(pid, path, sizeof(path)))
 		return -1;
 	snprintf(tmp, sizeof(tmp), "%s.tmp", path);
@@ -182,14 +279,17 @@ static int in_list(const char *list, const char *item);
 static CUresult check_pid(int pid, struct pstate *ps)
 {
 	char text[16];
+	int rc;
 
 	if (pid <= 0 || (kill(pid, 0) && errno != EPERM))
 		return CUDA_ERROR_OPERATING_SYSTEM;
 	snprintf(text, sizeof(text), "%d", pid);
 	if (!in_list(getenv("FAKE_CUDA_PIDS"), text))
 		return CUDA_ERROR_NOT_INITIALIZED;
-	if (load(pid, ps))
-		return CUDA_ERROR_UNKNOWN;
+	if (getenv("FAKE_CUDA_CONTEXTS") && !getenv("FAKE_CUDA_PIDS") && !context_address(pid))
+		return CUDA_ERROR_NOT_INITIALIZED; /* holds no stand-in context */
+	if ((rc = load(pid, ps)))
+		return rc > 0 ? CUDA_ERROR_NOT_INITIALIZED : CUDA_ERROR_UNKNOWN;
 	if (!strcmp(ps->devices, "-"))
 		ps->devices[0] = '\0';
 	return CUDA_SUCCESS;
@@ -353,7 +453,8 @@ CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args
 	log_call("checkpoint %d", pid);
 	if ((rc = enter(pid, &ps, args && !all_zero(args, sizeof(*args)), STATE_LOCKED)))
 		return rc;
-	snprintf(ps.devices, sizeof(ps.devices), "%s", env("FAKE_CUDA_DEVICES", ""));
+	if (!ps.ctx) /* a context knows its GPUs; a pid of FAKE_CUDA_PIDS is told them */
+		snprintf(ps.devices, sizeof(ps.devices), "%s", env("FAKE_CUDA_DEVICES", ""));
 	return leave(pid, &ps, "checkpoint", STATE_CHECKPOINTED);
 }
 
@@ -413,6 +514,21 @@ CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args)
 		   STATE_CHECKPOINTED);
 	if (rc || (rc = check_pairs(&ps, args)))
 		return rc;
+	if (count) { /* the process is on the new GPUs now */
+		char moved[1024] = "", *save_ptr = NULL, *dev;
+
+		for (dev = strtok_r(ps.devices, ",", &save_ptr); dev; dev = strtok_r(NULL, ",", &save_ptr)) {
+			size_t len = strlen(moved);
+
+			for (i = 0; i < count; i++) {
+				uuid_text(&args->gpuPairs[i].oldUuid, old_text);
+				if (!strcasecmp(old_text, dev))
+					uuid_text(&args->gpuPairs[i].newUuid, new_text), dev = new_text;
+			}
+			snprintf(moved + len, sizeof(moved) - len, "%s%s", len ? "," : "", dev);
+		}
+		snprintf(ps.devices, sizeof(ps.devices), "%s", moved);
+	}
 	return leave(pid, &ps, "restore", STATE_LOCKED);
 }
 

@@ -1,4 +1,8 @@
-"""A plain training loop: MLP regression, SGD with momentum, no DataLoader."""
+"""A plain training loop: MLP regression, SGD with momentum, no DataLoader.
+
+With FAKE_CUDA_CONTEXTS and STANDIN_CUDA_DEVICE set it also holds a stand-in CUDA context
+(_standin_cuda.py) and makes one "CUDA call" per step, for the GPU tests on hosts without a GPU.
+"""
 
 import argparse
 import signal
@@ -8,6 +12,7 @@ import time
 import torch
 
 import _report
+import _standin_cuda
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=40)
@@ -31,6 +36,7 @@ def on_term(signum, _frame):
 
 
 signal.signal(signal.SIGTERM, on_term)
+cuda = _standin_cuda.from_environment()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.Tanh(), torch.nn.Linear(128, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -38,6 +44,8 @@ x = torch.randn(512, 32)
 y = (x[:, :4].sum(dim=1, keepdim=True)).sin()
 for i in range(a.steps):
     idx = torch.randint(0, 512, (64,))
+    if cuda is not None:
+        cuda.call()
     loss = torch.nn.functional.mse_loss(model(x[idx]), y[idx])
     opt.zero_grad()
     loss.backward()
