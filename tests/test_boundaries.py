@@ -6,6 +6,11 @@ DaemonSet would), the target agent likewise, the client SIGKILLed, or the target
 while — and the protocol is let go. Throughout, a sampler checks that the job never runs on two
 nodes at once; at the end the job must have finished exactly once, somewhere, with every step
 logged once and the losses and weights of an uninterrupted run.
+
+Every node's agent has the stand-in GPU driver (tests/standin_gpu.py) and a GPU of its own; the GPU
+cases run the job on a stand-in CUDA context, whose CUDA calls block while its device state is
+locked or checkpointed: the lock is part of the freeze, so every thaw must give the state back (or the
+job never finishes), and every restore must put it onto the new node's GPU.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from criuctl.core.env import PAUSE_DIR
 from tests.cluster import Cluster
 from tests.conftest import needs_criu
 from tests.jobs import CRIUCTL
+from tests.standin_gpu import H200, Gpu, StandinGpus, compile_standins
 
 pytestmark = [needs_criu, pytest.mark.slow]
 
@@ -38,6 +44,11 @@ FAULTS = ("source-agent", "target-agent", "client", "link")
 # (point, fault, mode): client points see every fault, agent points their own party's and the others'
 STOP = "stop-and-copy"
 DIRECT = "direct"  # a stop-and-copy whose pages go straight into the target's page server
+GPU, GPU_POST = "gpu", "gpu-post-copy"  # the job holds a stand-in CUDA context (stop-and-copy, post-copy)
+NODE_GPUS = {
+    "a": Gpu(H200, "GPU-aaaaaaaa-0000-0000-0000-00000000000a"),
+    "b": Gpu(H200, "GPU-bbbbbbbb-0000-0000-0000-00000000000b"),
+}
 CASES = (
     [
         (p, f, STOP)
@@ -86,6 +97,21 @@ CASES = (
         (Point.TARGET_RECEIVED, "target-agent", DIRECT),  # the voucher is on disk, the agent new
         (Point.CLIENT_SENT, "target-agent", DIRECT),
     ]
+    + [  # a GPU job: its device state is locked + checkpointed with the freeze, given back by any thaw
+        (Point.CLIENT_PREPARED, "source-agent", GPU),
+        (Point.SOURCE_STREAMING, "source-agent", GPU),
+        (Point.SOURCE_STREAMING, "target-agent", GPU),
+        (Point.SOURCE_FROZEN, "source-agent", GPU),
+        (Point.SOURCE_FROZEN, "link", GPU),
+        (Point.CLIENT_SENT, "client", GPU),
+        (Point.TARGET_RECEIVED, "target-agent", GPU),
+        (Point.CLIENT_RESTORED, "target-agent", GPU),
+        (Point.CLIENT_RESTORED, "link", GPU),
+        (Point.TARGET_RUNNING, "target-agent", GPU),
+        (Point.CLIENT_TARGET_COMMITTED, "source-agent", GPU),
+        (Point.CLIENT_RESTORED, "source-agent", GPU_POST),
+        (Point.CLIENT_TARGET_COMMITTED, "client", GPU_POST),
+    ]
 )
 
 
@@ -132,13 +158,15 @@ class Shared:
     def __init__(self, root: Path) -> None:
         self.root, self.n, self.cluster, self.pause = root, 0, None, root / "pause"
         self.pause.mkdir(parents=True)
+        self.gpus = StandinGpus(compile_standins(Path(root)), root / "gpus")
 
     def get(self) -> Cluster:
         if self.cluster is None:
             self.n += 1
             with pytest.MonkeyPatch.context() as mp:
                 mp.setenv(PAUSE_DIR, str(self.pause))  # agents read the armed points from there
-                self.cluster = Cluster(self.root / f"c{self.n}", lease=LEASE).__enter__()
+                gpu_env = {node: self.gpus.node_env(gpu) for node, gpu in NODE_GPUS.items()}
+                self.cluster = Cluster(self.root / f"c{self.n}", lease=LEASE, agent_env=gpu_env).__enter__()
         return self.cluster
 
     def discard(self) -> None:
@@ -162,20 +190,24 @@ def test_fault_at_boundary_runs_the_job_exactly_once(shared, ref, point, fault, 
         f.unlink()
     (pause / ARMED).write_text(f"{point}\n")
     try:
-        _one_case(c, pause, name, point, fault, mode, ref)
+        _one_case(c, pause, name, point, fault, mode, ref, shared.gpus)
     except BaseException:
         shared.discard()
         raise
 
 
-def _one_case(c: Cluster, pause: Path, name: str, point: Point, fault: str, mode: str, ref) -> None:
-    c.run("a", name, *JOB)
+def _one_case(
+    c: Cluster, pause: Path, name: str, point: Point, fault: str, mode: str, ref, gpus: StandinGpus
+) -> None:
+    gpu = mode in (GPU, GPU_POST)
+    c.run("a", name, *JOB, env=gpus.job_env(NODE_GPUS["a"]) if gpu else None)
     c.wait_step(name, 5)
     sampler = Sampler(c, name)
     sampler.start()
     env = {**os.environ, "CRIUCTL_STATE_DIR": str(c.client_state), PAUSE_DIR: str(pause)}
     if mode == DIRECT:
         env["CRIUCTL_STREAM"], mode = "direct", STOP
+    mode = {GPU: STOP, GPU_POST: "post-copy"}.get(mode, mode)
     p = subprocess.Popen(
         [*CRIUCTL, "migrate", name, "--to", "b", "--mode", mode],
         stdout=subprocess.PIPE,
@@ -220,6 +252,17 @@ def _one_case(c: Cluster, pause: Path, name: str, point: Point, fault: str, mode
         if p.poll() is None:
             p.kill()
     assert_exactly_once(c, name, ref, sampler)
+    if gpu:
+        assert_on_its_nodes_gpu(c, name)
+
+
+def assert_on_its_nodes_gpu(c: Cluster, name: str) -> None:
+    """Each node's copy ran its CUDA calls on that node's GPU: a restore paired the old GPU with the new."""
+    for node in c.nodes.values():
+        seen = {line.split()[1] for line in node.log(name).splitlines() if line.startswith("gpu ")}
+        assert seen <= {NODE_GPUS["a"].uuid, NODE_GPUS[node.name].uuid}, (node.name, seen)
+        if node.name == "b" and seen:
+            assert NODE_GPUS["b"].uuid in seen, f"restored on b but still on a's GPU: {seen}"
 
 
 def assert_exactly_once(c: Cluster, name: str, ref, sampler: Sampler) -> None:

@@ -1,0 +1,113 @@
+"""GPU jobs moved by `criuctl migrate` through the agents, against the stand-in driver and NVML.
+
+Each node's agent loads the stand-in libcuda and NVML (tests/standin_gpu.py) and sees its own GPUs;
+the job holds a stand-in CUDA context whose checkpoint state lives in the job's memory, as the real
+driver's does, and whose "CUDA calls" block while the driver holds it locked or checkpointed. So a
+move that forgot to give the device state back leaves the job stuck, and one that restored it onto the
+wrong GPU is refused by the stand-in as by r580. What the real driver does on a real GPU is
+tests/gpu/check.sh's.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.cluster import Cluster
+from tests.conftest import needs_criu
+from tests.standin_gpu import H100, H200, Gpu, StandinGpus, compile_standins
+from tests.test_migrate import MLP, _failed, _migrate_ok, assert_ran_once
+
+pytestmark = [needs_criu, pytest.mark.slow]
+
+GPU_A = Gpu(H200, "GPU-aaaaaaaa-1111-2222-3333-00000000000a")
+GPU_B = Gpu(H200, "GPU-bbbbbbbb-1111-2222-3333-00000000000b")
+GPU_C = Gpu(H100, "GPU-cccccccc-1111-2222-3333-00000000000c")
+
+
+@pytest.fixture
+def mlp_ref(reference):
+    return reference("train_mlp.py", *MLP[1:3], "--step-time", "0")
+
+
+@pytest.fixture(scope="module")
+def standin_libs(tmp_path_factory):
+    return compile_standins(tmp_path_factory.mktemp("standin-gpu"))
+
+
+@pytest.fixture
+def gpus(standin_libs, tmp_path) -> StandinGpus:
+    return StandinGpus(standin_libs, tmp_path / "gpus")
+
+
+def _gpu_cluster(tmp_path, gpus: StandinGpus, b: tuple[Gpu, ...] = (GPU_B,)) -> Cluster:
+    return Cluster(tmp_path / "c", agent_env={"a": gpus.node_env(GPU_A), "b": gpus.node_env(*b)})
+
+
+def _gpu_job_on_a(c: Cluster, gpus: StandinGpus, step: int = 8) -> None:
+    c.run("a", "gpujob", *MLP, env=gpus.job_env(GPU_A))
+    c.wait_step("gpujob", step)
+
+
+def _gpu_lines(c: Cluster, name: str) -> list[str]:
+    return [line for n in c.nodes.values() for line in n.log(name).splitlines() if line.startswith("gpu ")]
+
+
+@pytest.mark.parametrize("mode", ["stop-and-copy", "post-copy"])
+def test_a_gpu_job_moves_onto_the_target_nodes_gpu(tmp_path, gpus, mlp_ref, mode):
+    """Lock + checkpoint on a, CRIU, restore onto b's GPU (the old -> new pair), unlock: the job's
+    CUDA calls go on, on b's GPU, and it ends once with an uninterrupted run's losses and weights."""
+    with _gpu_cluster(tmp_path, gpus) as c:
+        _gpu_job_on_a(c, gpus)
+        _migrate_ok(c, "gpujob", "b", "--mode", mode)
+        calls = gpus.driver_calls()
+        kinds = [line.split()[0] for line in calls]
+        assert kinds == ["lock", "checkpoint", "restore", "unlock"], calls
+        assert calls[2].endswith(f"pairs={GPU_A.uuid}>{GPU_B.uuid}"), calls
+        assert_ran_once(c, "gpujob", mlp_ref, "b")
+        assert _gpu_lines(c, "gpujob") == [f"gpu {GPU_A.uuid}", f"gpu {GPU_B.uuid}"]
+
+
+def test_a_target_with_another_gpu_model_is_refused_and_the_job_keeps_its_gpu(tmp_path, gpus, mlp_ref):
+    """b has an H100, the job an H200: one line naming both, before anything is frozen for long,
+    and the job goes on on a with its device state (a stuck CUDA call would never finish)."""
+    with _gpu_cluster(tmp_path, gpus, b=(GPU_C,)) as c:
+        _gpu_job_on_a(c, gpus)
+        line = _failed(c.migrate("gpujob", "b"))
+        assert "NVIDIA H200" in line and "NVIDIA H100" in line, line
+        assert_ran_once(c, "gpujob", mlp_ref, "a")
+        assert _gpu_lines(c, "gpujob") == [f"gpu {GPU_A.uuid}"]
+
+
+def test_a_failed_checkpoint_leaves_the_job_running_on_its_gpu(tmp_path, gpus, mlp_ref):
+    """The driver refuses the checkpoint (NOT_SUPPORTED: say, IPC memory): the lock is undone, the job
+    is never frozen by CRIU, the one line says what the driver said and that the job runs on."""
+    with Cluster(
+        tmp_path / "c",
+        agent_env={
+            "a": {**gpus.node_env(GPU_A), "FAKE_CUDA_FAIL": "checkpoint:801"},
+            "b": gpus.node_env(GPU_B),
+        },
+    ) as c:
+        _gpu_job_on_a(c, gpus)
+        line = _failed(c.migrate("gpujob", "b"))
+        assert "CUDA_ERROR_NOT_SUPPORTED" in line, line
+        assert [x.split()[0] for x in gpus.driver_calls()] == ["lock", "checkpoint", "unlock"]
+        assert_ran_once(c, "gpujob", mlp_ref, "a")
+
+
+def test_a_gpu_job_goes_back_and_forth(tmp_path, gpus, mlp_ref):
+    """a -> b -> a: the second move pairs b's GPU back to a's."""
+    with _gpu_cluster(tmp_path, gpus) as c:
+        _gpu_job_on_a(c, gpus)
+        _migrate_ok(c, "gpujob", "b")
+        c.wait_step("gpujob", max(c.steps("gpujob")) + 3)
+        _migrate_ok(c, "gpujob", "a")
+        restores = gpus.driver_calls(("restore",))
+        assert [r.split("pairs=")[1] for r in restores] == [
+            f"{GPU_A.uuid}>{GPU_B.uuid}",
+            f"{GPU_B.uuid}>{GPU_A.uuid}",
+        ]
+        assert_ran_once(c, "gpujob", mlp_ref, "a")
+        assert json.dumps(_gpu_lines(c, "gpujob")).count(GPU_B.uuid) == 1
