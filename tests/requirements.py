@@ -137,6 +137,15 @@ def _gpu() -> str | None:
     return None
 
 
+GPU_RECORD = Path(__file__).parent.parent / "bench" / "results" / "gpu-check.json"
+
+
+def _gpu_record() -> str | None:
+    if not GPU_RECORD.exists():
+        return "none recorded yet; run tests/gpu/check.sh on an NVIDIA host (r580+) and commit its results"
+    return None
+
+
 def installed_criu() -> str:
     """The CRIU release `make install` builds (scripts/install-criu.sh's CRIU_VERSION)."""
     lines = INSTALL_CRIU.read_text().splitlines()
@@ -293,6 +302,12 @@ REQUIREMENTS: dict[str, Requirement] = {
             _tcp_rto_max,
         ),
         Requirement("gpu", "the real CUDA driver's checkpoint API", Source.HARDWARE, _gpu),
+        Requirement(
+            "gpu-record",
+            "what the real CUDA driver answered, recorded by the GPU check (bench/results/gpu-check.json)",
+            Source.HARDWARE,
+            _gpu_record,
+        ),
     )
 }
 

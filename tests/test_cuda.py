@@ -22,6 +22,7 @@ from criuctl.core.env import LIBCUDA, LIBNVML
 from criuctl.gpu import cuda, cudasteps, gpus
 from criuctl.gpu.cuda import CudaError, ProcessState
 from criuctl.gpu.gpus import GpuInfo, GpuMismatch
+from tests.requirements import GPU_RECORD, require
 from tests.standin_gpu import H100, H200, Gpu, StandinGpus, compile_standins
 
 A = "GPU-aaaaaaaa-0000-1111-2222-000000000001"
@@ -537,3 +538,60 @@ def test_a_standin_context_keeps_its_state_in_the_jobs_memory(fake_libs, tmp_pat
     finally:
         job.kill()
         job.wait()
+
+
+# What the stand-in says r580 answers (fake_libcuda.c's header), case by case of tests/gpu/probe.py
+STANDIN_CLAIMS: dict[str, tuple[str, str | None]] = {
+    "gone-pid state": ("OPERATING_SYSTEM", None),
+    "gone-pid lock": ("OPERATING_SYSTEM", None),
+    "no-cuda state": ("NOT_INITIALIZED", None),
+    "no-cuda lock": ("NOT_INITIALIZED", None),
+    "lock timeout": ("NOT_READY", "RUNNING"),
+    "unlock while running": ("ILLEGAL_STATE", None),
+    "checkpoint while running": ("ILLEGAL_STATE", None),
+    "lock twice": ("ILLEGAL_STATE", "LOCKED"),
+    "checkpoint twice": ("ILLEGAL_STATE", "CHECKPOINTED"),
+    "unlock while checkpointed": ("ILLEGAL_STATE", None),
+    "restore twice": ("ILLEGAL_STATE", None),
+    "full cycle state after": ("SUCCESS", "RUNNING"),
+}
+
+
+@pytest.fixture
+def standin_probe(fake_libs, tmp_path, monkeypatch) -> dict[str, dict[str, object]]:
+    """tests/gpu/probe.py run on the stand-in, its processes holding stand-in contexts."""
+    from tests.gpu import probe
+
+    for var in [v for v in os.environ if v.startswith(("FAKE_CUDA_", "FAKE_NVML_"))]:
+        monkeypatch.delenv(var)
+    gpus = StandinGpus(fake_libs, tmp_path)
+    for key, value in gpus.node_env(Gpu(H200, A)).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("FAKE_CUDA_LOCK_DELAY_MS", "200")  # past the probe's 50 ms timeout, short of 10 s
+    holder = [sys.executable, "-c", _CONTEXT_JOB, str(Path(__file__).parent / "workloads")]
+
+    def context() -> subprocess.Popen:
+        p = subprocess.Popen(
+            holder, stdout=subprocess.PIPE, text=True, env={**os.environ, **gpus.job_env(Gpu(H200, A))}
+        )
+        assert p.stdout is not None and p.stdout.readline().startswith("gpu ")
+        return p
+
+    plain = lambda: subprocess.Popen(["sleep", "600"])  # noqa: E731
+    return probe.probe(cuda.Driver.load(), probe.Processes(cuda=context, busy=context, plain=plain))
+
+
+def test_the_standin_answers_as_it_claims_r580_does(standin_probe):
+    got = {case: (a["name"], a.get("state after")) for case, a in standin_probe.items()}
+    assert got == STANDIN_CLAIMS
+
+
+def test_the_standin_answers_as_the_recorded_real_driver(standin_probe):
+    """The driver codes tests/gpu/check.sh recorded on a real GPU, against the stand-in's."""
+    import json
+
+    from tests.gpu import probe
+
+    require("gpu-record")
+    recorded = json.loads(GPU_RECORD.read_text())["driver_codes"]
+    assert probe.differences(recorded, standin_probe) == []
