@@ -18,6 +18,7 @@ ldd "$criu" | awk '/=> \// {print $3}' | while read -r lib; do
 done
 pycriu=$(.venv/bin/python -c 'import os, pycriu; print(os.path.dirname(pycriu.__file__))')
 cp -r "$pycriu" "$dir/site/"
+git describe --always --dirty > "$dir/COMMIT" 2>/dev/null || echo unknown > "$dir/COMMIT"  # check.py records it
 find "$dir" -name __pycache__ -prune -exec rm -rf {} +
 grep -qxF "/$dir/" .git/info/exclude 2>/dev/null || echo "/$dir/" >> .git/info/exclude
 du -sh "$dir"

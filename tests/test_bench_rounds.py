@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from bench.rounds import paired, settle
 
 
@@ -65,3 +67,30 @@ def test_the_goals_table_reads_every_number_from_the_runs_results() -> None:
     assert rows["post-copy: every page on b ÷ plain CRIU's whole migration"][0] == "0.60 (0.50–1.00; 3) ✓"
     assert rows["post-copy downtime, seconds"][:2] == ["–", "0.45 (1) ✓"]  # the goal is at 8 GiB alone
     assert rows["… the same with pages straight into the target (`CRIUCTL_STREAM=direct`)"][0] == "–"
+
+
+def test_the_gpu_table_is_made_from_the_file_the_gpu_check_writes(tmp_path, monkeypatch, capsys) -> None:
+    """tests/gpu/check.py's rows and probed codes -> gpu-check.json -> bench/gpu_table.py's Markdown,
+    whose header names the run's commit, driver and GPU."""
+    from bench import gpu_table
+    from tests.gpu import check
+
+    monkeypatch.setattr(check, "RESULTS", tmp_path)
+    monkeypatch.setattr(check, "rows", [])
+    monkeypatch.setattr(check, "failed", False)
+    check.record("driver API + CRIU (map)", True, "20 steps equal | weights equal", dump_s=7.2)
+    check.record("one-rank NCCL job", False, "CUDA_ERROR_NOT_SUPPORTED")
+    env = {"commit": "abc1234", "driver": "580.159.04", "gpus": [{"name": "NVIDIA H200"}], "torch": "2.9"}
+    codes = {"lock timeout": {"code": 600, "name": "NOT_READY", "state after": "RUNNING"}}
+    path = check.write_results(env, codes)
+    capsys.readouterr()  # what record() printed as the check ran
+    doc = json.loads(path.read_text())
+    assert doc["checks"][0]["dump_s"] == 7.2 and doc["failed"] is True
+    assert gpu_table.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Commit `abc1234`") and "NVIDIA H200, driver 580.159.04" in out
+    assert "| driver API + CRIU (map) | ok | 20 steps equal / weights equal |" in out
+    assert "| one-rank NCCL job | FAIL | CUDA_ERROR_NOT_SUPPORTED |" in out
+    assert "| lock timeout | NOT_READY | RUNNING |" in out
+    assert gpu_table.main([str(tmp_path / "missing.json")]) == 2
+    assert "run tests/gpu/check.sh" in capsys.readouterr().err

@@ -6,17 +6,26 @@
    once with the old -> new GPU UUID map passed to the driver (r580+), once without;
 3. the same job through the state pre-dump (`dump --state`): AdamW's step goes on after the restart;
 4. the time the driver took to move the job's device memory to host memory, against a plain
-   device-to-host copy of the same size measured here.
+   device-to-host copy of the same size measured here;
+5. what the driver returns for each case the stand-in driver claims to reproduce (tests/gpu/probe.py);
+6. the same job moved by `criuctl migrate` between two agents on this host (two network namespaces,
+   the same GPU), stop-and-copy and post-copy;
+7. a job with a real NCCL communicator (DDP over a world of one NCCL rank) through the driver.
 
-Prints one results table (Markdown) at the end; exits non-zero if a check failed.
+Writes every result (commit, driver, GPU, versions, every step's loss as hex, every timing, the probed
+driver codes) to gpu-check.json: under $OUT when the device tool runs it, else bench/results/.
+`bench/gpu_table.py` makes docs/benchmarks.md's GPU table from that file. Exits non-zero if a check
+failed.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,27 +35,66 @@ sys.path.insert(0, str(HERE.parent.parent))
 from tests.jobs import CRIUCTL, Job, Reference, assert_continues_exactly, criuctl  # noqa: E402
 
 ARGS = ("--steps", "40", "--width", os.environ.get("GPU_CHECK_WIDTH", "2048"), "--layers", "4")
-OUT = Path(os.environ.get("OUT", "/tmp")) if os.environ.get("OUT") else Path("/tmp")
-rows: list[tuple[str, str, str]] = []
+REPO = HERE.parent.parent
+RESULTS = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / "bench" / "results"
+rows: list[dict] = []
 failed = False
 
 
-def record(name: str, ok: bool, detail: str) -> None:
+def record(name: str, ok: bool, detail: str, **data: object) -> None:
+    """One check's row: its one-line detail for the table, and its raw numbers for the JSON."""
     global failed
     failed |= not ok
-    rows.append((name, "ok" if ok else "FAIL", detail))
+    rows.append({"check": name, "ok": ok, "detail": detail, **data})
     print(f"[{'ok' if ok else 'FAIL'}] {name}: {detail}", flush=True)
+
+
+def commit() -> str:
+    """The commit this ran on: gpu-carry.sh writes it (the device machine's copy has no .git)."""
+    carried = Path(os.environ.get("CRIUCTL_GPU_CARRY", REPO / ".gpu-carry")) / "COMMIT"
+    if carried.exists():
+        return carried.read_text().strip()
+    r = subprocess.run(
+        ["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True, text=True
+    )
+    return r.stdout.strip() or "unknown"
+
+
+def environment() -> dict[str, object]:
+    import torch
+
+    from criuctl.gpu import cuda, gpus
+
+    devices = gpus.list_gpus()
+    info = cuda.probe()
+    return {
+        "commit": commit(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "kernel": platform.release(),
+        "driver": gpus.driver_version(),
+        "driver_cuda": cuda.version_text(info.driver_version) if info.driver_version else None,
+        "gpus": [g.to_dict() for g in devices],
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "criu": subprocess.run(
+            [os.environ.get("CRIUCTL_CRIU", "criu"), "--version"], capture_output=True, text=True
+        )
+        .stdout.strip()
+        .replace("\n", "; "),
+    }
 
 
 def manifest(bundle: Path) -> dict:
     return json.loads(criuctl("inspect", str(bundle), "--output", "json").stdout)
 
 
-def moved_through_driver(ref: Reference, tag: str, env: dict[str, str]) -> dict | None:
+def moved_through_driver(ref: Reference, tag: str, env: dict[str, str], *extra: str) -> dict | None:
     """Run, dump at step 15 (driver + CRIU), restore, compare; the bundle's manifest."""
     bundle = Path(f"/tmp/criuctl-gpu-{tag}")
     subprocess.run(["rm", "-rf", str(bundle)], check=False)
-    job = Job.run(f"gpu-{tag}", "train_gpu.py", *ARGS, "--step-time", "0.05")
+    job = Job.run(f"gpu-{tag}", "train_gpu.py", *ARGS, *extra, "--step-time", "0.05")
     try:
         job.wait_for_step(15, timeout=180)
         t = time.monotonic()
@@ -75,6 +123,17 @@ def moved_through_driver(ref: Reference, tag: str, env: dict[str, str]) -> dict 
             same,
             f"{detail}; dump {dump_s:.2f} s (lock+checkpoint {gpu.get('checkpoint_s', '?')} s), "
             f"restore+run {time.monotonic() - t:.1f} s; bundle {m.get('rss_bytes', 0) / 2**30:.2f} GiB RSS",
+            dump_s=round(dump_s, 3),
+            checkpoint_s=gpu.get("checkpoint_s"),
+            restore_and_run_s=round(time.monotonic() - t, 3),
+            rss_bytes=m.get("rss_bytes"),
+            cuda_bytes=(m.get("boundary") or {}).get("cuda_bytes"),
+            losses_before=job.steps,
+            losses_after=restored.steps,
+            reference_losses=ref.steps,
+            final=restored.final,
+            reference_final=ref.final,
+            stderr_tail=restored.err[-5:],
         )
         return m
     finally:
@@ -138,8 +197,81 @@ def copy_bandwidth(nbytes: int) -> tuple[float, float]:
     return out[0], out[1]
 
 
+def driver_codes() -> dict:
+    """tests/gpu/probe.py on the real driver: the record the stand-in is compared with."""
+    from criuctl.gpu import cuda
+    from tests.gpu import probe
+
+    py = sys.executable
+    idle = (
+        "import torch, time; x = torch.ones(1 << 20, device='cuda'); torch.cuda.synchronize()\n"
+        "print(1, flush=True); time.sleep(600)"
+    )
+    # a queue of spin kernels keeps the GPU busy, so the lock must wait for them
+    spin = (
+        "import torch; x = torch.ones(1, device='cuda'); torch.cuda.synchronize(); print(1, flush=True)\n"
+        "while True: torch.cuda._sleep(2_000_000_000)"
+    )
+
+    def started(code: str):
+        def start() -> subprocess.Popen:
+            p = subprocess.Popen([py, "-c", code], stdout=subprocess.PIPE, text=True)
+            assert p.stdout is not None and p.stdout.readline().strip() == "1", (
+                "the CUDA process did not start"
+            )
+            time.sleep(0.5)
+            return p
+
+        return start
+
+    procs = probe.Processes(
+        cuda=started(idle), busy=started(spin), plain=lambda: subprocess.Popen(["sleep", "600"])
+    )
+    codes = probe.probe(cuda.Driver.load(), procs)
+    record("driver codes (tests/gpu/probe.py)", True, json.dumps({k: v["name"] for k, v in codes.items()}))
+    return codes
+
+
+def between_agents(ref: Reference, mode: str) -> None:
+    """The job moved by `criuctl migrate` between two agents on this host (same GPU, two netns)."""
+    from tests.cluster import Cluster
+
+    with tempfile.TemporaryDirectory(prefix="criuctl-gpu-cluster-") as root, Cluster(Path(root)) as c:
+        name = f"gpu-move-{mode}"
+        c.run("a", name, "train_gpu.py", *ARGS, "--step-time", "0.05")
+        c.wait_step(name, 15, timeout=180)
+        t = time.monotonic()
+        r = c.migrate(name, "b", "--mode", mode)
+        took = time.monotonic() - t
+        if r.returncode != 0:
+            record(f"migrate between agents ({mode})", False, r.stderr.strip()[-600:])
+            return
+        out = json.loads(r.stdout)
+        c.wait_finished(name, timeout=300)
+        same = c.steps(name) == ref.steps and c.final(name) == [ref.final]
+        record(
+            f"migrate between agents ({mode})",
+            same,
+            f"moved in {took:.2f} s (downtime {out.get('downtime_s', '?')} s); "
+            + ("losses and final weights equal the uninterrupted run's" if same else "the run differs"),
+            migrate_s=round(took, 3),
+            result=out,
+            losses=c.steps(name),
+            final=c.final(name),
+        )
+
+
+def write_results(env: dict[str, object], codes: dict | None) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / "gpu-check.json"
+    doc = {**env, "checks": rows, "driver_codes": codes or {}, "failed": failed}
+    path.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
+    return path
+
+
 def main() -> int:
     print(criuctl("doctor").stdout, flush=True)
+    env = stage("environment", environment) or {}
     r = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "test_cuda_driver.py")],
         capture_output=True,
@@ -150,6 +282,7 @@ def main() -> int:
         r.returncode == 0,
         r.stdout.strip().splitlines()[-1] if r.stdout else r.stderr[-300:],
     )
+    codes = stage("driver codes", driver_codes)
     ref = stage(
         "uninterrupted reference run", lambda: Reference("gpu-ref", "train_gpu.py", *ARGS, "--step-time", "0")
     )
@@ -166,11 +299,27 @@ def main() -> int:
             True,
             f"driver lock+checkpoint moved {held / 2**30:.2f} GiB in {took:.2f} s "
             f"({held / max(took, 1e-9) / 1e9:.1f} GB/s); torch D2H here: {pageable:.1f} GB/s pageable, "
-            f"{pinned:.1f} GB/s pinned",
+            f"{pinned:.1f} GB/s pinned; checkpoint ÷ pinned copy {took / max(held / pinned / 1e9, 1e-9):.1f}",
+            bytes=held,
+            checkpoint_s=took,
+            d2h_pageable_gbs=round(pageable, 2),
+            d2h_pinned_gbs=round(pinned, 2),
         )
+    if ref:
+        for mode in ("stop-and-copy", "post-copy"):
+            stage(f"migrate between agents ({mode})", lambda mode=mode: between_agents(ref, mode))
+    nccl_ref = stage(
+        "uninterrupted NCCL run",
+        lambda: Reference("gpu-nccl-ref", "train_gpu.py", *ARGS, "--nccl", "--step-time", "0"),
+    )
+    if nccl_ref:
+        stage("one-rank NCCL job", lambda: moved_through_driver(nccl_ref, "nccl", {}, "--nccl"))
+    path = write_results(env, codes)
+    print(f"\nresults: {path}  (python bench/gpu_table.py {path} makes the table)")
     print("\n| check | result | detail |\n| --- | --- | --- |")
-    for name, ok, detail in rows:
-        print(f"| {name} | {ok} | {detail.replace('|', '/')} |")
+    for row in rows:
+        detail = str(row["detail"]).replace("|", "/")
+        print(f"| {row['check']} | {'ok' if row['ok'] else 'FAIL'} | {detail} |")
     return 1 if failed else 0
 
 

@@ -3,8 +3,10 @@
 #   here:  scripts/gpu-carry.sh                       # criu, its libraries, pycriu -> .gpu-carry/
 #   there: bash tests/gpu/check.sh                    # device tool: carry [".gpu-carry"]
 # Runs tests/gpu/check.py (driver API + CRIU dump/restore of a training job, with and without the
-# GPU UUID map; the state pre-dump; device-to-host copy time) in under 5 minutes, and prints a
-# Markdown table for docs/benchmarks.md. Exits non-zero if any check failed.
+# GPU UUID map; the state pre-dump; device-to-host copy time; the driver-code probe; the job moved
+# between two agents on this host; a one-rank NCCL job) in under 7 minutes. Writes every raw result to
+# gpu-check.json ($OUT under the device tool: commit it as bench/results/gpu-check.json; then
+# `python bench/gpu_table.py` makes docs/benchmarks.md's table). Exits non-zero if any check failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 repo=$PWD
@@ -31,7 +33,7 @@ echo "== network lock: ${CRIUCTL_NETWORK_LOCK:-nftables}"
 "$py" -c 'import criuctl' 2>/dev/null && "$py" -I -c 'import criuctl' 2>/dev/null ||
   "$py" -m pip install -q --no-deps --no-build-isolation --no-index "$repo" 2>&1 | tail -2
 "$CRIUCTL_CRIU" check 2>&1 | tail -3
-timeout 290 "$py" tests/gpu/check.py
+timeout 420 "$py" tests/gpu/check.py
 rc=$?
 if [ -n "${OUT:-}" ] && [ -d "$CRIUCTL_STATE_DIR/logs" ]; then  # the device tool brings $OUT back
   tar czf "$OUT/criuctl-logs.tgz" -C "$CRIUCTL_STATE_DIR" logs 2>/dev/null

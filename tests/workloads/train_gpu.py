@@ -18,6 +18,7 @@ p.add_argument("--step-time", type=float, default=0.05)
 p.add_argument("--width", type=int, default=2048)
 p.add_argument("--layers", type=int, default=4)
 p.add_argument("--show-state", action="store_true", help="print AdamW's step count after each step")
+p.add_argument("--nccl", action="store_true", help="DDP over a world of one NCCL rank: a real communicator")
 a = p.parse_args()
 
 torch.use_deterministic_algorithms(True)
@@ -38,6 +39,18 @@ class Block(torch.nn.Module):
 
 
 model = torch.nn.Sequential(*[Block(a.width) for _ in range(a.layers)], torch.nn.Linear(a.width, 1)).to(dev)
+trained = model
+if a.nccl:  # every backward all-reduces through NCCL, as a multi-GPU job's does
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0])
+    print(f"nccl {torch.cuda.nccl.version()}", flush=True)
 opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
 sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=a.steps)
 w = torch.randn(a.width, 1, device=dev) / a.width**0.5
@@ -45,7 +58,7 @@ for step in range(a.steps):
     x = torch.randn(64, a.width, device=dev)
     y = torch.sin(x @ w)
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        loss = torch.nn.functional.mse_loss(trained(x).float(), y)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
@@ -56,3 +69,5 @@ for step in range(a.steps):
         print(f"state adam {int(first['step'])} lr {sched.get_last_lr()[0]!r}", flush=True)
     time.sleep(a.step_time)
 _report.final(model.cpu())
+if a.nccl:
+    dist.destroy_process_group()
