@@ -415,10 +415,23 @@ def test_plan_refuses_other_models_or_fewer_gpus(present, has):
     )
 
 
+def test_plan_passes_over_gpus_without_room_for_the_jobs_device_memory():
+    """A GPU of the model whose free memory (NVML) is short of the job's is skipped; none left: one line."""
+    busy, idle = GpuInfo(0, B, H200, 100 * 2**30, 10 * 2**30), GpuInfo(1, C, H200, 100 * 2**30, 90 * 2**30)
+    assert gpus.plan_gpu_map([gpu(0, A)], [busy, idle], need_bytes=40 * 2**30) == {A: C}
+    assert gpus.plan_gpu_map([gpu(0, A)], [busy, gpu(1, C)], need_bytes=40 * 2**30) == {A: C}  # not known
+    with pytest.raises(GpuMismatch) as err:
+        gpus.plan_gpu_map([gpu(0, A)], [busy], need_bytes=40 * 2**30)
+    assert err.value.line() == (
+        f"the bundle needs 40.0 GiB free on each {H200} but this node's have 10.0 GiB free: "
+        "restore it on a node whose GPUs are free, or free them here first"
+    )
+
+
 def test_list_gpus_and_driver_version_through_nvml(fake, monkeypatch):
-    monkeypatch.setenv("FAKE_NVML_GPUS", f"{H200}={A},{H200}={B}:1000")
+    monkeypatch.setenv("FAKE_NVML_GPUS", f"{H200}={A},{H200}={B}:1000:400")
     found = gpus.list_gpus()
-    assert found == [GpuInfo(0, A, H200, 150_754_820_096), GpuInfo(1, B, H200, 1000)]
+    assert found == [GpuInfo(0, A, H200, 150_754_820_096, 150_754_820_096), GpuInfo(1, B, H200, 1000, 400)]
     assert [GpuInfo.from_dict(g.to_dict()) for g in found] == found
     assert gpus.driver_version() == "580.95.05"
     with pytest.raises(ValueError, match="not a GPU record"):

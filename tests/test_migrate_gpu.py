@@ -11,11 +11,15 @@ tests/gpu/check.sh's.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import time
 
 import pytest
 
 from tests.cluster import Cluster
 from tests.conftest import needs_criu
+from tests.jobs import CRIUCTL
 from tests.standin_gpu import H100, H200, Gpu, StandinGpus, compile_standins
 from tests.test_migrate import MLP, _failed, _migrate_ok, assert_ran_once
 
@@ -111,3 +115,39 @@ def test_a_gpu_job_goes_back_and_forth(tmp_path, gpus, mlp_ref):
         ]
         assert_ran_once(c, "gpujob", mlp_ref, "a")
         assert json.dumps(_gpu_lines(c, "gpujob")).count(GPU_B.uuid) == 1
+
+
+def test_a_gpu_restore_refused_after_the_commit_is_tried_again_until_the_state_is_back(
+    tmp_path, gpus, mlp_ref
+):
+    """b's driver refuses the restore for a while (OUT_OF_MEMORY: another process holds the GPU's
+    memory). The job already runs on b and its source copy ends, so b's handoff asks the driver
+    again, with a backoff, until the GPU state is back: the job then ends once, on b, exact."""
+    gate = tmp_path / "gpu-busy"
+    gate.touch()
+    busy = {**gpus.node_env(GPU_B), "FAKE_CUDA_FAIL": "restore:2", "FAKE_CUDA_FAIL_WHILE": str(gate)}
+    with Cluster(tmp_path / "c", agent_env={"a": gpus.node_env(GPU_A), "b": busy}) as c:
+        _gpu_job_on_a(c, gpus)
+        env = {**os.environ, "CRIUCTL_STATE_DIR": str(c.client_state)}
+        p = subprocess.Popen(
+            [*CRIUCTL, "migrate", "gpujob", "--to", "b"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while len(gpus.driver_calls(("restore",))) < 3:
+                assert p.poll() is None or p.returncode == 0, p.stderr.read()[-2000:]
+                assert time.monotonic() < deadline, gpus.driver_calls()
+                time.sleep(0.2)
+            gate.unlink()  # the GPU's memory is free again
+            _out, err = p.communicate(timeout=180)
+        finally:
+            if p.poll() is None:
+                p.kill()
+        assert p.returncode == 0, err[-3000:]
+        assert gpus.driver_calls()[-2:][-1].startswith("unlock "), gpus.driver_calls()
+        assert_ran_once(c, "gpujob", mlp_ref, "b")
+        assert _gpu_lines(c, "gpujob")[-1] == f"gpu {GPU_B.uuid}"

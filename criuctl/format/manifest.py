@@ -85,6 +85,7 @@ class GpuFacts:
     pids: list[int]  # host PIDs whose CUDA state the driver checkpointed
     ns_pids: list[int]  # the same processes' PIDs in the job's namespace (stable across restore)
     checkpoint_s: float = 0.0  # lock + checkpoint (device memory to host)
+    device_bytes: int = 0  # what the checkpoint moved into host memory (the processes' RSS growth)
 
 
 @dataclass

@@ -45,8 +45,9 @@ class GpuInfo:
     uuid: str  # "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", what the driver's restore pairs name
     name: str  # the model, e.g. "NVIDIA H200": the driver restores only onto the same chip
     memory_total: int  # bytes
+    memory_free: int | None = None  # bytes free when NVML was asked; None: not known
 
-    def to_dict(self) -> dict[str, int | str]:
+    def to_dict(self) -> dict[str, int | str | None]:
         return asdict(self)
 
     @classmethod
@@ -54,7 +55,10 @@ class GpuInfo:
         values = [data.get(k) for k in ("index", "uuid", "name", "memory_total")]
         if [type(v) for v in values] != [int, str, str, int]:  # type(), not isinstance: True is no index
             raise ValueError(f"not a GPU record: {data!r}")
-        return cls(*values)  # type: ignore[arg-type]
+        free = data.get("memory_free")
+        if free is not None and type(free) is not int:
+            raise ValueError(f"not a GPU record: {data!r}")
+        return cls(*values, memory_free=free)  # type: ignore[arg-type]
 
 
 def library_path() -> str:
@@ -112,7 +116,7 @@ def list_gpus() -> list[GpuInfo]:
             _check(lib, "nvmlDeviceGetName", lib.nvmlDeviceGetName(handle, name, NAME_SIZE))
             _check(lib, "nvmlDeviceGetUUID", lib.nvmlDeviceGetUUID(handle, uuid, UUID_SIZE))
             _check(lib, "nvmlDeviceGetMemoryInfo", lib.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)))
-            out.append(GpuInfo(index, uuid.value.decode(), name.value.decode(), memory.total))
+            out.append(GpuInfo(index, uuid.value.decode(), name.value.decode(), memory.total, memory.free))
         return out
 
 
@@ -173,23 +177,36 @@ def _describe(gpus: Iterable[GpuInfo]) -> str:
     return " + ".join(f"{n} × {name}" for name, n in counts.items()) or "no GPU"
 
 
-def plan_gpu_map(recorded: list[GpuInfo], present: list[GpuInfo]) -> dict[str, str]:
+def plan_gpu_map(
+    recorded: list[GpuInfo], present: list[GpuInfo], need_bytes: int = 0, what: str = "the bundle"
+) -> dict[str, str]:
     """Old UUID -> new UUID for every recorded GPU, or GpuMismatch in one line.
 
     A GPU still present keeps itself (a restore on the same node moves nothing); the others take the
-    free GPUs of the same model in index order, so the pairing is stable from one try to the next.
+    GPUs of the same model in index order, so the pairing is stable from one try to the next, skipping
+    one whose free memory (where NVML said it) is below `need_bytes`, the job's device memory per GPU:
+    the driver would refuse the restore with OUT_OF_MEMORY only after CRIU had restored the tree.
     """
+    verb = "restore" if what == "the bundle" else "move"
     by_uuid = {g.uuid.lower(): g for g in present}
     mapping = {g.uuid: by_uuid[g.uuid.lower()].uuid for g in recorded if g.uuid.lower() in by_uuid}
     free = [g for g in sorted(present, key=lambda g: g.index) if g.uuid not in mapping.values()]
     for old in sorted(recorded, key=lambda g: g.index):
         if old.uuid in mapping:
             continue
-        new = next((g for g in free if g.name == old.name), None)
+        same = [g for g in free if g.name == old.name]
+        new = next((g for g in same if g.memory_free is None or g.memory_free >= need_bytes), None)
+        if new is None and same:
+            raise GpuMismatch(
+                f"{what} needs {need_bytes / 2**30:.1f} GiB free on each {old.name} but this node's have "
+                + ", ".join(f"{(g.memory_free or 0) / 2**30:.1f}" for g in same)
+                + " GiB free",
+                f"{verb} it on a node whose GPUs are free, or free them here first",
+            )
         if new is None:
             raise GpuMismatch(
-                f"the bundle needs {_describe(recorded)} but this node has {_describe(present)}",
-                "restore it on a node with the same GPU model and at least as many GPUs",
+                f"{what} needs {_describe(recorded)} but this node has {_describe(present)}",
+                f"{verb} it on a node with the same GPU model and at least as many GPUs",
             )
         free.remove(new)
         mapping[old.uuid] = new.uuid

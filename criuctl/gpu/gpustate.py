@@ -11,9 +11,13 @@ keeps training there.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+
+import psutil
 
 from criuctl.core import env, procinfo
 from criuctl.core.errors import CriuctlError
+from criuctl.core.retry import Backoff
 from criuctl.format import bundle
 from criuctl.gpu import cuda, cudasteps, gpus
 
@@ -35,13 +39,16 @@ def _facts(pids: list[int]) -> list[bundle.GpuDevice]:
     return [bundle.GpuDevice(g.index, g.uuid, g.name, g.memory_total) for g in used]
 
 
-def suspend(pids: list[int], timeout_s: float) -> bundle.GpuFacts | None:
+def suspend(
+    pids: list[int], timeout_s: float, target: list[gpus.GpuInfo] | None = None
+) -> bundle.GpuFacts | None:
     """Move the CUDA state of every GPU process in `pids` to host memory; None if none uses a GPU.
 
     The driver is asked about every process, not only those mapping /dev/nvidia*: a forked
     DataLoader worker maps them without a context, and a process a dead dumper left checkpointed
     maps none. Such leftovers (no other dump can run: the caller holds the workload's lock) are
-    given their GPU state back first.
+    given their GPU state back first. `target`: the GPUs of the node the job moves to, checked (model,
+    count) before the lock, so that a node that cannot take the job is refused with nothing frozen.
     """
     mapped = gpus.gpu_pids(pids)
     try:
@@ -61,6 +68,9 @@ def suspend(pids: list[int], timeout_s: float) -> bundle.GpuFacts | None:
     if stale := [p for p in users if driver.state(p) != cuda.ProcessState.RUNNING]:
         cudasteps.undo_suspend(driver, stale)
     devices = _facts(users)  # before the checkpoint closes their device files
+    if target is not None:  # a move: refused before anything is locked if the target cannot take it
+        gpus.plan_gpu_map([_info(d) for d in devices], target, what=f"the job ({_describe(devices)})")
+    rss = _rss(users)
     started = time.monotonic()
     cudasteps.suspend(driver, users, timeout_s)  # rolls back what it did before raising
     return bundle.GpuFacts(
@@ -69,7 +79,27 @@ def suspend(pids: list[int], timeout_s: float) -> bundle.GpuFacts | None:
         pids=users,
         ns_pids=[procinfo.ns_pid(p) for p in users],
         checkpoint_s=round(time.monotonic() - started, 3),
+        device_bytes=max(0, _rss(users) - rss),
     )
+
+
+def _info(d: bundle.GpuDevice) -> gpus.GpuInfo:
+    return gpus.GpuInfo(d.index, d.uuid, d.name, d.memory_total)
+
+
+def _describe(devices: list[bundle.GpuDevice]) -> str:
+    return ", ".join(sorted({d.name for d in devices}))
+
+
+def _rss(pids: list[int]) -> int:
+    """The processes' resident memory: the driver's checkpoint grows it by the device memory it moved."""
+    total = 0
+    for pid in pids:
+        try:
+            total += psutil.Process(pid).memory_info().rss
+        except psutil.Error:
+            continue
+    return total
 
 
 def give_back_tree(pids: list[int]) -> None:
@@ -93,8 +123,8 @@ def plan(facts: bundle.GpuFacts | None) -> dict[str, str]:
     """The old -> new GPU UUID map for this node; GpuMismatch (one line) if its GPUs cannot hold the job."""
     if facts is None:
         return {}
-    recorded = [gpus.GpuInfo(d.index, d.uuid, d.name, d.memory_total) for d in facts.devices]
-    return gpus.plan_gpu_map(recorded, gpus.list_gpus())
+    per_gpu = facts.device_bytes // max(1, len(facts.devices))
+    return gpus.plan_gpu_map([_info(d) for d in facts.devices], gpus.list_gpus(), per_gpu)
 
 
 def resume(facts: bundle.GpuFacts | None, root_pid: int, gpu_map: dict[str, str]) -> float:
@@ -115,3 +145,37 @@ def resume(facts: bundle.GpuFacts | None, root_pid: int, gpu_map: dict[str, str]
     pairs = gpu_map if env.CUDA_REMAP.get() else {}
     cudasteps.resume(_driver(), [by_ns[n] for n in facts.ns_pids], pairs or None)
     return round(time.monotonic() - started, 3)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+RESUME_BACKOFF_CAP = 30.0  # seconds between tries of a GPU restore that keeps failing, as for a thaw
+
+
+def resume_until_done(
+    facts: bundle.GpuFacts | None,
+    root_pid: int,
+    gpu_map: dict[str, str],
+    said: Callable[[CriuctlError], None],
+) -> float:
+    """`resume`, asked again until the driver gives the job its GPU state back (or the job is gone).
+
+    It runs after the target's commit: the job runs here now and its source copy is ending, so
+    giving up would lose the job, whose CUDA calls wait on the driver meanwhile. What the driver
+    refuses for good was checked before CRIU ran (`plan`: model, count, memory); what is left is
+    mostly passing (another process holding the GPU's memory for a while). Each failure is `said`.
+    """
+    backoff = Backoff(RESUME_BACKOFF_CAP)
+    while True:
+        try:
+            return resume(facts, root_pid, gpu_map)
+        except CriuctlError as exc:
+            if not _alive(root_pid):
+                raise
+            said(exc)
+            backoff.sleep()

@@ -67,7 +67,7 @@ class Restored:
         for pid in procinfo.tree_pids(w.root_pid):  # CRIU's restore lifted its lock and repair mode
             procinfo.send_signal(pid, signal.SIGCONT)
         if m is not None and m.gpu is not None:  # running: the driver's restore thread can work
-            self.gpu_seconds = gpustate.resume(m.gpu, w.root_pid, self.gpu_map)
+            self.gpu_seconds = gpustate.resume_until_done(m.gpu, w.root_pid, self.gpu_map, _gpu_not_back)
 
     def abort(self, why: str = "the migration did not commit") -> None:
         _kill_and_reap(self.workload.root_pid)
@@ -90,6 +90,15 @@ class Restored:
             workloads.save(w)
         self.into.tell(f"exit {code}")  # last: the placeholder then ends, and its cgroups with it
         return code
+
+
+def _gpu_not_back(exc: CriuctlError) -> None:
+    """The job runs and its CUDA calls wait: said on stderr (the handoff's log, or the user's terminal)."""
+    print(
+        f"criuctl: warning: the GPU state is not back yet, trying again: {exc.line()}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _close(stdio: supervisor.Stdio | None, into: placeholder.Placeholder | None, why: str) -> None:

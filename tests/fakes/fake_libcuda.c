@@ -30,6 +30,7 @@
  *   FAKE_CUDA_PRESENT       comma list of GPU UUIDs on this "node"; unset: any
  *   FAKE_CUDA_FAIL          comma list of OP[@PID][:CODE] (OP: lock, checkpoint, restore, unlock):
  *                           that call fails with CODE (default CUDA_ERROR_UNKNOWN), state unchanged
+ *   FAKE_CUDA_FAIL_WHILE    a path: FAKE_CUDA_FAIL applies only while it exists (a passing failure)
  *
  * Built with -DFAKE_CUDA_NO_CHECKPOINT_API it exports no cuCheckpoint* symbol, like a pre-r570 driver.
  * Layouts are written from the CUDA Checkpointing reference; static asserts pin the 64-byte sizes.
@@ -299,7 +300,10 @@ static CUresult check_pid(int pid, struct pstate *ps)
 static CUresult injected(const char *op, int pid)
 {
 	char list[1024], *save_ptr = NULL, *tok;
+	const char *gate = getenv("FAKE_CUDA_FAIL_WHILE");
 
+	if (gate && *gate && access(gate, F_OK))
+		return CUDA_SUCCESS;
 	snprintf(list, sizeof(list), "%s", env("FAKE_CUDA_FAIL", ""));
 	for (tok = strtok_r(list, ",", &save_ptr); tok; tok = strtok_r(NULL, ",", &save_ptr)) {
 		char *code = strchr(tok, ':'), *at;

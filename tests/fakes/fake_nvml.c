@@ -2,7 +2,8 @@
  * A STAND-IN for NVIDIA's libnvidia-ml.so.1 (NVML), for tests only: it is not NVML and sees no GPU.
  *
  * It exports the few calls criuctl.gpu.gpus makes, answering from the environment at every call:
- *   FAKE_NVML_GPUS    "NAME=UUID[:TOTAL_BYTES],..." e.g. "NVIDIA H200=GPU-1111...:150754820096";
+ *   FAKE_NVML_GPUS    "NAME=UUID[:TOTAL_BYTES[:FREE_BYTES]],..." e.g. "NVIDIA H200=GPU-1111...:150754820096";
+ *                     free memory defaults to the total (an idle GPU);
  *                     unset: nvmlInit_v2 fails with NVML_ERROR_DRIVER_NOT_LOADED, as on a host without
  *                     the driver
  *   FAKE_NVML_DRIVER  what nvmlSystemGetDriverVersion returns (default "580.95.05")
@@ -36,7 +37,7 @@ static int initialized;
 
 /* The index-th GPU of FAKE_NVML_GPUS: 0 when found. */
 static int gpu(unsigned int index, char *name, size_t name_size, char *uuid, size_t uuid_size,
-	       unsigned long long *total)
+	       unsigned long long *total, unsigned long long *free_bytes)
 {
 	const char *spec = getenv("FAKE_NVML_GPUS");
 	char list[4096], *save_ptr = NULL, *tok;
@@ -60,8 +61,15 @@ static int gpu(unsigned int index, char *name, size_t name_size, char *uuid, siz
 			snprintf(name, name_size, "%s", tok);
 		if (uuid)
 			snprintf(uuid, uuid_size, "%s", eq);
-		if (total)
-			*total = colon ? strtoull(colon, NULL, 10) : DEFAULT_TOTAL;
+		{
+			char *end = NULL;
+			unsigned long long t = colon ? strtoull(colon, &end, 10) : DEFAULT_TOTAL;
+
+			if (total)
+				*total = t;
+			if (free_bytes)
+				*free_bytes = end && *end == ':' ? strtoull(end + 1, NULL, 10) : t;
+		}
 		return 0;
 	}
 	return -1;
@@ -71,7 +79,7 @@ static unsigned int count(void)
 {
 	unsigned int n = 0;
 
-	while (!gpu(n, NULL, 0, NULL, 0, NULL))
+	while (!gpu(n, NULL, 0, NULL, 0, NULL, NULL))
 		n++;
 	return n;
 }
@@ -159,7 +167,7 @@ nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int len
 	char value[256];
 	unsigned int i;
 
-	if (device_index(device, &i) || gpu(i, value, sizeof(value), NULL, 0, NULL))
+	if (device_index(device, &i) || gpu(i, value, sizeof(value), NULL, 0, NULL, NULL))
 		return NVML_ERROR_INVALID_ARGUMENT;
 	return copy_out(value, name, length);
 }
@@ -169,7 +177,7 @@ nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int len
 	char value[256];
 	unsigned int i;
 
-	if (device_index(device, &i) || gpu(i, NULL, 0, value, sizeof(value), NULL))
+	if (device_index(device, &i) || gpu(i, NULL, 0, value, sizeof(value), NULL, NULL))
 		return NVML_ERROR_INVALID_ARGUMENT;
 	return copy_out(value, uuid, length);
 }
@@ -178,9 +186,8 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
 {
 	unsigned int i;
 
-	if (!memory || device_index(device, &i) || gpu(i, NULL, 0, NULL, 0, &memory->total))
+	if (!memory || device_index(device, &i) || gpu(i, NULL, 0, NULL, 0, &memory->total, &memory->free))
 		return NVML_ERROR_INVALID_ARGUMENT;
-	memory->free = memory->total;
-	memory->used = 0;
+	memory->used = memory->total - memory->free;
 	return NVML_SUCCESS;
 }
