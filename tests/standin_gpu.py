@@ -73,10 +73,14 @@ class StandinGpus:
             "FAKE_NVML_GPUS": ",".join(f"{g.name}={g.uuid}" for g in gpus),
         }
 
-    def job_env(self, gpu: Gpu) -> dict[str, str]:
-        """A job's environment: it opens a stand-in CUDA context on `gpu`."""
+    def job_env(self, gpu: Gpu, memory_mib: int = 16) -> dict[str, str]:
+        """A job's environment: it opens a stand-in CUDA context on `gpu` with that much device memory."""
         self.contexts.mkdir(parents=True, exist_ok=True)
-        return {"FAKE_CUDA_CONTEXTS": str(self.contexts), "STANDIN_CUDA_DEVICE": gpu.uuid}
+        return {
+            "FAKE_CUDA_CONTEXTS": str(self.contexts),
+            "STANDIN_CUDA_DEVICE": gpu.uuid,
+            "STANDIN_CUDA_MIB": str(memory_mib),
+        }
 
     def driver_calls(self, kinds: tuple[str, ...] = ("lock", "checkpoint", "restore", "unlock")) -> list[str]:
         lines = self.calls.read_text().splitlines() if self.calls.exists() else []

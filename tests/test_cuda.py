@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from criuctl.cli import doctor
@@ -532,8 +533,11 @@ def test_a_standin_context_keeps_its_state_in_the_jobs_memory(fake_libs, tmp_pat
         child = int(job.stdout.readline().split()[1])
         driver = cuda.Driver.load()
         assert cudasteps.cuda_processes(driver, [job.pid, child]) == [job.pid]
+        rss = psutil.Process(job.pid).memory_info().rss
         cudasteps.suspend(driver, [job.pid], 5)
         assert driver.state(job.pid) is ProcessState.CHECKPOINTED
+        grown = psutil.Process(job.pid).memory_info().rss - rss
+        assert 15 * 2**20 < grown < 20 * 2**20, f"the 16 MiB of device memory's host copy: {grown}"
         job.stdout.readline()  # a call that began before the lock may still print
         stuck = []
         reader = threading.Thread(target=lambda: stuck.append(job.stdout.readline()), daemon=True)

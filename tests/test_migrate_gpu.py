@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 
@@ -73,13 +74,34 @@ def test_a_gpu_job_moves_onto_the_target_nodes_gpu(tmp_path, gpus, mlp_ref, mode
         assert _gpu_lines(c, "gpujob") == [f"gpu {GPU_A.uuid}", f"gpu {GPU_B.uuid}"]
 
 
-def test_a_target_with_another_gpu_model_is_refused_and_the_job_keeps_its_gpu(tmp_path, gpus, mlp_ref):
-    """b has an H100, the job an H200: one line naming both, before anything is frozen for long,
-    and the job goes on on a with its device state (a stuck CUDA call would never finish)."""
-    with _gpu_cluster(tmp_path, gpus, b=(GPU_C,)) as c:
+@pytest.mark.parametrize(("b", "has"), [((GPU_C,), f"1 × {H100}"), ((), "no GPU")], ids=["h100", "none"])
+def test_a_target_without_the_jobs_gpu_model_is_refused_before_anything_is_frozen(
+    tmp_path, gpus, mlp_ref, b, has
+):
+    """b has an H100, or no GPU; the job an H200: refused in one line before the lock (the target
+    agent's GPU list travels with the move), and the job goes on on a, its device state untouched."""
+    with _gpu_cluster(tmp_path, gpus, b=b) as c:
         _gpu_job_on_a(c, gpus)
         line = _failed(c.migrate("gpujob", "b"))
-        assert "NVIDIA H200" in line and "NVIDIA H100" in line, line
+        assert f"the job ({H200}) needs 1 × {H200} but this node has {has}" in line, line
+        assert "nothing was frozen" in line, line
+        assert gpus.driver_calls() == [], "the driver was asked to lock a job that could not move"
+        assert_ran_once(c, "gpujob", mlp_ref, "a")
+        assert _gpu_lines(c, "gpujob") == [f"gpu {GPU_A.uuid}"]
+
+
+def test_a_target_whose_gpu_memory_is_taken_is_refused_before_its_restore(tmp_path, gpus, mlp_ref):
+    """b's H200 has too little free memory (NVML) for what the checkpoint moved: b's restore refuses
+    before CRIU runs, the source thaws, and the job gets its device state back on a."""
+    full = gpus.node_env(GPU_B)
+    full["FAKE_NVML_GPUS"] = f"{GPU_B.name}={GPU_B.uuid}:150754820096:{8 << 20}"  # 8 MiB free
+    with Cluster(tmp_path / "c", agent_env={"a": gpus.node_env(GPU_A), "b": full}) as c:
+        _gpu_job_on_a(c, gpus)
+        line = _failed(c.migrate("gpujob", "b"))
+        # what the checkpoint moved: the 16 MiB context, give or take what the locked job still touched
+        assert re.search(rf"needs 1[6-8] MiB free on each {H200} but this node's have 8 MiB free", line), line
+        kinds = [x.split()[0] for x in gpus.driver_calls()]
+        assert kinds == ["lock", "checkpoint", "restore", "unlock"], gpus.driver_calls()  # given back on a
         assert_ran_once(c, "gpujob", mlp_ref, "a")
         assert _gpu_lines(c, "gpujob") == [f"gpu {GPU_A.uuid}"]
 

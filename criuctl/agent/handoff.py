@@ -59,6 +59,7 @@ from criuctl.core.errors import CriuctlError, WorkloadEnded
 from criuctl.core.retry import Backoff
 from criuctl.engine import criu
 from criuctl.format import bundle
+from criuctl.gpu import gpus
 from criuctl.local import checkpoint, restoring
 from criuctl.net import readdress
 
@@ -151,6 +152,9 @@ class _Source:
                 durable=False,
                 on_dumping=lambda folder: _emit(Event.DUMPING, bundle=str(folder)),
                 pages_to=pages_to,
+                target_gpus=None
+                if spec.target_gpus is None
+                else [gpus.GpuInfo.from_dict(g) for g in spec.target_gpus],
             )
         except CriuctlError as exc:
             self._advance(SourceState.FAILED)

@@ -11,7 +11,7 @@ since anything may call. The records of a migration and the outcome of its steps
 
 from __future__ import annotations
 
-from typing import Literal, NotRequired, Required, TypedDict
+from typing import Any, Literal, NotRequired, Required, TypedDict
 
 from criuctl.agent.protocol import Facts, SignedState, TicketJson, UploadAnswer
 
@@ -51,6 +51,7 @@ class NodeInfo(TypedDict):
     criu: NotRequired[str]  # CRIU's version, when it is usable
     lazy_pages: NotRequired[bool]  # userfaultfd: post-copy possible
     criu_error: NotRequired[str]  # why CRIU is not usable (then neither of the two above)
+    gpus: NotRequired[list[dict[str, Any]]]  # NVIDIA GPUs (`gpus.GpuInfo`); absent where NVML cannot say
 
 
 # ----------------------------------------------------------------------------------- a migration
@@ -121,6 +122,7 @@ class OutgoingRequest(TypedDict):
     boundary: NotRequired[bool]  # False: no step boundary first (a job's rank)
     live: NotRequired[bool]  # False: stream only once the bundle is sealed
     direct: NotRequired[bool]  # stop-and-copy: memory pages straight into the target's page server
+    target_gpus: NotRequired[list[dict[str, Any]]]  # the target's GPUs (its /v1/info): a GPU job's check
 
 
 class Started(TypedDict):

@@ -44,6 +44,7 @@ from criuctl.core.procinfo import Identity
 from criuctl.core.retry import Backoff
 from criuctl.engine import criu
 from criuctl.format import bundle
+from criuctl.gpu import gpus
 from criuctl.local import checkpoint
 from criuctl.net import readdress
 
@@ -110,6 +111,11 @@ class Outgoing:
                 raise ValueError("boundary, live and direct must be true or false")
             if direct and mode != Mode.STOP_AND_COPY:
                 raise ValueError("direct pages are a stop-and-copy's")
+            target_gpus = body.get("target_gpus")
+            if target_gpus is not None:
+                if not isinstance(target_gpus, list) or not all(isinstance(g, dict) for g in target_gpus):
+                    raise ValueError("target_gpus must be a list of GPU records")
+                target_gpus = [gpus.GpuInfo.from_dict(g).to_dict() for g in target_gpus]
         except CriuctlError as exc:
             return fail(400, exc.what, exc.hint)
         except (ValueError, TypeError) as exc:
@@ -143,6 +149,7 @@ class Outgoing:
             boundary,
             live,
             pages_to.to_json() if pages_to else None,
+            target_gpus,
         )
 
         async def send(source: Path | transfer.Source, counter: transfer.Counter) -> UploadAnswer:

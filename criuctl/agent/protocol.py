@@ -337,6 +337,8 @@ class SourceSpec:
     # stop-and-copy straight into the target's page server (`criu.PagesTo` as JSON: address, port,
     # and the paths of this end's certificate and key and of the target's pinned certificate)
     pages_to: dict[str, Any] | None = None
+    # a GPU job: the GPUs the target agent listed (`gpus.GpuInfo` as dicts), checked before the freeze
+    target_gpus: list[dict[str, Any]] | None = None
 
     def to_json(self) -> str:
         d = asdict(self)

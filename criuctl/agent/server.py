@@ -59,6 +59,7 @@ from criuctl.core.errors import CriuctlError
 from criuctl.core.tokens import read_token
 from criuctl.engine import criu
 from criuctl.format import bundle
+from criuctl.gpu import gpus
 from criuctl.net import peers
 
 log = logging.getLogger("criuctl.agent")
@@ -289,6 +290,8 @@ class Agent:
             out["lazy_pages"] = f.lazy_pages
         except CriuctlError as exc:
             out["criu_error"] = exc.line()
+        with contextlib.suppress(CriuctlError):  # NVML answered an error: the restore's own check stands
+            out["gpus"] = [g.to_dict() for g in await asyncio.to_thread(gpus.list_gpus)]
         return web.json_response(out)
 
     async def list_workloads(self, _r: web.Request) -> web.Response:

@@ -169,6 +169,7 @@ class Move:
         self.src, self.dst = AgentClient(source), AgentClient(target)
         self.started = time.monotonic()
         self.inc_id = ""  # the target's migration id, once prepared
+        self.target_gpus: list[dict[str, object]] | None = None  # what the target listed, for a GPU job
         self.ticket: Ticket | None = None
         self.og_id: str | None = None
         self.port: int | None = None
@@ -198,6 +199,7 @@ class Move:
             dst_info = _check_target(self.dst)
             src_info: NodeInfo = self.src.get("/v1/info", timeout=timeouts().info)
             self.mode = choose_mode(self.mode, src_info, dst_info)
+            self.target_gpus = dst_info.get("gpus")  # an older agent says nothing: the restore checks
             body = IncomingRequest(workload=self.name, mode=self.mode, into=self.into)
             if self.cut:
                 body["cut"] = self.cut
@@ -226,6 +228,8 @@ class Move:
             body["readdress"] = self.readdress
         if not self.boundary:
             body["boundary"] = False
+        if self.target_gpus is not None:
+            body["target_gpus"] = self.target_gpus
         if env.STREAM.get() == "sealed":  # for comparisons: no overlap of dump and transfer
             body["live"] = False
         elif env.STREAM.get() == "direct" and self.mode == Mode.STOP_AND_COPY:

@@ -172,6 +172,10 @@ def gpu_pids(pids: Iterable[int]) -> list[int]:
     return out
 
 
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
 def _describe(gpus: Iterable[GpuInfo]) -> str:
     counts = Counter(g.name for g in gpus)
     return " + ".join(f"{n} × {name}" for name, n in counts.items()) or "no GPU"
@@ -198,9 +202,9 @@ def plan_gpu_map(
         new = next((g for g in same if g.memory_free is None or g.memory_free >= need_bytes), None)
         if new is None and same:
             raise GpuMismatch(
-                f"{what} needs {need_bytes / 2**30:.1f} GiB free on each {old.name} but this node's have "
-                + ", ".join(f"{(g.memory_free or 0) / 2**30:.1f}" for g in same)
-                + " GiB free",
+                f"{what} needs {_size(need_bytes)} free on each {old.name} but this node's have "
+                + ", ".join(_size(g.memory_free or 0) for g in same)
+                + " free",
                 f"{verb} it on a node whose GPUs are free, or free them here first",
             )
         if new is None:

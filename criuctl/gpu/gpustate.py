@@ -39,16 +39,13 @@ def _facts(pids: list[int]) -> list[bundle.GpuDevice]:
     return [bundle.GpuDevice(g.index, g.uuid, g.name, g.memory_total) for g in used]
 
 
-def suspend(
-    pids: list[int], timeout_s: float, target: list[gpus.GpuInfo] | None = None
-) -> bundle.GpuFacts | None:
+def suspend(pids: list[int], timeout_s: float) -> bundle.GpuFacts | None:
     """Move the CUDA state of every GPU process in `pids` to host memory; None if none uses a GPU.
 
     The driver is asked about every process, not only those mapping /dev/nvidia*: a forked
     DataLoader worker maps them without a context, and a process a dead dumper left checkpointed
     maps none. Such leftovers (no other dump can run: the caller holds the workload's lock) are
-    given their GPU state back first. `target`: the GPUs of the node the job moves to, checked (model,
-    count) before the lock, so that a node that cannot take the job is refused with nothing frozen.
+    given their GPU state back first.
     """
     mapped = gpus.gpu_pids(pids)
     try:
@@ -68,8 +65,6 @@ def suspend(
     if stale := [p for p in users if driver.state(p) != cuda.ProcessState.RUNNING]:
         cudasteps.undo_suspend(driver, stale)
     devices = _facts(users)  # before the checkpoint closes their device files
-    if target is not None:  # a move: refused before anything is locked if the target cannot take it
-        gpus.plan_gpu_map([_info(d) for d in devices], target, what=f"the job ({_describe(devices)})")
     rss = _rss(users)
     started = time.monotonic()
     cudasteps.suspend(driver, users, timeout_s)  # rolls back what it did before raising
@@ -100,6 +95,28 @@ def _rss(pids: list[int]) -> int:
         except psutil.Error:
             continue
     return total
+
+
+def check_target(pids: list[int], target: list[gpus.GpuInfo]) -> None:
+    """Before a move touches the job: GpuMismatch in one line if the target's GPUs cannot take it.
+
+    The same pairing the target's restore makes (`plan`: model, count), from the GPUs the target
+    agent listed, so a node without a GPU of the job's model is refused while nothing is frozen,
+    not after the dump. Free memory is the restore's check: the job's device memory is known only
+    once the driver has moved it.
+    """
+    try:
+        driver = cuda.Driver.load()
+        users = cudasteps.cuda_processes(driver, pids)
+    except cuda.CudaError:
+        return  # no driver here, or it cannot tell: `suspend` says what is wrong
+    if users:
+        used = _facts(users)
+        try:
+            gpus.plan_gpu_map([_info(d) for d in used], target, what=f"the job ({_describe(used)})")
+        except gpus.GpuMismatch as exc:
+            exc.hint += "; nothing was frozen, the job keeps running"
+            raise
 
 
 def give_back_tree(pids: list[int]) -> None:

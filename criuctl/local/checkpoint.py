@@ -39,7 +39,7 @@ from criuctl.core import durable, procinfo, statedir, workloads
 from criuctl.core.errors import CriuctlError, WorkloadEnded
 from criuctl.engine import criu
 from criuctl.format import bundle, criuimages, imagetail
-from criuctl.gpu import gpustate
+from criuctl.gpu import gpus, gpustate
 from criuctl.local import locks, stepboundary
 from criuctl.net import netlock, pagetls, peers, readdress, tcprepair
 
@@ -287,6 +287,7 @@ def freeze(
     on_dumping: Callable[[Path], None] | None = None,
     connections: bool = False,
     pages_to: criu.PagesTo | None = None,
+    target_gpus: list[gpus.GpuInfo] | None = None,
 ) -> Frozen:
     """Freeze workload `target` (name or PID) and seal its bundle in a new directory under `parent`.
 
@@ -301,7 +302,8 @@ def freeze(
     `connections`: a container's TCP connections to other hosts are dumped, not refused (a job's
     rank whose restore re-addresses them, criuctl.kube.jobmoves). `pages_to`: memory pages go to
     the target's page server, never to this disk; the manifest signs how many went, and over which
-    TLS session (`criuctl.net.directpages`).
+    TLS session (`criuctl.net.directpages`). `target_gpus`: the GPUs of the node a GPU job moves to;
+    one that cannot take the job is refused before anything is held or frozen.
     """
     started = time.monotonic()
     criu.require_version()
@@ -323,6 +325,7 @@ def freeze(
             on_dumping,
             connections,
             pages_to,
+            target_gpus,
         )
     except BaseException:
         lock.release()
@@ -354,6 +357,7 @@ def _freeze_locked(
     on_dumping: Callable[[Path], None] | None = None,
     connections: bool = False,
     pages_to: criu.PagesTo | None = None,
+    target_gpus: list[gpus.GpuInfo] | None = None,
 ) -> Frozen:
     now = workloads.load(w.name)
     if now is None or now.root_pid != w.root_pid or now.state != workloads.RUNNING or not w.alive():
@@ -370,6 +374,8 @@ def _freeze_locked(
             f"{fix}; nothing was frozen, the workload keeps running",
         )
     plan = containers.plan(w, pids, connections) if w.container else None  # refusals come before the freeze
+    if target_gpus is not None:
+        gpustate.check_target(pids, target_gpus)
     staging = Path(tempfile.mkdtemp(prefix=f".{w.name}.partial-", dir=parent))
     images = staging / bundle.IMAGES_DIR
     images.mkdir(mode=0o700)

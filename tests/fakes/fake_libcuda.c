@@ -112,6 +112,7 @@ struct pstate {
 	int state;
 	char devices[1024]; /* comma list of UUIDs, recorded at checkpoint */
 	unsigned long ctx;  /* the address of the pid's struct fake_ctx; 0: state in FAKE_CUDA_STATE_DIR */
+	unsigned long long memory, bytes; /* the context's "device memory" */
 };
 
 /* A stand-in CUDA context inside the job (tests/workloads/_standin_cuda.py lays it out the same). */
@@ -121,8 +122,10 @@ struct fake_ctx {
 	int state;
 	int owner; /* the namespace PID of the process that created it */
 	char devices[240]; /* the GPUs it is on: set by the job, replaced by a restore's new GPUs */
+	unsigned long long memory; /* the address of its "device memory"'s host copy */
+	unsigned long long bytes;  /* and its size */
 };
-_Static_assert(sizeof(struct fake_ctx) == 256, "fake_ctx");
+_Static_assert(sizeof(struct fake_ctx) == 272, "fake_ctx");
 
 static const char *env(const char *name, const char *fallback)
 {
@@ -211,6 +214,25 @@ static int context_io(int pid, unsigned long addr, struct fake_ctx *ctx, int wri
 	return n == (ssize_t)sizeof(*ctx) ? 0 : -1;
 }
 
+/* The "device memory"'s host copy: written at checkpoint, checked at restore, 1 MiB at a time. */
+static int host_copy(int pid, unsigned long long addr, unsigned long long bytes, int write)
+{
+	static unsigned long long chunk[1 << 17], want[1 << 17];
+	unsigned long long off;
+
+	for (off = 0; off < bytes; off += sizeof(chunk)) {
+		size_t n = bytes - off < sizeof(chunk) ? bytes - off : sizeof(chunk), i;
+		struct iovec local = {write ? want : chunk, n}, remote = {(void *)(addr + off), n};
+
+		for (i = 0; i < n / 8; i++)
+			want[i] = (addr + off + 8 * i) ^ 0x5a5a5a5a5a5a5a5aULL;
+		if (write ? process_vm_writev(pid, &local, 1, &remote, 1, 0) != (ssize_t)n
+			  : process_vm_readv(pid, &local, 1, &remote, 1, 0) != (ssize_t)n || memcmp(chunk, want, n))
+			return -1;
+	}
+	return 0;
+}
+
 static int state_path(int pid, char *path, size_t size)
 {
 	const char *dir = getenv("FAKE_CUDA_STATE_DIR");
@@ -237,6 +259,8 @@ static int load(int pid, struct pstate *ps)
 			return 1; /* forked from the context's owner: no CUDA of its own */
 		ps->state = ctx.state;
 		snprintf(ps->devices, sizeof(ps->devices), "%.*s", (int)sizeof(ctx.devices), ctx.devices);
+		ps->memory = ctx.memory;
+		ps->bytes = ctx.bytes;
 		return 0;
 	}
 	if (state_path(pid, path, sizeof(path)))
@@ -459,6 +483,10 @@ CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args
 		return rc;
 	if (!ps.ctx) /* a context knows its GPUs; a pid of FAKE_CUDA_PIDS is told them */
 		snprintf(ps.devices, sizeof(ps.devices), "%s", env("FAKE_CUDA_DEVICES", ""));
+	if ((rc = injected("checkpoint", pid)))
+		return rc;
+	if (ps.bytes && host_copy(pid, ps.memory, ps.bytes, 1))
+		return CUDA_ERROR_UNKNOWN;
 	return leave(pid, &ps, "checkpoint", STATE_CHECKPOINTED);
 }
 
@@ -518,6 +546,10 @@ CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args)
 		   STATE_CHECKPOINTED);
 	if (rc || (rc = check_pairs(&ps, args)))
 		return rc;
+	if ((rc = injected("restore", pid)))
+		return rc;
+	if (ps.bytes && host_copy(pid, ps.memory, ps.bytes, 0))
+		return CUDA_ERROR_UNKNOWN; /* the host copy did not come through the dump and restore intact */
 	if (count) { /* the process is on the new GPUs now */
 		char moved[1024] = "", *save_ptr = NULL, *dev;
 

@@ -13,22 +13,32 @@ runs on change (a restore onto another node's GPUs). Nothing here is criuctl's: 
 """
 
 import ctypes
+import mmap
 import os
 import sys
 import time
 
 MAGIC = b"FAKECTX1"
-SIZE = 256  # struct fake_ctx: magic[8], int state, int owner, char devices[240]
+SIZE = 272  # struct fake_ctx: magic[8], int state, int owner, char devices[240], u64 memory, u64 bytes
 RUNNING = 0
 
 
 class Context:
-    def __init__(self, folder: str, device: str) -> None:
+    """`memory_mib`: the context's "device memory", a region never touched here: the stand-in driver's
+    checkpoint fills it (the job's resident memory grows, as with the real driver's host copy), and
+    its restore checks that CRIU brought it back intact."""
+
+    def __init__(self, folder: str, device: str, memory_mib: int = 0) -> None:
         self._buf = ctypes.create_string_buffer(SIZE)
         ctypes.memmove(self._buf, MAGIC, 8)
         self._int(8, RUNNING)
         self._int(12, os.getpid())
         ctypes.memmove(ctypes.addressof(self._buf) + 16, device.encode()[:239], len(device.encode()[:239]))
+        self._memory = mmap.mmap(-1, memory_mib << 20) if memory_mib else None
+        if self._memory is not None:
+            base = ctypes.addressof(ctypes.c_char.from_buffer(self._memory))
+            ctypes.c_ulonglong.from_address(ctypes.addressof(self._buf) + 256).value = base
+            ctypes.c_ulonglong.from_address(ctypes.addressof(self._buf) + 264).value = memory_mib << 20
         address = ctypes.addressof(self._buf)
         # held open for the job's life: the stand-in driver finds the context through it
         self._marker = open(os.path.join(folder, f"ctx-{address:x}"), "a")  # noqa: SIM115
@@ -55,11 +65,12 @@ class Context:
 
 
 def from_environment() -> "Context | None":
-    """A context when the test asked for one (FAKE_CUDA_CONTEXTS, STANDIN_CUDA_DEVICE), else None."""
+    """A context when the test asked for one (FAKE_CUDA_CONTEXTS, STANDIN_CUDA_DEVICE, and
+    STANDIN_CUDA_MIB of device memory), else None."""
     folder, device = os.environ.get("FAKE_CUDA_CONTEXTS"), os.environ.get("STANDIN_CUDA_DEVICE")
     if not (folder and device):
         return None
     try:
-        return Context(folder, device)
+        return Context(folder, device, int(os.environ.get("STANDIN_CUDA_MIB", "0")))
     except OSError as exc:
         sys.exit(f"stand-in CUDA context: {exc}")
