@@ -10,7 +10,8 @@ module works on hosts without a GPU; tests point CRIUCTL_LIBCUDA at a compiled s
 Layouts and values follow NVIDIA's cuda.h (the CUDA Checkpointing group of the driver API reference, 12.8
 and 13.0). Every argument struct is 64 bytes; a wrong size or offset would have the driver read or write
 past our buffer, so tests/test_cuda.py asserts them. The codes the hints below explain are the ones
-driver 580.159.04 returned on an H200 for each case; the stand-in returns the same.
+driver 580.159.04 returned on an H200 for each case; the stand-in returns the same. tests/gpu/probe.py
+asks both the same questions; a GPU check's bench/results/gpu-check.json holds the real driver's answers.
 """
 
 from __future__ import annotations
