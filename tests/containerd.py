@@ -109,7 +109,7 @@ class Containerd:
         namespace: str = "default",
         memory_limit: int = 0,
         env: dict[str, str] | None = None,
-        devices: list[str] | None = None,
+        devices: list[str] | dict[str, str] | None = None,
     ) -> Pod:
         """A pod with one container, as the kubelet would create it (host network, own PID ns)."""
         uid = f"uid-{name}-{os.urandom(3).hex()}"
@@ -139,7 +139,12 @@ class Containerd:
             envs=[pb.KeyValue(key=k, value=v) for k, v in (env or {}).items()],
             log_path=f"{container}.log",
             mounts=m,
-            devices=[pb.Device(container_path=d, host_path=d, permissions="rw") for d in devices or []],
+            devices=[
+                pb.Device(container_path=c, host_path=h, permissions="rw")
+                for c, h in (
+                    devices.items() if isinstance(devices, dict) else ((d, d) for d in devices or [])
+                )
+            ],
             labels={**labels, "io.kubernetes.container.name": container},
             linux=pb.LinuxContainerConfig(
                 resources=pb.LinuxContainerResources(memory_limit_in_bytes=memory_limit),
@@ -264,16 +269,28 @@ class Nodes:
         d.mkdir(parents=True, exist_ok=True)
         return d
 
-    def pod(self, node: str, name: str, command: list[str], scratch: Path | None = None, **kw) -> Pod:
-        """A pod whose container sees the host's Python (read-only) and criuctl's inject dir."""
+    def pod(
+        self,
+        node: str,
+        name: str,
+        command: list[str],
+        scratch: Path | None = None,
+        shared: Path | None = None,
+        **kw,
+    ) -> Pod:
+        """A pod whose container sees the host's Python (read-only) and criuctl's inject dir;
+        `scratch` at /scratch, and `shared` (read-write) at its own path."""
         mounts = {p: p for p in PYTHON_MOUNTS}
         mounts["/.criuctl"] = str(self.inject)
         rw = {"/scratch": str(scratch)} if scratch else {}
+        if shared is not None:
+            rw[str(shared)] = str(shared)
         return self.runtimes[node].run_pod(name, command, mounts=mounts, rw_mounts=rw, **kw)
 
 
-def two_nodes(tmp_path_factory) -> Iterator[Nodes]:
-    """The `nodes` fixture (tests/conftest.py): a cluster of two nodes with containerd and agents."""
+def two_nodes(tmp_path_factory, agent_env: dict[str, dict[str, str]] | None = None) -> Iterator[Nodes]:
+    """The `nodes` fixture (tests/conftest.py): a cluster of two nodes with containerd and agents
+    (`agent_env`: more environment for each node's agent)."""
     root = tmp_path_factory.mktemp("ctr")
     inject = containers.write_inject_dir(root / "inject")
     sockets = {n: root / n / "containerd" / "containerd.sock" for n in ("a", "b")}
@@ -281,7 +298,7 @@ def two_nodes(tmp_path_factory) -> Iterator[Nodes]:
         n: ["--runtime-endpoint", f"unix://{s}", "--inject-dir", str(root / n / "inject")]
         for n, s in sockets.items()
     }
-    with Cluster(root, agent_args=args) as cluster:
+    with Cluster(root, agent_args=args, agent_env=agent_env) as cluster:
         runtimes = {}
         try:
             for n, node in cluster.nodes.items():

@@ -424,7 +424,7 @@ def test_plan_passes_over_gpus_without_room_for_the_jobs_device_memory():
     with pytest.raises(GpuMismatch) as err:
         gpus.plan_gpu_map([gpu(0, A)], [busy], need_bytes=40 * 2**30)
     assert err.value.line() == (
-        f"the bundle needs 40.0 GiB free on each {H200} but this node's have 10.0 GiB free: "
+        f"the bundle needs 40.0 GiB free on each {H200} but those of this node have 10.0 GiB free: "
         "restore it on a node whose GPUs are free, or free them here first"
     )
 
@@ -612,3 +612,63 @@ def test_the_standin_answers_as_the_recorded_real_driver(standin_probe):
     require("gpu-record")
     recorded = json.loads(GPU_RECORD.read_text())["driver_codes"]
     assert probe.differences(recorded, standin_probe) == []
+
+
+# ------------------------------------------------------------------------------ NCCL (criuctl.gpu.nccl)
+
+
+def _held(*groups: dict, **env: str) -> dict:
+    return {"rank": "0", "pid": 4242, "groups": list(groups), "nccl_env": env}
+
+
+def test_a_job_with_an_nccl_group_is_refused_with_how_to_run_it(monkeypatch):
+    from criuctl.gpu import nccl
+
+    monkeypatch.delenv("CRIUCTL_NCCL_TRY", raising=False)
+    old = nccl.refusal(
+        [_held({"backend": "gloo", "size": 2}), _held({"backend": "nccl", "size": 1, "nccl": "2.21.5"})]
+    )
+    assert old is not None
+    assert old.line() == (
+        "rank 0 (PID 4242) holds 1 NCCL process group(s) (NCCL 2.21.5), which the CUDA driver cannot "
+        "checkpoint: NCCL 2.21.5 cannot suspend a communicator (ncclCommSuspend came in 2.29.7): "
+        "move it with `criuctl dump --state` (the hook saves the training state), or set CRIUCTL_NCCL_TRY=1 "
+        "where criuctl runs to let the driver try (a refusal rolls back), and run the job with "
+        "NCCL_NVLS_ENABLE=0 NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 (the driver cannot checkpoint NVLS "
+        "multicast buffers, peer-to-peer CUDA IPC mappings (r610+ only), shared-memory transport buffers); "
+        "nothing was frozen, the job keeps running"
+    )
+    new = nccl.refusal([_held({"backend": "nccl", "size": 8, "nccl": "2.29.7"}, NCCL_NVLS_ENABLE="0")])
+    assert new is not None and "criuctl does not suspend NCCL communicators yet" in new.what
+    assert "NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 (" in new.hint and "NVLS_ENABLE" not in new.hint
+    off = {"NCCL_NVLS_ENABLE": "0", "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
+    settled = nccl.refusal([_held({"backend": "nccl", "size": 1, "nccl": "2.30.7"}, **off)])
+    assert settled is not None and "run the job with" not in settled.hint
+    assert nccl.refusal([_held({"backend": "gloo", "size": 2}), _held()]) is None  # no NCCL: nothing to say
+    monkeypatch.setenv("CRIUCTL_NCCL_TRY", "1")
+    assert nccl.refusal([_held({"backend": "nccl", "size": 1, "nccl": "2.21.5"})]) is None
+
+
+def test_the_hook_reports_the_jobs_process_groups_and_nccl_settings(monkeypatch):
+    """What a held trainer tells criuctl: every torch.distributed group with its backend (a gloo one
+    here; an NCCL one carries its version), and the job's NCCL_* settings."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    from criuctl_hook import boundary
+
+    assert boundary.process_groups(torch) == {}  # no process group: nothing to say
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        dist.new_group([0], backend="gloo")
+        report = boundary.process_groups(torch)
+    finally:
+        dist.destroy_process_group()
+    assert report["groups"] == [{"backend": "gloo", "size": 1}, {"backend": "gloo", "size": 1}]
+    assert report["nccl_env"]["NCCL_NVLS_ENABLE"] == "0"

@@ -99,7 +99,8 @@ def test_a_target_whose_gpu_memory_is_taken_is_refused_before_its_restore(tmp_pa
         _gpu_job_on_a(c, gpus)
         line = _failed(c.migrate("gpujob", "b"))
         # what the checkpoint moved: the 16 MiB context, give or take what the locked job still touched
-        assert re.search(rf"needs 1[6-8] MiB free on each {H200} but this node's have 8 MiB free", line), line
+        wanted = rf"needs 1[6-8] MiB free on each {H200} but those of this node have 8 MiB free"
+        assert re.search(wanted, line), line
         kinds = [x.split()[0] for x in gpus.driver_calls()]
         assert kinds == ["lock", "checkpoint", "restore", "unlock"], gpus.driver_calls()  # given back on a
         assert_ran_once(c, "gpujob", mlp_ref, "a")

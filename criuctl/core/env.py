@@ -388,6 +388,18 @@ CUDA_REMAP: Var[bool] = Var(
     role=Role.TEST,
     example="0",
 )
+NCCL_TRY: Var[bool] = Var(
+    "CRIUCTL_NCCL_TRY",
+    "1: checkpoint a GPU job that holds NCCL communicators through the driver anyway, instead of "
+    "refusing it (criuctl does not suspend them; a driver that refuses is rolled back)",
+    parse=_switch,
+    default=False,
+    shown="0",
+    expect="0 or 1",
+    readers="criuctl.gpu.nccl: dump, the agent",
+    role=Role.SETTING,
+    example="1",
+)
 STREAM: Var[str] = Var(
     "CRIUCTL_STREAM",
     "`sealed`: a migration's bundle leaves only once sealed, for comparisons (bench/migrate.py); "

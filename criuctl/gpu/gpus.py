@@ -182,7 +182,11 @@ def _describe(gpus: Iterable[GpuInfo]) -> str:
 
 
 def plan_gpu_map(
-    recorded: list[GpuInfo], present: list[GpuInfo], need_bytes: int = 0, what: str = "the bundle"
+    recorded: list[GpuInfo],
+    present: list[GpuInfo],
+    need_bytes: int = 0,
+    what: str = "the bundle",
+    where: str = "this node",
 ) -> dict[str, str]:
     """Old UUID -> new UUID for every recorded GPU, or GpuMismatch in one line.
 
@@ -202,14 +206,14 @@ def plan_gpu_map(
         new = next((g for g in same if g.memory_free is None or g.memory_free >= need_bytes), None)
         if new is None and same:
             raise GpuMismatch(
-                f"{what} needs {_size(need_bytes)} free on each {old.name} but this node's have "
+                f"{what} needs {_size(need_bytes)} free on each {old.name} but those of {where} have "
                 + ", ".join(_size(g.memory_free or 0) for g in same)
                 + " free",
                 f"{verb} it on a node whose GPUs are free, or free them here first",
             )
         if new is None:
             raise GpuMismatch(
-                f"{what} needs {_describe(recorded)} but this node has {_describe(present)}",
+                f"{what} needs {_describe(recorded)} but {where} has {_describe(present)}",
                 f"{verb} it on a node with the same GPU model and at least as many GPUs",
             )
         free.remove(new)
@@ -236,3 +240,18 @@ def used_gpus(pids: Iterable[int], present: list[GpuInfo]) -> list[GpuInfo]:
                         minors.add(int(m[1]))
     chosen = [g for g in present if g.index in minors]
     return chosen or list(present)
+
+
+def visible_in(pid: int) -> set[int] | None:
+    """The GPU indices whose device node (/dev/nvidiaN) a container's process sees in its /dev; None
+    where its /dev cannot be read.
+
+    A pod gets its GPUs from the device plugin as device nodes in its own /dev (NVIDIA's container
+    toolkit keeps the host's names): a job restored into a placeholder pod must go onto those, not
+    onto any free GPU of the node, or it would run on a GPU the kubelet gave another pod.
+    """
+    try:
+        names = os.listdir(f"/proc/{pid}/root/dev")
+    except OSError:
+        return None
+    return {int(m[1]) for n in names if (m := _DEVICE_NODE.match(f"/dev/{n}"))}

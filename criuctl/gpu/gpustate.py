@@ -136,12 +136,20 @@ def give_back_tree(pids: list[int]) -> None:
         cudasteps.undo_suspend(driver, held)
 
 
-def plan(facts: bundle.GpuFacts | None) -> dict[str, str]:
-    """The old -> new GPU UUID map for this node; GpuMismatch (one line) if its GPUs cannot hold the job."""
+def plan(facts: bundle.GpuFacts | None, within: int | None = None) -> dict[str, str]:
+    """The old -> new GPU UUID map for this node; GpuMismatch (one line) if its GPUs cannot hold the job.
+
+    `within`: a placeholder container's PID: only the GPUs it was given (its /dev/nvidiaN) count.
+    """
     if facts is None:
         return {}
+    present, where = gpus.list_gpus(), "this node"
+    visible = gpus.visible_in(within) if within is not None else None
+    if visible is not None:
+        present = [g for g in present if g.index in visible]
+        where = "the placeholder container (its pod's GPUs)"
     per_gpu = facts.device_bytes // max(1, len(facts.devices))
-    return gpus.plan_gpu_map([_info(d) for d in facts.devices], gpus.list_gpus(), per_gpu)
+    return gpus.plan_gpu_map([_info(d) for d in facts.devices], present, per_gpu, where=where)
 
 
 def resume(facts: bundle.GpuFacts | None, root_pid: int, gpu_map: dict[str, str]) -> float:

@@ -39,7 +39,7 @@ from criuctl.core import durable, procinfo, statedir, workloads
 from criuctl.core.errors import CriuctlError, WorkloadEnded
 from criuctl.engine import criu
 from criuctl.format import bundle, criuimages, imagetail
-from criuctl.gpu import gpus, gpustate
+from criuctl.gpu import gpus, gpustate, nccl
 from criuctl.local import locks, stepboundary
 from criuctl.net import netlock, pagetls, peers, readdress, tcprepair
 
@@ -398,6 +398,8 @@ def _freeze_locked(
             t0 = time.monotonic()
             frozen.boundary = stepboundary.reach(w)
             frozen.phases["boundary"] = time.monotonic() - t0
+            if refused := nccl.refusal(frozen.boundary.reports):
+                raise refused  # before the driver's lock: the thaw below lets the trainers go on
             started = time.monotonic()  # the job ran on while it finished its step: not frozen time
         progress("freezing")
         frozen.gpu = gpustate.suspend(pids, stepboundary.timeout())

@@ -156,7 +156,8 @@ def restore_stopped(
             "it can only be restored by `criuctl migrate --mode post-copy`",
         )
     name = workloads.unique_name(name or manifest.workload)
-    gpu_map = gpustate.plan(manifest.gpu)  # a node without the GPUs is refused before CRIU runs
+    # a node (or a placeholder pod) without the GPUs is refused before CRIU runs
+    gpu_map = gpustate.plan(manifest.gpu, within=into.pid if into is not None else None)
     images = bundle_dir / bundle.IMAGES_DIR
     work = Path(tempfile.mkdtemp(prefix=f"restore-{name}-", dir=statedir.RESTORES.ensure()))
     if endpoints is not None:

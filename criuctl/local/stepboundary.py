@@ -47,6 +47,7 @@ class Reached:
     saved: dict[str, str] = field(default_factory=dict)  # rank -> state file (SAVE)
     state_bytes: int = 0
     beating: threading.Event = field(default_factory=threading.Event, repr=False)  # cleared by release
+    reports: list[dict] = field(default_factory=list, repr=False)  # each held trainer's own report
 
     def facts(self) -> bundle.StepBoundary:
         """What the manifest keeps of it."""
@@ -135,6 +136,7 @@ def reach(
         {r["rank"]: r["saved"] for r in reports.values() if "saved" in r},
         sum(int(r.get("bytes", 0)) for r in reports.values()),
         beating,
+        list(reports.values()),
     )
 
 

@@ -213,6 +213,7 @@ class Boundary:
             "cuda_allocated": torch.cuda.memory_allocated() if cuda else 0,
             "cuda_reserved": torch.cuda.memory_reserved() if cuda else 0,
             "at": time.time(),
+            **process_groups(torch),
             **report,
         }
         req = self._read_request()  # read before HELD is written: criuctl freezes only after
@@ -264,6 +265,27 @@ class Boundary:
             os.path.join(req["out"], contract.STATE_INDEX.format(rank=r)), {**index, "objects": objects}
         )
         self.hold(req["id"], {"saved": os.path.basename(path), "bytes": size})
+
+
+def process_groups(torch: Any) -> dict[str, Any]:
+    """The job's torch.distributed process groups (backend, size, NCCL version), and its NCCL_*
+    settings: criuctl refuses to checkpoint NCCL communicators through the driver (criuctl.gpu.nccl)."""
+    dist = getattr(torch, "distributed", None)
+    try:
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            return {}
+        groups = []
+        for pg in list(dist.distributed_c10d._world.pg_map):  # every group the job made, WORLD first
+            entry: dict[str, Any] = {"backend": str(dist.get_backend(pg)), "size": pg.size()}
+            if entry["backend"] == "nccl":
+                version = torch.cuda.nccl.version()
+                entry["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+            groups.append(entry)
+    except Exception as exc:  # a torch whose internals moved: report nothing rather than fail the hold
+        log(f"cannot list the process groups: {exc!r}")
+        return {}
+    nccl_env = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
+    return {"groups": groups, "nccl_env": nccl_env}
 
 
 def rank() -> str:
