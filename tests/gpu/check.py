@@ -232,6 +232,25 @@ def driver_codes() -> dict:
     return codes
 
 
+def nccl_refused() -> None:
+    """A job holding an NCCL communicator is refused before the driver's lock, and trains on."""
+    job = Job.run("gpu-nccl-refused", "train_gpu.py", *ARGS, "--nccl", "--step-time", "0.05")
+    try:
+        job.wait_for_step(15, timeout=180)
+        r = criuctl("dump", "gpu-nccl-refused", "-o", "/tmp/criuctl-gpu-nccl-refused")
+        code = job.wait(300)
+        line = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
+        ok = r.returncode != 0 and "NCCL process group" in line and code == 0 and job.final is not None
+        record(
+            "one-rank NCCL job refused",
+            ok,
+            f"{line[:400]}; the job ended with {code}",
+            stderr=r.stderr[-2000:],
+        )
+    finally:
+        job.kill()
+
+
 def between_agents(ref: Reference, mode: str) -> None:
     """The job moved by `criuctl migrate` between two agents on this host (same GPU, two netns)."""
     from tests.cluster import Cluster
@@ -313,7 +332,12 @@ def main() -> int:
         lambda: Reference("gpu-nccl-ref", "train_gpu.py", *ARGS, "--nccl", "--step-time", "0"),
     )
     if nccl_ref:
-        stage("one-rank NCCL job", lambda: moved_through_driver(nccl_ref, "nccl", {}, "--nccl"))
+        stage("one-rank NCCL job refused", nccl_refused)
+        try_env = {"CRIUCTL_NCCL_TRY": "1"}
+        stage(
+            "one-rank NCCL job, driver tries",
+            lambda: moved_through_driver(nccl_ref, "nccl", try_env, "--nccl"),
+        )
     path = write_results(env, codes)
     print(f"\nresults: {path}  (python bench/gpu_table.py {path} makes the table)")
     print("\n| check | result | detail |\n| --- | --- | --- |")
