@@ -128,6 +128,7 @@ def moved_through_driver(ref: Reference, tag: str, env: dict[str, str], *extra: 
             restore_and_run_s=round(time.monotonic() - t, 3),
             rss_bytes=m.get("rss_bytes"),
             cuda_bytes=(m.get("boundary") or {}).get("cuda_bytes"),
+            device_bytes=gpu.get("device_bytes"),
             losses_before=job.steps,
             losses_after=restored.steps,
             reference_losses=ref.steps,
@@ -232,6 +233,40 @@ def driver_codes() -> dict:
     return codes
 
 
+def cache_emptied() -> None:
+    """What the hook's empty_cache() at the boundary saves the driver: the same job with a 4 GiB
+    temporary buffer each step, freed (the boundary releases it from the cache) or kept alive."""
+    out = {}
+    for kept in (False, True):
+        name = f"gpu-scratch-{'kept' if kept else 'freed'}"
+        bundle = Path(f"/tmp/criuctl-{name}")
+        subprocess.run(["rm", "-rf", str(bundle)], check=False)
+        flags = ("--scratch-mib", "4096", *(("--scratch-keep",) if kept else ()))
+        job = Job.run(name, "train_gpu.py", *ARGS, *flags, "--step-time", "0.05")
+        try:
+            job.wait_for_step(5, timeout=180)
+            r = criuctl("dump", name, "-o", str(bundle))
+            if r.returncode != 0:
+                record(f"boundary empty_cache ({name})", False, r.stderr.strip()[-600:])
+                return
+            gpu = manifest(bundle).get("gpu") or {}
+            out[kept] = (float(gpu.get("checkpoint_s") or 0), int(gpu.get("device_bytes") or 0))
+        finally:
+            job.kill()
+            subprocess.run(["rm", "-rf", str(bundle)], check=False)
+    (freed_s, freed_b), (kept_s, kept_b) = out[False], out[True]
+    record(
+        "boundary empty_cache",
+        True,
+        f"a 4 GiB buffer freed each step: lock+checkpoint {freed_s:.2f} s, {freed_b / 2**30:.2f} GiB moved; "
+        f"kept alive: {kept_s:.2f} s, {kept_b / 2**30:.2f} GiB",
+        freed_checkpoint_s=freed_s,
+        freed_device_bytes=freed_b,
+        kept_checkpoint_s=kept_s,
+        kept_device_bytes=kept_b,
+    )
+
+
 def nccl_refused() -> None:
     """A job holding an NCCL communicator is refused before the driver's lock, and trains on."""
     job = Job.run("gpu-nccl-refused", "train_gpu.py", *ARGS, "--nccl", "--step-time", "0.05")
@@ -310,7 +345,8 @@ def main() -> int:
         stage("without the UUID map", lambda: moved_through_driver(ref, "nomap", {"CRIUCTL_CUDA_REMAP": "0"}))
     stage("state pre-dump", state_predump)
     if m and m.get("gpu") and m.get("boundary"):
-        held = int(m["boundary"].get("cuda_bytes") or 0)
+        # what the checkpoint moved (RSS growth), else what the trainers still had allocated
+        held = int(m["gpu"].get("device_bytes") or m["boundary"].get("cuda_bytes") or 0)
         pageable, pinned = copy_bandwidth(held)
         took = float(m["gpu"]["checkpoint_s"])
         record(
@@ -324,6 +360,7 @@ def main() -> int:
             d2h_pageable_gbs=round(pageable, 2),
             d2h_pinned_gbs=round(pinned, 2),
         )
+    stage("boundary empty_cache", cache_emptied)
     if ref:
         for mode in ("stop-and-copy", "post-copy"):
             stage(f"migrate between agents ({mode})", lambda mode=mode: between_agents(ref, mode))

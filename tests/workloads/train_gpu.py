@@ -19,6 +19,8 @@ p.add_argument("--width", type=int, default=2048)
 p.add_argument("--layers", type=int, default=4)
 p.add_argument("--show-state", action="store_true", help="print AdamW's step count after each step")
 p.add_argument("--nccl", action="store_true", help="DDP over a world of one NCCL rank: a real communicator")
+p.add_argument("--scratch-mib", type=int, default=0, help="a temporary device buffer each step (activations)")
+p.add_argument("--scratch-keep", action="store_true", help="keep it alive: not freeable at the boundary")
 a = p.parse_args()
 
 torch.use_deterministic_algorithms(True)
@@ -54,7 +56,12 @@ if a.nccl:  # every backward all-reduces through NCCL, as a multi-GPU job's does
 opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
 sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=a.steps)
 w = torch.randn(a.width, 1, device=dev) / a.width**0.5
+kept = None
 for step in range(a.steps):
+    if a.scratch_mib:  # freed at the end of the step, it stays in the caching allocator's pool
+        scratch = torch.ones(a.scratch_mib << 20, dtype=torch.uint8, device=dev)
+        kept = scratch if a.scratch_keep else None
+        del scratch
     x = torch.randn(64, a.width, device=dev)
     y = torch.sin(x @ w)
     with torch.autocast("cuda", dtype=torch.bfloat16):
