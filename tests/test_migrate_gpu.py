@@ -83,7 +83,7 @@ def test_a_target_without_the_jobs_gpu_model_is_refused_before_anything_is_froze
     with _gpu_cluster(tmp_path, gpus, b=b) as c:
         _gpu_job_on_a(c, gpus)
         line = _failed(c.migrate("gpujob", "b"))
-        assert f"the job ({H200}) needs 1 × {H200} but this node has {has}" in line, line
+        assert f"the job ({H200}) needs 1 × {H200} but the target node has {has}" in line, line
         assert "nothing was frozen" in line, line
         assert gpus.driver_calls() == [], "the driver was asked to lock a job that could not move"
         assert_ran_once(c, "gpujob", mlp_ref, "a")

@@ -113,7 +113,8 @@ def check_target(pids: list[int], target: list[gpus.GpuInfo]) -> None:
     if users:
         used = _facts(users)
         try:
-            gpus.plan_gpu_map([_info(d) for d in used], target, what=f"the job ({_describe(used)})")
+            what = f"the job ({_describe(used)})"
+            gpus.plan_gpu_map([_info(d) for d in used], target, what=what, where="the target node")
         except gpus.GpuMismatch as exc:
             exc.hint += "; nothing was frozen, the job keeps running"
             raise
