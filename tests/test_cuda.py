@@ -528,9 +528,19 @@ def test_a_standin_context_keeps_its_state_in_the_jobs_memory(fake_libs, tmp_pat
         text=True,
         env={**os.environ, **gpus.job_env(Gpu(H200, A))},
     )
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(job.stdout.readline, "")), daemon=True).start()
+
+    def until(what: str, after: int = 0) -> int:
+        deadline = time.monotonic() + 10
+        while not any(x.startswith(what) for x in lines[after:]):
+            assert time.monotonic() < deadline, f"the job never printed {what!r}: {lines[-5:]}"
+            time.sleep(0.01)
+        return next(i for i, x in enumerate(lines) if i >= after and x.startswith(what))
+
     try:
-        assert job.stdout.readline() == f"gpu {A}\n"
-        child = int(job.stdout.readline().split()[1])
+        assert lines[until("gpu ")] == f"gpu {A}\n"
+        child = int(lines[until("child ")].split()[1])
         driver = cuda.Driver.load()
         assert cudasteps.cuda_processes(driver, [job.pid, child]) == [job.pid]
         rss = psutil.Process(job.pid).memory_info().rss
@@ -538,18 +548,16 @@ def test_a_standin_context_keeps_its_state_in_the_jobs_memory(fake_libs, tmp_pat
         assert driver.state(job.pid) is ProcessState.CHECKPOINTED
         grown = psutil.Process(job.pid).memory_info().rss - rss
         assert 15 * 2**20 < grown < 20 * 2**20, f"the 16 MiB of device memory's host copy: {grown}"
-        job.stdout.readline()  # a call that began before the lock may still print
-        stuck = []
-        reader = threading.Thread(target=lambda: stuck.append(job.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(0.5)
-        assert not stuck, f"the job ran a CUDA call while checkpointed: {stuck}"
+        time.sleep(0.3)  # a call that began before the lock may still print
+        held = len(lines)
+        time.sleep(0.5)
+        assert lines[held:] == [], f"the job ran a CUDA call while checkpointed: {lines[held:]}"
         with pytest.raises(CudaError, match="CUDA_ERROR_INVALID_VALUE"):  # A is not on this node
             cudasteps.resume(driver, [job.pid])
         cudasteps.resume(driver, [job.pid], {A: B})
-        reader.join(5)
-        assert stuck == [f"gpu {B}\n"], stuck  # the blocked call went on, on the new GPU
-        assert job.stdout.readline().startswith("call ")
+        moved = until("gpu ", held)
+        assert lines[moved] == f"gpu {B}\n"  # the blocked call went on, on the new GPU
+        until("call ", moved)
         assert driver.state(job.pid) is ProcessState.RUNNING
         assert not (tmp_path / str(job.pid)).exists(), "context state must not be kept in files"
     finally:
