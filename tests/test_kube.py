@@ -303,6 +303,47 @@ def test_refused_without_memory_on_the_target(running) -> None:
         k("delete", "pod", "filler", "--grace-period=1")
 
 
+def _advertise(k: Kubectl, node: str, resource: str, count: int | None) -> None:
+    """A node's device plugin resource, as a device plugin would report it (None: none at all)."""
+    value = None if count is None else str(count)
+    status = {"status": {"capacity": {resource: value}, "allocatable": {resource: value}}}
+    k("patch", "node", node, "--subresource=status", "--type=merge", "-p", json.dumps(status))
+    deadline = time.monotonic() + 30
+    while (k.get("node", node) or {})["status"].get("allocatable", {}).get(resource) != value:
+        assert time.monotonic() < deadline, f"node {node} did not take {resource}={value}"
+        time.sleep(0.5)
+
+
+def test_a_gpu_pod_is_refused_where_no_gpu_is_free_and_moves_where_one_is(running) -> None:
+    """A pod that requests nvidia.com/gpu: its placeholder asks the target for one too, so a target
+    whose GPUs are all taken (here: none advertised free) is refused before anything is made, in one
+    line; one with a free GPU gets the placeholder, and the pod moves. (No device plugin here: the
+    nodes advertise the resource as one would; the job itself is a CPU job.)"""
+    lay, k = running
+    gpu = "nvidia.com/gpu"
+    _advertise(k, "a", gpu, 1)
+    _advertise(k, "b", gpu, 0)
+    pod = training_pod("gpu-steady", steps=100000, node="a")
+    pod["spec"]["containers"][0]["resources"]["limits"] = {gpu: "1"}
+    moved = None
+    try:
+        k.apply(pod)
+        k.wait_running("gpu-steady")
+        assert _refused(lay, k, "gpu-steady", "b").endswith(
+            f"node b has 0 {gpu} free; pod gpu-steady needs 1: pick a node with a free {gpu} "
+            "(`kubectl describe node`) or free one there; nothing was changed"
+        )
+        _advertise(k, "b", gpu, 1)
+        moved = migrate_pod(lay, k, "gpu-steady", "b")
+        placed = k.get("pod", moved)
+        assert placed is not None and placed["spec"]["nodeName"] == "b"
+        assert placed["spec"]["containers"][0]["resources"]["limits"][gpu] == "1"
+    finally:
+        k("delete", "pod", "gpu-steady", *([moved] if moved else []), "--grace-period=1", "--wait=false")
+        _advertise(k, "a", gpu, None)
+        _advertise(k, "b", gpu, None)
+
+
 def test_refuses_pods_whose_controller_would_not_bring_them_back(running) -> None:
     """The PyTorchJob CRD is the stand-in operator's (`up` installs it); this job has no pod
     templates, so the stand-in creates no pods for it (it marks it failed validation): the worker

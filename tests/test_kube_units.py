@@ -242,3 +242,25 @@ def test_a_moves_breakdown_is_the_time_between_its_stamped_steps_in_order(monkey
         ("running", 1.25),
     ]
     assert moves.Move("default", "w-0", "uid", "b", "pytorch", moves.Phase.KEPT).breakdown() == []
+
+
+def test_a_pods_device_plugin_resources_are_counted_against_the_target_nodes() -> None:
+    """A GPU pod's placeholder asks the target for the same nvidia.com/gpu: what the node's allocatable
+    less its pods' requests leaves is what it can give (a limit alone counts as the request)."""
+    from criuctl.kube import podplan
+
+    def pod(**resources: str) -> dict:
+        return {"spec": {"containers": [{"resources": {"limits": resources}}, {"resources": {}}]}}
+
+    gpu_pod = pod(**{"nvidia.com/gpu": "2", "memory": "1Gi"})
+    assert podplan.devices(gpu_pod) == ["nvidia.com/gpu"]
+    assert podplan.devices(pod(memory="1Gi")) == [] and podplan.devices(pod(**{"nvidia.com/gpu": "0"})) == []
+    node = {"status": {"allocatable": {"nvidia.com/gpu": "8", "memory": "64Gi"}}}
+    others = [pod(**{"nvidia.com/gpu": "4"}), pod(**{"nvidia.com/gpu": "3", "memory": "2Gi"})]
+    assert podplan.free_allocatable(node, others, ["nvidia.com/gpu", "memory"]) == {
+        "nvidia.com/gpu": 1,
+        "memory": 62 * 2**30,
+    }
+    assert podplan.free_allocatable({"status": {"allocatable": {}}}, [], ["nvidia.com/gpu"]) == {
+        "nvidia.com/gpu": 0
+    }

@@ -73,23 +73,48 @@ def _bytes(q: str | None) -> int:
     return int(parse_quantity(q)) if q else 0
 
 
-def pod_memory(pod: dict) -> int:
+def pod_amount(pod: dict, resource: str) -> int:
+    """What the pod's containers request of `resource` (a limit alone counts as the request, as the
+    API server defaults it)."""
     total = 0
     for c in pod["spec"]["containers"]:
         r = c.get("resources") or {}
-        total += _bytes((r.get("requests") or {}).get("memory") or (r.get("limits") or {}).get("memory"))
+        total += _bytes((r.get("requests") or {}).get(resource) or (r.get("limits") or {}).get(resource))
     return total
 
 
-def free_memory(c: Cluster, node: dict) -> int:
+def pod_memory(pod: dict) -> int:
+    return pod_amount(pod, "memory")
+
+
+def devices(pod: dict) -> list[str]:
+    """The extended resources the pod asks for (nvidia.com/gpu, amd.com/gpu, …): a device plugin's,
+    which a placeholder made from the pod's spec asks the target node for too."""
+    keys = set()
+    for c in pod["spec"]["containers"]:
+        r = c.get("resources") or {}
+        keys |= {k for part in ("requests", "limits") for k in (r.get(part) or {}) if "/" in k}
+    return sorted(k for k in keys if pod_amount(pod, k) > 0)
+
+
+def free_allocatable(node: dict, pods: list[dict], resources: list[str]) -> dict[str, int]:
+    """Of each resource, what the node can still give: its allocatable less what its pods request."""
+    allocatable = node["status"].get("allocatable") or {}
+    return {r: _bytes(allocatable.get(r)) - sum(pod_amount(p, r) for p in pods) for r in resources}
+
+
+def free_on(c: Cluster, node: dict, resources: list[str]) -> dict[str, int]:
     name = node["metadata"]["name"]
     pods = call(
         f"pods on node {name}",
         c.core.list_pod_for_all_namespaces,
         field_selector=f"spec.nodeName={name},status.phase!=Succeeded,status.phase!=Failed",
     ).items
-    used = sum(pod_memory(c.serialize(p)) for p in pods)
-    return _bytes(node["status"]["allocatable"].get("memory")) - used
+    return free_allocatable(node, [c.serialize(p) for p in pods], resources)
+
+
+def free_memory(c: Cluster, node: dict) -> int:
+    return free_on(c, node, ["memory"])["memory"]
 
 
 def next_name(name: str) -> str:
@@ -215,7 +240,16 @@ def plan(c: Cluster, namespace: str, name: str, target: str) -> PodPlan:
     owner = _owned(c, pod, ctr)
     if (r := podvolumes.check(pod, node, *podvolumes.fetch(c, pod))) is not None:
         raise NotMigratable(f"pod {name}: volume {r.volume} {r.what}", f"nothing was changed; {r.hint}")
-    needed, free = pod_memory(pod), free_memory(c, node)
+    wanted = devices(pod)
+    free_now = free_on(c, node, ["memory", *wanted])
+    needed, free = pod_memory(pod), free_now["memory"]
+    for key in wanted:  # the placeholder asks for them too: it would stay Pending without
+        if (asked := pod_amount(pod, key)) > free_now[key]:
+            raise CriuctlError(
+                f"node {target} has {max(0, free_now[key])} {key} free; pod {name} needs {asked}",
+                f"pick a node with a free {key} (`kubectl describe node`) or free one there; "
+                "nothing was changed",
+            )
     status = {s["name"]: s for s in pod["status"].get("containerStatuses", [])}
     cid = (status.get(ctr["name"], {}).get("containerID") or "").partition("://")[2]
     if not cid:
