@@ -28,7 +28,7 @@ from tests.test_boundaries import _wait_paused
 
 pytestmark = [needs_criu, pytest.mark.slow]
 SCRIPT = "train_ddp_nodes.py"
-STEPS = ("--steps", "140", "--step-time", "0.1")
+STEPS = ("--steps", "200", "--step-time", "0.1")  # 20 s: room for a slow CI between the moves
 _REFS: dict[tuple, tuple[dict[int, str], str]] = {}
 
 
