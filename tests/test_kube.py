@@ -339,7 +339,8 @@ def test_a_gpu_pod_is_refused_where_no_gpu_is_free_and_moves_where_one_is(runnin
         assert placed is not None and placed["spec"]["nodeName"] == "b"
         assert placed["spec"]["containers"][0]["resources"]["limits"][gpu] == "1"
     finally:
-        k("delete", "pod", "gpu-steady", *([moved] if moved else []), "--grace-period=1", "--wait=false")
+        gone = ("--grace-period=1", "--wait=false", "--ignore-not-found")  # the move deleted the source
+        k("delete", "pod", "gpu-steady", *([moved] if moved else []), *gone)
         _advertise(k, "a", gpu, None)
         _advertise(k, "b", gpu, None)
 
