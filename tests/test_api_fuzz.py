@@ -93,6 +93,7 @@ BODY = st.one_of(
             "leave_running": JSONISH,
             "cut": JSONISH,
             "readdress": JSONISH,
+            "target_gpus": st.one_of(JSONISH, st.lists(JSONISH, max_size=3)),
             "boundary": JSONISH,
             "live": JSONISH,
             "rules": JSONISH,
