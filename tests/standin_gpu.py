@@ -24,6 +24,7 @@ BUILDS = {
     "cuda": ("fake_libcuda.c", []),
     "cuda_r550": ("fake_libcuda.c", ["-DFAKE_CUDA_NO_CHECKPOINT_API", "-Wno-unused-function"]),
     "nvml": ("fake_nvml.c", []),
+    "libnccl": ("fake_libnccl.c", []),  # named so: the hook finds libnccl by name among its mappings
 }
 
 

@@ -647,7 +647,7 @@ def test_a_job_with_an_nccl_group_is_refused_with_how_to_run_it(monkeypatch):
         "nothing was frozen, the job keeps running"
     )
     new = nccl.refusal([_held({"backend": "nccl", "size": 8, "nccl": "2.29.7"}, NCCL_NVLS_ENABLE="0")])
-    assert new is not None and "criuctl does not suspend NCCL communicators yet" in new.what
+    assert new is not None and "the job's hook did not suspend its communicators" in new.what
     assert "NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 (" in new.hint and "NVLS_ENABLE" not in new.hint
     off = {"NCCL_NVLS_ENABLE": "0", "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
     settled = nccl.refusal([_held({"backend": "nccl", "size": 1, "nccl": "2.30.7"}, **off)])
@@ -680,3 +680,151 @@ def test_the_hook_reports_the_jobs_process_groups_and_nccl_settings(monkeypatch)
         dist.destroy_process_group()
     assert report["groups"] == [{"backend": "gloo", "size": 1}, {"backend": "gloo", "size": 1}]
     assert report["nccl_env"]["NCCL_NVLS_ENABLE"] == "0"
+
+
+def test_suspended_communicators_go_to_the_driver_and_peers_need_the_settings(monkeypatch):
+    """A trainer whose every NCCL communicator the hook suspended is not refused: alone in its world
+    at once; with peers only once the job keeps out what the suspension leaves (NVLS, CUDA IPC, SHM)."""
+    from criuctl.gpu import nccl
+
+    monkeypatch.delenv("CRIUCTL_NCCL_TRY", raising=False)
+    done = {"groups": 2, "suspended": 1, "skipped": 1, "how": "ncclCommSuspend", "error": ""}
+    one = {"backend": "nccl", "size": 1, "nccl": "2.29.7"}
+    assert nccl.refusal([{**_held(one, one), "nccl_suspend": done}]) is None
+    eight = {"backend": "nccl", "size": 8, "nccl": "2.30.7"}
+    peers = nccl.refusal([{**_held(eight, one, NCCL_P2P_DISABLE="1"), "nccl_suspend": done}])
+    assert peers is not None
+    assert peers.line() == (
+        "rank 0 (PID 4242) holds 2 NCCL process group(s) (NCCL 2.30.7) with peers; suspending them leaves "
+        "NVLS multicast buffers, shared-memory transport buffers, which the CUDA driver cannot checkpoint: "
+        "run the job with NCCL_NVLS_ENABLE=0 NCCL_SHM_DISABLE=1, or move it with `criuctl dump --state`; "
+        "nothing was frozen, the job keeps running"
+    )
+    off = {"NCCL_NVLS_ENABLE": "0", "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
+    assert nccl.refusal([{**_held(eight, one, **off), "nccl_suspend": done}]) is None
+    failed = nccl.refusal([{**_held(one), "nccl_suspend": {**done, "error": "ncclCommSuspend returned 5"}}])
+    assert failed is not None and "suspending them failed: ncclCommSuspend returned 5" in failed.what
+    half = nccl.refusal([{**_held(one, one), "nccl_suspend": {**done, "skipped": 0}}])
+    assert half is not None and "only 1 of 2 were suspended" in half.what
+
+
+class _Backend:
+    """A STAND-IN for torch's ProcessGroupNCCL backend (no NCCL on a CPU host): its communicator
+    pointer (`_comm_ptr`, torch 2.4+), or torch 2.12's suspend()/resume() when `native` is a list."""
+
+    def __init__(self, comm: int | None, native: list | None = None):
+        self.comm = comm
+        if native is not None:
+            self.suspend = lambda: native.append(("suspend", comm))
+            self.resume = lambda: native.append(("resume", comm))
+
+    def _comm_ptr(self) -> int:
+        if self.comm is None:
+            raise RuntimeError("NCCL communicator not initialized")  # torch's words for a lazy one
+        return self.comm
+
+
+class _Group:
+    def __init__(self, backend: str, size: int, impl: _Backend | None = None):
+        self.backend, self._size, self.impl = backend, size, impl
+
+    def size(self) -> int:
+        return self._size
+
+    def _get_backend(self, device: object) -> _Backend | None:
+        return self.impl
+
+
+def _torch_with(*groups: _Group):
+    """A STAND-IN for the part of torch the hook's NCCL suspension reads: the process groups."""
+    from types import SimpleNamespace
+
+    dist = SimpleNamespace(
+        is_available=lambda: True,
+        is_initialized=lambda: True,
+        get_backend=lambda pg: pg.backend,
+        distributed_c10d=SimpleNamespace(_world=SimpleNamespace(pg_map={g: None for g in groups})),
+    )
+    return SimpleNamespace(
+        distributed=dist, device=lambda *a: a, cuda=SimpleNamespace(current_device=lambda: 0)
+    )
+
+
+@pytest.fixture
+def libnccl(fake_libs, tmp_path, monkeypatch) -> Path:
+    """The stand-in libnccl loaded into this process, as torch's is into a job's; its call log."""
+    import ctypes
+
+    ctypes.CDLL(str(fake_libs["libnccl"]))
+    log = tmp_path / "nccl.log"
+    monkeypatch.setenv("FAKE_NCCL_LOG", str(log))
+    monkeypatch.delenv("FAKE_NCCL_VERSION", raising=False)
+    monkeypatch.delenv("FAKE_NCCL_SUSPEND_RC", raising=False)
+    return log
+
+
+def test_the_hook_suspends_each_created_communicator_through_the_loaded_libnccl(libnccl, monkeypatch):
+    """Through ctypes on the libnccl the process loaded: every created communicator suspended with
+    NCCL_SUSPEND_MEM, a lazy one skipped, a gloo group left alone; resumed in the same order, and
+    criuctl lets the driver checkpoint the trainer."""
+    from criuctl.gpu import nccl
+    from criuctl_hook import nccl as hook_nccl
+
+    torch = _torch_with(
+        _Group("gloo", 1),
+        _Group("nccl", 1, _Backend(0x1234)),
+        _Group("nccl", 1, _Backend(None)),
+        _Group("nccl", 1, _Backend(0x5678)),
+    )
+    done = hook_nccl.suspend(torch)
+    report = done.report()["nccl_suspend"]
+    assert report == {"groups": 3, "suspended": 2, "skipped": 1, "how": "ncclCommSuspend", "error": ""}
+    assert libnccl.read_text().split("\n")[:-1] == ["suspend 0x1234 1", "suspend 0x5678 1"]
+    done.resume()
+    assert libnccl.read_text().split("\n")[2:-1] == ["resume 0x1234", "resume 0x5678"]
+    groups = [{"backend": "nccl", "size": 1, "nccl": "2.29.7"}] * 3
+    assert nccl.refusal([{**_held(*groups), "nccl_suspend": report}]) is None
+
+
+def test_the_hook_says_why_it_could_not_suspend_and_criuctl_refuses(libnccl, monkeypatch):
+    """An NCCL older than 2.29.7 is not called at all; a suspension NCCL refuses is reported with its
+    code; either way criuctl refuses in one line, and the communicators suspended so far resume."""
+    from criuctl.gpu import nccl
+    from criuctl_hook import nccl as hook_nccl
+
+    monkeypatch.delenv("CRIUCTL_NCCL_TRY", raising=False)
+    torch = _torch_with(_Group("nccl", 1, _Backend(0x1234)))
+    monkeypatch.setenv("FAKE_NCCL_VERSION", "22805")
+    old = hook_nccl.suspend(torch)
+    assert old.report()["nccl_suspend"]["error"] == "NCCL 22805 has no ncclCommSuspend (2.29.7, code 22907)"
+    assert not libnccl.exists()  # nothing was called
+    refused = nccl.refusal([{**_held({"backend": "nccl", "size": 1, "nccl": "2.28.5"}), **old.report()}])
+    assert refused is not None and "NCCL 2.28.5 cannot suspend a communicator" in refused.what
+
+    monkeypatch.setenv("FAKE_NCCL_VERSION", "22907")
+    monkeypatch.setenv("FAKE_NCCL_SUSPEND_RC", "5")
+    failed = hook_nccl.suspend(
+        _torch_with(_Group("nccl", 1, _Backend(0x42)), _Group("nccl", 1, _Backend(0x43)))
+    )
+    assert (
+        failed.report()["nccl_suspend"]["error"] == "RuntimeError: ncclCommSuspend returned 5 (invalid usage)"
+    )
+    assert failed.report()["nccl_suspend"]["suspended"] == 0  # the first refused: the second was not asked
+    refused = nccl.refusal([{**_held({"backend": "nccl", "size": 1, "nccl": "2.29.7"}), **failed.report()}])
+    assert (
+        refused is not None
+        and "suspending them failed: RuntimeError: ncclCommSuspend returned 5" in refused.what
+    )
+
+
+def test_the_hook_prefers_torchs_own_suspend(libnccl):
+    """torch 2.12's ProcessGroupNCCL.suspend()/resume() when the backend has them: no ctypes call."""
+    from criuctl_hook import nccl as hook_nccl
+
+    calls: list = []
+    done = hook_nccl.suspend(_torch_with(_Group("nccl", 2, _Backend(0x99, native=calls))))
+    assert done.report()["nccl_suspend"]["how"] == "ProcessGroupNCCL.suspend"
+    done.resume()
+    assert calls == [("suspend", 0x99), ("resume", 0x99)]
+    assert not libnccl.exists()
+    assert hook_nccl.suspend(_torch_with(_Group("gloo", 2))).report() == {}  # no NCCL: nothing to say

@@ -66,6 +66,7 @@ class StepBoundary:
     waited_s: float
     cuda_bytes: int = 0  # device memory the held trainers still had allocated
     why: str = ""  # why not every trainer stopped at a boundary
+    nccl_suspended: int = 0  # NCCL communicators the held trainers suspended (hooks/criuctl_hook/nccl.py)
 
 
 @dataclass

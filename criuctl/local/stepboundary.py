@@ -51,8 +51,20 @@ class Reached:
 
     def facts(self) -> bundle.StepBoundary:
         """What the manifest keeps of it."""
+        suspended = sum(
+            int((r.get("nccl_suspend") or {}).get("suspended", 0))
+            for r in self.reports
+            if isinstance(r.get("nccl_suspend"), dict)
+        )
         return bundle.StepBoundary(
-            self.request_id, self.trainers, self.held, self.step, self.waited_s, self.cuda_bytes, self.why
+            self.request_id,
+            self.trainers,
+            self.held,
+            self.step,
+            self.waited_s,
+            self.cuda_bytes,
+            self.why,
+            nccl_suspended=suspended,
         )
 
     @property

@@ -198,12 +198,19 @@ class Boundary:
         else:
             self.hold(req["id"], {})
 
-    def hold(self, request_id: str, report: dict) -> None:
-        """Stop here until criuctl is done with the request; report what this process holds."""
+    def hold(self, request_id: str, report: dict, *, suspend_nccl: bool = True) -> None:
+        """Stop here until criuctl is done with the request; report what this process holds. For a
+        freeze (not a state save), the NCCL communicators' own device memory is released first, so
+        that the driver's checkpoint need not carry it, and allocated again on the way out."""
+        from criuctl_hook import nccl
+
         torch = self.torch
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        suspension = nccl.Suspension()
         if cuda:
             torch.cuda.synchronize()
+            if suspend_nccl:
+                suspension = nccl.suspend(torch)
             torch.cuda.empty_cache()
         held = {
             "id": request_id,
@@ -214,6 +221,7 @@ class Boundary:
             "cuda_reserved": torch.cuda.memory_reserved() if cuda else 0,
             "at": time.time(),
             **process_groups(torch),
+            **suspension.report(),
             **report,
         }
         req = self._read_request()  # read before HELD is written: criuctl freezes only after
@@ -233,6 +241,7 @@ class Boundary:
             time.sleep(_HOLD_POLL)
         # Released: criuctl thawed us (the request is gone), or this is the restored copy (the
         # target wrote RELEASED; the request may still be there if the source shares this path).
+        suspension.resume()
         with contextlib.suppress(OSError):
             os.unlink(mine)
         self._register()
@@ -264,7 +273,7 @@ class Boundary:
         _write_json(
             os.path.join(req["out"], contract.STATE_INDEX.format(rank=r)), {**index, "objects": objects}
         )
-        self.hold(req["id"], {"saved": os.path.basename(path), "bytes": size})
+        self.hold(req["id"], {"saved": os.path.basename(path), "bytes": size}, suspend_nccl=False)
 
 
 def process_groups(torch: Any) -> dict[str, Any]:

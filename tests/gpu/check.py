@@ -8,8 +8,9 @@
 4. the time the driver took to move the job's device memory to host memory, against a plain
    device-to-host copy of the same size measured here;
 5. what the driver returns for each case the stand-in driver claims to reproduce (tests/gpu/probe.py);
-6. a job with a real NCCL communicator (DDP over a world of one NCCL rank): refused at the step
-   boundary, then through the driver with CRIUCTL_NCCL_TRY=1;
+6. a job with a real NCCL communicator (DDP over a world of one NCCL rank): with NCCL 2.29.7+,
+   suspended by the hook at the step boundary, checkpointed, restored and resumed, loss for loss;
+   with an older NCCL, refused in one line, then through the driver with CRIUCTL_NCCL_TRY=1;
 7. what the boundary's empty_cache() saves the driver.
 
 Not here: a move between two agents. On a GPU node `criuctl run` keeps the node's PIDs (CUDA reads
@@ -289,6 +290,27 @@ def nccl_refused() -> None:
         job.kill()
 
 
+def nccl_moved(ref: Reference) -> None:
+    """NCCL 2.29.7+: the hook suspends the communicator at the boundary, the driver checkpoints the
+    rest, the restored job resumes it and trains on, loss for loss. Older: refused in one line, then
+    moved anyway with CRIUCTL_NCCL_TRY=1 (what the driver does with a live communicator)."""
+    import torch
+
+    version = tuple(torch.cuda.nccl.version())
+    if version >= (2, 29, 7):
+        m = moved_through_driver(ref, "nccl", {}, "--nccl")
+        suspended = int(((m or {}).get("boundary") or {}).get("nccl_suspended") or 0)
+        record(
+            "NCCL communicator suspended at the boundary",
+            suspended >= 1,
+            f"NCCL {'.'.join(map(str, version))}: {suspended} communicator(s) suspended by the hook",
+            nccl_suspended=suspended,
+        )
+        return
+    nccl_refused()
+    moved_through_driver(ref, "nccl-try", {"CRIUCTL_NCCL_TRY": "1"}, "--nccl")
+
+
 def write_results(env: dict[str, object], codes: dict | None) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / "gpu-check.json"
@@ -340,12 +362,7 @@ def main() -> int:
         lambda: Reference("gpu-nccl-ref", "train_gpu.py", *ARGS, "--nccl", "--step-time", "0"),
     )
     if nccl_ref:
-        stage("one-rank NCCL job refused", nccl_refused)
-        try_env = {"CRIUCTL_NCCL_TRY": "1"}
-        stage(
-            "one-rank NCCL job, driver tries",
-            lambda: moved_through_driver(nccl_ref, "nccl", try_env, "--nccl"),
-        )
+        stage("one-rank NCCL job", lambda: nccl_moved(nccl_ref))
     path = write_results(env, codes)
     print(f"\nresults: {path}  (python bench/gpu_table.py {path} makes the table)")
     print("\n| check | result | detail |\n| --- | --- | --- |")

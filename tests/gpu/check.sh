@@ -4,8 +4,8 @@
 #   there: bash tests/gpu/check.sh                    # device tool: carry [".gpu-carry"]
 # Runs tests/gpu/check.py (driver API + CRIU dump/restore of a training job, with and without the
 # GPU UUID map; the state pre-dump; device-to-host copy time; the driver-code probe; a one-rank NCCL
-# job: refused, then with CRIUCTL_NCCL_TRY=1; what the boundary's empty_cache saves) in under 7
-# minutes. Writes every raw result to
+# job: suspended by the hook and moved (NCCL 2.29.7+), else refused, then with CRIUCTL_NCCL_TRY=1;
+# what the boundary's empty_cache saves) in under 7 minutes. Writes every raw result to
 # gpu-check.json ($OUT under the device tool: commit it as bench/results/gpu-check.json; then
 # `python bench/gpu_table.py` makes docs/benchmarks.md's table). Exits non-zero if any check failed.
 set -uo pipefail
