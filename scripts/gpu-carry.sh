@@ -18,6 +18,10 @@ ldd "$criu" | awk '/=> \// {print $3}' | while read -r lib; do
 done
 pycriu=$(.venv/bin/python -c 'import os, pycriu; print(os.path.dirname(pycriu.__file__))')
 cp -r "$pycriu" "$dir/site/"
+# the wheels of criuctl's own dependencies that the GPU image lacks (blake3), for its Python 3.12
+mkdir -p "$dir/wheels"
+.venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$dir/wheels" blake3
 git describe --always --dirty > "$dir/COMMIT" 2>/dev/null || echo unknown > "$dir/COMMIT"  # check.py records it
 find "$dir" -name __pycache__ -prune -exec rm -rf {} +
 grep -qxF "/$dir/" .git/info/exclude 2>/dev/null || echo "/$dir/" >> .git/info/exclude

@@ -331,6 +331,7 @@ def main() -> int:
         "driver API probe (pytest)",
         r.returncode == 0,
         r.stdout.strip().splitlines()[-1] if r.stdout else r.stderr[-300:],
+        output=(r.stdout + r.stderr)[-3000:],
     )
     codes = stage("driver codes", driver_codes)
     ref = stage(

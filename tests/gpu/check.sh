@@ -31,6 +31,9 @@ echo "== host: $(uname -r); $(nvidia-smi --query-gpu=name,driver_version,memory.
 echo "== criu: $("$CRIUCTL_CRIU" --version 2>&1 | head -1); python: $($py -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1)"
 echo "== network lock: ${CRIUCTL_NETWORK_LOCK:-nftables}"
 # the namespace init runs as `python -I -m criuctl.core.nsinit` (no PYTHONPATH): criuctl must be installed
+for whl in "$carry"/wheels/*.whl; do  # criuctl's dependencies the image lacks (gpu-carry.sh)
+  [ -e "$whl" ] && "$py" -m pip install -q --no-deps --no-index "$whl" 2>&1 | tail -1
+done
 "$py" -c 'import criuctl' 2>/dev/null && "$py" -I -c 'import criuctl' 2>/dev/null ||
   "$py" -m pip install -q --no-deps --no-build-isolation --no-index "$repo" 2>&1 | tail -2
 "$CRIUCTL_CRIU" check 2>&1 | tail -3
