@@ -390,8 +390,9 @@ CUDA_REMAP: Var[bool] = Var(
 )
 NCCL_TRY: Var[bool] = Var(
     "CRIUCTL_NCCL_TRY",
-    "1: checkpoint a GPU job that holds NCCL communicators through the driver anyway, instead of "
-    "refusing it (criuctl does not suspend them; a driver that refuses is rolled back)",
+    "1: checkpoint a GPU job through the driver even where its NCCL communicators were not all "
+    "suspended (NCCL older than 2.29.7, peers with NVLS/IPC/SHM), instead of refusing it; a driver "
+    "that refuses is rolled back",
     parse=_switch,
     default=False,
     shown="0",

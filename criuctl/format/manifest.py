@@ -67,6 +67,7 @@ class StepBoundary:
     cuda_bytes: int = 0  # device memory the held trainers still had allocated
     why: str = ""  # why not every trainer stopped at a boundary
     nccl_suspended: int = 0  # NCCL communicators the held trainers suspended (hooks/criuctl_hook/nccl.py)
+    cuda_reserved: int = 0  # device memory torch's caching allocator still held after empty_cache()
 
 
 @dataclass

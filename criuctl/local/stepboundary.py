@@ -65,6 +65,7 @@ class Reached:
             self.cuda_bytes,
             self.why,
             nccl_suspended=suspended,
+            cuda_reserved=sum(int(r.get("cuda_reserved") or 0) for r in self.reports),
         )
 
     @property
