@@ -4,6 +4,7 @@ fast, and exact."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -180,3 +181,52 @@ def test_a_helper_leaves_its_containers_cgroups_for_the_roots(tmp_path: Path) ->
         assert cgroups.ROOT.joinpath("cgroup.procs").exists() == (mount == cgroups.ROOT)
     finally:
         box.rmdir()
+
+
+# ------------------------------------------------ the step boundary's control directory in a container
+
+
+def test_a_containers_control_directory_is_never_followed_out_of_it(tmp_path):
+    """criuctl reaches a container's control directory through /proc/PID/root, where everything is
+    the job's to change: a symlink the job planted (the directory itself, `held`, `trainers`,
+    `released`) must not make the node's criuctl read or write outside it (an absolute symlink there
+    resolves on the node), and a report that is not a small regular file is not read."""
+    from criuctl.local import stepboundary as sb
+    from criuctl_hook import contract
+
+    assert containers.control_dir(4242) == "/proc/4242/root/run/criuctl/boundary"
+    host = tmp_path / "host"  # what a job must not reach
+    host.mkdir()
+    (host / "77").write_text(json.dumps({"id": "r1", "rank": "0"}))
+    run = tmp_path / "run"
+    run.mkdir()
+    control = f"/proc/{os.getpid()}/root{run}/boundary"  # this process's root is /: a container's view
+
+    (run / "boundary").symlink_to(host)  # the whole directory
+    with pytest.raises(OSError):
+        sb._write_request(control, b"{}")
+    sb.let_go_on_target(control, "r1")
+    assert sorted(p.name for p in host.iterdir()) == ["77"]
+
+    (run / "boundary").unlink()
+    (run / "boundary").mkdir()
+    for sub in (contract.HELD, contract.TRAINERS, contract.RELEASED):
+        (run / "boundary" / sub).symlink_to(host)
+    assert sb._report(control, "77", "r1") is None  # though host/77 is that very report
+    assert sb._live_trainers(control, os.getpid()) == {}
+    sb.let_go_on_target(control, "r1")
+    assert sorted(p.name for p in host.iterdir()) == ["77"]
+
+    # the same directory, plain: what the hook wrote is read, and criuctl writes where it should
+    for sub in (contract.HELD, contract.TRAINERS, contract.RELEASED):
+        (run / "boundary" / sub).unlink()
+        (run / "boundary" / sub).mkdir()
+    (run / "boundary" / contract.HELD / "77").write_text(json.dumps({"id": "r1", "rank": "0"}))
+    (run / "boundary" / contract.HELD / "78").symlink_to(host / "77")
+    os.mkfifo(run / "boundary" / contract.HELD / "79")  # a reader would block on it
+    assert sb._report(control, "77", "r1") == {"id": "r1", "rank": "0"}
+    assert sb._report(control, "78", "r1") is None and sb._report(control, "79", "r1") is None
+    sb._write_request(control, b'{"id": "r2"}')
+    assert json.loads((run / "boundary" / contract.REQUEST).read_text()) == {"id": "r2"}
+    sb.let_go_on_target(control, "r2")
+    assert (run / "boundary" / contract.RELEASED / "r2").is_file()

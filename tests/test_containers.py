@@ -107,6 +107,10 @@ def test_container_moves_into_a_placeholder(nodes: Nodes, reference, tmp_path, m
     assert rec["container"] == holder.container
     cgroups = Path(f"/proc/{rec['root_pid']}/cgroup").read_text()
     assert f"memory:/k8s.io/{holder.container}" in cgroups, cgroups
+    # It was frozen at a step boundary (its trainer held by the hook, in the container's own /run),
+    # and node b let the restored copy go on, in the placeholder's /run.
+    released = Path(containers.control_dir(rec["root_pid"])) / "released"
+    assert len(list(released.iterdir())) == 1, "the restored trainer was not released at its boundary"
     b = nodes.runtimes["b"]
     code = b.wait_exited(holder.container, timeout=300)
     assert code == 0, holder.log.read_text()[-3000:]

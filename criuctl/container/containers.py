@@ -85,6 +85,12 @@ def why_not(c: Container) -> str | None:
     return None
 
 
+def control_dir(pid: int) -> str:
+    """The step boundary's control directory of the container whose init is host PID `pid`, as the
+    node reaches it (criuctl.local.stepboundary opens what is below the container's root safely)."""
+    return f"/proc/{pid}/root{nsinit.BOUNDARY_DIR}"
+
+
 def workload(c: Container, runtime_endpoint: str) -> workloads.Workload:
     """The workload record for a checkpointable container (written so `resolve` finds it)."""
     w = workloads.load(name_of(c.id))
@@ -101,6 +107,7 @@ def workload(c: Container, runtime_endpoint: str) -> workloads.Workload:
             runtime=runtime_endpoint,
             pod=f"{c.pod_namespace}/{c.pod_name}/{c.name}" if c.pod_name else None,
             pod_uid=c.pod_uid or None,
+            control=control_dir(c.pid),
         )
         workloads.save(w)
     return w

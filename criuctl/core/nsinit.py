@@ -41,6 +41,11 @@ ENV_POD_UID = "CRIUCTL_POD_UID"
 # criuctl_hook.contract.ENV_HOOKS_DIR: this file runs alone in a container, where it cannot import
 # the hook's contract, so the name is written here too (tests/test_env.py checks the two agree).
 ENV_HOOKS_DIR = "CRIUCTL_HOOKS_DIR"
+# criuctl_hook.contract.ENV_CONTROL_DIR, and where a container's trainers keep their control
+# directory: in the container's own /run, which the node's criuctl reaches through /proc/PID/root
+# (criuctl.local.stepboundary.container_control). A placeholder's init keeps its FIFOs beside it.
+ENV_CONTROL_DIR = "CRIUCTL_CONTROL_DIR"
+BOUNDARY_DIR = "/run/criuctl/boundary"
 MOVED_DIR = "moved"
 # In a placeholder container: where the init listens for the restorer ("ctl") and writes the
 # signals it gets ("signals"). The restorer reaches them through /proc/PID/root
@@ -163,12 +168,14 @@ def placeholder(control: str = CONTROL_DIR) -> int:
 
 
 def _hooks_env() -> None:
-    """Put the hook shipped beside this file on PYTHONPATH (a container gets both in one volume)."""
+    """Put the hook shipped beside this file on PYTHONPATH (a container gets both in one volume), and
+    give it its control directory in the container's /run: the step boundary works in a pod too."""
     here = os.path.dirname(os.path.abspath(__file__))
     hooks = os.path.join(here, "hooks")
     if os.path.isdir(os.path.join(hooks, "criuctl_hook")) and ENV_HOOKS_DIR not in os.environ:
         os.environ[ENV_HOOKS_DIR] = hooks
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [hooks, os.environ.get("PYTHONPATH")]))
+        os.environ.setdefault(ENV_CONTROL_DIR, BOUNDARY_DIR)
 
 
 def moved_to() -> str | None:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-from criuctl.container import placeholder
+from criuctl.container import containers, placeholder
 from criuctl.core import faults, procinfo, statedir, workloads
 from criuctl.core.errors import CriuctlError
 from criuctl.engine import criu
@@ -63,7 +63,7 @@ class Restored:
             self.into.tell(f"running {w.name} (host PID {w.root_pid})")
         m = self.manifest
         if m is not None and m.boundary is not None:  # a trainer held at its step boundary goes on
-            stepboundary.let_go_on_target(m.control_dir, m.boundary.request_id)
+            stepboundary.let_go_on_target(w.control or "", m.boundary.request_id)
         for pid in procinfo.tree_pids(w.root_pid):  # CRIU's restore lifted its lock and repair mode
             procinfo.send_signal(pid, signal.SIGCONT)
         if m is not None and m.gpu is not None:  # running: the driver's restore thread can work
@@ -209,7 +209,8 @@ def restore_stopped(
         pod_uid=(into.container.pod_uid or None) if into else None,
         pod=_pod_of(into),
         runtime=into.container.runtime if into else None,
-        control=manifest.control_dir or None,
+        # a container's control directory is reached through its init's /proc/PID/root: the new one's
+        control=containers.control_dir(result.pid) if into else (manifest.control_dir or None),
     )
     phases = {"verify": verified, "criu_restore": result.seconds}
     return Restored(w, stdio, result.seconds, lazy, into, manifest, gpu_map, phases=phases)

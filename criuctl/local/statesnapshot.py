@@ -69,6 +69,12 @@ def freeze_state(
             f"workload {w.name!r} was not started with criuctl's hook, so its state cannot be saved",
             "a state dump needs a job started by `criuctl run`; `criuctl dump` without --state works",
         )
+    if w.container:
+        raise CriuctlError(
+            f"workload {w.name!r} is a container: its trainers cannot write their state into this "
+            "node's state directory, so the state pre-dump does not work for it yet",
+            "`criuctl dump` without --state (CRIU, with the step boundary) works for a container",
+        )
     key = bundle.load_key(statedir.key_path())
     lock = locks.lock_workload(w.name, "criuctl dump --state")
     staging = Path(tempfile.mkdtemp(prefix=f".{w.name}.partial-", dir=parent))

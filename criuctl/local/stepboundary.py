@@ -10,6 +10,13 @@ anywhere, the boundary only makes it tidier (and is required by the state pre-du
 Several trainers (DDP ranks in one workload) do not stop at the same step on their own: the first
 to stop holds the others in their next collective. So once one has stopped, the rest get a short
 grace, and the dump goes on with those that did not stop caught inside their step.
+
+A container's trainers keep their control directory in the container's own filesystem
+(`nsinit.BOUNDARY_DIR`, which criuctl's init names to the hook), reached from the node through
+`/proc/PID/root` (`containers.control_dir`). Everything in it is the job's to change, and an
+absolute symlink there would resolve on the node: so every name below the container's root is
+opened without following a symlink (`_opened`, `dir_fd` operations), and a file read must be a
+small regular file.
 """
 
 from __future__ import annotations
@@ -17,16 +24,19 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
+import stat
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
-from criuctl.core import durable, env, procinfo, statedir, workloads
+from criuctl.core import env, procinfo, statedir, workloads
 from criuctl.format import bundle
 from criuctl_hook import contract
 
@@ -88,17 +98,73 @@ def timeout() -> float:
     return env.BOUNDARY_TIMEOUT.get()
 
 
-def _live_trainers(control: Path, root_pid: int) -> dict[str, int]:
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_IN_CONTAINER = re.compile(r"^(/proc/\d+/root)((?:/[^/]+)*)/?$")
+_MOST = 1 << 20  # a report or a request is a few hundred bytes
+
+
+@contextlib.contextmanager
+def _opened(control: str, *sub: str, create: bool = False) -> Iterator[int]:
+    """A descriptor of the control directory (or of `sub` in it), no component below a container's
+    root followed if it is a symlink. OSError when it is not there (or not a plain directory)."""
+    m = _IN_CONTAINER.match(control)
+    base, below = (m.group(1), m.group(2)) if m else (control, "")
+    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in [*filter(None, below.split("/")), *sub]:
+            if create and part in sub:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, 0o700, dir_fd=fd)
+            fd, old = os.open(part, _DIR, dir_fd=fd), fd
+            os.close(old)
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _read(control: str, *path: str) -> bytes:
+    """A small regular file of the control directory; OSError if it is anything else."""
+    *sub, name = path
+    with _opened(control, *sub) as d:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=d)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > _MOST:
+                raise OSError(f"{name} is not a small regular file")
+            return os.read(fd, _MOST)
+        finally:
+            os.close(fd)
+
+
+def _write_request(control: str, data: bytes) -> None:
+    """Replace the request in one rename: the hook never reads half of one."""
+    with _opened(control) as d:
+        tmp = f".{contract.REQUEST}.{os.getpid()}.tmp"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=d)
+        fd = os.open(
+            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=d
+        )
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+        os.replace(tmp, contract.REQUEST, src_dir_fd=d, dst_dir_fd=d)
+
+
+def _live_trainers(control: str, root_pid: int) -> dict[str, int]:
     """Registered trainers still in the tree: the PID they see (namespace) -> host PID."""
     by_ns = {str(procinfo.ns_pid(p)): p for p in procinfo.tree_pids(root_pid)}
-    with contextlib.suppress(FileNotFoundError):
-        return {p.name: by_ns[p.name] for p in (control / contract.TRAINERS).iterdir() if p.name in by_ns}
-    return {}
-
-
-def _report(control: Path, ns_pid: str, request_id: str) -> dict | None:
     try:
-        held = json.loads((control / contract.HELD / ns_pid).read_text())
+        with _opened(control, contract.TRAINERS) as d:
+            return {name: by_ns[name] for name in os.listdir(d) if name in by_ns}
+    except OSError:
+        return {}
+
+
+def _report(control: str, ns_pid: str, request_id: str) -> dict | None:
+    try:
+        held = json.loads(_read(control, contract.HELD, ns_pid))
     except (OSError, ValueError):
         return None
     return held if isinstance(held, dict) and held.get("id") == request_id else None
@@ -110,16 +176,19 @@ def reach(
     """Ask every trainer of `w` to stop at its next step boundary (and, for SAVE, to write its state)."""
     rid = uuid.uuid4().hex
     started = time.monotonic()
-    control = Path(w.control) if w.control else None
+    control = w.control or ""
     trainers = _live_trainers(control, w.root_pid) if control else {}
     if not trainers:
         why = "no process of it has run an optimizer step under criuctl's hook"
         return Reached(rid, 0, 0, None, 0.0, 0, why)
     request = {"id": rid, "mode": mode, **({"out": str(out)} if out else {})}
-    durable.replace(control / contract.REQUEST, json.dumps(request).encode(), 0o644, sync=False)
+    try:
+        _write_request(control, json.dumps(request).encode())
+    except OSError as exc:  # the job took its control directory away: dump it without a boundary
+        return Reached(rid, len(trainers), 0, None, 0.0, 0, f"cannot ask its trainers ({exc})")
     beating = threading.Event()
     beating.set()
-    threading.Thread(target=_heartbeat, args=(control / contract.REQUEST, beating), daemon=True).start()
+    threading.Thread(target=_heartbeat, args=(control, beating), daemon=True).start()
     deadline = started + (timeout() if wait is None else wait)
     reports: dict[str, dict] = {}
     first_seen: float | None = None
@@ -153,13 +222,14 @@ def reach(
     )
 
 
-def _heartbeat(request: Path, beating: threading.Event) -> None:
+def _heartbeat(control: str, beating: threading.Event) -> None:
     """Touch the request while this process holds the trainers: if it dies, they go on by themselves
     once the request is older than the hook's STALE_AFTER (a held job is never left held)."""
     while beating.is_set():
         try:
-            os.utime(request)
-        except FileNotFoundError:
+            with _opened(control) as d:
+                os.utime(contract.REQUEST, dir_fd=d, follow_symlinks=False)
+        except OSError:
             return
         time.sleep(contract.HEARTBEAT)
 
@@ -177,16 +247,18 @@ def let_go(w: workloads.Workload, reached: Reached | None) -> None:
     if reached is None or not w.control:
         return
     reached.beating.clear()
-    with contextlib.suppress(FileNotFoundError):
-        req = json.loads((Path(w.control) / contract.REQUEST).read_text())
+    with contextlib.suppress(OSError, ValueError):
+        req = json.loads(_read(w.control, contract.REQUEST))
         if req.get("id") == reached.request_id:
-            (Path(w.control) / contract.REQUEST).unlink()
+            with _opened(w.control) as d:
+                os.unlink(contract.REQUEST, dir_fd=d)
 
 
 def let_go_on_target(control: str, request_id: str) -> None:
     """On the node that restored a held copy: tell it to go on (the request may still be visible)."""
     if not control or not request_id:
         return
-    d = Path(control) / contract.RELEASED
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    (d / request_id).touch()
+    with contextlib.suppress(OSError), _opened(control, contract.RELEASED, create=True) as d:
+        os.close(
+            os.open(request_id, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=d)
+        )
