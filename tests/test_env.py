@@ -174,6 +174,7 @@ def test_every_variable_the_code_names_is_in_env() -> None:
 
 def test_the_names_of_the_hook_and_the_init_are_the_ones_env_lists() -> None:
     assert nsinit.ENV_HOOKS_DIR == contract.ENV_HOOKS_DIR == env.HOOKS_DIR  # nsinit cannot import it
+    assert nsinit.ENV_CONTROL_DIR == contract.ENV_CONTROL_DIR and nsinit.ENV_WORKLOAD == contract.ENV_WORKLOAD
     hook = (
         contract.ENV_WORKLOAD,
         contract.ENV_CONTROL_DIR,

@@ -430,7 +430,8 @@ NO_WARM_HANDOFF: Var[bool] = Var(
 
 WORKLOAD: Var[str] = Var(
     "CRIUCTL_WORKLOAD",
-    "the workload's name, in its environment (`criuctl run`)",
+    "the workload's name, in its environment (`criuctl run`; in a container, its host name, set by "
+    "criuctl's init)",
     parse=_text,
     default="",
     shown="unset",
@@ -450,7 +451,8 @@ HOOKS_DIR: Var[str] = Var(
 )
 CONTROL_DIR: Var[str] = Var(
     "CRIUCTL_CONTROL_DIR",
-    "where criuctl asks the hook for a step boundary",
+    "where criuctl asks the hook for a step boundary (in a container, /run/criuctl/boundary, set by "
+    "criuctl's init)",
     parse=_text,
     default="",
     shown="unset",

@@ -45,6 +45,7 @@ ENV_HOOKS_DIR = "CRIUCTL_HOOKS_DIR"
 # directory: in the container's own /run, which the node's criuctl reaches through /proc/PID/root
 # (criuctl.local.stepboundary.container_control). A placeholder's init keeps its FIFOs beside it.
 ENV_CONTROL_DIR = "CRIUCTL_CONTROL_DIR"
+ENV_WORKLOAD = "CRIUCTL_WORKLOAD"  # the hook acts only where it is set: the container's host name
 BOUNDARY_DIR = "/run/criuctl/boundary"
 MOVED_DIR = "moved"
 # In a placeholder container: where the init listens for the restorer ("ctl") and writes the
@@ -176,6 +177,7 @@ def _hooks_env() -> None:
         os.environ[ENV_HOOKS_DIR] = hooks
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [hooks, os.environ.get("PYTHONPATH")]))
         os.environ.setdefault(ENV_CONTROL_DIR, BOUNDARY_DIR)
+        os.environ.setdefault(ENV_WORKLOAD, os.uname().nodename or "container")
 
 
 def moved_to() -> str | None:
