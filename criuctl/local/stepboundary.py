@@ -106,15 +106,16 @@ _MOST = 1 << 20  # a report or a request is a few hundred bytes
 @contextlib.contextmanager
 def _opened(control: str, *sub: str, create: bool = False) -> Iterator[int]:
     """A descriptor of the control directory (or of `sub` in it), no component below a container's
-    root followed if it is a symlink. OSError when it is not there (or not a plain directory)."""
+    root followed if it is a symlink; `create`: made where missing (a restored container's /run
+    may not have it yet). OSError when it is not there (or not a plain directory)."""
     m = _IN_CONTAINER.match(control)
     base, below = (m.group(1), m.group(2)) if m else (control, "")
     fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         for part in [*filter(None, below.split("/")), *sub]:
-            if create and part in sub:
+            if create:
                 with contextlib.suppress(FileExistsError):
-                    os.mkdir(part, 0o700, dir_fd=fd)
+                    os.mkdir(part, 0o755, dir_fd=fd)
             fd, old = os.open(part, _DIR, dir_fd=fd), fd
             os.close(old)
         yield fd
