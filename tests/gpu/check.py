@@ -11,7 +11,8 @@
 6. a job with a real NCCL communicator (DDP over a world of one NCCL rank): with NCCL 2.29.7+,
    suspended by the hook at the step boundary, checkpointed, restored and resumed, loss for loss;
    with an older NCCL, refused in one line, then through the driver with CRIUCTL_NCCL_TRY=1;
-7. what the boundary's empty_cache() saves the driver.
+7. what the boundary's empty_cache() saves the driver;
+8. the hook's NCCL suspension called on a live one-rank communicator, outside CRIU.
 
 Not here: a move between two agents. On a GPU node `criuctl run` keeps the node's PIDs (CUDA reads
 /proc by them), and on one host the frozen source still holds them while the target restores; two
@@ -240,7 +241,7 @@ def driver_codes() -> dict:
 def cache_emptied() -> None:
     """What the hook's empty_cache() at the boundary saves the driver: the same job with a 4 GiB
     temporary buffer each step, freed (the boundary releases it from the cache) or kept alive."""
-    out, reserved = {}, {}
+    out, reserved, apps = {}, {}, {}
     for kept in (False, True):
         name = f"gpu-scratch-{'kept' if kept else 'freed'}"
         bundle = Path(f"/tmp/criuctl-{name}")
@@ -249,6 +250,11 @@ def cache_emptied() -> None:
         job = Job.run(name, "train_gpu.py", *ARGS, *flags, "--step-time", "0.05")
         try:
             job.wait_for_step(5, timeout=180)
+            apps[kept] = subprocess.run(
+                ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+            ).stdout.strip()
             r = criuctl("dump", name, "-o", str(bundle))
             if r.returncode != 0:
                 record(f"boundary empty_cache ({name})", False, r.stderr.strip()[-600:])
@@ -272,6 +278,8 @@ def cache_emptied() -> None:
         kept_device_bytes=kept_b,
         freed_cuda_reserved=reserved[False],
         kept_cuda_reserved=reserved[True],
+        freed_nvidia_smi_before=apps[False],
+        kept_nvidia_smi_before=apps[True],
     )
 
 
@@ -292,6 +300,62 @@ def nccl_refused() -> None:
         )
     finally:
         job.kill()
+
+
+# A one-rank NCCL communicator in a process of its own; the hook's suspension called on it directly.
+NCCL_PROBE = r"""
+import json, socket, torch, torch.distributed as dist
+from criuctl_hook import nccl
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+x = torch.ones(1 << 20, device="cuda")
+dist.all_reduce(x)
+torch.cuda.synchronize()
+backend = dist.group.WORLD._get_backend(torch.device("cuda", 0))
+out = {"torch_suspend": callable(getattr(backend, "suspend", None))}
+out["comm_ptr"] = hex(int(backend._comm_ptr())) if hasattr(backend, "_comm_ptr") else None
+lib = nccl.library()
+out["libnccl"] = getattr(lib, "_name", None)
+free = torch.cuda.mem_get_info()[0]
+done = nccl.suspend(torch)
+out["report"] = done.report()
+out["freed_bytes"] = torch.cuda.mem_get_info()[0] - free
+done.resume()
+dist.all_reduce(x)
+torch.cuda.synchronize()
+out["collective_after_resume"] = float(x[0].item())
+dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+def nccl_suspension_probe() -> None:
+    """What the hook's NCCL suspension does on this machine's torch and NCCL, outside CRIU: with
+    NCCL 2.29.7+ it suspends the communicator (its memory given back), resumes it, and a collective
+    works after; older, it finds the loaded libnccl and says why it cannot."""
+    import torch
+
+    r = subprocess.run([sys.executable, "-c", NCCL_PROBE], capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        record("NCCL suspension probe (hook)", False, r.stderr.strip()[-600:])
+        return
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    rep = (out.get("report") or {}).get("nccl_suspend") or {}
+    if tuple(torch.cuda.nccl.version()) >= (2, 29, 7):
+        ok = rep.get("suspended") == 1 and not rep.get("error") and out["collective_after_resume"] == 1.0
+    else:
+        ok = "has no ncclCommSuspend" in str(rep.get("error")) and bool(out.get("libnccl"))
+    record(
+        "NCCL suspension probe (hook)",
+        ok,
+        f"libnccl {out.get('libnccl')}; _comm_ptr {out.get('comm_ptr')}; torch suspend(): "
+        f"{out.get('torch_suspend')}; {json.dumps(rep)}; {out.get('freed_bytes', 0) / 2**20:.0f} MiB freed; "
+        f"all_reduce after resume: {out.get('collective_after_resume')}",
+        **out,
+    )
 
 
 def nccl_moved(ref: Reference) -> None:
@@ -366,6 +430,7 @@ def main() -> int:
         "uninterrupted NCCL run",
         lambda: Reference("gpu-nccl-ref", "train_gpu.py", *ARGS, "--nccl", "--step-time", "0"),
     )
+    stage("NCCL suspension probe (hook)", nccl_suspension_probe)
     if nccl_ref:
         stage("one-rank NCCL job", lambda: nccl_moved(nccl_ref))
     path = write_results(env, codes)
