@@ -284,6 +284,23 @@ def test_placeholder_of_a_read_only_rootfs_gets_a_folder_for_the_inits_fifos() -
     assert mutate.RUN_VOLUME not in json.dumps(plain)
 
 
+def test_a_read_only_rootfs_job_gets_a_folder_for_its_step_boundary() -> None:
+    """The hook keeps its control directory in /run/criuctl (nsinit.BOUNDARY_DIR): a read-only
+    rootfs gets an emptyDir there, once, in the job's pod and in its placeholder alike."""
+    ro = {**TRAIN, "securityContext": {"readOnlyRootFilesystem": True}}
+    wrapped = mutate.wrap(pod(ro))
+    (c,) = wrapped["spec"]["containers"]
+    assert nsinit.BOUNDARY_DIR.startswith(nsinit.CONTROL_DIR + "/")
+    assert c["volumeMounts"].count({"name": mutate.RUN_VOLUME, "mountPath": nsinit.CONTROL_DIR}) == 1
+    ph = mutate.placeholder(running(wrapped), "node-b", "ml/x")
+    (pc,) = ph["spec"]["containers"]
+    assert pc["volumeMounts"].count({"name": mutate.RUN_VOLUME, "mountPath": nsinit.CONTROL_DIR}) == 1
+    assert [v for v in ph["spec"]["volumes"] if v["name"] == mutate.RUN_VOLUME] == [
+        {"name": mutate.RUN_VOLUME, "emptyDir": {}}
+    ]
+    assert mutate.RUN_VOLUME not in json.dumps(mutate.wrap(pod(TRAIN)))  # a writable rootfs has /run
+
+
 def test_placeholder_refuses_a_pod_whose_containers_are_not_wrapped() -> None:
     with pytest.raises(
         ValueError, match=r"ml/train-abc12: container\(s\) sidecar do not run under criuctl's init"

@@ -32,7 +32,7 @@ VOLUME = "criuctl-inject"
 MOUNT = nsinit.INJECT_MOUNT
 INJECT_DIR = str(containers.INJECT_DIR)  # where the node agent writes nsinit.py and the hook
 INIT = f"{MOUNT}/{nsinit.INJECT_NAME}"
-RUN_VOLUME = "criuctl-run"  # an emptyDir for the placeholder init's FIFOs on a read-only rootfs
+RUN_VOLUME = "criuctl-run"  # an emptyDir for the init's FIFOs and the hook's boundary on a read-only rootfs
 RUN_DIR = nsinit.CONTROL_DIR
 
 NO_COMMAND = "the image's entrypoint is not in the pod spec; give the container a command"
@@ -131,6 +131,7 @@ def wrap(pod: Pod, prestop_port: int | None = None, namespace: str | None = None
     if used and not any(v.get("name") == VOLUME for v in spec.get("volumes", [])):
         host_path = {"path": INJECT_DIR, "type": "Directory"}  # the agent made it: missing means no agent
         spec.setdefault("volumes", []).append({"name": VOLUME, "hostPath": host_path})
+    _run_dirs(spec)
     name, namespace = identity(new), namespace or meta.get("namespace")
     if prestop_port and name and namespace:  # a generateName pod's successor shares nothing: no use
         hooked = False
@@ -211,17 +212,25 @@ def _placeholder_containers(spec: dict[str, Any], keep: tuple[str, ...] = ()) ->
     """Every (wrapped) container runs the init's `--placeholder` mode, which waits for the restore;
     what would act before the job is there goes (args; probes: a liveness probe would kill the
     waiting placeholder), unless kept."""
-    needs_run_dir = False
     for c in spec["containers"]:
         c["command"] = [c["command"][0], "-I", INIT, "--placeholder"]
         for key in ("args", "lifecycle", *PROBES):
             if key not in keep:
                 c.pop(key, None)
-        # the init makes its control FIFOs in RUN_DIR, which a read-only rootfs refuses
-        if (c.get("securityContext") or {}).get("readOnlyRootFilesystem") and not _mounts(c, RUN_DIR):
+    _run_dirs(spec)
+
+
+def _run_dirs(spec: dict[str, Any]) -> None:
+    """An emptyDir at RUN_DIR for each wrapped container whose root filesystem is read-only: the
+    init makes its control FIFOs there (a placeholder), and the hook its step boundary's control
+    directory (a job); a read-only rootfs refuses both."""
+    needs = False
+    for c in spec.get("containers", []):
+        read_only = (c.get("securityContext") or {}).get("readOnlyRootFilesystem")
+        if is_wrapped(c) and read_only and not _mounts(c, RUN_DIR):
             c.setdefault("volumeMounts", []).append({"name": RUN_VOLUME, "mountPath": RUN_DIR})
-            needs_run_dir = True
-    if needs_run_dir and not any(v.get("name") == RUN_VOLUME for v in spec.get("volumes", [])):
+            needs = True
+    if needs and not any(v.get("name") == RUN_VOLUME for v in spec.get("volumes", [])):
         spec.setdefault("volumes", []).append({"name": RUN_VOLUME, "emptyDir": {}})
 
 
