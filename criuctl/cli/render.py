@@ -345,12 +345,13 @@ def _boundary_line(m: bundle.Manifest) -> str:
         return f"state bundle (CUDA-aware pre-dump): taken at a step boundary, step {m.state.step}"
     b = m.boundary
     if b is None:
-        return "step boundary: not asked (the job was not started by `criuctl run`)"
+        return "step boundary: not asked (the job was not started by `criuctl run` or criuctl's init)"
     if b.trainers == 0:
         return f"step boundary: none ({b.why})"
     if b.held == b.trainers:
+        nccl = f", {b.nccl_suspended} NCCL communicator(s) suspended" if b.nccl_suspended else ""
         return (
-            f"step boundary: yes, after optimizer step {b.step} ({b.trainers} trainer(s) held; "
+            f"step boundary: yes, after optimizer step {b.step} ({b.trainers} trainer(s) held{nccl}; "
             f"waited {b.waited_s:.2f} s); no step was cut in half"
         )
     return f"step boundary: {b.held} of {b.trainers} trainers ({b.why}); CRIU's image is exact regardless"
