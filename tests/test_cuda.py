@@ -828,3 +828,18 @@ def test_the_hook_prefers_torchs_own_suspend(libnccl):
     assert calls == [("suspend", 0x99), ("resume", 0x99)]
     assert not libnccl.exists()
     assert hook_nccl.suspend(_torch_with(_Group("gloo", 2))).report() == {}  # no NCCL: nothing to say
+
+
+def test_inspect_says_how_many_nccl_communicators_the_boundary_suspended():
+    from types import SimpleNamespace
+
+    from criuctl.cli import render
+    from criuctl.format import bundle
+
+    held = bundle.StepBoundary("r", 1, 1, 7, 0.5, nccl_suspended=2)
+    assert render._boundary_line(SimpleNamespace(state=None, boundary=held)) == (
+        "step boundary: yes, after optimizer step 7 (1 trainer(s) held, 2 NCCL communicator(s) "
+        "suspended; waited 0.50 s); no step was cut in half"
+    )
+    plain = bundle.StepBoundary("r", 1, 1, 7, 0.5)
+    assert "NCCL" not in render._boundary_line(SimpleNamespace(state=None, boundary=plain))
