@@ -241,7 +241,7 @@ def driver_codes() -> dict:
 def cache_emptied() -> None:
     """What the hook's empty_cache() at the boundary saves the driver: the same job with a 4 GiB
     temporary buffer each step, freed (the boundary releases it from the cache) or kept alive."""
-    out, reserved, apps = {}, {}, {}
+    out, reserved, apps, written = {}, {}, {}, {}
     for kept in (False, True):
         name = f"gpu-scratch-{'kept' if kept else 'freed'}"
         bundle = Path(f"/tmp/criuctl-{name}")
@@ -259,8 +259,10 @@ def cache_emptied() -> None:
             if r.returncode != 0:
                 record(f"boundary empty_cache ({name})", False, r.stderr.strip()[-600:])
                 return
-            gpu = manifest(bundle).get("gpu") or {}
-            reserved[kept] = int((manifest(bundle).get("boundary") or {}).get("cuda_reserved") or 0)
+            m = manifest(bundle)
+            gpu = m.get("gpu") or {}
+            reserved[kept] = int((m.get("boundary") or {}).get("cuda_reserved") or 0)
+            written[kept] = int(m.get("rss_bytes") or 0)  # what CRIU wrote: the host copy is in it
             out[kept] = (float(gpu.get("checkpoint_s") or 0), int(gpu.get("device_bytes") or 0))
         finally:
             job.kill()
@@ -271,13 +273,16 @@ def cache_emptied() -> None:
         True,
         f"a 4 GiB buffer freed each step: lock+checkpoint {freed_s:.2f} s, {freed_b / 2**30:.2f} GiB moved; "
         f"kept alive: {kept_s:.2f} s, {kept_b / 2**30:.2f} GiB; torch still reserved "
-        f"{reserved[False] / 2**30:.2f} / {reserved[True] / 2**30:.2f} GiB after the boundary's empty_cache",
+        f"{reserved[False] / 2**30:.2f} / {reserved[True] / 2**30:.2f} GiB after the boundary's empty_cache; "
+        f"CRIU wrote {written[False] / 2**30:.2f} / {written[True] / 2**30:.2f} GiB",
         freed_checkpoint_s=freed_s,
         freed_device_bytes=freed_b,
         kept_checkpoint_s=kept_s,
         kept_device_bytes=kept_b,
         freed_cuda_reserved=reserved[False],
         kept_cuda_reserved=reserved[True],
+        freed_bundle_rss_bytes=written[False],
+        kept_bundle_rss_bytes=written[True],
         freed_nvidia_smi_before=apps[False],
         kept_nvidia_smi_before=apps[True],
     )
