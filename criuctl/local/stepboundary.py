@@ -36,7 +36,7 @@ from pathlib import Path
 
 import psutil
 
-from criuctl.core import env, procinfo, statedir, workloads
+from criuctl.core import durable, env, procinfo, statedir, workloads
 from criuctl.format import bundle
 from criuctl_hook import contract
 
@@ -138,19 +138,10 @@ def _read(control: str, *path: str) -> bytes:
 
 
 def _write_request(control: str, data: bytes) -> None:
-    """Replace the request in one rename: the hook never reads half of one."""
+    """Replace the request in one rename (`durable`: the hook never reads half of one), inside the
+    directory as opened: its descriptor's /proc/self/fd path names it without a lookup by name."""
     with _opened(control) as d:
-        tmp = f".{contract.REQUEST}.{os.getpid()}.tmp"
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp, dir_fd=d)
-        fd = os.open(
-            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=d
-        )
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
-        os.replace(tmp, contract.REQUEST, src_dir_fd=d, dst_dir_fd=d)
+        durable.replace(Path(f"/proc/self/fd/{d}") / contract.REQUEST, data, 0o644, sync=False)
 
 
 def _live_trainers(control: str, root_pid: int) -> dict[str, int]:
