@@ -110,6 +110,8 @@ def _opened(control: str, *sub: str, create: bool = False) -> Iterator[int]:
     may not have it yet). OSError when it is not there (or not a plain directory)."""
     m = _IN_CONTAINER.match(control)
     base, below = (m.group(1), m.group(2)) if m else (control, "")
+    if create and not m:  # criuctl's own state dir on this node
+        os.makedirs(base, 0o700, exist_ok=True)
     fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         for part in [*filter(None, below.split("/")), *sub]:
