@@ -20,8 +20,9 @@ from collections.abc import Iterable
 
 from criuctl.core import env
 from criuctl.core.errors import CriuctlError
+from criuctl_hook import contract
 
-SUSPEND_SINCE = (2, 29, 7)  # ncclCommSuspend / ncclCommResume (NVIDIA/nccl src/nccl.h.in)
+SUSPEND_SINCE = contract.NCCL_SUSPEND_SINCE
 # what the driver cannot checkpoint, and the NCCL setting that keeps it out of a job
 TURN_OFF = {
     "NCCL_NVLS_ENABLE": ("0", "NVLS multicast buffers"),

@@ -62,7 +62,7 @@ class Reached:
     def facts(self) -> bundle.StepBoundary:
         """What the manifest keeps of it."""
         suspended = sum(
-            int((r.get("nccl_suspend") or {}).get("suspended", 0))
+            int(r["nccl_suspend"].get("suspended", 0))
             for r in self.reports
             if isinstance(r.get("nccl_suspend"), dict)
         )

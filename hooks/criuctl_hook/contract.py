@@ -38,3 +38,7 @@ SAVE = "save"  # also write the training state into "out" (the CUDA-aware pre-du
 STATE_FORMAT = 1
 STATE_FILE = "state-{rank}.pt"  # torch.save of {"objects", "rng", "step", ...}, one per trainer
 STATE_INDEX = "state-{rank}.json"  # what it holds, readable without torch
+
+# NCCL's ncclCommSuspend / ncclCommResume came in this version (NVIDIA/nccl src/nccl.h.in): the hook
+# suspends communicators from it on (criuctl_hook.nccl), criuctl refuses older ones (criuctl.gpu.nccl)
+NCCL_SUSPEND_SINCE = (2, 29, 7)

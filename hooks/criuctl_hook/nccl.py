@@ -28,8 +28,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from criuctl_hook import contract
+
 SUSPEND_MEM = 0x01  # NCCL_SUSPEND_MEM (nccl.h)
-SUSPEND_SINCE = 22907  # NCCL_VERSION_CODE of 2.29.7: ncclCommSuspend / ncclCommResume
+_MAJOR, _MINOR, _PATCH = contract.NCCL_SUSPEND_SINCE
+SUSPEND_SINCE = _MAJOR * 10000 + _MINOR * 100 + _PATCH  # as NCCL_VERSION_CODE (22907)
 NOT_CREATED = "not initialized"  # what torch raises for a communicator it has not made yet
 
 
