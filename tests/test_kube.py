@@ -213,14 +213,22 @@ def running(local_cluster):
     k("delete", "pod", "steady", "plain", "--grace-period=1", "--wait=false")
 
 
+def _live_pods(k: Kubectl) -> tuple[set[str], set[str]]:
+    """The pods by name: those standing, and those an earlier test's delete is still taking away."""
+    pods = {p["metadata"]["name"]: bool(p["metadata"].get("deletionTimestamp")) for p in k.pods()}
+    return {n for n, going in pods.items() if not going}, set(pods)
+
+
 def _refused(lay, k: Kubectl, *args: str) -> str:
-    pods = sorted(p["metadata"]["name"] for p in k.pods())
+    standing, present = _live_pods(k)
     r = criuctl(lay, "migrate", *args)
     lines = r.stderr.strip().splitlines()
     assert r.returncode != 0, r.stderr
     assert len(lines) == 1 and lines[0].startswith("criuctl: error: "), r.stderr
     assert "Traceback" not in r.stderr
-    assert sorted(p["metadata"]["name"] for p in k.pods()) == pods, "a refusal changed the cluster"
+    after, after_present = _live_pods(k)
+    # a refusal makes no pod and deletes none (a pod already going before it may finish going)
+    assert after == standing and after_present <= present, f"a refusal changed the cluster: {r.stderr}"
     assert k.get("pod", "steady")["status"]["phase"] == "Running"
     return lines[0]
 
@@ -343,6 +351,9 @@ def test_a_gpu_pod_is_refused_where_no_gpu_is_free_and_moves_where_one_is(runnin
         k("delete", "pod", "gpu-steady", *([moved] if moved else []), *gone)
         _advertise(k, "a", gpu, None)
         _advertise(k, "b", gpu, None)
+    for name in ("gpu-steady", moved):  # the next refusals compare the pods before and after
+        if name:
+            k.wait_gone("pod", name)
 
 
 def test_refuses_pods_whose_controller_would_not_bring_them_back(running) -> None:
