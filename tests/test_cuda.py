@@ -8,6 +8,7 @@ on hosts without a GPU. Real child processes give the PIDs: the stand-in refuses
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import subprocess
 import sys
@@ -23,6 +24,8 @@ from criuctl.core.env import LIBCUDA, LIBNVML
 from criuctl.gpu import cuda, cudasteps, gpus
 from criuctl.gpu.cuda import CudaError, ProcessState
 from criuctl.gpu.gpus import GpuInfo, GpuMismatch
+from tests.conftest import needs_criu
+from tests.jobs import CRIUCTL, Job, criuctl, workload_cmd
 from tests.requirements import GPU_RECORD, require
 from tests.standin_gpu import H100, H200, Gpu, StandinGpus, compile_standins
 
@@ -565,6 +568,35 @@ def test_a_standin_context_keeps_its_state_in_the_jobs_memory(fake_libs, tmp_pat
         job.wait()
 
 
+@needs_criu
+def test_a_gpu_bundle_counts_the_device_memory_the_checkpoint_put_in_host_memory(fake_libs, tmp_path):
+    """The driver's checkpoint copies device memory into the job's host memory, which CRIU writes: the
+    manifest's memory (what `inspect` shows, what a target's free-memory check sizes) is read after
+    it, so it holds that copy. On the H200 it was read before: 1.15 GiB said, for jobs that had moved
+    1.67 to 5.67 GiB besides."""
+    gpus = StandinGpus(fake_libs, tmp_path / "gpus")
+    mib = 768  # more than the trainer's own resident memory: read before the checkpoint, it falls short
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FAKE_CUDA_", "FAKE_NVML_"))}
+    env |= gpus.node_env(Gpu(H200, A)) | gpus.job_env(Gpu(H200, A), memory_mib=mib)
+    argv = workload_cmd("train_mlp.py", "--steps", "400", "--step-time", "0.05")
+    job = Job([*CRIUCTL, "run", "--name", "devbytes", "--", *argv], env=env)
+    bundle_dir = tmp_path / "b"
+    try:
+        job.wait_for_step(3)
+        r = criuctl("dump", "devbytes", "-o", str(bundle_dir), env=env)
+        assert r.returncode == 0, r.stderr
+    finally:
+        job.kill()
+    r = criuctl("inspect", str(bundle_dir), "--output", "json", env=env)
+    assert r.returncode == 0, r.stderr
+    m = json.loads(r.stdout)
+    moved = m["gpu"]["device_bytes"]
+    assert moved >= (mib - 8) << 20, m["gpu"]
+    (trainer,) = [p for p in m["processes"] if p["ns_pid"] in m["gpu"]["ns_pids"]]
+    assert trainer["rss_bytes"] >= moved + (16 << 20), (trainer["rss_bytes"], moved)
+    assert m["rss_bytes"] >= trainer["rss_bytes"]
+
+
 # What the stand-in says r580 answers (fake_libcuda.c's header), case by case of tests/gpu/probe.py
 STANDIN_CLAIMS: dict[str, tuple[str, str | None]] = {
     "gone-pid state": ("OPERATING_SYSTEM", None),
@@ -613,8 +645,6 @@ def test_the_standin_answers_as_it_claims_r580_does(standin_probe):
 
 def test_the_standin_answers_as_the_recorded_real_driver(standin_probe):
     """The driver codes tests/gpu/check.sh recorded on a real GPU, against the stand-in's."""
-    import json
-
     from tests.gpu import probe
 
     require("gpu-record")

@@ -403,6 +403,8 @@ def _freeze_locked(
             started = time.monotonic()  # the job ran on while it finished its step: not frozen time
         progress("freezing")
         frozen.gpu = gpustate.suspend(pids, stepboundary.timeout())
+        if frozen.gpu is not None:  # device memory is host memory now, which CRIU writes: count it
+            processes = procinfo.describe(w.root_pid)
         with locks.host_dump_slot():
             t0 = time.monotonic()
             frozen.phases["prepare"] = t0 - started  # facts, GPU, the dump slot (not the boundary)

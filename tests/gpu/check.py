@@ -37,7 +37,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
 
-from tests.jobs import CRIUCTL, Job, Reference, assert_continues_exactly, criuctl  # noqa: E402
+from tests.jobs import CRIUCTL, Job, Reference, assert_continues_exactly, criuctl, workload_cmd  # noqa: E402
 
 ARGS = ("--steps", "40", "--width", os.environ.get("GPU_CHECK_WIDTH", "2048"), "--layers", "4")
 REPO = HERE.parent.parent
@@ -238,53 +238,62 @@ def driver_codes() -> dict:
     return codes
 
 
+# what each run of the empty_cache check does with a 4 GiB buffer a step, and the allocator it runs with
+CACHE_VARIANTS = {
+    "freed": ((), {}),
+    "freed, expandable segments": ((), {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
+    "kept": (("--scratch-keep",), {}),
+}
+
+
 def cache_emptied() -> None:
     """What the hook's empty_cache() at the boundary saves the driver: the same job with a 4 GiB
-    temporary buffer each step, freed (the boundary releases it from the cache) or kept alive."""
-    out, reserved, apps, written = {}, {}, {}, {}
-    for kept in (False, True):
-        name = f"gpu-scratch-{'kept' if kept else 'freed'}"
+    temporary buffer each step, freed or kept alive. Freed, its segment is split for the step's
+    gradients and stays reserved (2026-12-04); with expandable segments the allocator can unmap the
+    free pages inside a segment, so the boundary should shed it."""
+    got: dict[str, dict[str, object]] = {}
+    for tag, (flags, extra) in CACHE_VARIANTS.items():
+        name = "gpu-scratch-" + tag.replace(",", "").replace(" ", "-")
         bundle = Path(f"/tmp/criuctl-{name}")
         subprocess.run(["rm", "-rf", str(bundle)], check=False)
-        flags = ("--scratch-mib", "4096", *(("--scratch-keep",) if kept else ()))
-        job = Job.run(name, "train_gpu.py", *ARGS, *flags, "--step-time", "0.05")
+        argv = [*CRIUCTL, "run", "--name", name, "--", *workload_cmd("train_gpu.py", *ARGS)]
+        argv += ["--scratch-mib", "4096", *flags, "--step-time", "0.05"]
+        job = Job(argv, env={**os.environ, **extra})
         try:
             job.wait_for_step(5, timeout=180)
-            apps[kept] = subprocess.run(
+            smi = subprocess.run(
                 ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader"],
                 capture_output=True,
                 text=True,
             ).stdout.strip()
             r = criuctl("dump", name, "-o", str(bundle))
             if r.returncode != 0:
-                record(f"boundary empty_cache ({name})", False, r.stderr.strip()[-600:])
+                record(f"boundary empty_cache ({tag})", False, r.stderr.strip()[-600:])
                 return
             m = manifest(bundle)
             gpu = m.get("gpu") or {}
-            reserved[kept] = int((m.get("boundary") or {}).get("cuda_reserved") or 0)
-            written[kept] = int(m.get("rss_bytes") or 0)  # what CRIU wrote: the host copy is in it
-            out[kept] = (float(gpu.get("checkpoint_s") or 0), int(gpu.get("device_bytes") or 0))
+            got[tag] = {
+                "checkpoint_s": float(gpu.get("checkpoint_s") or 0),
+                "device_bytes": int(gpu.get("device_bytes") or 0),
+                "cuda_reserved": int((m.get("boundary") or {}).get("cuda_reserved") or 0),
+                "bundle_rss_bytes": int(m.get("rss_bytes") or 0),  # read after the checkpoint
+                "nvidia_smi_before": smi,
+            }
         finally:
             job.kill()
             subprocess.run(["rm", "-rf", str(bundle)], check=False)
-    (freed_s, freed_b), (kept_s, kept_b) = out[False], out[True]
+    gib = 2**30
     record(
         "boundary empty_cache",
         True,
-        f"a 4 GiB buffer freed each step: lock+checkpoint {freed_s:.2f} s, {freed_b / 2**30:.2f} GiB moved; "
-        f"kept alive: {kept_s:.2f} s, {kept_b / 2**30:.2f} GiB; torch still reserved "
-        f"{reserved[False] / 2**30:.2f} / {reserved[True] / 2**30:.2f} GiB after the boundary's empty_cache; "
-        f"CRIU wrote {written[False] / 2**30:.2f} / {written[True] / 2**30:.2f} GiB",
-        freed_checkpoint_s=freed_s,
-        freed_device_bytes=freed_b,
-        kept_checkpoint_s=kept_s,
-        kept_device_bytes=kept_b,
-        freed_cuda_reserved=reserved[False],
-        kept_cuda_reserved=reserved[True],
-        freed_bundle_rss_bytes=written[False],
-        kept_bundle_rss_bytes=written[True],
-        freed_nvidia_smi_before=apps[False],
-        kept_nvidia_smi_before=apps[True],
+        "a 4 GiB buffer each step; "
+        + "; ".join(
+            f"{tag}: lock+checkpoint {g['checkpoint_s']:.2f} s, {g['device_bytes'] / gib:.2f} GiB moved, "
+            f"{g['cuda_reserved'] / gib:.2f} GiB still reserved after empty_cache, "
+            f"bundle {g['bundle_rss_bytes'] / gib:.2f} GiB RSS"
+            for tag, g in got.items()
+        ),
+        variants=got,
     )
 
 
@@ -384,17 +393,27 @@ def nccl_moved(ref: Reference) -> None:
     moved_through_driver(ref, "nccl-try", {"CRIUCTL_NCCL_TRY": "1"}, "--nccl")
 
 
-def write_results(env: dict[str, object], codes: dict | None) -> Path:
+def write_results(env: dict[str, object], codes: dict | None, name: str = "gpu-check.json") -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / "gpu-check.json"
+    path = RESULTS / name
     doc = {**env, "checks": rows, "driver_codes": codes or {}, "failed": failed}
     path.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
     return path
 
 
+# GPU_CHECK_ONLY=KEY runs that stage alone (a short device call), into gpu-check-KEY.json
+ALONE = {"cache": ("boundary empty_cache", cache_emptied)}
+
+
 def main() -> int:
     print(criuctl("doctor").stdout, flush=True)
     env = stage("environment", environment) or {}
+    if only := os.environ.get("GPU_CHECK_ONLY"):
+        if only not in ALONE:
+            sys.exit(f"check.py: GPU_CHECK_ONLY={only!r}: one of {sorted(ALONE)}")
+        stage(*ALONE[only])
+        print(f"\nresults: {write_results(env, None, f'gpu-check-{only}.json')}")
+        return 1 if failed else 0
     r = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "test_cuda_driver.py")],
         capture_output=True,
