@@ -873,3 +873,37 @@ def test_inspect_says_how_many_nccl_communicators_the_boundary_suspended():
     )
     plain = bundle.StepBoundary("r", 1, 1, 7, 0.5)
     assert "NCCL" not in render._boundary_line(SimpleNamespace(state=None, boundary=plain))
+
+
+def test_a_checkpoint_that_carried_torchs_idle_cache_says_how_to_leave_it_behind():
+    """The H200's case (docs/benchmarks.md): 4.26 GiB still reserved after empty_cache() by a job
+    whose live tensors are far less (the numbers for what was allocated are this test's). The dump's
+    summary and `inspect` say how much and what to run the job with; a cache that returned it, a
+    boundary nobody reached, or a job without the driver's checkpoint say nothing."""
+    from types import SimpleNamespace
+
+    from criuctl.cli import render
+    from criuctl.format import bundle
+    from criuctl.gpu import gpustate
+
+    gib = 2**30
+
+    def manifest(reserved: float, allocated: float, held: int = 1, gpu: bool = True):
+        boundary = bundle.StepBoundary(
+            "r", 1, held, 7, 0.5, cuda_bytes=int(allocated * gib), cuda_reserved=int(reserved * gib)
+        )
+        facts = bundle.GpuFacts("580.159.04", [], [10], [2], 2.9, int(4.86 * gib)) if gpu else None
+        return SimpleNamespace(boundary=boundary, gpu=facts)
+
+    fragmented = manifest(4.26, 0.75)
+    assert gpustate.stranded_cache(fragmented) == int(4.26 * gib) - int(0.75 * gib)
+    said = render._stranded_cache(fragmented)
+    assert said.startswith("note: 3.5 GiB of the device memory the checkpoint carried was torch's cache")
+    assert said.endswith(
+        "with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True and the checkpoint leaves it behind"
+    )
+    assert gpustate.stranded_cache(manifest(1.12, 1.0)) == 0  # expandable segments: returned
+    assert gpustate.stranded_cache(manifest(5.07, 4.5)) == 0  # kept alive: the job's own
+    assert gpustate.stranded_cache(manifest(4.26, 0.75, held=0)) == 0  # no boundary: no report
+    assert gpustate.stranded_cache(manifest(4.26, 0.75, gpu=False)) == 0  # the state pre-dump
+    assert render._stranded_cache(manifest(1.12, 1.0)) == ""

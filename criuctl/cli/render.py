@@ -17,6 +17,7 @@ from rich.tree import Tree
 
 from criuctl.core import statedir, workloads
 from criuctl.format import bundle
+from criuctl.gpu import gpustate
 
 # Piped output (scripts, tests, `| grep`) is not cut to 80 columns: one row stays one line.
 _WIDTH = None if sys.stdout.isatty() else 200
@@ -263,6 +264,20 @@ def dump_summary(o, leave_running: bool) -> None:
         f"checkpointed {o.manifest.workload!r} to {o.bundle}: {human_bytes(o.size_bytes)}, "
         f"frozen {o.freeze_seconds:.2f} s{_phases(o.phases)}, total {o.total_seconds:.2f} s; workload {after}"
     )
+    if hint := _stranded_cache(o.manifest):
+        err.print(escape(hint))
+
+
+def _stranded_cache(m: bundle.Manifest) -> str:
+    """A hint when the GPU checkpoint carried much of torch's cache that the job was not using."""
+    idle = gpustate.stranded_cache(m)
+    if not idle:
+        return ""
+    return (
+        f"note: {human_bytes(idle)} of the device memory the checkpoint carried was torch's cache, free "
+        "but in segments that also hold live tensors, which empty_cache() cannot return; run the job "
+        f"with {gpustate.CACHE_FIX} and the checkpoint leaves it behind"
+    )
 
 
 def _checks(root: Path) -> tuple[bool | None, list[str]]:
@@ -308,9 +323,12 @@ def inspect(root: Path, as_json: bool) -> int:
         out.print(
             escape(
                 f"GPU state: {len(m.gpu.pids)} processes checkpointed by driver {m.gpu.driver} in "
-                f"{m.gpu.checkpoint_s:.2f} s; node had {len(m.gpu.devices)} × {names}"
+                f"{m.gpu.checkpoint_s:.2f} s ({human_bytes(m.gpu.device_bytes)} moved to host memory); "
+                f"node had {len(m.gpu.devices)} × {names}"
             )
         )
+        if hint := _stranded_cache(m):
+            out.print(escape(hint))
     by_pid = {p.pid: p for p in m.processes}
     nodes: dict[int, Tree] = {}
     tree = Tree("processes")

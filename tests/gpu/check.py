@@ -3,7 +3,8 @@
 1. the driver's checkpoint API as criuctl sees it (`criuctl doctor`, tests/gpu/test_cuda_driver.py);
 2. a single-GPU training job (tests/workloads/train_gpu.py) checkpointed through the driver API and
    CRIU, restored, compared loss by loss and by its final weights with an uninterrupted run:
-   once with the old -> new GPU UUID map passed to the driver (r580+), once without;
+   once with the old -> new GPU UUID map passed to the driver (r580+), once without, once with the
+   allocator criuctl advises when the checkpoint carried idle cache (expandable segments);
 3. the same job through the state pre-dump (`dump --state`): AdamW's step goes on after the restart;
 4. the time the driver took to move the job's device memory to host memory, against a plain
    device-to-host copy of the same size measured here;
@@ -11,7 +12,8 @@
 6. a job with a real NCCL communicator (DDP over a world of one NCCL rank): with NCCL 2.29.7+,
    suspended by the hook at the step boundary, checkpointed, restored and resumed, loss for loss;
    with an older NCCL, refused in one line, then through the driver with CRIUCTL_NCCL_TRY=1;
-7. what the boundary's empty_cache() saves the driver;
+7. what the boundary's empty_cache() saves the driver, with torch's default allocator and with
+   expandable segments (GPU_CHECK_ONLY=cache runs this alone);
 8. the hook's NCCL suspension called on a live one-rank communicator, outside CRIU.
 
 Not here: a move between two agents. On a GPU node `criuctl run` keeps the node's PIDs (CUDA reads
@@ -37,6 +39,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
 
+from criuctl.gpu.gpustate import CACHE_FIX  # noqa: E402  (what criuctl tells a job to run with)
 from tests.jobs import CRIUCTL, Job, Reference, assert_continues_exactly, criuctl, workload_cmd  # noqa: E402
 
 ARGS = ("--steps", "40", "--width", os.environ.get("GPU_CHECK_WIDTH", "2048"), "--layers", "4")
@@ -95,11 +98,15 @@ def manifest(bundle: Path) -> dict:
     return json.loads(criuctl("inspect", str(bundle), "--output", "json").stdout)
 
 
-def moved_through_driver(ref: Reference, tag: str, env: dict[str, str], *extra: str) -> dict | None:
-    """Run, dump at step 15 (driver + CRIU), restore, compare; the bundle's manifest."""
+def moved_through_driver(
+    ref: Reference, tag: str, env: dict[str, str], *extra: str, job_env: dict[str, str] | None = None
+) -> dict | None:
+    """Run (the job's environment plus `job_env`), dump at step 15 (driver + CRIU), restore (criuctl's
+    environment plus `env`), compare; the bundle's manifest."""
     bundle = Path(f"/tmp/criuctl-gpu-{tag}")
     subprocess.run(["rm", "-rf", str(bundle)], check=False)
-    job = Job.run(f"gpu-{tag}", "train_gpu.py", *ARGS, *extra, "--step-time", "0.05")
+    argv = [*CRIUCTL, "run", "--name", f"gpu-{tag}", "--", *workload_cmd("train_gpu.py", *ARGS, *extra)]
+    job = Job([*argv, "--step-time", "0.05"], env={**os.environ, **(job_env or {})})
     try:
         job.wait_for_step(15, timeout=180)
         t = time.monotonic()
@@ -241,7 +248,7 @@ def driver_codes() -> dict:
 # what each run of the empty_cache check does with a 4 GiB buffer a step, and the allocator it runs with
 CACHE_VARIANTS = {
     "freed": ((), {}),
-    "freed, expandable segments": ((), {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
+    "freed, expandable segments": ((), dict([CACHE_FIX.split("=", 1)])),
     "kept": (("--scratch-keep",), {}),
 }
 
@@ -276,6 +283,7 @@ def cache_emptied() -> None:
                 "checkpoint_s": float(gpu.get("checkpoint_s") or 0),
                 "device_bytes": int(gpu.get("device_bytes") or 0),
                 "cuda_reserved": int((m.get("boundary") or {}).get("cuda_reserved") or 0),
+                "cuda_allocated": int((m.get("boundary") or {}).get("cuda_bytes") or 0),
                 "bundle_rss_bytes": int(m.get("rss_bytes") or 0),  # read after the checkpoint
                 "nvidia_smi_before": smi,
             }
@@ -432,6 +440,11 @@ def main() -> int:
     m = stage("with the UUID map", lambda: moved_through_driver(ref, "map", {})) if ref else None
     if ref:
         stage("without the UUID map", lambda: moved_through_driver(ref, "nomap", {"CRIUCTL_CUDA_REMAP": "0"}))
+        # what criuctl tells a job whose cache the checkpoint carried (gpustate.stranded_cache): exact too?
+        stage(
+            "with expandable segments",
+            lambda: moved_through_driver(ref, "expandable", {}, job_env=dict([CACHE_FIX.split("=", 1)])),
+        )
     stage("state pre-dump", state_predump)
     if m and m.get("gpu") and m.get("boundary"):
         # what the checkpoint moved (RSS growth), else what the trainers still had allocated
