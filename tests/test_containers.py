@@ -153,6 +153,15 @@ def test_local_dump_then_restore_into_a_placeholder(nodes: Nodes, reference, tmp
     state = {**os.environ, "CRIUCTL_STATE_DIR": str(tmp_path / "state")}
     out = tmp_path / "bundle"
     a = {**state, "CRIUCTL_RUNTIME_ENDPOINT": nodes.runtimes["a"].endpoint}
+    # the state pre-dump cannot reach a container's trainers: refused in one line, nothing written
+    r = subprocess.run(
+        [*CRIUCTL, "dump", "--state", job.container, "-o", str(out)], env=a, capture_output=True, text=True
+    )
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(lines) == 1 and "is a container" in lines[0], r.stderr
+    assert "without --state" in lines[0] and not out.exists()
+    went = max(cri_steps(job.log))
+    wait_until(lambda: max(cri_steps(job.log)) >= went + 3, 60, "steps after the refusal")
     r = subprocess.run(
         [*CRIUCTL, "dump", job.container, "-o", str(out)], env=a, capture_output=True, text=True
     )

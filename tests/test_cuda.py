@@ -440,6 +440,13 @@ def test_list_gpus_and_driver_version_through_nvml(fake, monkeypatch):
     assert gpus.driver_version() == "580.95.05"
     with pytest.raises(ValueError, match="not a GPU record"):
         GpuInfo.from_dict({**found[0].to_dict(), "index": True})
+    # one environment for a DaemonSet's agents, each node its own GPUs (the stand-in's FAKE_NODE)
+    monkeypatch.setenv("FAKE_NVML_GPUS_b", f"{H100}={C}")
+    monkeypatch.setenv("FAKE_NODE", "b")
+    assert [(g.uuid, g.name) for g in gpus.list_gpus()] == [(C, H100)]
+    monkeypatch.setenv("FAKE_NODE", "a")  # a node with no list of its own has the common one
+    assert gpus.list_gpus() == found
+    monkeypatch.delenv("FAKE_NODE")
     monkeypatch.delenv("FAKE_NVML_GPUS")  # NVML refuses to start, as without the driver
     assert gpus.list_gpus() == [] and gpus.driver_version() is None
     monkeypatch.setenv(LIBNVML, "/nonexistent/libnvidia-ml.so.1")

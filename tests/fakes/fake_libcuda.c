@@ -28,6 +28,8 @@
  *                           CUDA_ERROR_NOT_READY after waiting timeoutMs, and the pid stays RUNNING
  *   FAKE_CUDA_DEVICES       comma list of GPU UUIDs a pid holds, recorded at checkpoint
  *   FAKE_CUDA_PRESENT       comma list of GPU UUIDs on this "node"; unset: any
+ *   FAKE_NODE               a node's name: FAKE_CUDA_PRESENT_<FAKE_NODE>, where set, is that node's list
+ *                           (one environment for every agent of a DaemonSet, each node its own GPUs)
  *   FAKE_CUDA_FAIL          comma list of OP[@PID][:CODE] (OP: lock, checkpoint, restore, unlock):
  *                           that call fails with CODE (default CUDA_ERROR_UNKNOWN), state unchanged
  *   FAKE_CUDA_FAIL_WHILE    a path: FAKE_CUDA_FAIL applies only while it exists (a passing failure)
@@ -126,6 +128,18 @@ struct fake_ctx {
 	unsigned long long bytes;  /* and its size */
 };
 _Static_assert(sizeof(struct fake_ctx) == 272, "fake_ctx");
+
+/* getenv(name), or where FAKE_NODE is set and name_<FAKE_NODE> too, that node's own value. */
+static const char *node_getenv(const char *name)
+{
+	const char *node = getenv("FAKE_NODE"), *v;
+	char key[256];
+
+	if (node && *node && snprintf(key, sizeof(key), "%s_%s", name, node) < (int)sizeof(key) &&
+	    (v = getenv(key)))
+		return v;
+	return getenv(name);
+}
 
 static const char *env(const char *name, const char *fallback)
 {
@@ -497,7 +511,7 @@ CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args
  */
 static CUresult check_pairs(const struct pstate *ps, const CUcheckpointRestoreArgs *args)
 {
-	const char *present = getenv("FAKE_CUDA_PRESENT");
+	const char *present = node_getenv("FAKE_CUDA_PRESENT");
 	char devices[1024], *save_ptr = NULL, *dev, text[41];
 	unsigned int i, count = args ? args->gpuPairsCount : 0;
 

@@ -7,6 +7,8 @@
  *                     unset: nvmlInit_v2 fails with NVML_ERROR_DRIVER_NOT_LOADED, as on a host without
  *                     the driver
  *   FAKE_NVML_DRIVER  what nvmlSystemGetDriverVersion returns (default "580.95.05")
+ *   FAKE_NODE         a node's name: FAKE_NVML_GPUS_<FAKE_NODE>, where set, is that node's list (one
+ *                     environment for every agent of a DaemonSet, each node with its own GPUs)
  * Device handles are the index + 1, cast to a pointer.
  */
 #define _GNU_SOURCE
@@ -35,11 +37,23 @@ typedef struct {
 
 static int initialized;
 
+/* getenv(name), or where FAKE_NODE is set and name_<FAKE_NODE> too, that node's own value. */
+static const char *node_getenv(const char *name)
+{
+	const char *node = getenv("FAKE_NODE"), *v;
+	char key[256];
+
+	if (node && *node && snprintf(key, sizeof(key), "%s_%s", name, node) < (int)sizeof(key) &&
+	    (v = getenv(key)))
+		return v;
+	return getenv(name);
+}
+
 /* The index-th GPU of FAKE_NVML_GPUS: 0 when found. */
 static int gpu(unsigned int index, char *name, size_t name_size, char *uuid, size_t uuid_size,
 	       unsigned long long *total, unsigned long long *free_bytes)
 {
-	const char *spec = getenv("FAKE_NVML_GPUS");
+	const char *spec = node_getenv("FAKE_NVML_GPUS");
 	char list[4096], *save_ptr = NULL, *tok;
 	unsigned int i = 0;
 
@@ -86,7 +100,7 @@ static unsigned int count(void)
 
 nvmlReturn_t nvmlInit_v2(void)
 {
-	if (!getenv("FAKE_NVML_GPUS"))
+	if (!node_getenv("FAKE_NVML_GPUS"))
 		return NVML_ERROR_DRIVER_NOT_LOADED;
 	initialized++;
 	return NVML_SUCCESS;
