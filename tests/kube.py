@@ -237,6 +237,17 @@ def drain(k: Kubectl, node: str, selector: str) -> None:
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+def advertise(k: Kubectl, node: str, resource: str, count: int | None) -> None:
+    """A node's device plugin resource, as a device plugin would report it (None: none at all)."""
+    value = None if count is None else str(count)
+    status = {"status": {"capacity": {resource: value}, "allocatable": {resource: value}}}
+    k("patch", "node", node, "--subresource=status", "--type=merge", "-p", json.dumps(status))
+    deadline = time.monotonic() + 30
+    while (k.get("node", node) or {})["status"].get("allocatable", {}).get(resource) != value:
+        assert time.monotonic() < deadline, f"node {node} did not take {resource}={value}"
+        time.sleep(0.5)
+
+
 def criuctl(lay, *args: str) -> subprocess.CompletedProcess:
     """A criuctl command as a user runs it, with the local cluster's kubeconfig."""
     env = {**os.environ, "KUBECONFIG": str(lay.kubeconfig)}

@@ -74,6 +74,16 @@ class StandinGpus:
             "FAKE_NVML_GPUS": ",".join(f"{g.name}={g.uuid}" for g in gpus),
         }
 
+    def daemonset_env(self, nodes: dict[str, tuple[Gpu, ...]]) -> list[dict]:
+        """The agents' environment as a DaemonSet's pod template gives it: one for every node, each
+        agent seeing its own node's GPUs (the stand-ins read FAKE_*_<FAKE_NODE>: the Node's name)."""
+        env = {k: v for k, v in self.node_env().items() if k not in ("FAKE_CUDA_PRESENT", "FAKE_NVML_GPUS")}
+        for node, gpus in nodes.items():
+            own = self.node_env(*gpus)
+            env |= {f"{k}_{node}": own[k] for k in ("FAKE_CUDA_PRESENT", "FAKE_NVML_GPUS")}
+        node_name = {"name": "FAKE_NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+        return [{"name": k, "value": v} for k, v in env.items()] + [node_name]
+
     def job_env(self, gpu: Gpu, memory_mib: int = 16) -> dict[str, str]:
         """A job's environment: it opens a stand-in CUDA context on `gpu` with that much device memory."""
         self.contexts.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,7 @@ from tests.kube import (
     Controller,
     Kubectl,
     LogFollower,
+    advertise,
     criuctl,
     criuctl_runs_the_built_image,
     final,
@@ -311,17 +312,6 @@ def test_refused_without_memory_on_the_target(running) -> None:
         k("delete", "pod", "filler", "--grace-period=1")
 
 
-def _advertise(k: Kubectl, node: str, resource: str, count: int | None) -> None:
-    """A node's device plugin resource, as a device plugin would report it (None: none at all)."""
-    value = None if count is None else str(count)
-    status = {"status": {"capacity": {resource: value}, "allocatable": {resource: value}}}
-    k("patch", "node", node, "--subresource=status", "--type=merge", "-p", json.dumps(status))
-    deadline = time.monotonic() + 30
-    while (k.get("node", node) or {})["status"].get("allocatable", {}).get(resource) != value:
-        assert time.monotonic() < deadline, f"node {node} did not take {resource}={value}"
-        time.sleep(0.5)
-
-
 def test_a_gpu_pod_is_refused_where_no_gpu_is_free_and_moves_where_one_is(running) -> None:
     """A pod that requests nvidia.com/gpu: its placeholder asks the target for one too, so a target
     whose GPUs are all taken (here: none advertised free) is refused before anything is made, in one
@@ -329,8 +319,8 @@ def test_a_gpu_pod_is_refused_where_no_gpu_is_free_and_moves_where_one_is(runnin
     nodes advertise the resource as one would; the job itself is a CPU job.)"""
     lay, k = running
     gpu = "nvidia.com/gpu"
-    _advertise(k, "a", gpu, 1)
-    _advertise(k, "b", gpu, 0)
+    advertise(k, "a", gpu, 1)
+    advertise(k, "b", gpu, 0)
     pod = training_pod("gpu-steady", steps=100000, node="a")
     pod["spec"]["containers"][0]["resources"]["limits"] = {gpu: "1"}
     moved = None
@@ -341,7 +331,7 @@ def test_a_gpu_pod_is_refused_where_no_gpu_is_free_and_moves_where_one_is(runnin
             f"node b has 0 {gpu} free; pod gpu-steady needs 1: pick a node with a free {gpu} "
             "(`kubectl describe node`) or free one there; nothing was changed"
         )
-        _advertise(k, "b", gpu, 1)
+        advertise(k, "b", gpu, 1)
         moved = migrate_pod(lay, k, "gpu-steady", "b")
         placed = k.get("pod", moved)
         assert placed is not None and placed["spec"]["nodeName"] == "b"
@@ -349,8 +339,8 @@ def test_a_gpu_pod_is_refused_where_no_gpu_is_free_and_moves_where_one_is(runnin
     finally:
         gone = ("--grace-period=1", "--wait=false", "--ignore-not-found")  # the move deleted the source
         k("delete", "pod", "gpu-steady", *([moved] if moved else []), *gone)
-        _advertise(k, "a", gpu, None)
-        _advertise(k, "b", gpu, None)
+        advertise(k, "a", gpu, None)
+        advertise(k, "b", gpu, None)
     for name in ("gpu-steady", moved):  # the next refusals compare the pods before and after
         if name:
             k.wait_gone("pod", name)
