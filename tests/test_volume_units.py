@@ -125,9 +125,11 @@ def _node_process(tmp_path: Path) -> subprocess.Popen:
     """A process in a private mount namespace with a tmpfs only it sees: a node's runtime, here."""
     (tmp_path / "nodeonly").mkdir()
     (tmp_path / "bind").mkdir()
+    (tmp_path / "one-file").touch()
     script = (
         f"mount -t tmpfs t {tmp_path}/nodeonly && echo kept > {tmp_path}/nodeonly/f && "
-        f"mount --bind {tmp_path}/nodeonly {tmp_path}/bind && echo up && exec sleep 60"
+        f"mount --bind {tmp_path}/nodeonly {tmp_path}/bind && "
+        f"mount --bind {tmp_path}/nodeonly/f {tmp_path}/one-file && echo up && exec sleep 60"
     )
     p = subprocess.Popen(
         ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
@@ -150,8 +152,15 @@ def test_a_mount_only_the_node_has_is_reached_and_attached_here(tmp_path) -> Non
         here = view.attach(m)
         assert here is not None and Path(here, "f").read_text() == "kept\n"
         assert any(x.point == here for x in mounts.of("self")), "not a mount of our namespace"
+        # a file's mount (a hostPath File, a device node) is attached onto a file, not a folder
+        f = next(x for x in view.table if x.point == str(tmp_path / "one-file"))
+        assert mounts.host_path(f, view.own) is None
+        one = view.attach(f)
+        assert one is not None and Path(one).is_file() and Path(one).read_text() == "kept\n"
         view.detach()
-        assert not os.path.exists(here) and not any(x.point == here for x in mounts.of("self"))
+        for point in (here, one):
+            assert not os.path.exists(point) and not any(x.point == point for x in mounts.of("self"))
+        assert not os.path.exists(os.path.dirname(one))
     finally:
         node.kill()
         node.wait()

@@ -78,7 +78,8 @@ class NodeView:
     table: list[mounts.Mount]
     own: list[mounts.Mount]
     same: bool  # our mount namespace is the node's
-    attached: list[str] = field(default_factory=list)  # mount points `attach` made; `release` undoes
+    # (mount point, its temporary folder) of each mount `attach` made; `detach` undoes them
+    attached: list[tuple[str, str]] = field(default_factory=list)
 
     @classmethod
     def of_runtime(cls, endpoint: str | None) -> NodeView:
@@ -129,22 +130,28 @@ class NodeView:
         if node is None:
             return None
         home = tempfile.mkdtemp(prefix="criuctl-node-mount-")
+        point = home
         try:
-            _clone_mount(self.pid, node, home)
+            # a file's mount (a hostPath File, a device node, a socket) goes onto a file: the
+            # kernel refuses to put it on a folder (EINVAL)
+            if not os.path.isdir(f"/proc/{self.pid}/root{node}"):
+                point = os.path.join(home, "file")
+                os.close(os.open(point, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600))
+            _clone_mount(self.pid, node, point)
         except OSError as exc:
-            os.rmdir(home)
+            shutil.rmtree(home, ignore_errors=True)
             raise NodeViewError(
                 f"cannot attach the node's {node} here: {exc.strerror or exc}",
                 "criuctl's agent needs CAP_SYS_ADMIN and the host's PID namespace (manifests/daemonset.yaml)",
             ) from exc
-        self.attached.append(home)
-        return home
+        self.attached.append((point, home))
+        return point
 
     def detach(self) -> None:
         """Unmount what `attach` mounted (a restored tree keeps its own copies of those mounts)."""
         while self.attached:
-            home = self.attached.pop()
-            _umount(home)
+            point, home = self.attached.pop()
+            _umount(point)
             shutil.rmtree(home, ignore_errors=True)
 
 
