@@ -435,11 +435,18 @@ def test_plan_passes_over_gpus_without_room_for_the_jobs_device_memory():
 def test_list_gpus_and_driver_version_through_nvml(fake, monkeypatch):
     monkeypatch.setenv("FAKE_NVML_GPUS", f"{H200}={A},{H200}={B}:1000:400")
     found = gpus.list_gpus()
-    assert found == [GpuInfo(0, A, H200, 150_754_820_096, 150_754_820_096), GpuInfo(1, B, H200, 1000, 400)]
+    assert found == [
+        GpuInfo(0, A, H200, 150_754_820_096, 150_754_820_096, "580.95.05"),
+        GpuInfo(1, B, H200, 1000, 400, "580.95.05"),
+    ]
     assert [GpuInfo.from_dict(g.to_dict()) for g in found] == found
     assert gpus.driver_version() == "580.95.05"
     with pytest.raises(ValueError, match="not a GPU record"):
         GpuInfo.from_dict({**found[0].to_dict(), "index": True})
+    with pytest.raises(ValueError, match="not a GPU record"):
+        GpuInfo.from_dict({**found[0].to_dict(), "driver": 580})
+    older = {k: v for k, v in found[0].to_dict().items() if k != "driver"}  # an older agent's record
+    assert GpuInfo.from_dict(older).driver == ""
     # one environment for a DaemonSet's agents, each node its own GPUs (the stand-in's FAKE_NODE)
     monkeypatch.setenv("FAKE_NVML_GPUS_b", f"{H100}={C}")
     monkeypatch.setenv("FAKE_NODE", "b")
@@ -914,3 +921,29 @@ def test_a_checkpoint_that_carried_torchs_idle_cache_says_how_to_leave_it_behind
     assert gpustate.stranded_cache(manifest(4.26, 0.75, held=0)) == 0  # no boundary: no report
     assert gpustate.stranded_cache(manifest(4.26, 0.75, gpu=False)) == 0  # the state pre-dump
     assert render._stranded_cache(manifest(1.12, 1.0)) == ""
+
+
+def test_a_gpu_state_goes_only_where_the_driver_that_took_it_runs(fake, monkeypatch):
+    """The job maps the driver's libraries by their versioned names, which CRIU restores by path: a
+    node on another driver version (even a patch apart) is refused in one line, by the restore's
+    plan and by a move's check before anything is frozen; a version not known is not held against
+    it (an older agent, a bundle from a node without NVML)."""
+    from criuctl.format import bundle
+    from criuctl.gpu import gpustate
+
+    monkeypatch.setenv("FAKE_NVML_GPUS", f"{H200}={A}")
+    facts = bundle.GpuFacts("580.95.06", [bundle.GpuDevice(0, A, H200, 150_754_820_096)], [1], [1])
+    with pytest.raises(gpus.GpuMismatch) as err:
+        gpustate.plan(facts)
+    assert err.value.line() == (
+        "the bundle's CUDA state was taken under NVIDIA driver 580.95.06 but this node "
+        "runs 580.95.05, and the driver restores a checkpoint only under the version that took it: "
+        "restore it on a node with driver 580.95.06, or install 580.95.06 there"
+    )
+    monkeypatch.setenv("FAKE_NVML_DRIVER", "580.95.06")
+    assert gpustate.plan(facts) == {A: A}
+    assert gpustate.plan(bundle.GpuFacts("13000", facts.devices, [1], [1])) == {A: A}  # not NVML's: unknown
+    with pytest.raises(gpus.GpuMismatch, match=r"the job runs under NVIDIA driver 580\.95\.06 but"):
+        gpus.check_driver("580.95.06", "580.65.06", what="the job", where="the target node")
+    gpus.check_driver("580.95.06", None, what="the job", where="the target node")
+    gpus.check_driver("580.95.06", "", what="the job", where="the target node")

@@ -90,6 +90,20 @@ def test_a_target_without_the_jobs_gpu_model_is_refused_before_anything_is_froze
         assert _gpu_lines(c, "gpujob") == [f"gpu {GPU_A.uuid}"]
 
 
+def test_a_target_on_another_driver_version_is_refused_before_anything_is_frozen(tmp_path, gpus, mlp_ref):
+    """b's driver is a patch release apart (NVML says 580.95.06 against a's 580.95.05): the job's
+    mapped libraries would not be there by their names, so the move is refused in one line before
+    the lock (the version travels in the target agent's GPU list), and the job goes on on a."""
+    b = {**gpus.node_env(GPU_B), "FAKE_NVML_DRIVER": "580.95.06"}
+    with Cluster(tmp_path / "c", agent_env={"a": gpus.node_env(GPU_A), "b": b}) as c:
+        _gpu_job_on_a(c, gpus)
+        line = _failed(c.migrate("gpujob", "b"))
+        assert "the job runs under NVIDIA driver 580.95.05 but the target node runs 580.95.06" in line, line
+        assert "nothing was frozen" in line, line
+        assert gpus.driver_calls() == [], "the driver was asked to lock a job that could not move"
+        assert_ran_once(c, "gpujob", mlp_ref, "a")
+
+
 def test_a_target_whose_gpu_memory_is_taken_is_refused_before_its_restore(tmp_path, gpus, mlp_ref):
     """b's H200 has too little free memory (NVML) for what the checkpoint moved: b's restore refuses
     before CRIU runs, the source thaws, and the job gets its device state back on a."""

@@ -46,6 +46,7 @@ class GpuInfo:
     name: str  # the model, e.g. "NVIDIA H200": the driver restores only onto the same chip
     memory_total: int  # bytes
     memory_free: int | None = None  # bytes free when NVML was asked; None: not known
+    driver: str = ""  # the node's NVIDIA driver version ("580.95.05"); "": not said (an older agent)
 
     def to_dict(self) -> dict[str, int | str | None]:
         return asdict(self)
@@ -55,10 +56,10 @@ class GpuInfo:
         values = [data.get(k) for k in ("index", "uuid", "name", "memory_total")]
         if [type(v) for v in values] != [int, str, str, int]:  # type(), not isinstance: True is no index
             raise ValueError(f"not a GPU record: {data!r}")
-        free = data.get("memory_free")
-        if free is not None and type(free) is not int:
+        free, driver = data.get("memory_free"), data.get("driver", "")
+        if (free is not None and type(free) is not int) or type(driver) is not str:
             raise ValueError(f"not a GPU record: {data!r}")
-        return cls(*values, memory_free=free)  # type: ignore[arg-type]
+        return cls(*values, memory_free=free, driver=driver)  # type: ignore[arg-type]
 
 
 def library_path() -> str:
@@ -103,6 +104,7 @@ def list_gpus() -> list[GpuInfo]:
             return []
         count = ctypes.c_uint(0)
         _check(lib, "nvmlDeviceGetCount_v2", lib.nvmlDeviceGetCount_v2(ctypes.byref(count)))
+        driver = _driver_version(lib)
         out = []
         for index in range(count.value):
             handle = ctypes.c_void_p()
@@ -116,19 +118,40 @@ def list_gpus() -> list[GpuInfo]:
             _check(lib, "nvmlDeviceGetName", lib.nvmlDeviceGetName(handle, name, NAME_SIZE))
             _check(lib, "nvmlDeviceGetUUID", lib.nvmlDeviceGetUUID(handle, uuid, UUID_SIZE))
             _check(lib, "nvmlDeviceGetMemoryInfo", lib.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)))
-            out.append(GpuInfo(index, uuid.value.decode(), name.value.decode(), memory.total, memory.free))
+            out.append(
+                GpuInfo(index, uuid.value.decode(), name.value.decode(), memory.total, memory.free, driver)
+            )
         return out
+
+
+def _driver_version(lib: ctypes.CDLL) -> str:
+    buf = ctypes.create_string_buffer(VERSION_SIZE)
+    lib.nvmlSystemGetDriverVersion.argtypes = [ctypes.c_char_p, ctypes.c_uint]
+    _check(lib, "nvmlSystemGetDriverVersion", lib.nvmlSystemGetDriverVersion(buf, VERSION_SIZE))
+    return buf.value.decode()
 
 
 def driver_version() -> str | None:
     """The NVIDIA driver's version, e.g. "580.95.05"; None where there is none."""
     with _nvml() as lib:
-        if lib is None:
-            return None
-        buf = ctypes.create_string_buffer(VERSION_SIZE)
-        lib.nvmlSystemGetDriverVersion.argtypes = [ctypes.c_char_p, ctypes.c_uint]
-        _check(lib, "nvmlSystemGetDriverVersion", lib.nvmlSystemGetDriverVersion(buf, VERSION_SIZE))
-        return buf.value.decode()
+        return None if lib is None else _driver_version(lib)
+
+
+def check_driver(taken: str, here: str | None, what: str = "the bundle", where: str = "this node") -> None:
+    """GpuMismatch in one line unless `here` runs the NVIDIA driver version the state was `taken`
+    under. The checkpointed process maps the driver's libraries by their versioned names
+    (libcuda.so.580.95.05; NVIDIA's container toolkit mounts them so), which CRIU restores by path:
+    under another version they are not there, even 580.95.05 against 580.95.06 (NVIDIA/cuda-checkpoint
+    issue 21). Unknown on either side (an older agent, a version NVML did not give): not checked."""
+    if not here or "." not in taken or taken == here:
+        return
+    bundle = what == "the bundle"
+    said = f"{what}'s CUDA state was taken under" if bundle else f"{what} runs under"
+    raise GpuMismatch(
+        f"{said} NVIDIA driver {taken} but {where} runs {here}, and the driver restores a checkpoint "
+        "only under the version that took it",
+        f"{'restore' if bundle else 'move'} it on a node with driver {taken}, or install {taken} there",
+    )
 
 
 def maps_use_gpu(maps: str) -> bool:
