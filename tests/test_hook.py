@@ -290,3 +290,39 @@ def test_an_altered_state_bundle_is_refused_and_nothing_starts(tmp_path):
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "state/state-0.pt" in r.stderr, r.stderr
     assert "cnn" not in criuctl("ps").stdout
+
+
+# A training job that removes criuctl's control directory at its 5th step, then trains on.
+_REMOVES_ITS_CONTROL = """
+import os, shutil, sys, time, torch
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(400):
+    x = torch.randn(16, 8)
+    loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    if step == 5:
+        shutil.rmtree(os.environ["CRIUCTL_CONTROL_DIR"])
+    print(f"step {step} loss {loss.item().hex()}", flush=True)
+    time.sleep(0.05)
+"""
+
+
+def test_a_job_that_removes_its_control_directory_is_dumped_without_a_boundary(tmp_path):
+    """The hook does not stop the job when its control directory goes; the dump cannot ask the
+    trainers, so it freezes where the job stands (CRIU's image is exact regardless), says why, and
+    the restored job goes on where it was."""
+    job = Job([*CRIUCTL, "run", "--name", "nodir", "--", sys.executable, "-c", _REMOVES_ITS_CONTROL])
+    job.wait_for(r"^step 10 ")
+    r = criuctl("dump", "nodir", "-o", str(tmp_path / "b"))
+    assert r.returncode == 0, r.stderr
+    job.wait()
+    shown = criuctl("inspect", str(tmp_path / "b")).stdout
+    assert "step boundary: none (its control directory is gone" in shown, shown
+    restored = Job.restore(tmp_path / "b")
+    assert restored.wait() == 0, restored.err
+    before, after = job.steps, restored.steps
+    assert after and min(after) == max(before) + 1 and max(after) == 399, (max(before), sorted(after)[:3])

@@ -156,6 +156,14 @@ def _live_trainers(control: str, root_pid: int) -> dict[str, int]:
         return {}
 
 
+def _present(control: str) -> bool:
+    try:
+        with _opened(control):
+            return True
+    except OSError:
+        return False
+
+
 def _report(control: str, ns_pid: str, request_id: str) -> dict | None:
     try:
         held = json.loads(_read(control, contract.HELD, ns_pid))
@@ -174,6 +182,8 @@ def reach(
     trainers = _live_trainers(control, w.root_pid) if control else {}
     if not trainers:
         why = "no process of it has run an optimizer step under criuctl's hook"
+        if control and not _present(control):  # the job took it away: trainers may have run
+            why = "its control directory is gone (the job removed it?), so no trainer could be asked"
         return Reached(rid, 0, 0, None, 0.0, 0, why)
     request = {"id": rid, "mode": mode, **({"out": str(out)} if out else {})}
     try:
