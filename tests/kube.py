@@ -211,6 +211,17 @@ class LogFollower(threading.Thread):
         self.text = subprocess.run(self.argv, capture_output=True, text=True, timeout=600).stdout
 
 
+def to_the_end(k: Kubectl, pod: str, follow: list[LogFollower], timeout: float = 300) -> None:
+    """Wait until `pod` has Succeeded (the job ran to its end), then until every log follower of the
+    job's successive pods has read its pod's whole log."""
+    deadline = time.monotonic() + timeout
+    while (k.get("pod", pod) or {}).get("status", {}).get("phase") != "Succeeded":
+        assert time.monotonic() < deadline, k("logs", pod, check=False).stdout[-1000:]
+        time.sleep(1)
+    for f in follow:
+        f.join(60)
+
+
 def combined_steps(parts: list[dict[int, str]]) -> dict[int, str]:
     """Every step's loss over the logs of a job's successive pods; a step that two pods report
     must carry the same loss (a resumed copy, not a second run from the start)."""

@@ -178,12 +178,7 @@ def test_pod_moves_there_and_back_bit_identical(local_cluster, reference) -> Non
     on_a = migrate_pod(lay, k, on_b, "a", "--mode", "stop-and-copy")
     follow.append(LogFollower(k, on_a))
     follow[-1].start()
-    deadline = time.monotonic() + 300
-    while (k.get("pod", on_a) or {}).get("status", {}).get("phase") != "Succeeded":
-        assert time.monotonic() < deadline, k.logs(on_a)[-1000:]
-        time.sleep(1)
-    for f in follow:
-        f.join(60)
+    to_the_end(k, on_a, follow)
     parts = [steps(f.text) for f in follow]
     assert all(parts), "a pod's log showed no step: the move was not mid-training"
     combined: dict[int, str] = {}

@@ -125,12 +125,7 @@ def test_a_gpu_pod_moves_onto_the_target_nodes_gpu_and_the_job_never_stops(gpu_c
         assert placed["spec"]["containers"][0]["resources"]["limits"][GPU] == "1"
         follow.append(LogFollower(k, moved))
         follow[-1].start()
-        deadline = time.monotonic() + 300
-        while (k.get("pod", moved) or {}).get("status", {}).get("phase") != "Succeeded":
-            assert time.monotonic() < deadline, k.logs(moved)[-1000:]
-            time.sleep(1)
-        for f in follow:
-            f.join(60)
+        to_the_end(k, moved, follow)
         calls = gpus.driver_calls()
         assert [c.split()[0] for c in calls] == ["lock", "checkpoint", "restore", "unlock"], calls
         assert calls[2].endswith(f"pairs={GPU_A.uuid}>{GPU_B.uuid}"), calls

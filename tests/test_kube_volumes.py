@@ -232,12 +232,7 @@ def test_every_kind_of_volume_moves_bit_identically(local_cluster, reference, ho
         assert {path: _exec(k, on_b, f"cat {path}") for path in want} == want
         assert not _attached_left(lay, "b"), "the agent on b kept the node's mounts it attached for CRIU"
         k.wait_gone("pod", name)
-        deadline = time.monotonic() + 300
-        while (k.get("pod", on_b) or {}).get("status", {}).get("phase") != "Succeeded":
-            assert time.monotonic() < deadline, k("logs", on_b, "--previous", check=False).stdout[-1000:]
-            time.sleep(1)
-        for f in follow:
-            f.join(60)
+        to_the_end(k, on_b, follow)
         parts = [steps(f.text) for f in follow]
         assert all(parts) and min(parts[1]) > 0, "a log showed no step, or the move started the job over"
         assert combined_steps(parts) == ref.steps

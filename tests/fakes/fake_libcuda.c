@@ -50,6 +50,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "fake_node.h"
+
 typedef int CUresult;
 enum {
 	CUDA_SUCCESS = 0,
@@ -128,18 +130,6 @@ struct fake_ctx {
 	unsigned long long bytes;  /* and its size */
 };
 _Static_assert(sizeof(struct fake_ctx) == 272, "fake_ctx");
-
-/* getenv(name), or where FAKE_NODE is set and name_<FAKE_NODE> too, that node's own value. */
-static const char *node_getenv(const char *name)
-{
-	const char *node = getenv("FAKE_NODE"), *v;
-	char key[256];
-
-	if (node && *node && snprintf(key, sizeof(key), "%s_%s", name, node) < (int)sizeof(key) &&
-	    (v = getenv(key)))
-		return v;
-	return getenv(name);
-}
 
 static const char *env(const char *name, const char *fallback)
 {

@@ -17,6 +17,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fake_node.h"
+
 typedef int nvmlReturn_t;
 enum {
 	NVML_SUCCESS = 0,
@@ -36,18 +38,6 @@ typedef struct {
 #define DEFAULT_TOTAL 150754820096ULL /* an H200's 140 GiB as NVML reports it, roughly */
 
 static int initialized;
-
-/* getenv(name), or where FAKE_NODE is set and name_<FAKE_NODE> too, that node's own value. */
-static const char *node_getenv(const char *name)
-{
-	const char *node = getenv("FAKE_NODE"), *v;
-	char key[256];
-
-	if (node && *node && snprintf(key, sizeof(key), "%s_%s", name, node) < (int)sizeof(key) &&
-	    (v = getenv(key)))
-		return v;
-	return getenv(name);
-}
 
 /* The index-th GPU of FAKE_NVML_GPUS: 0 when found. */
 static int gpu(unsigned int index, char *name, size_t name_size, char *uuid, size_t uuid_size,
