@@ -26,6 +26,7 @@ from tests.kube import (
     final,
     migrate_pod,
     steps,
+    to_the_end,
     training_pod,
     wait_step,
 )
