@@ -8,6 +8,8 @@
 # what the boundary's empty_cache saves) in under 7 minutes. Writes every raw result to
 # gpu-check.json ($OUT under the device tool: commit it as bench/results/gpu-check.json; then
 # `python bench/gpu_table.py` makes docs/benchmarks.md's table). Exits non-zero if any check failed.
+# GPU_CHECK_ONLY=cache runs only what the boundary's empty_cache saves (~70 s), into
+# gpu-check-cache.json: a short call for what is left of a device budget.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 repo=$PWD
