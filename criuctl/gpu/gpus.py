@@ -137,6 +137,11 @@ def driver_version() -> str | None:
         return None if lib is None else _driver_version(lib)
 
 
+def driver_of(listed: list[GpuInfo]) -> str | None:
+    """The driver version a node's GPU list says (each GPU carries its node's); None: not said."""
+    return next((g.driver for g in listed if g.driver), None)
+
+
 def check_driver(taken: str, here: str | None, what: str = "the bundle", where: str = "this node") -> None:
     """GpuMismatch in one line unless `here` runs the NVIDIA driver version the state was `taken`
     under. The checkpointed process maps the driver's libraries by their versioned names

@@ -116,8 +116,7 @@ def check_target(pids: list[int], target: list[gpus.GpuInfo]) -> None:
             what = f"the job ({_describe(used)})"
             gpus.plan_gpu_map([_info(d) for d in used], target, what=what, where="the target node")
             if taken := gpus.driver_version():
-                theirs = next((g.driver for g in target if g.driver), None)
-                gpus.check_driver(taken, theirs, what="the job", where="the target node")
+                gpus.check_driver(taken, gpus.driver_of(target), what="the job", where="the target node")
         except gpus.GpuMismatch as exc:
             exc.hint += "; nothing was frozen, the job keeps running"
             raise
@@ -147,8 +146,8 @@ def plan(facts: bundle.GpuFacts | None, within: int | None = None) -> dict[str, 
     """
     if facts is None:
         return {}
-    gpus.check_driver(facts.driver, gpus.driver_version())
     present, where = gpus.list_gpus(), "this node"
+    gpus.check_driver(facts.driver, gpus.driver_of(present))
     visible = gpus.visible_in(within) if within is not None else None
     if visible is not None:
         present = [g for g in present if g.index in visible]
