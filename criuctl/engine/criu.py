@@ -210,6 +210,7 @@ class DumpOptions:
     ghost_limit: int = 1 << 30  # deleted-but-open files (DataLoader shared memory) up to 1 GiB
     lazy_pages: bool = False  # post-copy: keep memory pages back and serve them on `page_server_port`
     page_server_port: int = 0
+    lazy_tls: PageTls | None = None  # post-copy: serve them over TLS to the pinned client(s) only
     pages_to: PagesTo | None = None  # send memory pages to the target's page server, not to disk
     log_level: int = field(default_factory=env.CRIU_LOG_LEVEL.get)
     log_file: str = "dump.log"
@@ -310,6 +311,8 @@ def build_dump_request(o: DumpOptions, images_fd: int = -1, work_fd: int = -1) -
     if o.lazy_pages:
         opts.lazy_pages = True
         opts.ps.port = o.page_server_port  # with lazy_pages CRIU *serves* on this port (any address)
+        if o.lazy_tls is not None:
+            _tls(opts, o.lazy_tls)
     elif o.pages_to is not None:
         opts.ps.address = o.pages_to.address  # without lazy_pages CRIU *connects* and sends pages
         opts.ps.port = o.pages_to.port
@@ -483,9 +486,15 @@ LAZY_READY_TIMEOUT = 60.0  # seconds for `criu lazy-pages` to say it listens (it
 
 
 def lazy_pages_daemon(
-    images_dir: Path, work_dir: Path, address: str, port: int, ready_timeout: float = LAZY_READY_TIMEOUT
+    images_dir: Path,
+    work_dir: Path,
+    address: str,
+    port: int,
+    ready_timeout: float = LAZY_READY_TIMEOUT,
+    tls: PageTls | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start `criu lazy-pages` pulling pages from a source's page server; returns once it listens.
+    With `tls`, over CRIU's TLS, pinned to the source's certificate (`PageTls`).
 
     CRIU's RPC has no request for this daemon, so it runs as a command; its readiness comes
     through `--status-fd` (one byte), its failure through its exit status and log. A daemon that
@@ -511,6 +520,7 @@ def lazy_pages_daemon(
         f"-v{env.CRIU_LOG_LEVEL.get()}",
         "--status-fd",
         str(ready_w),
+        *(tls_argv(tls) if tls is not None else []),
     ]
     proc = subprocess.Popen(argv, pass_fds=(ready_w,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     os.close(ready_w)

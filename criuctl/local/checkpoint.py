@@ -22,6 +22,7 @@ both before the tree runs, so its connections keep working.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import signal
@@ -30,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 
 import psutil
@@ -167,6 +169,7 @@ class Frozen:
     freeze_seconds: float  # freeze start to bundle sealed
     lazy: bool = False
     lock: locks.WorkloadLock | None = None  # held from before the freeze until commit or thaw ends
+    criu_dir: Path | None = None  # post-copy: CRIU's folder (its log) while it serves, beside the bundle
     netlock_table: str | None = None  # CRIU's lock table for this dump, once CRIU has dumped
     boundary: stepboundary.Reached | None = None  # the trainers held at a step boundary
     gpu: bundle.GpuFacts | None = None  # CUDA state the driver moved to host memory
@@ -197,8 +200,7 @@ class Frozen:
                 for pid in self.pids:
                     with contextlib.suppress(OSError):
                         procinfo.send_signal(pid, signal.SIGSTOP)
-                self._session.kill()
-                self._criu.join()
+                self.stop_serving()
             self.netlock_table = self.netlock_table or netlock.table_for_images(self.images_dir)
             thaw = thaw_tree(self.workload.root_pid, self.images_dir, self.netlock_table, self.workload.name)
             stepboundary.let_go(self.workload, self.boundary)
@@ -222,7 +224,8 @@ class Frozen:
 
         In post-copy, first queue a SIGSTOP to every process: should CRIU fail while serving
         pages, it lets the tree go, and the tree must not run on beside its copy. Then wait for
-        the last page to be pulled before killing.
+        the last page to be pulled before killing: the target's daemon is connected by then (it
+        connected before its restore), and one gone for `COMMIT_IDLE` seconds is not coming back.
         """
         w = self.workload
         for k, v in record.items():
@@ -232,12 +235,90 @@ class Frozen:
             if self._criu is not None:
                 for pid in self.pids:
                     procinfo.send_signal(pid, signal.SIGSTOP)
-                self._criu.join()
+                self.serve(until=math.inf, idle=COMMIT_IDLE)
             left = end_frozen(tree, w, state, self.netlock_table, self.boundary)
         finally:
             self.unlock()
         if left:
             raise CriuctlError(left, "it blocks only the ended tree's connections; remove the table it names")
+
+    def end_serving(self, state: str = workloads.MIGRATED, **record: str) -> str | None:
+        """Post-copy through a successor (a pod being deleted): end the tree now, while CRIU goes on
+        serving its pages. They are in CRIU's page pipes, which hold the pages themselves (vmsplice),
+        not the tree's mappings: they outlive the tree. The job now lives in the bundle and in those
+        pipes, until a lazy-pages daemon has pulled every page (`serve`). Returns what could not be
+        done (as `end_frozen`)."""
+        assert self._criu is not None, "end_serving is for a post-copy dump whose CRIU serves"
+        w = self.workload
+        for k, v in record.items():
+            setattr(w, k, v)
+        try:
+            return end_frozen(w.identity, w, state, self.netlock_table, self.boundary)
+        finally:
+            self.unlock()
+
+    def client_connected(self) -> bool:
+        """Whether a lazy-pages daemon is connected to CRIU's page server now."""
+        pid = self._session.swrk_pid if self._session is not None else None
+        if not pid:
+            return False
+        with contextlib.suppress(OSError, psutil.Error):
+            return any(s.established and s.remote[1] for s in peers.sockets([pid]))
+        return False
+
+    def serve(self, until: float, idle: float | None = None, stop: threading.Event | None = None) -> Served:
+        """Wait while CRIU serves the pages, until a daemon has pulled them all (CRIU ends by
+        itself), `stop` is set, `until` (time.monotonic()) passes, or no daemon has been connected
+        for `idle` seconds; CRIU is killed in the last three cases (its pages go with it). A
+        daemon that went away before it had every page leaves them to the next one (CRIU's patch,
+        scripts/criu-patches/lazy-pages-serve-until-pulled.patch)."""
+        assert self._criu is not None and self._session is not None
+        quiet_since = time.monotonic()
+        while self._criu.is_alive():
+            now = time.monotonic()
+            if self.client_connected():
+                quiet_since = now
+            ended: Served | None = None
+            if stop is not None and stop.is_set():
+                ended = Served.STOPPED
+            elif now >= until:
+                ended = Served.DEADLINE
+            elif idle is not None and now - quiet_since >= idle:
+                ended = Served.IDLE
+            if ended is not None:
+                self._session.kill()
+                self._criu.join()
+                outcome = ended
+                break
+            self._criu.join(SERVE_POLL)
+        else:
+            outcome = Served.FAILED if self._error else Served.PULLED
+        self._criu = None
+        if self.criu_dir is not None:
+            failed = outcome not in (Served.PULLED, Served.STOPPED)
+            _keep_log(self.criu_dir / bundle.DUMP_LOG, f"{self.workload.name}-pages", failed)
+            shutil.rmtree(self.criu_dir, ignore_errors=True)
+        return outcome
+
+    def stop_serving(self) -> None:
+        """Kill the CRIU that serves the pages, now (its pages go with it)."""
+        stop = threading.Event()
+        stop.set()
+        self.serve(until=math.inf, stop=stop)
+
+
+SERVE_POLL = 1.0  # seconds between looks at a serving CRIU
+COMMIT_IDLE = 30.0  # a migration's target daemon gone this long after the commit: its pull failed
+
+
+class Served(StrEnum):
+    """How a post-copy dump's page server ended (`Frozen.serve`)."""
+
+    PULLED = "pulled"  # a lazy-pages daemon had every page
+    FAILED = "failed"  # CRIU ended with an error
+    STOPPED = "stopped"  # whoever served asked it to stop
+    DEADLINE = "deadline"  # nobody had pulled every page in time
+    IDLE = "idle"  # no daemon connected for too long
 
 
 def end_frozen(
@@ -288,13 +369,17 @@ def freeze(
     connections: bool = False,
     pages_to: criu.PagesTo | None = None,
     target_gpus: list[gpus.GpuInfo] | None = None,
+    lazy_tls: criu.PageTls | None = None,
 ) -> Frozen:
     """Freeze workload `target` (name or PID) and seal its bundle in a new directory under `parent`.
 
     With `lazy_port` (post-copy) memory pages stay out of the bundle: CRIU serves them on that port
-    once the bundle is sealed. `endpoints` gives the images' TCP sockets new addresses before the
-    seal (a rank of a multi-node job that moves). Without `boundary` the trainers are frozen where
-    they are (ranks of one job frozen together would each wait at a boundary for the others). On
+    once the bundle is sealed (over TLS to the pinned clients of `lazy_tls`, if given); its log
+    then goes beside the bundle (`Frozen.criu_dir`), which it keeps writing while it serves, and
+    the bundle holds its log as it was at the seal. `endpoints` gives the images' TCP sockets new
+    addresses before the seal (a rank of a multi-node job that moves). Without `boundary` the
+    trainers are frozen where they are (ranks of one job frozen together would each wait at a
+    boundary for the others). On
     any failure the tree is thawed and nothing is left behind. `durable=False` skips the fsyncs of
     the seal: a migration's source keeps its tree frozen in memory until the target decides, so its
     bundle is only the stream's buffer and a power loss takes the tree with it either way.
@@ -326,6 +411,7 @@ def freeze(
             connections,
             pages_to,
             target_gpus,
+            lazy_tls,
         )
     except BaseException:
         lock.release()
@@ -358,6 +444,7 @@ def _freeze_locked(
     connections: bool = False,
     pages_to: criu.PagesTo | None = None,
     target_gpus: list[gpus.GpuInfo] | None = None,
+    lazy_tls: criu.PageTls | None = None,
 ) -> Frozen:
     now = workloads.load(w.name)
     if now is None or now.root_pid != w.root_pid or now.state != workloads.RUNNING or not w.alive():
@@ -379,19 +466,22 @@ def _freeze_locked(
     staging = Path(tempfile.mkdtemp(prefix=f".{w.name}.partial-", dir=parent))
     images = staging / bundle.IMAGES_DIR
     images.mkdir(mode=0o700)
+    lazy = lazy_port is not None
+    criu_dir = Path(tempfile.mkdtemp(prefix=f".{w.name}.criu-", dir=parent)) if lazy else staging
     options = criu.DumpOptions(
         pid=w.root_pid,
         images_dir=images,
-        work_dir=staging,
+        work_dir=criu_dir,
         leave_stopped=True,
         log_file=bundle.DUMP_LOG,
-        lazy_pages=lazy_port is not None,
+        lazy_pages=lazy,
         page_server_port=lazy_port or 0,
+        lazy_tls=lazy_tls,
         pages_to=pages_to,
         external=plan.external if plan else [],
         **criu.tree_options(),
     )
-    frozen = Frozen(w, staging, None, 0.0, lazy=lazy_port is not None, lock=lock)  # type: ignore[arg-type]
+    frozen = Frozen(w, staging, None, 0.0, lazy=lazy, lock=lock, criu_dir=criu_dir if lazy else None)  # type: ignore[arg-type]
     try:
         if w.control and boundary:
             progress("step boundary")
@@ -416,6 +506,8 @@ def _freeze_locked(
             finally:
                 known = tail.finish() if tail is not None else {}
             frozen.phases["criu_dump"] = time.monotonic() - t0
+        if frozen.criu_dir is not None:  # the log as it is now: CRIU goes on writing its own
+            shutil.copyfile(frozen.criu_dir / bundle.DUMP_LOG, staging / bundle.DUMP_LOG)
         t0 = time.monotonic()
         frozen.netlock_table = netlock.table_for_images(images)
         if endpoints is not None:
@@ -443,7 +535,7 @@ def _freeze_locked(
         frozen.freeze_seconds = manifest.freeze_seconds
         frozen.phases["seal"] = time.monotonic() - t0
     except BaseException as exc:
-        log = _keep_log(staging / bundle.DUMP_LOG, w.name)
+        log = _keep_log(criu_dir / bundle.DUMP_LOG, w.name)
         thawed = frozen.thaw()  # lifts the network lock CRIU left, if it got that far; releases the lock
         if isinstance(exc, CriuctlError) and not thawed.complete:
             exc.hint += f"; it runs again, but its thaw did not complete: {thawed.line()}"
@@ -563,9 +655,9 @@ def dump(
     return DumpOutcome(out, frozen.manifest, frozen.freeze_seconds, took, size, frozen.phases, thaw)
 
 
-def _keep_log(log: Path, name: str) -> Path | None:
+def _keep_log(log: Path, name: str, keep: bool = True) -> Path | None:
     """Keep a failed dump's CRIU log (the staging directory is about to go)."""
-    if not log.exists():
+    if not keep or not log.exists():
         return None
     kept = statedir.LOGS.ensure() / f"dump-{name}-{time.strftime('%Y%m%dT%H%M%S')}.log"
     shutil.move(log, kept)

@@ -70,10 +70,8 @@ class Restored:
             self.gpu_seconds = gpustate.resume_until_done(m.gpu, w.root_pid, self.gpu_map, _gpu_not_back)
 
     def abort(self, why: str = "the migration did not commit") -> None:
+        _drop_lazy(self.lazy_daemon)  # first: see `_drop_lazy`
         _kill_and_reap(self.workload.root_pid)
-        if self.lazy_daemon is not None:
-            self.lazy_daemon.kill()
-            self.lazy_daemon.wait()
         _close(self.stdio, self.into, why)
 
     def supervise(self, echo: bool = True, keeper: bool = False) -> int:
@@ -289,14 +287,21 @@ def _undo(
     why: str = "",
 ) -> None:
     """Kill and reap whatever this restore created: the restored init, any other new child, the daemon."""
+    _drop_lazy(lazy)
     if result is not None:
         _kill_and_reap(result.pid)
     for pid in _children() - before - {lazy.pid if lazy else -1}:
         _kill_and_reap(pid)  # CRIU failed half-way: a restored init it did not name
+    _close(stdio, into, why)
+
+
+def _drop_lazy(lazy: subprocess.Popen | None) -> None:
+    """Kill a copy's lazy-pages daemon *before* the copy: a daemon that saw its processes exit
+    would tell the source's page server it is done, and the pages would go with it; killed, it
+    leaves them served for another restore (the source's fallback, when its tree is gone)."""
     if lazy is not None:
         lazy.kill()
         lazy.wait()
-    _close(stdio, into, why)
 
 
 def restore(
