@@ -2,7 +2,12 @@
 
     POST   /v1/workloads/{name}/checkpoint   dump into a bundle kept here (through a `dump` handoff);
                                              {"id": ID} names it (a caller that recorded the id
-                                             first can tell a dump that happened from one that did not)
+                                             first can tell a dump that happened from one that did not);
+                                             {"lazy": {"clients": [PEM]}}: post-copy, the bundle kept
+                                             without its pages, which the handoff serves on (the
+                                             answer's `pages`: port, certificate; pageserving)
+    POST   /v1/bundles/{id}/page-client      this node's page-client certificate for a post-copy bundle
+    GET    /v1/bundles/{id}/pages            where this node serves a post-copy bundle's pages
     GET    /v1/bundles/{id}                  stream a bundle out (tar)
     GET    /v1/bundles/{id}/manifest         its manifest: whether it is kept here, unused
     PUT    /v1/bundles/{id}                  receive a bundle (verified before it is kept)
@@ -10,7 +15,7 @@
                                              {"into": CONTAINER} restores into a placeholder container.
                                              The bundle is used up: marked before the restored job
                                              may run, removed once it runs (it never restores twice)
-    DELETE /v1/bundles/{id}                  delete a kept bundle
+    DELETE /v1/bundles/{id}                  delete a kept bundle (and stop serving its pages)
 
 A checkpoint freezes in a handoff process, like a migration, never in the agent: CRIU's ptrace
 and a multi-second freeze have no place on the event loop, and an agent killed mid-dump must not
@@ -20,6 +25,7 @@ take the frozen tree's only keeper with it (the dump's own exactly-once commit s
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import shutil
 import uuid
@@ -28,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from criuctl.agent import transfer
+from criuctl.agent import conn, pageserving, transfer
 from criuctl.agent.handoffleases import Handoff, HandoffFailed
 from criuctl.agent.httpjson import BadInto, body_json, container_id, error, fail, valid_id
 from criuctl.agent.messages import (
@@ -38,10 +44,13 @@ from criuctl.agent.messages import (
     BundleRestoreRequest,
     CheckpointAnswer,
     CheckpointRequest,
+    PageClient,
+    PagesServed,
 )
 from criuctl.agent.protocol import Command, Event, TargetSpec, timeouts
 from criuctl.core import durable, statedir, workloads
 from criuctl.core.errors import CriuctlError
+from criuctl.engine import criu
 from criuctl.format import bundle
 from criuctl.local import checkpoint
 from criuctl.net import readdress
@@ -71,6 +80,8 @@ class Bundles:
         r.add_get("/v1/bundles/{id}/manifest", self.manifest)
         r.add_put("/v1/bundles/{id}", self.receive)
         r.add_post("/v1/bundles/{id}/restore", self.restore)
+        r.add_post("/v1/bundles/{id}/page-client", self.page_client)
+        r.add_get("/v1/bundles/{id}/pages", self.pages)
         r.add_delete("/v1/bundles/{id}", self.delete)
 
     def _path(self, r: web.Request) -> Path:
@@ -93,17 +104,27 @@ class Bundles:
             return fail(400, f"{str(bid)[:80]!r} is not a bundle id", "bundle ids are 32 hex digits")
         if (self.root / bid).exists():
             return fail(409, f"bundle {bid} already exists on node {self.agent.name}")
-        work = statedir.HANDOFF_LOGS.ensure() / bid
-        work.mkdir(mode=0o700)
-        spec = {
+        spec: dict[str, object] = {
             "workload": w.name,
             "out": str(self.root / bid),
             "leave_running": bool(body.get("leave_running")),
             "connections": bool(body.get("connections")),
         }
+        lazy = body.get("lazy")
+        if lazy is not None:
+            clients = lazy.get("clients") if isinstance(lazy, dict) else None
+            if not isinstance(clients, list) or len(clients) > MAX_PAGE_CLIENTS:
+                return fail(400, "lazy.clients must be a list of page-client certificates")
+            try:
+                await asyncio.to_thread(criu.ensure_lazy_pages)
+            except CriuctlError as exc:
+                return fail(422, f"node {self.agent.name} cannot serve post-copy pages: {exc.what}", exc.hint)
+            spec["lazy"] = {"port": conn.free_port(), "clients": clients, "seconds": timeouts().serve}
+        work = statedir.HANDOFF_LOGS.ensure() / bid
+        work.mkdir(mode=0o700)
         h = await Handoff.spawn("dump", json.dumps(spec), work, work / "handoff.log")
         try:
-            ev = await h.until({Event.DONE}, timeouts().freeze)
+            ev = await h.until({Event.DONE, Event.SERVING}, timeouts().freeze)
         except HandoffFailed as exc:
             return self.agent.error_response(exc)
         except TimeoutError:
@@ -117,11 +138,30 @@ class Bundles:
             return fail(504, f"checkpoint of {w.name!r} took too long", f"{how}; see the agent log")
         finally:
             await h.close()
-            await asyncio.to_thread(shutil.rmtree, work, True)
+            if lazy is None:  # a serving handoff still writes its log there
+                await asyncio.to_thread(shutil.rmtree, work, True)
         answer = CheckpointAnswer(id=bid, bytes=ev["bytes"], freeze_seconds=ev["freeze_seconds"])
         if ev.get("thaw_left"):  # --leave-running: the bundle is good, the job runs, not whole yet
             answer["thaw_incomplete"] = ev["thaw_left"]
+        if ev["event"] == Event.SERVING:
+            answer["pages"] = PagesServed(port=ev["port"], cert=ev["cert"])
         return web.json_response(answer)
+
+    async def page_client(self, r: web.Request) -> web.Response:
+        """This node's page-client certificate for post-copy bundle ID (made once): what the node
+        serving its pages is told to accept (criuctl.agent.pageserving)."""
+        path = self._path(r)
+        me = await asyncio.to_thread(pageserving.client, path.name)
+        return web.json_response(PageClient(cert=me.pem))
+
+    async def pages(self, r: web.Request) -> web.Response:
+        """Where this node serves post-copy bundle ID's pages (its port, its certificate); 404 when
+        it does not (any more)."""
+        path = self._path(r)
+        found = await asyncio.to_thread(pageserving.served, path.name)
+        if found is None:
+            return fail(404, f"node {self.agent.name} serves no pages of bundle {path.name}")
+        return web.json_response(PagesServed(port=found[0], cert=found[1]))
 
     def _kept(self, r: web.Request) -> Path:
         """A kept bundle's folder; 404 for one absent, half-received or used up by a restore."""
@@ -168,10 +208,11 @@ class Bundles:
             into = container_id(body.get("into"))
             moves = body.get("readdress")
             table = readdress.EndpointMap.from_json(moves).to_json() if moves is not None else None
+            page_server, page_tls = await asyncio.to_thread(_pages_from, path.name, body)
         except BadInto as exc:
             return fail(400, str(exc), "name the placeholder by its container ID (hex digits)")
         except ValueError as exc:
-            return fail(400, f"bad readdress: {exc}", "use `criuctl migrate`")
+            return fail(400, f"bad readdress or page server: {exc}", "use `criuctl migrate`")
         except CriuctlError as exc:
             return fail(400, exc.what, exc.hint)
         if not (path / bundle.MANIFEST).exists():
@@ -192,6 +233,8 @@ class Bundles:
             placeholder=into,
             runtime=self.agent.runtimes.endpoint if into else None,
             readdress=table,
+            page_server=page_server,
+            page_tls=page_tls,
         )
         h = await Handoff.spawn("target", spec.to_json(), work, work / f"restore-{path.name}.log")
         try:
@@ -207,12 +250,33 @@ class Bundles:
             return self.agent.error_response(exc)
         finally:
             await h.close()
-        await asyncio.to_thread(shutil.rmtree, path, True)  # the job runs: its pages need not stay on disk
+        if page_server is None:  # post-copy: its handoff removes it once the last page is in
+            await asyncio.to_thread(shutil.rmtree, path, True)  # the job runs: its pages need not stay
         return web.json_response(BundleRestored(pid=running["pid"], criu_seconds=ev["criu_seconds"]))
 
     async def delete(self, r: web.Request) -> web.Response:
         path = self._path(r)
-        if not path.exists():
+        served = await asyncio.to_thread(pageserving.stop, path.name)  # its pages go with it
+        if not path.exists() and not served:
             return fail(404, f"no bundle {path.name} on node {self.agent.name}")
-        await asyncio.to_thread(shutil.rmtree, path)
+        await asyncio.to_thread(shutil.rmtree, path, True)
+        if not served:
+            await asyncio.to_thread(pageserving.forget, path.name)
         return web.json_response(BundleDeleted(deleted=path.name))
+
+
+MAX_PAGE_CLIENTS = 4  # the target's, the source's own is added here: a few at most
+
+
+def _pages_from(bid: str, body: BundleRestoreRequest) -> tuple[str | None, dict[str, str] | None]:
+    """A post-copy restore's page server (HOST:PORT, checked) and the TLS paths pinning its
+    certificate; (None, None) for a bundle that holds its pages. ValueError for a bad one."""
+    where = body.get("page_server")
+    if where is None:
+        return None, None
+    host, _, port = str(where).rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{str(where)[:80]!r} is not HOST:PORT")
+    ipaddress.ip_address(host.strip("[]"))  # an address, never a name to resolve
+    tls = pageserving.pull_tls(bid, body.get("page_cert"))
+    return f"{host}:{port}", {"peer_cert": str(tls.peer_cert), "cert": str(tls.cert), "key": str(tls.key)}

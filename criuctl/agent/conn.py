@@ -8,6 +8,7 @@ clock, and `requests`, `asyncio` or `aiohttp` cost it tens of milliseconds to im
 from __future__ import annotations
 
 import http.client
+import socket
 import ssl
 from urllib.parse import urlsplit
 
@@ -19,3 +20,11 @@ def connect(url: str, ca_pem: str | None, timeout: float) -> http.client.HTTPCon
         ctx = ssl.create_default_context(cadata=ca_pem or None)
         return http.client.HTTPSConnection(u.hostname or "", u.port or 443, timeout=timeout, context=ctx)
     return http.client.HTTPConnection(u.hostname or "", u.port or 80, timeout=timeout)
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now, for CRIU's page server (which takes a port, not a socket)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port: int = s.getsockname()[1]
+        return port

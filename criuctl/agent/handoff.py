@@ -28,15 +28,14 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
 import traceback
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
-from criuctl.agent import points, records, verdicts, warmstart
+from criuctl.agent import pageserving, points, records, verdicts, warmstart
 from criuctl.agent.protocol import (
     BadTransition,
     Command,
@@ -60,7 +59,7 @@ from criuctl.core.retry import Backoff
 from criuctl.engine import criu
 from criuctl.format import bundle
 from criuctl.gpu import gpus
-from criuctl.local import checkpoint, restoring
+from criuctl.local import checkpoint, exitwrites, restoring
 from criuctl.net import readdress
 
 
@@ -256,6 +255,7 @@ def target(spec_file: Path) -> int:
         into = _placeholder(spec)
         endpoints = readdress.EndpointMap.from_json(spec.readdress) if spec.readdress else None
         vouched = bundle.Vouched(**spec.vouched) if spec.vouched else None
+        page_tls = criu.PageTls(**{k: Path(v) for k, v in spec.page_tls.items()}) if spec.page_tls else None
         restored = restoring.restore_stopped(
             Path(spec.bundle),
             spec.name,
@@ -264,6 +264,7 @@ def target(spec_file: Path) -> int:
             into=into,
             endpoints=endpoints,
             vouched=vouched,
+            page_tls=page_tls,
         )
     except CriuctlError as exc:
         _error(exc)
@@ -313,11 +314,12 @@ def target(spec_file: Path) -> int:
         restored.abort()
         _emit(Event.ERROR, what="the migration was aborted before the commit arrived", hint="", detail="")
         return 1
-    restored.start(supervisor_pid=os.getpid(), node=spec.node)
+    lazy = restored.lazy_daemon is not None
+    restored.start(supervisor_pid=os.getpid(), node=spec.node, pages=workloads.PULLING if lazy else None)
     _emit(Event.RUNNING, pid=restored.workload.root_pid)
     _detach()
-    if restored.lazy_daemon is not None:  # the images are read until the last page is in
-        threading.Thread(target=_collect, args=(restored.lazy_daemon, Path(spec.bundle)), daemon=True).start()
+    if lazy:  # the images are read until the last page is in
+        threading.Thread(target=_collect, args=(restored, Path(spec.bundle)), daemon=True).start()
     return restored.supervise(echo=False, keeper=True)
 
 
@@ -345,9 +347,14 @@ def _placeholder(spec: TargetSpec) -> placeholder.Placeholder | None:
     return placeholder.match(rt, facts)
 
 
-def _collect(lazy: subprocess.Popen[bytes], bundle_dir: Path) -> None:
-    lazy.wait()
+def _collect(restored: restoring.Restored, bundle_dir: Path) -> None:
+    """Post-copy: once the last page is here (or the pull failed, and the job with it), the
+    bundle's images are no longer read."""
+    said = restored.watch_pages()
+    if said != workloads.PULLED:
+        print(f"criuctl: {restored.workload.name}: {said}", file=sys.stderr, flush=True)
     shutil.rmtree(bundle_dir, ignore_errors=True)
+    pageserving.forget(bundle_dir.name)
 
 
 def _detach() -> None:
@@ -375,6 +382,8 @@ def dump(spec_file: Path) -> int:
     if os.environ.get("KUBERNETES_SERVICE_HOST") and not cgroups.leave_container():
         print("the dump stays in the agent's cgroups: it ends if the agent's pod does", file=sys.stderr)
     spec = json.loads(spec_file.read_text())
+    if spec.get("lazy"):
+        return _serve(spec)
     try:
         out = checkpoint.dump(
             spec["workload"],
@@ -390,6 +399,68 @@ def dump(spec_file: Path) -> int:
         return 1
     left = out.thaw.line() if out.thaw is not None and not out.thaw.complete else None
     _emit(Event.DONE, bytes=out.size_bytes, freeze_seconds=out.freeze_seconds, thaw_left=left)
+    return 0
+
+
+def _serve(spec: dict[str, Any]) -> int:
+    """Post-copy for a pod's successor (criuctl.agent.pageserving): freeze with the memory pages
+    kept back, keep the bundle (everything else), end the tree, say SERVING (the port, the page
+    server's certificate), then serve the pages until a restore has pulled them all, the agent
+    stops it (SIGTERM), or `lazy.seconds` pass. The pages go when it ends, and the bundle here
+    with them: without its pages it restores nowhere."""
+    out, lazy = Path(spec["out"]), spec["lazy"]
+    bid = out.name
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        page_tls, cert = pageserving.serve_tls(bid, lazy.get("clients") or [])
+        frozen = checkpoint.freeze(
+            spec["workload"],
+            out.parent,
+            lazy_port=int(lazy["port"]),
+            durable=False,  # the pages live in this process: a power loss takes them either way
+            connections=bool(spec.get("connections")),
+            lazy_tls=page_tls,
+        )
+    except CriuctlError as exc:
+        pageserving.forget(bid)
+        _error(exc)
+        return 1
+    try:
+        os.rename(frozen.bundle_dir, out)
+    except OSError as exc:
+        frozen.thaw()
+        pageserving.forget(bid)
+        _emit(Event.ERROR, what=f"checkpoint failed: {exc}", hint="the job runs on", detail="")
+        return 1
+    frozen.bundle_dir = out
+    try:
+        left = frozen.end_serving(workloads.CHECKPOINTED, bundle=str(out))  # the job: this bundle, its pages
+    except exitwrites.DisarmFailed as exc:  # the tree is whole: it runs on, and may move another way
+        frozen.thaw()
+        pageserving.forget(bid)
+        exc.hint = "the job runs on; move it by stop-and-copy"
+        _error(exc)
+        return 1
+    pageserving.note_serving(bid, int(lazy["port"]))
+    _emit(
+        Event.SERVING,
+        bytes=bundle.size_bytes(out),
+        freeze_seconds=frozen.freeze_seconds,
+        port=int(lazy["port"]),
+        cert=cert,
+        thaw_left=left,
+    )
+    _detach()
+    started = time.monotonic()
+    served = frozen.serve(time.monotonic() + float(lazy["seconds"]), stop=stop)
+    print(
+        f"criuctl: bundle {bid}'s pages: {served} after {time.monotonic() - started:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
+    shutil.rmtree(out, ignore_errors=True)
+    pageserving.forget(bid)
     return 0
 
 

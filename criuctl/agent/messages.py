@@ -225,6 +225,22 @@ class CheckpointRequest(TypedDict, total=False):
     # a job's rank on Kubernetes: its established TCP connections are dumped as they are (its
     # successor's restore re-addresses them: criuctl.kube.jobmoves) instead of refused
     connections: bool
+    # post-copy: the bundle is kept without its memory pages, which this node serves until a
+    # restore has pulled them all (criuctl.agent.pageserving); the page-client certificates
+    # (PEM) of the nodes that may restore it
+    lazy: LazyRequest
+
+
+class LazyRequest(TypedDict):
+    clients: list[str]
+
+
+class PagesServed(TypedDict):
+    """Where a post-copy bundle's pages are served: the port on the serving node, and the page
+    server's certificate (PEM), which a restore pins."""
+
+    port: int
+    cert: str
 
 
 class CheckpointAnswer(TypedDict):
@@ -232,6 +248,13 @@ class CheckpointAnswer(TypedDict):
     bytes: int
     freeze_seconds: float
     thaw_incomplete: NotRequired[str]  # leave_running: the job runs, but its thaw has this left
+    pages: NotRequired[PagesServed]  # post-copy: where its pages are served
+
+
+class PageClient(TypedDict):
+    """POST /v1/bundles/ID/page-client: this node's page-client certificate (PEM) for bundle ID."""
+
+    cert: str
 
 
 class BundleKept(TypedDict):
@@ -247,6 +270,10 @@ class BundleRestoreRequest(TypedDict, total=False):
     # a job's rank: its sockets' new addresses, [[old address, port, new address], ...]
     # (`criuctl.net.readdress.EndpointMap`), applied to a copy of the verified images
     readdress: Rows
+    # a post-copy bundle: HOST:PORT of the node that serves its pages, and its page server's
+    # certificate (PEM, pinned)
+    page_server: str
+    page_cert: str
 
 
 class BundleRestored(TypedDict):

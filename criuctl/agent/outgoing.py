@@ -13,7 +13,6 @@ import contextlib
 import json
 import logging
 import shutil
-import socket
 import time
 import uuid
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from criuctl.agent import pagesession, records, transfer, verdicts
+from criuctl.agent import conn, pagesession, records, transfer, verdicts
 from criuctl.agent.handoffleases import Handoff
 from criuctl.agent.httpjson import body_json, error, fail, outcome_response, valid_id
 from criuctl.agent.messages import Failed, OutgoingEvent, OutgoingRequest, OutgoingStatus, Sent, Started
@@ -52,13 +51,6 @@ if TYPE_CHECKING:
     from criuctl.agent.server import Agent
 
 log = logging.getLogger("criuctl.agent")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 async def spawn_source(spec: SourceSpec, folder: Path) -> Handoff:
@@ -144,7 +136,7 @@ class Outgoing:
             str(folder),
             ticket.node,
             ticket,
-            _free_port() if mode == Mode.POST_COPY else None,
+            conn.free_port() if mode == Mode.POST_COPY else None,
             endpoints,
             boundary,
             live,

@@ -169,6 +169,7 @@ class Event(enum.StrEnum):
     """One JSON line on a handoff's stdout (the agent reads them)."""
 
     DUMPING = "dumping"  # source: CRIU starts writing the bundle (the agent may stream it already)
+    SERVING = "serving"  # dump, post-copy: the bundle is kept without its pages, which CRIU serves
     FROZEN = "frozen"
     SENT = "sent"  # source: SENT is recorded; from now on it settles only with the target
     COMMITTED = "committed"
@@ -207,6 +208,7 @@ class Timeouts:
     stall: float = 20.0  # no byte moved on a transfer
     info: float = 10.0  # GET /v1/info and similar small calls
     pages: float = 3600.0  # post-copy: commit until the last page is pulled
+    serve: float = 1800.0  # post-copy through a successor: the source serves the pages this long at most
     tombstone: float = 7 * 24 * 3600.0  # final records kept to answer late verdict requests
 
 
@@ -369,6 +371,7 @@ class TargetSpec:
     # a job's rank restored into a pod of another address: [[old address, port, new address], ...]
     readdress: list[list[str | int]] | None = None
     vouched: dict[str, Any] | None = None  # `bundle.Vouched` as JSON: pages this node's page server got
+    page_tls: dict[str, str] | None = None  # post-copy over TLS: `criu.PageTls`'s paths
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -129,6 +129,12 @@ BUNDLES = Place(
     "`ID/`: bundles the agent keeps outside any migration (`POST /v1/workloads/NAME/checkpoint`)",
     "the agent (criuctl.agent.bundles)",
 )
+PAGES = Place(
+    "pages",
+    "`ID/`: a kept post-copy bundle's page-server TLS (this node's key pair for it, the peers' "
+    "certificates) and, on the node that serves its pages, `serving.json`: the handoff serving them",
+    "the agent and its dump handoffs (criuctl.agent.pageserving)",
+)
 IMPORTS = Place(
     "imports",
     "`import-*/`: a kubelet/CRI checkpoint archive imported as a bundle while it is read, then removed",

@@ -22,6 +22,7 @@ from criuctl.core.errors import CriuctlError
 from criuctl.core.statedir import state_dir
 
 RUNNING, CHECKPOINTED, MIGRATED, EXITED = "running", "checkpointed", "migrated", "exited"
+PULLING, PULLED = "pulling", "pulled"  # `Workload.pages`; anything else there says how the pull failed
 
 NAME_MAX = 63  # a DNS label's length: a name may become a pod or a metric label
 NAME_RULE = (
@@ -103,6 +104,9 @@ class Workload:
     # a thaw of this workload that did not complete (what is left undone): it runs, but e.g. its
     # TCP connections stay blocked until that is done (criuctl.local.checkpoint.thaw_tree)
     thaw_incomplete: str | None = None
+    # restored by post-copy: its memory's pull from the source, "pulling" until every page is here,
+    # then "pulled"; "lost: why" when it failed (the job was ended: its memory was incomplete)
+    pages: str | None = None
 
     @classmethod
     def of_tree(cls, root_pid: int, **facts: Any) -> Workload:
@@ -209,6 +213,7 @@ class WorkloadRow(TypedDict):
     root_start: NotRequired[int | None]
     boot_id: NotRequired[str]
     thaw_incomplete: NotRequired[str | None]
+    pages: NotRequired[str | None]
     # a container, as the runtime lists it
     container_name: NotRequired[str]
     image: NotRequired[str]

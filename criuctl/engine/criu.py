@@ -473,12 +473,14 @@ def dump(o: DumpOptions, on_notify: Notify | None = None, session: Session | Non
     return DumpResult(seconds=seconds, log_path=o.work_dir / o.log_file)
 
 
-def restore(o: RestoreOptions) -> RestoreResult:
+def restore(o: RestoreOptions, session: Session | None = None) -> RestoreResult:
     """Recreate the tree in `o.images_dir`; with rst_sibling it becomes the caller's child."""
     for fd in o.inherit_fds.values():
         os.set_inheritable(fd, True)
     with _Dirs(o.images_dir, o.work_dir) as (images_fd, work_fd):
-        resp, seconds = _run("restore", build_restore_request(o, images_fd, work_fd), o.work_dir / o.log_file)
+        resp, seconds = _run(
+            "restore", build_restore_request(o, images_fd, work_fd), o.work_dir / o.log_file, session=session
+        )
     return RestoreResult(pid=resp.restore.pid, seconds=seconds, log_path=o.work_dir / o.log_file)
 
 

@@ -122,6 +122,27 @@ def pages_written(*dirs: Path) -> int:
     return int(dump["pages_written"])
 
 
+@dataclass(frozen=True)
+class ExitWords:
+    """What a dumped thread's death would write to: its clear_child_tid and its robust list."""
+
+    clear_tid: int
+    robust_head: int
+    robust_len: int
+
+
+def thread_exit_words(images_dir: Path) -> dict[int, ExitWords]:
+    """Each dumped thread's `ExitWords`, by its ID in its PID namespace (its `core-ID.img`)."""
+    out: dict[int, ExitWords] = {}
+    for path in images_dir.glob("core-*.img"):
+        core = _load_file(path)[0]
+        info, tc = core.get("thread_info") or {}, core.get("thread_core") or {}
+        out[int(path.stem.removeprefix("core-"))] = ExitWords(
+            int(info.get("clear_tid_addr", 0)), int(tc.get("futex_rla", 0)), int(tc.get("futex_rla_len", 0))
+        )
+    return out
+
+
 def pagemap_pages(path: Path) -> int:
     """How many pages a pagemap image says its pages image holds (its entries marked present)."""
     entries = _load_file(path)

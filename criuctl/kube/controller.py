@@ -105,6 +105,15 @@ class _Latest(threading.Thread):
             self.join(timeout=40)
 
 
+def progress_text(step: str, done: int | None, total: int | None) -> str:
+    """The PROGRESS column: the step, and how far in bytes when it has a size (post-copy's pages,
+    a transfer)."""
+    if done is None or not total:
+        return step
+    unit, div = ("GiB", 1 << 30) if total >= 1 << 30 else ("MiB", 1 << 20)
+    return f"{step} {done / div:.1f}/{total / div:.1f} {unit} ({100 * done // total}%)"
+
+
 class Journal:
     """A PodMigration's status, written before each step: the phase, with the facts known by then."""
 
@@ -138,7 +147,9 @@ class Journal:
         to show; never waited on (_Latest)."""
         if not self.latest.is_alive() and not self.latest.closed:
             self.latest.start()
-        self.latest.put({"step": step, "stepDone": done, "stepTotal": total})
+        self.latest.put(
+            {"step": step, "stepDone": done, "stepTotal": total, "progress": progress_text(step, done, total)}
+        )
 
     def close(self) -> None:
         self.latest.close()
@@ -278,7 +289,7 @@ def _fresh(c: Cluster, j: Journal) -> None:
         j.ended(Phase.SUCCEEDED, said, plan=p.summary())
         return
     if p.owner:
-        result = podmigrate.execute_owned(c, p, j.progress, j)
+        result = podmigrate.execute_owned(c, p, j.progress, j, spec.get("mode"))
     else:
         result = podmigrate.execute(c, p, spec.get("mode"), j.progress, j)
     j.succeeded(result, _moved_to(j, result))

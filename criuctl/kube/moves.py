@@ -9,7 +9,14 @@ exists only as a kept, verified bundle; this record is what every party reads to
     dumping    the pod's preStop is checkpointing it into bundle `bundle` on the source node
     kept       the bundle is kept (verified) on `holder`; the next pod of this name is pinned there
                as a placeholder, and holder's agent restores the bundle into it
+    pulling    (post-copy) the job runs in its successor on `holder`, which pulls its memory pages
+               from the source's page server (`pages`); the job lives on both nodes until the last
+               page is in: then the record goes, as after a stop-and-copy restore
     failed     nothing more will be tried: `note` says why and where the bundle is
+
+Post-copy (`mode`, the default where both nodes have userfaultfd): the bundle holds everything but
+the memory pages, which the source's dump keeps serving from its page pipes once the tree has
+ended (criuctl.agent.pageserving); a restore, on the target or back on the source, pulls them.
 
 The record lives in the API server (etcd), not on a node: it survives any agent, the CLI and
 either node. It is written before each step whose crash it must explain, and updated with the
@@ -32,8 +39,9 @@ LABEL = "criuctl.io/move"  # on every record: they are listed by it
 
 # the successor path's steps, each stamped when it ended (`Move.stamp`): the preStop began; the
 # job was dumped (frozen from inside `checkpoint`); its pod was deleted; the bundle was kept on the
-# holder; the holder's loop saw the successor's placeholder run; the restored job runs
-STEPS = ("prestop", "checkpoint", "deleted", "kept", "successor", "running")
+# holder; the holder's loop saw the successor's placeholder run; the restored job runs; (post-copy)
+# its last memory page is in
+STEPS = ("prestop", "checkpoint", "deleted", "kept", "successor", "running", "pages")
 
 # bundles whose preStop is at work in this process: the moves loop leaves their records alone
 # (a record `dumping` whose pod is gone is otherwise one whose preStop died: its loop finishes it)
@@ -44,6 +52,7 @@ class Phase(StrEnum):
     REQUESTED = "requested"
     DUMPING = "dumping"
     KEPT = "kept"
+    PULLING = "pulling"
     FAILED = "failed"
 
 
@@ -73,6 +82,12 @@ class Move:
     # {step: time.time()} as JSON: when each step of the successor path ended (`STEPS`)
     stamps: str = ""
     braced: int = 0  # the staying peers' sockets whose backoff was bounded (criuctl.net.rto)
+    mode: str = ""  # post-copy or stop-and-copy ("" as asked: post-copy where both nodes can)
+    # post-copy: HOST:PORT of the page server on the source, and its certificate (PEM, pinned)
+    pages: str = ""
+    page_cert: str = ""
+    memory: int = 0  # the job's memory (RSS) when it was dumped: what a post-copy restore pulls
+    pulled: int = 0  # post-copy: how much of it is on the holder so far (the restored job's RSS)
     version: str = ""  # the ConfigMap's resourceVersion this was read at ("" for a new one)
 
     @property
@@ -95,6 +110,14 @@ class Move:
         done = [(step, at[step]) for step in STEPS if step in at]
         return [(step, t - prev) for (_, prev), (step, t) in itertools.pairwise(done)]
 
+    def downtime(self) -> float | None:
+        """Seconds the job was stopped: from its freeze (inside the checkpoint step) until it ran
+        again in the successor; None until it runs."""
+        at = json.loads(self.stamps or "{}")
+        if "running" not in at or "checkpoint" not in at:
+            return None
+        return float(at["running"] - (at["checkpoint"] - self.freeze))
+
     def copies(self) -> list[str]:
         """The nodes that may hold the bundle: the holder first, then the source's own copy."""
         return list(dict.fromkeys(n for n in (self.holder, self.source) if n))
@@ -115,6 +138,8 @@ def _from(cm) -> Move:
     kw["size"] = int(kw.get("size") or 0)
     kw["freeze"] = float(kw.get("freeze") or 0)
     kw["braced"] = int(kw.get("braced") or 0)
+    kw["memory"] = int(kw.get("memory") or 0)
+    kw["pulled"] = int(kw.get("pulled") or 0)
     kw["version"] = cm.metadata.resource_version
     return Move(**kw)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import time
 from collections.abc import Callable
 
@@ -39,7 +40,7 @@ from criuctl.client.agents import AgentClient, AgentError, Node
 from criuctl.core.errors import CriuctlError
 from criuctl.kube import events, moves, owners
 from criuctl.kube.cluster import Cluster, NotFound, call, delete_now
-from criuctl.kube.podmigrations import Phase
+from criuctl.kube.podmigrations import Phase, downtime_text
 from criuctl.kube.podplan import PodPlan, plan
 
 __all__ = ["execute", "execute_owned", "follow_owned", "hand_over", "plan", "request_owned", "settle"]
@@ -53,7 +54,8 @@ def _unrecorded(_phase: Phase, **_fields: object) -> None:
     pass
 
 
-PHASES = {moves.Phase.DUMPING: "checkpoint", moves.Phase.KEPT: "restore"}  # as the progress shows them
+# as the progress shows them
+PHASES = {moves.Phase.DUMPING: "checkpoint", moves.Phase.KEPT: "restore", moves.Phase.PULLING: "pages"}
 OWNED_TIMEOUT = 900.0  # delete → restored: the grace period's checkpoint, the controller, the restore
 
 
@@ -268,25 +270,32 @@ def execute(
 def _owned_result(
     workload: str, source: str, m: moves.Move | None, where: str, started: float
 ) -> agent_migrate.MigrationResult:
+    """What the move took: the downtime from the record's stamps (the freeze until it ran in the
+    successor) where it has them, else the whole delete → done."""
     took = time.time() - started
     size, freeze = (m.size, m.freeze) if m else (0, 0.0)
+    downtime = m.downtime() if m else None
+    ran = json.loads(m.stamps or "{}").get("running") if m else None
+    post_copy = m is not None and bool(m.pages)
     return agent_migrate.MigrationResult(
         workload,
         source,
         where,
-        "through its successor",
+        f"{'post-copy' if post_copy else 'stop-and-copy'} through its successor",
+        downtime if downtime is not None else took,
         took,
-        took,
-        size,
+        size + (m.memory if post_copy and m else 0),
         freeze,
         0.0,
         0.0,
+        pages_seconds=time.time() - ran if post_copy and ran else None,
         via_successor=True,
     )
 
 
-def request_owned(c: Cluster, p: PodPlan, journal: Journal = _unrecorded) -> None:
-    """Record the move (naming the target) and delete the pod: its preStop checkpoints the job."""
+def request_owned(c: Cluster, p: PodPlan, journal: Journal = _unrecorded, mode: str | None = None) -> None:
+    """Record the move (naming the target, and the mode if one was asked) and delete the pod: its
+    preStop checkpoints the job."""
     uid = p.source_pod["metadata"]["uid"]
     journal(Phase.PLACING, sourceUID=uid)
     stale = moves.read(c, p.namespace, p.identity)
@@ -308,6 +317,7 @@ def request_owned(c: Cluster, p: PodPlan, journal: Journal = _unrecorded) -> Non
                 target=p.target,
                 since=time.time(),
                 source_pod=p.pod,
+                mode=mode or "",
             ),
         )
     said = f"moving to node {p.target}: checkpointed on delete, restored into its successor"
@@ -333,6 +343,7 @@ def follow_owned(
     started = started or time.time()
     seen: moves.Move | None = None
     phase: moves.Phase | None = None
+    pulled = -1
     deadline = started + OWNED_TIMEOUT
     while time.time() < deadline:
         m = moves.read(c, namespace, pod)
@@ -344,6 +355,11 @@ def follow_owned(
             progress(PHASES.get(m.phase, str(m.phase)))
             if m.phase == moves.Phase.KEPT:
                 journal(Phase.HANDING_OVER, bytesMoved=m.size)
+            if m.phase == moves.Phase.PULLING and (down := m.downtime()) is not None:
+                journal(Phase.HANDING_OVER, downtimeSeconds=down, downtime=downtime_text(down))
+        if m is not None and m.phase == moves.Phase.PULLING and m.pulled != pulled:
+            pulled = m.pulled  # post-copy: how much of its memory the successor has
+            progress(PHASES[m.phase], min(m.pulled, m.memory), m.memory)
         if m is None and successor is not None:  # a pod made after our delete, restored
             notes = successor["metadata"].get("annotations") or {}
             if events.MIGRATED_AT in notes:
@@ -384,11 +400,11 @@ def follow_owned(
 
 
 def execute_owned(
-    c: Cluster, p: PodPlan, progress, journal: Journal = _unrecorded
+    c: Cluster, p: PodPlan, progress, journal: Journal = _unrecorded, mode: str | None = None
 ) -> agent_migrate.MigrationResult:
     """Record the move, delete the pod, and follow the record until the successor runs the job."""
     started = time.time()
     progress("checkpoint")
-    request_owned(c, p, journal)
+    request_owned(c, p, journal, mode)
     uid = p.source_pod["metadata"]["uid"]
     return follow_owned(c, p.namespace, p.identity, uid, p.workload, p.source, progress, journal, started)

@@ -11,9 +11,13 @@ not do, except keep the job.
                 whose controller wants it back under its name is kept (owners.py), on the Ready,
                 schedulable node with an agent and the most free memory.
     dumping     record first (with the bundle's id), then the source agent checkpoints the
-                container into that bundle: the tree ends, the job now lives in the bundle
+                container into that bundle: the tree ends, the job now lives in the bundle.
+                Post-copy (the default where both nodes have userfaultfd): the bundle holds all
+                but the memory pages, which the dump goes on serving from this node, over TLS to
+                the target's (and this node's own) page client only (criuctl.agent.pageserving)
     kept        the bundle is copied to the target's agent, which verifies it; on failure the
-                source's own copy is the one kept. Both copies stay until a restore commits.
+                source's own copy is the one kept. Both copies stay until a restore commits
+                (post-copy: until its last page is in).
 
 Anything refused or failed before the dump commits leaves the job to end with its pod, as it would
 without criuctl: its controller starts it over; nothing runs twice.
@@ -27,7 +31,8 @@ import logging
 import time
 import uuid
 
-from criuctl.agent.messages import CheckpointAnswer, CheckpointRequest
+from criuctl.agent.messages import CheckpointAnswer, CheckpointRequest, LazyRequest, NodeInfo, PageClient
+from criuctl.agent.protocol import Mode
 from criuctl.client.agents import AgentClient, Node
 from criuctl.core.errors import CriuctlError
 from criuctl.kube import events, jobmoves, moves, mutate, owners, podmigrations, podplan, podvolumes
@@ -38,6 +43,7 @@ log = logging.getLogger("criuctl.kube")
 
 CHECKPOINT_TIMEOUT = 600.0  # the agent's own freeze timeout is shorter: this only bounds a dead link
 PEER_WAIT = 180.0  # of the preStop's 300 s (mutate.PRESTOP_GRACE), for the peers moving before it
+INFO_TIMEOUT = 10.0  # an agent's /v1/info, a page-client certificate
 
 
 class Refused(CriuctlError):
@@ -176,6 +182,8 @@ def leaving(c: Cluster, namespace: str, ident: str, node: str) -> str:
         tcp=json.dumps(tcp.to_json()) if ranked else "",
         rewired=json.dumps(row.get("redirected") or []) if ranked else "",
         source_pod=name,
+        mode=requested.mode if requested else "",
+        memory=int(row.get("rss_bytes") or 0),
     )
     m.stamps = json.dumps({"prestop": began})
     m = moves.save(c, m)  # before the dump: a crash after it leaves the bundle's id on record
@@ -195,15 +203,43 @@ def leaving(c: Cluster, namespace: str, ident: str, node: str) -> str:
         moves.AT_WORK.discard(m.bundle)
 
 
+def _lazy(c: Cluster, m: moves.Move, pod: dict, src: Node, dst: Node) -> LazyRequest | None:
+    """Post-copy, unless the move asked for stop-and-copy or a node cannot (no userfaultfd, or the
+    target's agent does not answer): then stop-and-copy, said in the record and an Event. For
+    post-copy, the target's page-client certificate for this bundle: the only one, with the
+    source's own, that its page server will take."""
+    if m.mode == Mode.STOP_AND_COPY:
+        return None
+    try:
+        for node in (src, dst):
+            info: NodeInfo = AgentClient(node, timeout=INFO_TIMEOUT).get("/v1/info")
+            if not info.get("lazy_pages"):
+                raise CriuctlError(f"node {node.name} has no userfaultfd for CRIU's lazy pages")
+        target = AgentClient(dst, timeout=INFO_TIMEOUT)
+        me: PageClient = target.post(f"/v1/bundles/{m.bundle}/page-client", {})
+        m.mode = Mode.POST_COPY
+        return LazyRequest(clients=[me["cert"]])
+    except CriuctlError as exc:
+        m.mode, m.note = Mode.STOP_AND_COPY, f"post-copy could not run ({exc.what}): moved by stop-and-copy"
+        events.record(c, pod, events.Reason.STARTED, m.note)
+        return None
+
+
+def host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _checkpoint(c: Cluster, m: moves.Move, pod: dict, row: dict, ranked: bool, src: Node, dst: Node) -> str:
     """Dump the job, delete its pod at once (its successor is made while the bundle is copied),
-    copy the bundle to the target: `kept`."""
+    copy the bundle to the target: `kept`. Post-copy: the bundle without its memory pages, which
+    the source's dump goes on serving."""
     namespace, name, target = m.namespace, m.name, m.target
     source = AgentClient(src, timeout=CHECKPOINT_TIMEOUT)
+    asked = CheckpointRequest(id=m.bundle, connections=ranked)
+    if (lazy := _lazy(c, m, pod, src, dst)) is not None:
+        asked["lazy"] = lazy
     try:
-        out: CheckpointAnswer = source.post(
-            f"/v1/workloads/{row['name']}/checkpoint", CheckpointRequest(id=m.bundle, connections=ranked)
-        )
+        out: CheckpointAnswer = source.post(f"/v1/workloads/{row['name']}/checkpoint", asked)
     except CriuctlError as exc:
         m.phase, m.note = (
             moves.Phase.FAILED,
@@ -213,6 +249,8 @@ def _checkpoint(c: Cluster, m: moves.Move, pod: dict, row: dict, ranked: bool, s
         events.record(c, pod, events.Reason.FAILED, m.note)
         raise
     m.stamp("checkpoint")
+    if "pages" in out:
+        m.pages, m.page_cert = host_port(src.host, out["pages"]["port"]), out["pages"]["cert"]
     # Its job's tree has ended: nothing runs in the pod. Kubernetes 1.20's kubelet, finding the
     # container gone when its preStop returns, fails the kill and retries a minute later; the pod
     # would stay Terminating, its successor waiting, all that time. Deleted now, before the copy:

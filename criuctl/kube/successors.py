@@ -13,8 +13,15 @@ instant picks up where the last one was. For a record whose bundle this node hol
     placeholder here, running  restore the bundle into it (the agent uses the bundle up before
                                the copy may run: it never restores twice); done: provenance on
                                the pod, Events, the other copy deleted, the record forgotten
+    post-copy                  the restore pulls the memory pages from the source's page server
+                               (`pulling`): the record stays, its progress the restored job's
+                               RSS, until the last page is in (then done, as above, and the
+                               source's server ends by itself); a pull that failed ended the job
+                               (its memory was incomplete): the move fails, the source's server
+                               is stopped, and the successor starts over
     restore failed             the other copy (the source's) becomes the holder, the empty
                                placeholder is deleted: the job comes back on the source node
+                               (post-copy: its restore pulls the pages from its own node)
 A record stuck in `dumping` after its pod is gone (the preStop's agent died mid-way) is settled by
 the source node: its bundle there means the dump committed (copied on, kept), none means the job
 ended with its pod (failed; the successor starts over).
@@ -27,11 +34,12 @@ import logging
 import time
 
 from criuctl.agent import points
-from criuctl.agent.messages import BundleRestoreRequest
-from criuctl.agent.protocol import Point
+from criuctl.agent.messages import BundleRestoreRequest, PagesServed
+from criuctl.agent.protocol import Mode, Point
 from criuctl.client.agents import AgentClient, AgentError
+from criuctl.core import workloads
 from criuctl.core.errors import CriuctlError
-from criuctl.kube import events, jobmoves, moves, mutate, owners
+from criuctl.kube import events, jobmoves, moves, mutate, owners, prestop
 from criuctl.kube.cluster import Cluster, agent_of, call, container_id, delete_now, workload_row
 
 log = logging.getLogger("criuctl.kube")
@@ -59,9 +67,13 @@ def _pod(c: Cluster, m: moves.Move) -> dict | None:
 def _fail(c: Cluster, m: moves.Move, why: str, pod: dict | None) -> None:
     """Nothing more will be tried. A successor left an empty placeholder is deleted, so that its
     controller makes an ordinary pod (the webhook ignores a failed move) and the job starts over:
-    progress lost, but never a pod waiting forever for a restore that will not come."""
+    progress lost, but never a pod waiting forever for a restore that will not come. A post-copy
+    bundle's pages stop being served: nothing will pull them now."""
     m.phase, m.note = moves.Phase.FAILED, why
     moves.save(c, m)
+    if m.pages:
+        with contextlib.suppress(CriuctlError):
+            _agent(c, m.source).delete(f"/v1/bundles/{m.bundle}")
     if pod is not None:
         events.record(c, pod, events.Reason.FAILED, why)
         if mutate.is_placeholder(pod) and pod["metadata"]["uid"] != m.uid:
@@ -118,6 +130,11 @@ def _settle_dumping(c: Cluster, m: moves.Move, node: str) -> None:
     if not has:
         _fail(c, m, "the pod ended during its checkpoint: the job started over", pod)
         return
+    if not m.pages:  # a post-copy dump that committed before its preStop recorded where it serves
+        with contextlib.suppress(CriuctlError):
+            served: PagesServed = src.get(f"/v1/bundles/{m.bundle}/pages")
+            m.pages, m.page_cert = prestop.host_port(src.node.host, served["port"]), served["cert"]
+            m.mode = Mode.POST_COPY
     try:
         src.copy_bundle(m.bundle, _agent(c, m.target))
         m.holder = m.target
@@ -125,6 +142,31 @@ def _settle_dumping(c: Cluster, m: moves.Move, node: str) -> None:
         m.holder = node
     m.phase = moves.Phase.KEPT
     moves.save(c, m)
+
+
+def _pulling(c: Cluster, m: moves.Move, node: str) -> None:
+    """Post-copy: the job runs here and pulls its memory; done once the last page is in (or the
+    job ended: a daemon whose processes are gone has nothing left to pull)."""
+    pod = _pod(c, m)
+    ctr = next((x for x in pod["spec"]["containers"] if mutate.is_wrapped(x)), None) if pod else None
+    cid = container_id(pod, ctr["name"]) if pod and ctr else None
+    if pod is None or cid is None:
+        _fail(c, m, f"the successor of pod {m.pod} went away while its memory was pulled", pod)
+        return
+    row = workload_row(_agent(c, node).node, cid)
+    pages = row.get("pages") if row else None
+    if row is None or pages == workloads.PULLING:
+        got = int(row.get("rss_bytes") or 0) if row else m.pulled
+        if abs(got - m.pulled) >= max(m.memory // 50, 1 << 20):  # progress, in ~2 % steps
+            m.pulled = got
+            moves.save(c, m)
+        return
+    if pages == workloads.PULLED:
+        m.stamp("pages")
+        _finish(c, m, pod, node)
+        return
+    why = f"its memory could not be pulled from node {m.source} ({pages or 'not restored by post-copy'})"
+    _fail(c, m, f"{why}: the job ended, and its pod starts over", pod)
 
 
 def step(c: Cluster, m: moves.Move, node: str) -> None:
@@ -136,6 +178,9 @@ def step(c: Cluster, m: moves.Move, node: str) -> None:
         return
     if m.phase == moves.Phase.DUMPING and m.source == node:
         _settle_dumping(c, m, node)
+        return
+    if m.phase == moves.Phase.PULLING and m.holder == node:
+        _pulling(c, m, node)
         return
     if m.phase != moves.Phase.KEPT or m.holder != node:
         return
@@ -164,13 +209,18 @@ def step(c: Cluster, m: moves.Move, node: str) -> None:
     if cid is None:
         return  # not started yet
     m.stamp("successor")
-    if _holds_job(c, node, cid):
-        _finish(c, m, pod, node)  # restored before this agent restarted
+    if _holds_job(c, node, cid):  # restored before this agent restarted
+        if m.pages:
+            _ran(c, m, pod, node)
+        else:
+            _finish(c, m, pod, node)
         return
     here = _agent(c, node)
     rewire, pid = None, None
     try:
         restore = BundleRestoreRequest(into=cid)
+        if m.pages:
+            restore["page_server"], restore["page_cert"] = m.pages, m.page_cert
         rewire = jobmoves.plan(c, m, pod["status"].get("podIP") or "")
         if rewire is not None:  # a job's rank: its connections follow it (criuctl.kube.jobmoves)
             pid = jobmoves.container_pid(here, cid)
@@ -199,7 +249,20 @@ def step(c: Cluster, m: moves.Move, node: str) -> None:
     m.stamp("running")
     if rewire is not None and pid is not None:
         jobmoves.commit(c, rewire, m.bundle, pid)
-    _finish(c, m, pod, node)
+    if m.pages:
+        _ran(c, m, pod, node)
+    else:
+        _finish(c, m, pod, node)
+
+
+def _ran(c: Cluster, m: moves.Move, pod: dict, node: str) -> None:
+    """Post-copy: the job runs here; its memory is pulled from the source from now on."""
+    m.phase, m.holder = moves.Phase.PULLING, node
+    moves.save(c, m)
+    downtime = m.downtime()
+    said = f"running on node {node}" + (f" after {downtime:.2f} s stopped" if downtime is not None else "")
+    said += f"; pulling its memory ({m.memory >> 20} MiB) from node {m.source}"
+    events.record(c, pod, events.Reason.STARTED, said)
 
 
 def tick(c: Cluster, node: str) -> bool:
@@ -211,5 +274,8 @@ def tick(c: Cluster, node: str) -> bool:
             step(c, m, node)
         except CriuctlError as exc:  # a Conflict: another writer advanced it; read again next tick
             log.info("move not advanced", extra={"pod": f"{m.namespace}/{m.pod}", "why": exc.line()})
-        busy |= m.phase in (moves.Phase.DUMPING, moves.Phase.KEPT) and (m.holder or m.target) == node
+        busy |= (
+            m.phase in (moves.Phase.DUMPING, moves.Phase.KEPT, moves.Phase.PULLING)
+            and (m.holder or m.target) == node
+        )
     return busy

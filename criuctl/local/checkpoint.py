@@ -42,7 +42,7 @@ from criuctl.core.errors import CriuctlError, WorkloadEnded
 from criuctl.engine import criu
 from criuctl.format import bundle, criuimages, imagetail
 from criuctl.gpu import gpus, gpustate, nccl
-from criuctl.local import locks, stepboundary
+from criuctl.local import exitwrites, locks, stepboundary
 from criuctl.net import netlock, pagetls, peers, readdress, tcprepair
 
 Progress = Callable[[str], None]
@@ -245,10 +245,13 @@ class Frozen:
     def end_serving(self, state: str = workloads.MIGRATED, **record: str) -> str | None:
         """Post-copy through a successor (a pod being deleted): end the tree now, while CRIU goes on
         serving its pages. They are in CRIU's page pipes, which hold the pages themselves (vmsplice),
-        not the tree's mappings: they outlive the tree. The job now lives in the bundle and in those
-        pipes, until a lazy-pages daemon has pulled every page (`serve`). Returns what could not be
-        done (as `end_frozen`)."""
+        not the tree's mappings: they outlive the tree. But they are the tree's own pages, which a
+        dying thread writes into: its threads are disarmed first (`exitwrites`). The job then lives
+        in the bundle and in those pipes, until a lazy-pages daemon has pulled every page (`serve`).
+        Returns what could not be done (as `end_frozen`). `exitwrites.DisarmFailed`: nothing was
+        ended, and the tree may be thawed."""
         assert self._criu is not None, "end_serving is for a post-copy dump whose CRIU serves"
+        exitwrites.disarm(self.pids, self.images_dir)
         w = self.workload
         for k, v in record.items():
             setattr(w, k, v)

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +69,23 @@ class Restored:
             procinfo.send_signal(pid, signal.SIGCONT)
         if m is not None and m.gpu is not None:  # running: the driver's restore thread can work
             self.gpu_seconds = gpustate.resume_until_done(m.gpu, w.root_pid, self.gpu_map, _gpu_not_back)
+
+    def watch_pages(self) -> str:
+        """Post-copy, once the job runs: wait until the lazy-pages daemon ends, and record how
+        (`Workload.pages`). A daemon that failed (the source went away, its link broke for good)
+        left the job's memory incomplete, and the kernel maps zeros where a page never came: the
+        job is killed at once, before it computes on them for long. Returns what was recorded."""
+        assert self.lazy_daemon is not None
+        rc = self.lazy_daemon.wait()
+        w = self.workload
+        if rc == 0:
+            w.pages = workloads.PULLED
+        else:
+            procinfo.kill_tree(w.root_pid)
+            w.pages = f"lost: CRIU's lazy-pages daemon failed (exit {rc}) before every page was here"
+        with contextlib.suppress(OSError, CriuctlError):
+            workloads.save(w)
+        return w.pages
 
     def abort(self, why: str = "the migration did not commit") -> None:
         _drop_lazy(self.lazy_daemon)  # first: see `_drop_lazy`
@@ -129,11 +147,13 @@ def restore_stopped(
     into: placeholder.Placeholder | None = None,
     endpoints: readdress.EndpointMap | None = None,
     vouched: bundle.Vouched | None = None,
+    page_tls: criu.PageTls | None = None,
 ) -> Restored:
     """Verify a bundle and recreate its tree, stopped, as our child (see `Restored`).
 
     A post-copy bundle needs `page_server` (the source's address and port): a `criu lazy-pages`
-    daemon pulls the missing pages from it, on demand and in the background. Raises
+    daemon pulls the missing pages from it, on demand and in the background (over TLS with
+    `page_tls`, pinned to the page server's certificate). Raises
     `interrupts.Interrupted` if SIGINT/SIGTERM/SIGHUP came while CRIU restored: by then what CRIU
     restored is dead and reaped. A container's bundle is restored only `into` a placeholder
     container (`criuctl.container.placeholder`), which then holds the tree's files, namespaces and cgroups.
@@ -171,8 +191,10 @@ def restore_stopped(
                 raise criu.CriuError(
                     "CRIU restore failed: injected fault", "a test's fault (criuctl.core.faults)"
                 )
+            session = criu.Session()
             if page_server is not None:
-                lazy = criu.lazy_pages_daemon(images, work, *page_server)
+                lazy = criu.lazy_pages_daemon(images, work, *page_server, tls=page_tls)
+                _end_with(lazy, session)
             result = criu.restore(
                 criu.RestoreOptions(
                     images_dir=images,
@@ -182,8 +204,10 @@ def restore_stopped(
                     lazy_pages=lazy is not None,
                     **into_options,
                     **criu.tree_options(),
-                )
+                ),
+                session,
             )
+            session.swrk_pid = None  # done: nothing for the watch to kill
         except BaseException as exc:
             _undo(None, lazy, stdio, before, into, f"CRIU could not restore: {exc}")
             raise
@@ -293,6 +317,19 @@ def _undo(
     for pid in _children() - before - {lazy.pid if lazy else -1}:
         _kill_and_reap(pid)  # CRIU failed half-way: a restored init it did not name
     _close(stdio, into, why)
+
+
+def _end_with(lazy: subprocess.Popen, session: criu.Session) -> None:
+    """A lazy-pages daemon that ends while CRIU still restores fails that restore at its end,
+    where CRIU's undo waits for ever on the processes it traces (their namespace's init waits for
+    them to be reaped, and CRIU waits for the init): CRIU is killed then, which lets them go, and
+    the restore fails at once (`_undo` kills what it made)."""
+
+    def watch() -> None:
+        lazy.wait()
+        session.kill()
+
+    threading.Thread(target=watch, name="lazy-daemon-watch", daemon=True).start()
 
 
 def _drop_lazy(lazy: subprocess.Popen | None) -> None:

@@ -113,5 +113,32 @@ def pin(folder: Path, who: str, pem: object) -> tuple[Path, str]:
     return path, digest
 
 
+def load_identity(folder: Path, who: str) -> Identity | None:
+    """The key pair `make_identity` wrote into `folder` as `who`, None when there is none."""
+    paths = folder / f"{who}.crt", folder / f"{who}.key"
+    try:
+        pem = paths[0].read_text()
+    except FileNotFoundError:
+        return None
+    if not paths[1].exists():
+        return None
+    return Identity(paths[0], paths[1], pem, fingerprint(pem))
+
+
+def pin_all(folder: Path, who: str, pems: list[object]) -> Path:
+    """Several peers' certificates, each checked as `pin` does, in one CA file `who.crt`: a page
+    server that takes any of them (the target's client, and this node's own for a fallback)."""
+    bodies = []
+    for i, pem in enumerate(pems):
+        one, _ = pin(folder, f"{who}-{i}", pem)
+        bodies.append(one.read_text())
+        one.unlink()
+    if not bodies:
+        raise PeerCertError(f"no {who} certificate to pin")
+    path = folder / f"{who}.crt"
+    durable.replace(path, "".join(bodies).encode(), 0o600, sync=False)
+    return path
+
+
 def tls(mine: Identity, peer_cert: Path) -> PageTls:
     return PageTls(peer_cert=peer_cert, cert=mine.cert, key=mine.key)

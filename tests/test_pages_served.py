@@ -1,0 +1,180 @@
+"""Post-copy whose source tree is gone (issue 39): the way a pod being deleted moves to its
+successor. The dump keeps the memory pages back and serves them from CRIU's page pipes after the
+tree has ended; a restore pulls them, over CRIU's TLS pinned to certificates made for the bundle.
+What must hold, with the real CRIU (and its patch, scripts/criu-patches/lazy-pages-serve-until-
+pulled.patch) on a real PyTorch job with DataLoader workers, a thread and a log file:
+
+- the job continues bit-identically from pages served after its tree was killed;
+- a restore that fails, and a stranger's certificate, leave the pages served for the next restore;
+- a pull that fails ends the restored job: never a job that runs on with pages it never got (the
+  kernel would give it zeros);
+- a server nobody pulls from ends at its deadline, or when told, and its pages with it.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from criuctl.core import workloads
+from criuctl.engine import criu
+from criuctl.local import checkpoint
+from criuctl.net import pagetls
+from tests.jobs import Job, Reference, assert_continues_exactly
+from tests.requirements import needs
+
+ARGS = ("--steps", "60", "--workers", "2", "--read-latency", "0.01")  # ~0.2 s a step
+# a restore on another node, as the target's handoff does it: lazy, over TLS, then supervised
+# (the restored tree is this process's child); MODE "abort" kills it before it runs, as a restore
+# that fails after CRIU does; "cut" kills its lazy-pages daemon as soon as it runs
+RESTORE = """
+import sys, threading
+from pathlib import Path
+from criuctl.engine import criu
+from criuctl.local import restoring
+bundle, port, peer, cert, key, mode = sys.argv[1:7]
+tls = criu.PageTls(Path(peer), Path(cert), Path(key))
+r = restoring.restore_stopped(Path(bundle), "restored", ("127.0.0.1", int(port)), page_tls=tls)
+if mode == "abort":
+    r.abort()
+    sys.exit(0)
+r.start()
+if mode == "cut":
+    r.lazy_daemon.kill()
+said = []
+watch = threading.Thread(target=lambda: said.append(r.watch_pages()))
+watch.start()
+code = r.supervise()
+watch.join()
+print("pages:", said[0], file=sys.stderr, flush=True)
+sys.exit(code)
+"""
+
+
+class Keys:
+    """The page server's key pair, and two clients' (the target's, the source's own)."""
+
+    def __init__(self, root: Path) -> None:
+        self.server = pagetls.make_identity(root / "server", "server")
+        self.target = pagetls.make_identity(root / "target", "client")
+        self.source = pagetls.make_identity(root / "source", "client")
+        accepted = pagetls.pin_all(root / "server", "clients", [self.target.pem, self.source.pem])
+        self.serve = pagetls.tls(self.server, accepted)
+
+    def restore(self, bundle: Path, port: int, me: pagetls.Identity, mode: str = "run") -> Job:
+        peer, _ = pagetls.pin(me.cert.parent, "server-peer", self.server.pem)
+        argv = [str(bundle), str(port), str(peer), str(me.cert), str(me.key), mode]
+        return Job([sys.executable, "-c", RESTORE, *argv])
+
+
+def _serving(name: str, tmp_path: Path, keys: Keys) -> tuple[checkpoint.Frozen, int]:
+    """Freeze workload `name` in post-copy, end its tree: its pages are served from then on."""
+    from criuctl.agent.conn import free_port
+
+    criu.ensure_lazy_pages()
+    port = free_port()
+    frozen = checkpoint.freeze(name, tmp_path, lazy_port=port, durable=False, lazy_tls=keys.serve)
+    assert frozen.manifest.lazy_pages and frozen.criu_dir is not None
+    written = sum(f.stat().st_size for f in frozen.images_dir.glob("pages-*.img"))  # what cannot wait
+    assert written < frozen.manifest.rss_bytes // 10, f"{written} bytes of pages written into the bundle"
+    assert frozen.end_serving(workloads.CHECKPOINTED) is None
+    return frozen, port
+
+
+def _serve_in_background(frozen: checkpoint.Frozen, seconds: float) -> tuple[threading.Thread, list]:
+    ended: list[checkpoint.Served] = []
+    t = threading.Thread(target=lambda: ended.append(frozen.serve(time.monotonic() + seconds)), daemon=True)
+    t.start()
+    return t, ended
+
+
+@needs("criu")
+def test_pages_outlive_the_tree_and_a_failed_restore_and_the_job_continues_bit_identically(tmp_path):
+    ref = Reference("ref", "train_cnn_loader.py", *ARGS, "--log", str(tmp_path / "ref.log"))
+    log = tmp_path / "train.log"
+    job = Job.run("cnn", "train_cnn_loader.py", *ARGS, "--log", str(log))
+    job.wait_for_step(10)
+    keys = Keys(tmp_path / "keys")
+    frozen, port = _serving("cnn", tmp_path, keys)
+    before = dict(job.steps)
+    assert job.wait(60) == 0, job.err[-5:]  # its tree ended: its supervisor says it was checkpointed
+    served, ended = _serve_in_background(frozen, 300)
+
+    # a stranger (another node's certificate, anyone on the link) is refused, and nothing comes
+    stranger = pagetls.make_identity(tmp_path / "stranger", "client")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.load_verify_locations(cadata=keys.server.pem)
+    ctx.load_cert_chain(stranger.cert, stranger.key)
+    with socket.create_connection(("127.0.0.1", port), 10) as raw, ctx.wrap_socket(raw) as tls:
+        tls.sendall(bytes(32))  # a request's worth of bytes: the server never reads it as one
+        with pytest.raises((ssl.SSLError, ConnectionError)):
+            assert tls.recv(1) == b"", "the page server answered a stranger"
+            raise ConnectionError("closed")
+    # a restore that fails after CRIU restored (its placeholder went, say): its copy never ran
+    aborted = keys.restore(frozen.bundle_dir, port, keys.target, "abort")
+    assert aborted.wait(120) == 0, aborted.err[-10:]
+    assert served.is_alive(), f"the page server ended with a failed restore: {ended}"
+
+    restored = keys.restore(frozen.bundle_dir, port, keys.source)  # the source's own fallback
+    assert restored.wait(300) == 0, restored.err[-10:]
+    assert "pages: pulled" in restored.err, restored.err[-10:]
+    assert_continues_exactly(ref, before, restored)
+    served.join(30)
+    assert ended == [checkpoint.Served.PULLED], ended
+    assert not frozen.criu_dir.exists(), "the serving CRIU's folder was left"
+    lines = log.read_text().splitlines()
+    logged = [int(x.split()[1]) for x in lines if x.startswith("step ")]
+    assert logged == list(range(60)) and lines[-1] == "done", "the log the job holds open lost a step"
+
+
+@needs("criu")
+def test_a_pull_that_fails_ends_the_job_and_a_server_nobody_pulls_from_ends_in_time(tmp_path):
+    """The lazy-pages daemon killed as soon as the restored job runs: the job's memory is not all
+    there (the kernel maps zeros where a page never came), and it is ended at once. The source's
+    server, which that daemon left without a word, serves on for another restore until its
+    deadline, then ends with its pages."""
+    ref = Reference("ref", "train_cnn_loader.py", *ARGS, "--log", str(tmp_path / "ref.log"))
+    job = Job.run("cnn", "train_cnn_loader.py", *ARGS, "--log", str(tmp_path / "train.log"))
+    job.wait_for_step(10)
+    keys = Keys(tmp_path / "keys")
+    frozen, port = _serving("cnn", tmp_path, keys)
+    assert job.wait(60) == 0, job.err[-5:]
+    served, ended = _serve_in_background(frozen, 20)
+    cut = keys.restore(frozen.bundle_dir, port, keys.target, "cut")
+    assert cut.wait(120) != 0, "the job ran on without its memory"
+    (said,) = [line for line in cut.err if line.startswith("pages: ")]
+    assert said.startswith("pages: lost: CRIU's lazy-pages daemon failed"), cut.err[-10:]
+    for step, loss in cut.steps.items():  # whatever it printed before it ended was right
+        assert ref.steps[step] == loss, f"step {step}: {loss}, not {ref.steps[step]}"
+    assert served.is_alive(), "the page server ended with a daemon that left without its pages"
+    served.join(40)
+    assert ended == [checkpoint.Served.DEADLINE], ended
+    assert not frozen.criu_dir.exists()
+    late = keys.restore(frozen.bundle_dir, port, keys.source)
+    assert late.wait(120) != 0, "a restore pulled pages from a server past its deadline"
+
+
+@needs("criu")
+def test_a_server_told_to_stop_ends_at_once(tmp_path):
+    job = Job.run("cnn", "train_cnn_loader.py", *ARGS, "--log", str(tmp_path / "train.log"))
+    job.wait_for_step(3)
+    frozen, _ = _serving("cnn", tmp_path, Keys(tmp_path / "keys"))
+    assert job.wait(60) == 0
+    stop = threading.Event()
+    stop.set()
+    started = time.monotonic()
+    assert frozen.serve(time.monotonic() + 300, stop=stop) == checkpoint.Served.STOPPED
+    assert time.monotonic() - started < 5
+    assert not frozen.criu_dir.exists()
+
+
+@pytest.fixture(autouse=True)
+def _tmp_for_bundles(tmp_path):
+    (tmp_path / "keys").mkdir()
