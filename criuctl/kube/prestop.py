@@ -28,6 +28,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import platform
 import time
 import uuid
 
@@ -37,6 +38,7 @@ from criuctl.client.agents import AgentClient, Node
 from criuctl.core.errors import CriuctlError
 from criuctl.kube import events, jobmoves, moves, mutate, owners, podmigrations, podplan, podvolumes
 from criuctl.kube.cluster import Cluster, agent_for, agent_of, call, container_id, delete_now, workload_row
+from criuctl.local import exitwrites
 from criuctl.net import peers
 
 log = logging.getLogger("criuctl.kube")
@@ -211,6 +213,8 @@ def _lazy(c: Cluster, m: moves.Move, pod: dict, src: Node, dst: Node) -> LazyReq
     if m.mode == Mode.STOP_AND_COPY:
         return None
     try:
+        if not exitwrites.supported():
+            raise CriuctlError(f"a served tree's exit cannot be disarmed on {platform.machine()} yet")
         for node in (src, dst):
             info: NodeInfo = AgentClient(node, timeout=INFO_TIMEOUT).get("/v1/info")
             if not info.get("lazy_pages"):
@@ -239,7 +243,17 @@ def _checkpoint(c: Cluster, m: moves.Move, pod: dict, row: dict, ranked: bool, s
     if (lazy := _lazy(c, m, pod, src, dst)) is not None:
         asked["lazy"] = lazy
     try:
-        out: CheckpointAnswer = source.post(f"/v1/workloads/{row['name']}/checkpoint", asked)
+        try:
+            out: CheckpointAnswer = source.post(f"/v1/workloads/{row['name']}/checkpoint", asked)
+        except CriuctlError as exc:
+            now = workload_row(src, str(row.get("container") or row["name"])) if lazy else None
+            if now is None or now.get("state") != "running" or not now.get("alive"):
+                raise
+            # post-copy failed with the job whole and running (thawed): stop-and-copy, said so
+            m.mode, m.note = Mode.STOP_AND_COPY, f"post-copy failed ({exc.what}): moved by stop-and-copy"
+            events.record(c, pod, events.Reason.STARTED, m.note)
+            asked.pop("lazy", None)
+            out = source.post(f"/v1/workloads/{row['name']}/checkpoint", asked)
     except CriuctlError as exc:
         m.phase, m.note = (
             moves.Phase.FAILED,
