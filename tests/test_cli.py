@@ -108,6 +108,8 @@ def test_doctor_reports_each_check():
     assert any(line.startswith("ok   criu check") for line in lines)
     # make test installs CRIU with scripts/criu-patches/: post-copy's pull keeps requests in flight
     assert any(line.startswith("ok   post-copy page pull: 8 requests in flight") for line in lines), r.stdout
+    # post-copy is the default: its risk is said where it runs
+    assert any(line.startswith("ok   post-copy's window: ") and "two nodes" in line for line in lines), r.stdout
     assert not any("pre-copy" in line or "soft-dirty" in line for line in lines)  # nothing uses it
     for name in (
         "userfaultfd",

@@ -122,6 +122,8 @@ def _move_with_cli(lay, k: Kubectl, name: str, node: str) -> dict:
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["new_pod"] == name and out["target"] == node, out
+    assert out["mode"] == "post-copy through its successor", out  # the default where both nodes can
+    assert out["pages_seconds"] is not None and 0 < out["downtime_seconds"] < out["total_seconds"], out
     return out
 
 
@@ -145,6 +147,7 @@ def _apply_podmigration(lay, k: Kubectl, name: str, node: str) -> str:
     assert r.returncode == 0, r.stderr
     st = wait_podmigration(k, pm["metadata"]["name"], timeout=900)["status"]
     assert st["phase"] == "Succeeded" and st["via"] == "successor" and st["newPod"] == name, st
+    assert st["result"]["mode"] == "post-copy through its successor" and st["downtime"], st
     return st["result"]["target"]
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from criuctl.core.errors import CriuctlError
 from criuctl.engine import criu
 from criuctl.gpu import cuda, gpus
+from criuctl.local import exitwrites
 
 CAP_CHECKPOINT_RESTORE = 40
 
@@ -91,8 +92,20 @@ def _features() -> list[Check]:
             "post-copy migration is unavailable; use stop-and-copy",
             required=False,
         ),
-        *([_page_pull()] if f.lazy_pages else []),
+        *([_page_pull(), _post_copy_risk()] if f.lazy_pages else []),
     ]
+
+
+def _post_copy_risk() -> Check:
+    """Post-copy is the default; what it trades for its short stall is worth saying where it runs
+    (docs/kubernetes.md, "The risk, plainly")."""
+    how = (
+        "until its last page is pulled, a moved job's memory is on two nodes: the source's death, or "
+        "its link cut for 30 s, ends the job (it starts over; never twice)"
+    )
+    if not exitwrites.supported():
+        how += f"; a pod's move through its successor goes by stop-and-copy on {platform.machine()}"
+    return Check("post-copy's window", True, how, required=False)
 
 
 def _page_pull() -> Check:
