@@ -209,15 +209,22 @@ def test_pytorchjob_worker_moves_keeping_its_name(local_cluster, ref) -> None:
 def test_drain_moves_the_pod_without_loss(local_cluster, ref) -> None:
     """`kubectl drain a`: the eviction deletes the pod, its preStop hook (the kubelet's own call)
     checkpoints the job into a bundle kept on b, the StatefulSet recreates it, and it continues."""
-    _, k = local_cluster
+    lay, k = local_cluster
     k.apply(_statefulset("dr", "a"))
+    # b's kernel refuses userfaultfd (criuctl.core.faults): no post-copy, so stop-and-copy, said so
+    no_uffd = lay.node_dir("b") / "var-lib-criuctl" / "faults" / "userfaultfd"
+    no_uffd.parent.mkdir(exist_ok=True)
 
     def drain_a() -> str:
+        no_uffd.touch()
         drain(k, "a", "app=dr")
         return "b"
 
     try:
         _moved_mid_training(k, "dr-0", ref, drain_a)
+        no_uffd.unlink()
+        said = k("get", "events", "--field-selector", "involvedObject.name=dr-0").stdout
+        assert "post-copy could not run (node b has no userfaultfd" in said and "stop-and-copy" in said, said
         # the drain's move is listed with every other: a PodMigration the controller followed
         (pm,) = [
             o["metadata"]["name"]
@@ -227,8 +234,10 @@ def test_drain_moves_the_pod_without_loss(local_cluster, ref) -> None:
         obj = wait_podmigration(k, pm)
         assert obj["metadata"]["annotations"]["criuctl.io/origin"] == "prestop"
         assert obj["status"]["phase"] == "Succeeded" and obj["status"]["source"] == "a", obj["status"]
+        assert obj["status"]["result"]["mode"] == "stop-and-copy through its successor", obj["status"]
         assert obj["spec"]["node"] == "b"
     finally:
+        no_uffd.unlink(missing_ok=True)
         k("uncordon", "a", check=False)
         k("delete", "statefulset", "dr", "--wait=false")
 
@@ -295,3 +304,103 @@ def test_killed_mid_move_loses_nothing(local_cluster, ref, victim: str) -> None:
         while not lc._agents_ready(lay):  # the next test needs b's agent again
             assert time.monotonic() < deadline, "b's agent did not come back"
             time.sleep(1)
+
+
+PULL_STATE_MB = 1024  # live state besides the model: its pull takes seconds, the window the kills aim at
+PULL_STEPS = 900
+
+
+def _agent_pod(k: Kubectl, node: str) -> str:
+    agents = k.pods(SYSTEM_NS, "app.kubernetes.io/name=criuctl-agent")
+    (agent,) = [p["metadata"]["name"] for p in agents if p["spec"]["nodeName"] == node]
+    return agent
+
+
+def _when_pulling(k: Kubectl, pod: str, timeout: float = 300) -> dict:
+    """The move record once the successor runs the job and pulls its memory."""
+    deadline = time.monotonic() + timeout
+    while True:
+        cm = k.get("configmap", f"move.default.{pod}", SYSTEM_NS) or {}
+        if cm.get("data", {}).get("phase") == "pulling":
+            return cm["data"]
+        assert time.monotonic() < deadline, f"the move never reached its pull: {cm.get('data')}"
+        time.sleep(0.05)
+
+
+def test_a_pull_outlives_both_agents_and_a_cut_link(local_cluster, reference) -> None:
+    """Post-copy through the successor, hit while the successor pulls the job's memory (a GiB of
+    live state besides the model): three moves of one StatefulSet pod, each with its own fault in
+    that window, and the job runs on from each as if nothing happened.
+
+    1. a → b, b's agent pod (the holder, whose loop follows the pull) killed: the keeper and its
+       lazy-pages daemon live outside the agent's pod and go on; the restarted agent's loop finds
+       the record `pulling` and finishes once the last page is in.
+    2. b → a, b's agent pod (the source, whose dump handoff serves the pages) killed: the handoff
+       lives outside the agent's pod and serves on.
+    3. a → b, a's link cut for 5 s: the pull waits (TCP retransmits; the keepalive gives up only
+       after 30 s) and resumes.
+
+    Bit-identical to an uninterrupted run, no step run twice, no record left."""
+    lay, k = local_cluster
+    ref = reference(
+        os.path.basename(JOB),
+        "--steps",
+        str(PULL_STEPS),
+        "--workers",
+        "2",
+        "--log",
+        "/dev/null",
+        "--state-mb",
+        str(PULL_STATE_MB),
+    )
+    st = _statefulset("pl", "a")
+    st["spec"]["template"]["spec"]["containers"][0]["args"] = [
+        *[
+            a.replace(str(STEPS), str(PULL_STEPS))
+            for a in st["spec"]["template"]["spec"]["containers"][0]["args"]
+        ],
+        "--state-mb",
+        str(PULL_STATE_MB),
+    ]
+    k.apply(st)
+    name = "pl-0"
+    node_a = lay.node("a")
+    try:
+        first = k.wait_running(name, timeout=120)
+        follow = [LogFollower(k, name)]
+        follow[0].start()
+        uid = first["metadata"]["uid"]
+        for i, (to, fault) in enumerate((("b", "holder"), ("a", "source"), ("b", "cut"))):
+            wait_step(k, name, 40 + 200 * i, timeout=300)
+            env = {**os.environ, "KUBECONFIG": str(lay.kubeconfig)}
+            cli = subprocess.Popen(
+                [*CRIUCTL, "migrate", name, to, "-o", "json"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            record = _when_pulling(k, name)
+            assert record["pages"] and record["page_cert"].startswith("-----BEGIN CERTIFICATE"), record
+            if fault == "cut":
+                subprocess.run(["ip", "link", "set", node_a.veth, "down"], check=True)
+                time.sleep(5)
+                subprocess.run(["ip", "link", "set", node_a.veth, "up"], check=True)
+            else:
+                k("-n", SYSTEM_NS, "delete", "pod", _agent_pod(k, "b"), "--grace-period=0", "--force")
+            out, err = cli.communicate(timeout=900)
+            assert cli.returncode == 0, err[-3000:]
+            moved = json.loads(out.strip().splitlines()[-1])
+            assert moved["target"] == to and moved["mode"] == "post-copy through its successor", moved
+            new = _successor(k, name, uid, to)
+            uid = new["metadata"]["uid"]
+            follow.append(LogFollower(k, name))
+            follow[-1].start()
+            deadline = time.monotonic() + 120
+            while not lc._agents_ready(lay):
+                assert time.monotonic() < deadline, "b's agent did not come back"
+                time.sleep(1)
+        _follow_to_the_end(k, follow, ref, name)
+    finally:
+        subprocess.run(["ip", "link", "set", node_a.veth, "up"], check=False)
+        k("delete", "statefulset", "pl", "--wait=false")

@@ -185,11 +185,16 @@ def job_summary(r) -> None:
 
 
 def migration_summary(r) -> None:
-    if r.via_successor:  # only the freeze and the whole are measured on that path
+    if r.via_successor:  # the move record's stamps: the freeze to running again, and the pull
+        pulled = (
+            f", its memory pulled from {r.source} in {r.pages_seconds:.2f} s after it ran"
+            if r.pages_seconds is not None
+            else ""
+        )
         err.print(
             f"migrated {r.workload!r} {r.source} → {r.target} {r.mode}: the job stopped "
-            f"{r.downtime_seconds:.2f} s from the delete to running again (frozen {r.freeze_seconds:.2f} s "
-            f"for the dump), {human_bytes(r.bytes_moved)} kept on {r.target}"
+            f"{r.downtime_seconds:.2f} s (frozen {r.freeze_seconds:.2f} s for the dump), "
+            f"{human_bytes(r.bytes_moved)} moved{pulled}, total {r.total_seconds:.2f} s"
         )
         return
     pages = (

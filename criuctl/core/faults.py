@@ -20,6 +20,7 @@ from criuctl.core import env
 class Fault(enum.StrEnum):
     NETLOCK_LIFT = "netlock.lift"  # deleting CRIU's network-lock table fails
     RESTORE = "restore"  # CRIU fails to restore a bundle (a target node that cannot run the job)
+    NO_USERFAULTFD = "userfaultfd"  # the kernel refuses userfaultfd (no post-copy on this node)
 
 
 def injected(fault: Fault) -> bool:

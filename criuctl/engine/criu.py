@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
-from criuctl.core import env
+from criuctl.core import env, faults
 from criuctl.core.errors import CriuctlError
 
 MIN_VERSION = (4, 0)
@@ -681,7 +681,7 @@ def features() -> Features:
     asked = rpc.criu_features(lazy_pages=True)
     resp = _request("FEATURE_CHECK", features=asked)
     f = resp.features
-    return Features(lazy_pages=f.lazy_pages)
+    return Features(lazy_pages=f.lazy_pages and not faults.injected(faults.Fault.NO_USERFAULTFD))
 
 
 def ensure_lazy_pages() -> None:

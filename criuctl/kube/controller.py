@@ -173,7 +173,7 @@ class Journal:
     def succeeded(
         self, result: agent_migrate.MigrationResult | None, reason: str, downtime: float | None = None
     ) -> None:
-        facts: dict[str, Any] = {"step": "done"}
+        facts: dict[str, Any] = {"step": "done", "progress": "done"}
         if downtime is not None:  # taken over: what the source's agent measured
             facts.update(downtimeSeconds=downtime, downtime=podmigrations.downtime_text(downtime))
         if result is not None:

@@ -17,6 +17,13 @@ p.add_argument("--log", required=True)
 p.add_argument("--read-latency", type=float, default=0.004, help="simulated seconds per sample read")
 p.add_argument("--scratch", help="a folder (an emptyDir in a pod) to keep a progress file open in")
 p.add_argument("--show-state", action="store_true", help="print Adam's step count and the LR after each step")
+p.add_argument(
+    "--state-mb",
+    type=int,
+    default=0,
+    help="MiB of live state besides the model (a larger model's optimizer state, a replay buffer): "
+    "random, one MiB of it updated each step, all of it in the final digest",
+)
 a = p.parse_args()
 
 
@@ -60,6 +67,7 @@ model = torch.nn.Sequential(
     torch.nn.Linear(16, 2),
 )
 opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+state = torch.rand(a.state_mb, 1 << 18, generator=torch.Generator().manual_seed(3))  # MiB rows
 sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=a.steps)
 loader = DataLoader(
     Shapes(),
@@ -81,6 +89,8 @@ while step < a.steps:
         loss.backward()
         opt.step()
         sched.step()
+        if a.state_mb:
+            state[step % a.state_mb].add_(loss.item())
         beat.step = step
         log.write(f"step {step} loss {loss.item():.6f} lr {sched.get_last_lr()[0]:.6f}\n")
         _report.step(step, loss.item())
@@ -97,4 +107,4 @@ beat.stop.set()
 beat.join()
 log.write("done\n")
 log.close()
-_report.final(model)
+_report.final(model, state)
