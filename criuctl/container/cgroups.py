@@ -32,13 +32,13 @@ def _hierarchies(pid: int | str) -> list[tuple[Path, str]]:
     return out
 
 
-def _join(procs: Path) -> bool:
+def _join(procs: Path, pid: int | None = None) -> bool:
     try:
         fd = os.open(procs, os.O_WRONLY)  # never O_CREAT: /sys/fs/cgroup itself may be a tmpfs
     except OSError:
         return False
     try:
-        os.write(fd, str(os.getpid()).encode())
+        os.write(fd, str(pid or os.getpid()).encode())
         return True
     except OSError:
         return False
@@ -46,11 +46,13 @@ def _join(procs: Path) -> bool:
         os.close(fd)
 
 
-def join_of(pid: int) -> None:
-    """Move this process into the cgroups of process `pid` (a placeholder's init): it then lives
-    exactly as long as that container, and counts against its limits."""
+def join_of(pid: int, *others: int) -> None:
+    """Move this process, and the processes `others` (its helpers: a post-copy restore's lazy-pages
+    daemon), into the cgroups of process `pid` (a placeholder's init): they then live exactly as
+    long as that container, and count against its limits."""
     for mount, path in _hierarchies(pid):
-        _join(mount / path / "cgroup.procs")
+        for who in (None, *others):
+            _join(mount / path / "cgroup.procs", who)
 
 
 def leave_container() -> bool:

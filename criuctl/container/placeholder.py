@@ -224,17 +224,19 @@ def restore_options(ph: Placeholder, facts: ContainerFacts, stdio_pipes: dict[st
     }
 
 
-def keep(ph: Placeholder, root_pid: int, join_cgroups: bool = False) -> int:
+def keep(ph: Placeholder, root_pid: int, join_cgroups: bool = False, helpers: tuple[int, ...] = ()) -> int:
     """Stand by a running restored tree (our child) until it ends; return its exit status.
 
     Signals the placeholder's init forwards go to the tree's init (which forwards them to the
     job); if the placeholder dies (its container was killed), the tree is killed with it. The
     caller records the end, then tells the placeholder (`tell(f"exit {code}")`): after that the
     runtime may kill whatever is left in the container's cgroups — this process too, if it joined
-    them (`join_cgroups`, which the agent's keeper does to outlive the agent's own container).
+    them (`join_cgroups`, which the agent's keeper does to outlive the agent's own container), with
+    its `helpers` (a post-copy restore's lazy-pages daemon: the job's memory comes through it, and an
+    agent's end must not end it).
     """
     if join_cgroups:
-        cgroups.join_of(ph.pid)
+        cgroups.join_of(ph.pid, *helpers)
     sig_fd = _open_signals(ph)
     try:
         pidfd = os.pidfd_open(ph.pid)

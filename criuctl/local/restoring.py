@@ -98,7 +98,8 @@ class Restored:
         if self.into is None:
             assert self.stdio is not None
             return supervisor.supervise(self.workload, self.stdio, echo=echo)
-        code = placeholder.keep(self.into, self.workload.root_pid, join_cgroups=keeper)
+        lazy = (self.lazy_daemon.pid,) if self.lazy_daemon is not None else ()  # gone: the kernel says no
+        code = placeholder.keep(self.into, self.workload.root_pid, join_cgroups=keeper, helpers=lazy)
         w = self.workload
         now = workloads.load(w.name)
         if now is None or now.state == workloads.RUNNING:

@@ -35,6 +35,14 @@ p.add_argument("--depth", type=int, default=0, help="hidden width x width layers
 p.add_argument("--times", action="store_true", help="rank 0 also prints `time STEP UNIX-TIME`")
 p.add_argument("--dcp", help="checkpoint folder (shared by the ranks): resume from it, save to it")
 p.add_argument("--save-every", type=int, default=10)
+p.add_argument(
+    "--state-mb",
+    type=int,
+    default=0,
+    help="MiB of live state besides the model on the ranks of --state-ranks (a sharded optimizer's "
+    "state, a replay buffer): random, one MiB of it updated each step, in its DCP checkpoint too",
+)
+p.add_argument("--state-ranks", default="", help="comma-separated ranks that hold --state-mb (default: all)")
 a = p.parse_args()
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", a.ifname)
@@ -50,6 +58,9 @@ model = DDP(torch.nn.Sequential(*layers))
 opt = torch.optim.Adam(model.parameters(), lr=0.01)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=20, gamma=0.7)
 g = torch.Generator().manual_seed(100 + a.rank)
+holds = not a.state_ranks or str(a.rank) in a.state_ranks.split(",")
+state_mb = a.state_mb if holds else 0
+live = torch.rand(state_mb, 1 << 18, generator=torch.Generator().manual_seed(200 + a.rank))  # MiB rows
 first = 0
 if a.dcp:
     import torch.distributed.checkpoint as dcp
@@ -62,6 +73,7 @@ if a.dcp:
             "optim": osd,
             "sched": sched.state_dict(),
             f"rng-{a.rank}": g.get_state(),  # per rank: DCP keeps one copy of a key all ranks share
+            f"live-{a.rank}": live,
             "step": torch.tensor(0),
         }
 
@@ -72,6 +84,7 @@ if a.dcp:
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         sched.load_state_dict(state["sched"])
         g.set_state(state[f"rng-{a.rank}"])
+        live = state[f"live-{a.rank}"]
         first = int(state["step"])
         if a.rank == 0:
             print(f"resumed {first}", flush=True)
@@ -83,6 +96,8 @@ for i in range(first, a.steps):
     loss.backward()  # gloo all-reduce of the gradients, over TCP to every other rank
     opt.step()
     sched.step()
+    if state_mb:
+        live[i % state_mb].add_(loss.item())
     summed = loss.detach().clone()
     dist.all_reduce(summed)
     if a.rank == 0:
