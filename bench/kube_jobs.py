@@ -1,6 +1,12 @@
 """A worker of a multi-worker PyTorchJob on Kubernetes moved by criuctl, against the same job
 restarted by its operator from a `torch.distributed.checkpoint`, side by side in one run.
 
+The moved worker (rank 1) holds live state besides the model (`--state-mb`: a sharded optimizer's
+state, a replay buffer) in the "0.5GiB", "2GiB" and "8GiB" sizes; the other ranks only the model.
+criuctl moves it by post-copy (the default) and, where asked (`--contenders ... stop-and-copy`), by
+stop-and-copy; each round also measures the raw TCP rate between the two nodes, so that the pull's
+time can be set against the link's time for the same bytes.
+
 On the local cluster (localcluster: API server, scheduler, controller-manager, two kubelet nodes,
 criuctl's agents, webhook and controller from the built image, the PyTorchJob stand-in), for each
 job (ranks 3 and 4: the master on node a, the workers on b; a small model, and one with ~130 MiB of
@@ -52,15 +58,27 @@ from tests.kube import Kubectl, LogFollower, ddp_job  # noqa: E402
 CRIUCTL = str(HERE.parent / ".venv" / "bin" / "criuctl")
 console = Console(stderr=True)
 STEPS, AT, EVERY, STEP_TIME = 120, 40, 10, "0.05"
+# the moved rank's live state (MiB); a job holding GiBs checkpoints less often (every 40 steps)
+STATE = {"0.5GiB": 512, "2GiB": 2048, "8GiB": 8192}
+CONTENDERS = ("criuctl", "stop-and-copy", "restart")
 DCP = Path("/var/tmp/criuctl-bench-kube-jobs-dcp")
 _TIME = re.compile(r"^time (\d+) (\S+)$", re.M)
 _STEP_SECONDS = re.compile(r"(\w+) (\d+\.\d+) s")
 
 
+def _every(size: str) -> int:
+    return 40 if STATE.get(size, 0) >= 2048 else EVERY
+
+
+def _at(size: str) -> int:
+    return AT + 10 if _every(size) > EVERY else AT  # 10 steps past the last checkpoint, as the small
+
+
 def _job(name: str, world: int, size: str, dcp: str) -> dict:
-    args = ("--steps", str(STEPS), "--step-time", STEP_TIME, "--times", *SIZES[size])
+    shape = SIZES.get(size) or ("--width", "64", "--state-mb", str(STATE[size]), "--state-ranks", "1")
+    args = ("--steps", str(STEPS), "--step-time", STEP_TIME, "--times", *shape)
     if dcp:
-        args += ("--dcp", dcp, "--save-every", str(EVERY))
+        args += ("--dcp", dcp, "--save-every", str(_every(size)))
     return ddp_job(name, workers=world - 1, args=args, migratable=not dcp, dcp=str(DCP) if dcp else "")
 
 
@@ -78,8 +96,30 @@ def _wait(k: Kubectl, pod: str, done: object, what: str, timeout: float = 600) -
     raise SystemExit(f"{pod}: {what} not within {timeout:.0f} s: {k.logs(pod)[-800:]}")
 
 
-def _at(step: int):
+def _past(step: int):
     return lambda log: max(_times(log), default=-1) >= step
+
+
+def link_rate(lay: Layout, nbytes: int = 1 << 30) -> float:
+    """Raw TCP between the two nodes (their network namespaces), bytes a second: Python sockets,
+    1 MiB sends, as bench/migrate.py measures its ceiling."""
+    a, b = lay.node("a"), lay.node("b")
+    recv = (
+        "import socket,time;s=socket.create_server(('0.0.0.0',47777));c,_=s.accept();n=0;"
+        "b=bytearray(1<<20);t=time.monotonic()\nwhile (k:=c.recv_into(b)):n+=k\n"
+        "print(n/(time.monotonic()-t))"
+    )
+    send = (
+        f"import socket;s=socket.create_connection(('{a.ip}',47777));b=bytes(1<<20)\n"
+        f"for _ in range({nbytes >> 20}):s.sendall(b)\ns.close()"
+    )
+    inside = ["nsenter", "--net=/run/netns/{}"]
+    rx = subprocess.Popen(
+        [inside[0], inside[1].format(a.ns), sys.executable, "-c", recv], stdout=subprocess.PIPE, text=True
+    )
+    time.sleep(0.5)
+    subprocess.run([inside[0], inside[1].format(b.ns), sys.executable, "-c", send], check=True)
+    return float(rx.communicate(timeout=120)[0])
 
 
 def _final(log: str) -> bool:
@@ -93,13 +133,16 @@ def _gone(k: Kubectl, job: str) -> None:
         time.sleep(1)
 
 
-def bench_criuctl(lay: Layout, k: Kubectl, job: str, world: int, size: str) -> dict:
+def bench_criuctl(lay: Layout, k: Kubectl, job: str, world: int, size: str, mode: str = "post-copy") -> dict:
     k.apply(_job(job, world, size, ""))
     master = f"{job}-master-0"
-    _wait(k, master, _at(AT), f"step {AT}")
+    _wait(k, master, _past(_at(size)), f"step {_at(size)}")
     env = {**os.environ, "KUBECONFIG": str(lay.kubeconfig)}
     r = subprocess.run(
-        [CRIUCTL, "migrate", f"{job}-worker-0", "a", "-o", "json"], capture_output=True, text=True, env=env
+        [CRIUCTL, "migrate", f"{job}-worker-0", "a", "--mode", mode, "-o", "json"],
+        capture_output=True,
+        text=True,
+        env=env,
     )
     if r.returncode != 0:
         raise SystemExit(f"criuctl migrate failed: {r.stderr[-2000:]}")
@@ -123,6 +166,8 @@ def bench_criuctl(lay: Layout, k: Kubectl, job: str, world: int, size: str) -> d
         downtime=out["downtime_seconds"],
         freeze=out["freeze_seconds"],
         bytes=out["bytes_moved"],
+        mode=out["mode"],
+        pages=out.get("pages_seconds"),
         steps={name: float(sec) for name, sec in _STEP_SECONDS.findall(said)},
     )
 
@@ -133,7 +178,7 @@ def bench_restart(k: Kubectl, job: str, world: int, size: str) -> dict:
     dcp.mkdir(parents=True)
     k.apply(_job(job, world, size, str(dcp)))
     master = f"{job}-master-0"
-    _wait(k, master, _at(AT), f"step {AT}")
+    _wait(k, master, _past(_at(size)), f"step {_at(size)}")
     old = LogFollower(k, master)  # every step it makes until its pod goes
     old.start()
     time.sleep(1)
@@ -162,7 +207,9 @@ def report(rows: list[dict]) -> None:
         t.add_column(col)
     for row in rows:
         runs = row["runs"]
-        what = "criuctl migrate" if row["contender"] == "criuctl" else "restart from DCP"
+        what = {"criuctl": "criuctl (post-copy)", "stop-and-copy": "criuctl (stop-and-copy)"}.get(
+            row["contender"], "restart from DCP"
+        )
         t.add_row(
             str(row["ranks"]),
             row["size"],
@@ -173,6 +220,27 @@ def report(rows: list[dict]) -> None:
             fmt([r["downtime"] for r in runs]),
         )
     Console(width=170).print(t)
+    pulls = [
+        row for row in rows if row["contender"] == "criuctl" and any(r.get("pages") for r in row["runs"])
+    ]
+    if pulls:
+        p = Table(title="post-copy's pull: every page on the target, against the link's time for its bytes")
+        for col in ("ranks", "state / rank", "moved", "all pages in", "link time", "÷ link"):
+            p.add_column(col)
+        for row in pulls:
+            runs = [r for r in row["runs"] if r.get("pages")]
+            link = [r["bytes"] / r["tcp"] for r in runs if r.get("tcp")]
+            p.add_row(
+                str(row["ranks"]),
+                row["size"],
+                f"{statistics.median(r['bytes'] for r in runs) / 2**30:.2f} GiB",
+                fmt([r["pages"] for r in runs]),
+                fmt(link) if link else "-",
+                f"{statistics.median(r['pages'] / lt for r, lt in zip(runs, link, strict=False)):.2f}"
+                if link
+                else "-",
+            )
+        Console(width=170).print(p)
     steps = [(row, r["steps"]) for row in rows for r in row["runs"] if r.get("steps")]
     if steps:
         s = Table(title="criuctl's successor path, step by step (median seconds)")
@@ -180,7 +248,7 @@ def report(rows: list[dict]) -> None:
         for col in ("ranks", "state / rank", *names):
             s.add_column(col)
         for row in rows:
-            if row["contender"] == "criuctl":
+            if row["contender"] != "restart":
                 cells = [statistics.median(r["steps"].get(n, 0.0) for r in row["runs"]) for n in names]
                 s.add_row(str(row["ranks"]), row["size"], *(f"{x:.2f}" for x in cells))
         Console(width=170).print(s)
@@ -190,7 +258,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--ranks", type=int, nargs="+", default=[3, 4])
-    ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    ap.add_argument("--sizes", nargs="+", default=list(STATE), choices=[*SIZES, *STATE])
+    ap.add_argument("--contenders", nargs="+", default=["criuctl", "restart"], choices=CONTENDERS)
     ap.add_argument("--dir", type=Path, default=Path("/var/tmp/criuctl-bench-kube-jobs"))
     ap.add_argument("--out", type=Path, default=HERE / "results" / "kube_jobs.json")
     a = ap.parse_args()
@@ -200,15 +269,18 @@ def main() -> int:
     try:
         k = Kubectl(lay)
         for world, size in itertools.product(a.ranks, a.sizes):
-            results: dict[str, list[dict]] = {"criuctl": [], "restart": []}
+            results: dict[str, list[dict]] = {c: [] for c in a.contenders}
             for rep in range(a.reps):
-                order = ["criuctl", "restart"] if rep % 2 == 0 else ["restart", "criuctl"]
+                order = a.contenders[rep % len(a.contenders) :] + a.contenders[: rep % len(a.contenders)]
+                tcp = link_rate(lay)
                 for contender in order:
-                    job = f"j{world}{size[:2].lower()}{rep}{contender[0]}"
-                    if contender == "criuctl":
-                        res = bench_criuctl(lay, k, job, world, size)
-                    else:
+                    job = f"j{world}{size[:2].lower().replace('.', '')}{rep}{contender[0]}"
+                    if contender == "restart":
                         res = bench_restart(k, job, world, size)
+                    else:
+                        mode = "post-copy" if contender == "criuctl" else "stop-and-copy"
+                        res = bench_criuctl(lay, k, job, world, size, mode)
+                    res["tcp"] = tcp
                     console.print(f"{world} ranks, {size}, {contender}, round {rep + 1}: {res}")
                     results[contender].append(res)
             rows += [dict(ranks=world, size=size, contender=c, runs=runs) for c, runs in results.items()]
