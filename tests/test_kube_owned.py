@@ -404,3 +404,73 @@ def test_a_pull_outlives_both_agents_and_a_cut_link(local_cluster, reference) ->
     finally:
         subprocess.run(["ip", "link", "set", node_a.veth, "up"], check=False)
         k("delete", "statefulset", "pl", "--wait=false")
+
+
+def test_pages_lost_mid_pull_end_the_move_and_the_job_starts_over_once(local_cluster, reference) -> None:
+    """The source's pages go while the successor pulls them (its node died, or its serving time
+    ran out: here its page server is killed). The successor's job cannot go on with memory it
+    never got: its keeper ends it, the move fails and says why, the successor is deleted, and its
+    controller makes an ordinary pod that starts the job over: never two copies, the new one an
+    uninterrupted run from its first step."""
+    lay, k = local_cluster
+    args = ("--steps", str(STEPS), "--workers", "2", "--log", "/dev/null", "--state-mb", str(PULL_STATE_MB))
+    ref = reference(os.path.basename(JOB), *args)
+    st = _statefulset("ls", "a")
+    ctr = st["spec"]["template"]["spec"]["containers"][0]
+    ctr["args"] = [*ctr["args"], "--state-mb", str(PULL_STATE_MB)]
+    k.apply(st)
+    name = "ls-0"
+    try:
+        first = k.wait_running(name, timeout=120)
+        wait_step(k, name, 40)
+        env = {**os.environ, "KUBECONFIG": str(lay.kubeconfig)}
+        cli = subprocess.Popen(
+            [*CRIUCTL, "migrate", name, "b"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        record = _when_pulling(k, name)
+        serving = lay.node_dir("a") / "var-lib-criuctl" / "pages" / record["bundle"] / "serving.json"
+        handoff = json.loads(serving.read_text())["pid"]
+        for pid in [
+            handoff,
+            *(
+                int(p)
+                for p in subprocess.run(
+                    ["pgrep", "-P", str(handoff)], capture_output=True, text=True
+                ).stdout.split()
+            ),
+        ]:
+            os.kill(pid, 9)  # the handoff and the CRIU that serves the pages: gone as with their node
+        _, err = cli.communicate(timeout=900)
+        (line,) = err.strip().splitlines()[-1:]
+        assert cli.returncode == 4 and line.startswith("criuctl: error: "), err[-3000:]
+        assert "memory could not be pulled from node a" in line and "starts over" in line, line
+        assert "Traceback" not in err
+        # its controller's new pod: no placeholder, the job from its first step, once
+        deadline = time.monotonic() + 180
+        while True:
+            pods = [p for p in k.pods(selector="app=ls") if not p["metadata"].get("deletionTimestamp")]
+            fresh = [p for p in pods if p["metadata"]["uid"] != first["metadata"]["uid"]]
+            notes = fresh[0]["metadata"].get("annotations", {}) if fresh else {}
+            if (
+                fresh
+                and "criuctl.io/placeholder-for" not in notes
+                and fresh[0]["status"].get("phase") == "Running"
+            ):
+                break
+            assert time.monotonic() < deadline, f"no ordinary successor: {[p['metadata'] for p in pods]}"
+            time.sleep(1)
+        assert len(pods) == 1, "two copies of the job"
+        follow = LogFollower(k, name)
+        follow.start()
+        follow.join(600)
+        assert min(steps(follow.text)) == 0 and steps(follow.text) == ref.steps, follow.text[-1000:]
+        assert final(follow.text) == [ref.final]
+        assert not k("-n", SYSTEM_NS, "get", "cm", "-l", "criuctl.io/move", "-o", "name").stdout.strip() or (
+            _phase(k, name) == "failed"
+        ), "the failed move's record says something else"
+    finally:
+        k("delete", "statefulset", "ls", "--wait=false")
