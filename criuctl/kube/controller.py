@@ -164,6 +164,7 @@ class Journal:
                 "hint": hint[:1000],
                 "exitCode": code,
                 "finishedAt": podmigrations.now(),
+                "window": "",  # a move that ended depends on one node only
                 **facts,
             }
         )

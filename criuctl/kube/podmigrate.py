@@ -355,8 +355,15 @@ def follow_owned(
             progress(PHASES.get(m.phase, str(m.phase)))
             if m.phase == moves.Phase.KEPT:
                 journal(Phase.HANDING_OVER, bytesMoved=m.size)
-            if m.phase == moves.Phase.PULLING and (down := m.downtime()) is not None:
-                journal(Phase.HANDING_OVER, downtimeSeconds=down, downtime=downtime_text(down))
+            if m.phase == moves.Phase.PULLING:
+                down = m.downtime()
+                journal(
+                    Phase.HANDING_OVER,
+                    downtimeSeconds=down,
+                    downtime=downtime_text(down),
+                    window=f"the job runs on node {m.holder}; until its last memory page is pulled from "
+                    f"node {m.source}, it needs node {m.source} too (post-copy's window)",
+                )
         if m is not None and m.phase == moves.Phase.PULLING and m.pulled != pulled:
             pulled = m.pulled  # post-copy: how much of its memory the successor has
             progress(PHASES[m.phase], min(m.pulled, m.memory), m.memory)
