@@ -107,6 +107,7 @@ class Workload:
     # restored by post-copy: its memory's pull from the source, "pulling" until every page is here,
     # then "pulled"; "lost: why" when it failed (the job was ended: its memory was incomplete)
     pages: str | None = None
+    pages_done: float | None = None  # when its pull ended (time.time())
 
     @classmethod
     def of_tree(cls, root_pid: int, **facts: Any) -> Workload:
@@ -214,6 +215,7 @@ class WorkloadRow(TypedDict):
     boot_id: NotRequired[str]
     thaw_incomplete: NotRequired[str | None]
     pages: NotRequired[str | None]
+    pages_done: NotRequired[float | None]
     # a container, as the runtime lists it
     container_name: NotRequired[str]
     image: NotRequired[str]

@@ -99,9 +99,10 @@ class Move:
     def key(self) -> str:
         return record_name(self.namespace, self.pod)
 
-    def stamp(self, step: str) -> None:
-        """Note that `step` (one of `STEPS`) ended now; saved with the record's next write."""
-        self.stamps = json.dumps({**json.loads(self.stamps or "{}"), step: time.time()})
+    def stamp(self, step: str, at: float | None = None) -> None:
+        """Note that `step` (one of `STEPS`) ended now (or `at`, a time.time() another process took);
+        saved with the record's next write."""
+        self.stamps = json.dumps({**json.loads(self.stamps or "{}"), step: at or time.time()})
 
     def breakdown(self) -> list[tuple[str, float]]:
         """Seconds each step of the successor path took, in order, for those stamped: what the job's

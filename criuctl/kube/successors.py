@@ -162,7 +162,7 @@ def _pulling(c: Cluster, m: moves.Move, node: str) -> None:
             moves.save(c, m)
         return
     if pages == workloads.PULLED:
-        m.stamp("pages")
+        m.stamp("pages", row.get("pages_done"))  # when the keeper saw the last page in
         _finish(c, m, pod, node)
         return
     why = f"its memory could not be pulled from node {m.source} ({pages or 'not restored by post-copy'})"
@@ -274,8 +274,6 @@ def tick(c: Cluster, node: str) -> bool:
             step(c, m, node)
         except CriuctlError as exc:  # a Conflict: another writer advanced it; read again next tick
             log.info("move not advanced", extra={"pod": f"{m.namespace}/{m.pod}", "why": exc.line()})
-        busy |= (
-            m.phase in (moves.Phase.DUMPING, moves.Phase.KEPT, moves.Phase.PULLING)
-            and (m.holder or m.target) == node
-        )
+        # a pull is followed at the loop's pace: it decides nothing the job waits for
+        busy |= m.phase in (moves.Phase.DUMPING, moves.Phase.KEPT) and (m.holder or m.target) == node
     return busy

@@ -78,6 +78,7 @@ class Restored:
         assert self.lazy_daemon is not None
         rc = self.lazy_daemon.wait()
         w = self.workload
+        w.pages_done = time.time()
         if rc == 0:
             w.pages = workloads.PULLED
         else:
