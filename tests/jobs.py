@@ -122,6 +122,16 @@ class Ref:
         assert self.steps and self.final, "reference run reported nothing"
 
 
+def reference_and_job(tmp: Path, script: str, *args: str, at_step: int = 10) -> tuple[Reference, Job, Path]:
+    """An uninterrupted run of `script` (its log in `tmp`), and the same job started as workload
+    "cnn" and past step `at_step`, with the log file it holds open."""
+    ref = Reference("ref", script, *args, "--log", str(tmp / "ref.log"))
+    log = tmp / "train.log"
+    job = Job.run("cnn", script, *args, "--log", str(log))
+    job.wait_for_step(at_step)
+    return ref, job, log
+
+
 def assert_continues_exactly(ref: Reference, before_steps: dict[int, str], after: Job) -> None:
     """A job reported `before_steps`, was frozen, and `after` restored from it: together they are `ref`."""
     assert after.steps, "the restored job reported no step: the freeze came after training ended"

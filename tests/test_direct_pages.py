@@ -23,7 +23,7 @@ from criuctl.engine import criu
 from criuctl.format import bundle
 from criuctl.local import checkpoint
 from criuctl.net import directpages, pagetls
-from tests.jobs import Job, Reference, assert_continues_exactly, criuctl
+from tests.jobs import Job, Reference, assert_continues_exactly, criuctl, reference_and_job
 from tests.requirements import needs
 
 ARGS = ("--steps", "60", "--workers", "2", "--read-latency", "0.01")  # ~0.2 s a step
@@ -76,10 +76,7 @@ def _freeze_into(ends: Ends, name: str, parent: Path, identity: pagetls.Identity
 
 @needs("criu")
 def test_pages_go_straight_to_the_target_and_the_job_continues_bit_identically(tmp_path):
-    ref = Reference("ref", "train_cnn_loader.py", *ARGS, "--log", str(tmp_path / "ref.log"))
-    log = tmp_path / "train.log"
-    job = Job.run("cnn", "train_cnn_loader.py", *ARGS, "--log", str(log))
-    job.wait_for_step(10)
+    ref, job, log = reference_and_job(tmp_path, "train_cnn_loader.py", *ARGS)
     ends = Ends(tmp_path)
     frozen, received = _freeze_into(ends, "cnn", tmp_path)
     assert isinstance(frozen, checkpoint.Frozen), frozen

@@ -26,7 +26,7 @@ from criuctl.core import workloads
 from criuctl.engine import criu
 from criuctl.local import checkpoint
 from criuctl.net import pagetls
-from tests.jobs import Job, Reference, assert_continues_exactly
+from tests.jobs import Job, assert_continues_exactly, reference_and_job
 from tests.requirements import needs
 
 ARGS = ("--steps", "60", "--workers", "2", "--read-latency", "0.01")  # ~0.2 s a step
@@ -96,10 +96,7 @@ def _serve_in_background(frozen: checkpoint.Frozen, seconds: float) -> tuple[thr
 
 @needs("criu")
 def test_pages_outlive_the_tree_and_a_failed_restore_and_the_job_continues_bit_identically(tmp_path):
-    ref = Reference("ref", "train_cnn_loader.py", *ARGS, "--log", str(tmp_path / "ref.log"))
-    log = tmp_path / "train.log"
-    job = Job.run("cnn", "train_cnn_loader.py", *ARGS, "--log", str(log))
-    job.wait_for_step(10)
+    ref, job, log = reference_and_job(tmp_path, "train_cnn_loader.py", *ARGS)
     keys = Keys(tmp_path / "keys")
     frozen, port = _serving("cnn", tmp_path, keys)
     before = dict(job.steps)
@@ -140,9 +137,7 @@ def test_a_pull_that_fails_ends_the_job_and_a_server_nobody_pulls_from_ends_in_t
     there (the kernel maps zeros where a page never came), and it is ended at once. The source's
     server, which that daemon left without a word, serves on for another restore until its
     deadline, then ends with its pages."""
-    ref = Reference("ref", "train_cnn_loader.py", *ARGS, "--log", str(tmp_path / "ref.log"))
-    job = Job.run("cnn", "train_cnn_loader.py", *ARGS, "--log", str(tmp_path / "train.log"))
-    job.wait_for_step(10)
+    ref, job, _ = reference_and_job(tmp_path, "train_cnn_loader.py", *ARGS)
     keys = Keys(tmp_path / "keys")
     frozen, port = _serving("cnn", tmp_path, keys)
     assert job.wait(60) == 0, job.err[-5:]
