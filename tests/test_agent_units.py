@@ -354,3 +354,37 @@ def test_the_agents_answers_have_the_fields_their_types_name(tmp_path, state_dir
     finally:
         job.kill()
         job.wait()
+
+
+def test_what_a_dead_serving_handoff_left_is_cleared_once_its_time_is_up(state_dir) -> None:
+    """A post-copy bundle whose serving handoff died (killed, OOM) while its CRIU served on: the
+    janitor leaves the CRIU while its pages may still be pulled, kills it past its time, then
+    clears the bundle, its keys and its record. A live handoff's bundle is never touched."""
+    from criuctl.agent import pageserving
+    from criuctl.core import statedir
+
+    criu = subprocess.Popen(["sleep", "60"])  # stands for the CRIU that serves the pages
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # the handoff: dead
+    bid, live = "a" * 32, "b" * 32
+    for b in (bid, live):
+        (statedir.BUNDLES.ensure() / b).mkdir()
+        pageserving.client(b)  # its keys
+    pageserving.note_serving(live, 1234, None, time.time() + 1000)  # this process: alive
+    record = pageserving.folder(bid) / pageserving.SERVING
+    try:
+        for until, alive in ((time.time() + 1000, True), (time.time() - 1, False)):
+            pageserving.note_serving(bid, 1234, criu.pid, until)
+            rec = json.loads(record.read_text())
+            rec["pid"] = gone.pid  # written by a handoff that is gone now
+            record.write_text(json.dumps(rec))
+            assert pageserving.tidy() == []
+            time.sleep(0.2)
+            assert (criu.poll() is None) == alive
+        criu.wait(5)
+        assert pageserving.tidy() == [bid]
+        assert not (statedir.BUNDLES.path() / bid).exists() and not pageserving.folder(bid).exists()
+        assert (statedir.BUNDLES.path() / live).exists() and pageserving.serving(live)
+        assert pageserving.served(live) is None  # no page server's certificate: nothing to pin, nothing said
+    finally:
+        criu.kill()

@@ -442,7 +442,8 @@ def _serve(spec: dict[str, Any]) -> int:
         exc.hint = "the job runs on; move it by stop-and-copy"
         _error(exc)
         return 1
-    pageserving.note_serving(bid, int(lazy["port"]))
+    until = time.monotonic() + float(lazy["seconds"])
+    pageserving.note_serving(bid, int(lazy["port"]), frozen.criu_pid, time.time() + float(lazy["seconds"]))
     _emit(
         Event.SERVING,
         bytes=bundle.size_bytes(out),
@@ -453,7 +454,7 @@ def _serve(spec: dict[str, Any]) -> int:
     )
     _detach()
     started = time.monotonic()
-    served = frozen.serve(time.monotonic() + float(lazy["seconds"]), stop=stop)
+    served = frozen.serve(until, stop=stop)
     print(
         f"criuctl: bundle {bid}'s pages: {served} after {time.monotonic() - started:.1f} s",
         file=sys.stderr,

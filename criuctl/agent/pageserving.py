@@ -28,6 +28,7 @@ import contextlib
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 
 from criuctl.agent import records
@@ -66,10 +67,47 @@ def pull_tls(bid: str, server_pem: object) -> criu.PageTls:
     return pagetls.tls(client(bid), peer)
 
 
-def note_serving(bid: str, port: int) -> None:
-    """This process serves bundle `bid`'s pages on `port` (its identity, for `stop`)."""
+def note_serving(bid: str, port: int, criu_pid: int | None, until: float) -> None:
+    """This process serves bundle `bid`'s pages on `port` through CRIU `criu_pid` until `until`
+    (time.time()) at the latest: what `stop` and `tidy` need."""
     me = procinfo.Identity.of(os.getpid())
-    records.write(folder(bid) / SERVING, {"pid": me.pid, "start": me.start, "boot": me.boot, "port": port})
+    cr = procinfo.Identity.of(criu_pid) if criu_pid else None
+    records.write(
+        folder(bid) / SERVING,
+        {
+            "pid": me.pid,
+            "start": me.start,
+            "boot": me.boot,
+            "port": port,
+            "criu": [cr.pid, cr.start] if cr else None,
+            "until": until,
+        },
+    )
+
+
+def tidy() -> list[str]:
+    """What a serving handoff that died left (the agent's janitor): its CRIU, still serving past
+    its time, is killed, and once it is gone the bundle's keys, record and bundle go; the ids
+    cleared."""
+    root = statedir.PAGES.path()
+    cleared = []
+    for rec_path in sorted(root.glob(f"*/{SERVING}")) if root.exists() else []:
+        bid = rec_path.parent.name
+        rec = records.read(rec_path, lambda d: d if isinstance(d, dict) else {})
+        if not isinstance(rec, dict) or serving(bid):
+            continue
+        cr = rec.get("criu")
+        criu = procinfo.Identity(int(cr[0]), cr[1], str(rec.get("boot", ""))) if cr else None
+        if criu is not None and criu.alive():
+            if time.time() < float(rec.get("until") or 0):
+                continue  # its pages may still be pulled
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(criu.pid, signal.SIGKILL)
+            continue
+        shutil.rmtree(statedir.BUNDLES.path() / bid, ignore_errors=True)
+        forget(bid)
+        cleared.append(bid)
+    return cleared
 
 
 def served(bid: str) -> tuple[int, str] | None:

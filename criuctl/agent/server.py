@@ -44,7 +44,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from criuctl.agent import handoffleases, receiver, transfer
+from criuctl.agent import handoffleases, pageserving, receiver, transfer
 from criuctl.agent.bundles import Bundles
 from criuctl.agent.httpjson import fail
 from criuctl.agent.incoming import Incoming
@@ -191,6 +191,7 @@ class Agent:
             try:
                 await self.incoming.tidy(stale_after=2 * self.opts.lease_seconds)
                 await asyncio.to_thread(self.redirects.tidy)
+                await asyncio.to_thread(pageserving.tidy)
             except Exception:  # upkeep must never stop
                 log.exception("janitor")
 

@@ -260,9 +260,14 @@ class Frozen:
         finally:
             self.unlock()
 
+    @property
+    def criu_pid(self) -> int | None:
+        """The CRIU process serving the pages (post-copy), while it does."""
+        return self._session.swrk_pid if self._session is not None and self._criu is not None else None
+
     def client_connected(self) -> bool:
         """Whether a lazy-pages daemon is connected to CRIU's page server now."""
-        pid = self._session.swrk_pid if self._session is not None else None
+        pid = self.criu_pid
         if not pid:
             return False
         with contextlib.suppress(OSError, psutil.Error):
