@@ -134,20 +134,22 @@ def test_pages_outlive_the_tree_and_a_failed_restore_and_the_job_continues_bit_i
 @needs("criu")
 def test_a_pull_that_fails_ends_the_job_and_a_server_nobody_pulls_from_ends_in_time(tmp_path):
     """The lazy-pages daemon killed as soon as the restored job runs: the job's memory is not all
-    there (the kernel maps zeros where a page never came), and it is ended at once. The source's
-    server, which that daemon left without a word, serves on for another restore until its
-    deadline, then ends with its pages."""
-    ref, job, _ = reference_and_job(tmp_path, "train_cnn_loader.py", *ARGS)
+    there, and it is ended. Not at once: between the daemon's death and the kill the kernel maps
+    zeros where a page never came, and this job, killed in that window, has printed glibc's heap
+    corruption errors (docs/kubernetes.md, "The risk, plainly"). The source's server, which that
+    daemon left without a word, serves on for another restore until its deadline, then ends with
+    its pages."""
+    job = Job.run("cnn", "train_cnn_loader.py", *ARGS, "--log", str(tmp_path / "train.log"))
+    job.wait_for_step(10)
     keys = Keys(tmp_path / "keys")
     frozen, port = _serving("cnn", tmp_path, keys)
     assert job.wait(60) == 0, job.err[-5:]
     served, ended = _serve_in_background(frozen, 20)
     cut = keys.restore(frozen.bundle_dir, port, keys.target, "cut")
     assert cut.wait(120) != 0, "the job ran on without its memory"
-    (said,) = [line for line in cut.err if line.startswith("pages: ")]
-    assert said.startswith("pages: lost: CRIU's lazy-pages daemon failed"), cut.err[-10:]
-    for step, loss in cut.steps.items():  # whatever it printed before it ended was right
-        assert ref.steps[step] == loss, f"step {step}: {loss}, not {ref.steps[step]}"
+    said = [line for line in cut.err if "pages: " in line]
+    assert said and "pages: lost: CRIU's lazy-pages daemon failed" in said[-1], cut.err[-10:]
+    assert not cut.final, "the job finished on memory it never got"
     assert served.is_alive(), "the page server ended with a daemon that left without its pages"
     served.join(40)
     assert ended == [checkpoint.Served.DEADLINE], ended
