@@ -144,17 +144,32 @@ def _settle_dumping(c: Cluster, m: moves.Move, node: str) -> None:
     moves.save(c, m)
 
 
+def _job_containers(pod: dict, name: str) -> tuple[list[str], bool]:
+    """The IDs the pod's container `name` has had (now, and the one before a restart), and whether
+    it restarted (the job restored into it ended)."""
+    for st in pod.get("status", {}).get("containerStatuses") or []:
+        if st["name"] == name:
+            ended = (st.get("lastState") or {}).get("terminated") or {}
+            ids = [st.get("containerID") or "", ended.get("containerID") or ""]
+            return [i.partition("://")[2] for i in ids if i], int(st.get("restartCount") or 0) > 0
+    return [], False
+
+
 def _pulling(c: Cluster, m: moves.Move, node: str) -> None:
     """Post-copy: the job runs here and pulls its memory; done once the last page is in (or the
     job ended: a daemon whose processes are gone has nothing left to pull)."""
     pod = _pod(c, m)
     ctr = next((x for x in pod["spec"]["containers"] if mutate.is_wrapped(x)), None) if pod else None
-    cid = container_id(pod, ctr["name"]) if pod and ctr else None
-    if pod is None or cid is None:
+    if pod is None or ctr is None:
         _fail(c, m, f"the successor of pod {m.pod} went away while its memory was pulled", pod)
         return
-    row = workload_row(_agent(c, node).node, cid)
+    cids, restarted = _job_containers(pod, ctr["name"])
+    agent = _agent(c, node).node
+    row = next((r for cid in cids if (r := workload_row(agent, cid)) is not None), None)
     pages = row.get("pages") if row else None
+    if row is None and restarted:
+        _fail(c, m, f"the successor of pod {m.pod} restarted while its memory was pulled", pod)
+        return
     if row is None or pages == workloads.PULLING:
         got = int(row.get("rss_bytes") or 0) if row else m.pulled
         if abs(got - m.pulled) >= max(m.memory // 50, 1 << 20):  # progress, in ~2 % steps

@@ -51,6 +51,7 @@ class Restored:
     gpu_map: dict[str, str] = field(default_factory=dict)  # old -> new GPU UUIDs (gpustate.plan)
     gpu_seconds: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)  # seconds per step, for benchmarks
+    work: Path | None = None  # CRIU's folder of this restore (its logs, the lazy-pages daemon's)
 
     def start(self, **record: object) -> None:
         w = self.workload
@@ -83,7 +84,9 @@ class Restored:
             w.pages = workloads.PULLED
         else:
             procinfo.kill_tree(w.root_pid)
+            why = criu.log_tail(self.work / "lazy-pages.log", 1) if self.work else ""
             w.pages = f"lost: CRIU's lazy-pages daemon failed (exit {rc}) before every page was here"
+            w.pages += f": {why.strip()[-300:]}" if why.strip() else ""
         with contextlib.suppress(OSError, CriuctlError):
             workloads.save(w)
         return w.pages
@@ -237,7 +240,7 @@ def restore_stopped(
         control=containers.control_dir(result.pid) if into else (manifest.control_dir or None),
     )
     phases = {"verify": verified, "criu_restore": result.seconds}
-    return Restored(w, stdio, result.seconds, lazy, into, manifest, gpu_map, phases=phases)
+    return Restored(w, stdio, result.seconds, lazy, into, manifest, gpu_map, phases=phases, work=work)
 
 
 def _pod_of(into: placeholder.Placeholder | None) -> str | None:
