@@ -34,7 +34,7 @@ import uuid
 
 from criuctl.agent.messages import CheckpointAnswer, CheckpointRequest, LazyRequest, NodeInfo, PageClient
 from criuctl.agent.protocol import Mode
-from criuctl.client.agents import AgentClient, Node
+from criuctl.client.agents import AgentClient, AgentError, Node
 from criuctl.core.errors import CriuctlError
 from criuctl.kube import events, jobmoves, moves, mutate, owners, podmigrations, podplan, podvolumes
 from criuctl.kube.cluster import Cluster, agent_for, agent_of, call, container_id, delete_now, workload_row
@@ -188,6 +188,10 @@ def leaving(c: Cluster, namespace: str, ident: str, node: str) -> str:
         memory=int(row.get("rss_bytes") or 0),
     )
     m.stamps = json.dumps({"prestop": began})
+    # Post-copy or not, asked of both agents before the record says `dumping`: an agent killed
+    # from here until the dump's handoff starts ends the job with its pod (module docstring), so
+    # nothing slow stands between the record and the dump.
+    lazy = _lazy(c, m, pod, src, dst)
     m = moves.save(c, m)  # before the dump: a crash after it leaves the bundle's id on record
     if requested is None:  # a drain or an eviction: listed with every other move (a courtesy)
         try:
@@ -200,7 +204,7 @@ def leaving(c: Cluster, namespace: str, ident: str, node: str) -> str:
         m.braced = jobmoves.brace(c, m)
     moves.AT_WORK.add(m.bundle)
     try:
-        return _checkpoint(c, m, pod, row, ranked, src, dst)
+        return _checkpoint(c, m, pod, row, ranked, src, dst, lazy)
     finally:
         moves.AT_WORK.discard(m.bundle)
 
@@ -233,14 +237,28 @@ def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _checkpoint(c: Cluster, m: moves.Move, pod: dict, row: dict, ranked: bool, src: Node, dst: Node) -> str:
+def _checkpoint(
+    c: Cluster,
+    m: moves.Move,
+    pod: dict,
+    row: dict,
+    ranked: bool,
+    src: Node,
+    dst: Node,
+    lazy: LazyRequest | None,
+) -> str:
     """Dump the job, delete its pod at once (its successor is made while the bundle is copied),
     copy the bundle to the target: `kept`. Post-copy: the bundle without its memory pages, which
-    the source's dump goes on serving."""
+    the source's dump goes on serving.
+
+    A checkpoint that got no answer (this agent shut down under it, a link cut) is not a failure
+    on record: its dump is a handoff outside the agent and may go on. The record stays `dumping`
+    for the agent's loop (criuctl.kube.successors), which carries the bundle on if it was sealed
+    and fails the move if the pod ended without one."""
     namespace, name, target = m.namespace, m.name, m.target
     source = AgentClient(src, timeout=CHECKPOINT_TIMEOUT)
     asked = CheckpointRequest(id=m.bundle, connections=ranked)
-    if (lazy := _lazy(c, m, pod, src, dst)) is not None:
+    if lazy is not None:
         asked["lazy"] = lazy
     try:
         try:
@@ -254,13 +272,16 @@ def _checkpoint(c: Cluster, m: moves.Move, pod: dict, row: dict, ranked: bool, s
             events.record(c, pod, events.Reason.STARTED, m.note)
             asked.pop("lazy", None)
             out = source.post(f"/v1/workloads/{row['name']}/checkpoint", asked)
-    except CriuctlError as exc:
+    except AgentError as exc:
         m.phase, m.note = (
             moves.Phase.FAILED,
             f"the checkpoint failed ({exc.what}); the job ended with its pod",
         )
         moves.save(c, m)
         events.record(c, pod, events.Reason.FAILED, m.note)
+        raise
+    except CriuctlError as exc:
+        log.warning("checkpoint not answered", extra={"pod": f"{namespace}/{name}", "why": exc.line()})
         raise
     m.stamp("checkpoint")
     if "pages" in out:
