@@ -144,8 +144,10 @@ def bench_criuctl(lay: Layout, k: Kubectl, job: str, world: int, size: str, mode
         text=True,
         env=env,
     )
-    if r.returncode != 0:
-        raise SystemExit(f"criuctl migrate failed: {r.stderr[-2000:]}")
+    if r.returncode != 0:  # a result too: said in the tables, the run goes on
+        _gone(k, job)
+        (line,) = r.stderr.strip().splitlines()[-1:] or ["(nothing said)"]
+        return dict(failed=line)
     out = json.loads(r.stdout.strip().splitlines()[-1])
     times = _times(_wait(k, master, _final, "the end"))
     events = k(
@@ -206,14 +208,18 @@ def report(rows: list[dict]) -> None:
     for col in (*COLUMNS, "stall + redo", "its downtime"):
         t.add_column(col)
     for row in rows:
-        runs = row["runs"]
+        runs = [r for r in row["runs"] if "failed" not in r]
+        failed = len(row["runs"]) - len(runs)
+        if not runs:
+            t.add_row(str(row["ranks"]), row["size"], row["contender"], f"all {failed} failed", "", "", "")
+            continue
         what = {"criuctl": "criuctl (post-copy)", "stop-and-copy": "criuctl (stop-and-copy)"}.get(
             row["contender"], "restart from DCP"
         )
         t.add_row(
             str(row["ranks"]),
             row["size"],
-            what,
+            what + (f" ({failed} of {len(row['runs'])} failed)" if failed else ""),
             fmt([r["stall"] for r in runs]),
             str(max(r["lost"] for r in runs)),
             fmt([r["stall"] + r["lost"] * r["step"] for r in runs]),
@@ -221,14 +227,16 @@ def report(rows: list[dict]) -> None:
         )
     Console(width=170).print(t)
     pulls = [
-        row for row in rows if row["contender"] == "criuctl" and any(r.get("pages") for r in row["runs"])
+        row
+        for row in rows
+        if row["contender"] == "criuctl" and any("failed" not in r and r.get("pages") for r in row["runs"])
     ]
     if pulls:
         p = Table(title="post-copy's pull: every page on the target, against the link's time for its bytes")
         for col in ("ranks", "state / rank", "moved", "all pages in", "link time", "÷ link"):
             p.add_column(col)
         for row in pulls:
-            runs = [r for r in row["runs"] if r.get("pages")]
+            runs = [r for r in row["runs"] if "failed" not in r and r.get("pages")]
             link = [r["bytes"] / r["tcp"] for r in runs if r.get("tcp")]
             p.add_row(
                 str(row["ranks"]),
@@ -241,7 +249,7 @@ def report(rows: list[dict]) -> None:
                 else "-",
             )
         Console(width=170).print(p)
-    steps = [(row, r["steps"]) for row in rows for r in row["runs"] if r.get("steps")]
+    steps = [(row, r["steps"]) for row in rows for r in row["runs"] if r.get("steps")]  # none if failed
     if steps:
         s = Table(title="criuctl's successor path, step by step (median seconds)")
         names = list(dict.fromkeys(n for _, st in steps for n in st))
@@ -249,7 +257,8 @@ def report(rows: list[dict]) -> None:
             s.add_column(col)
         for row in rows:
             if row["contender"] != "restart":
-                cells = [statistics.median(r["steps"].get(n, 0.0) for r in row["runs"]) for n in names]
+                ok = [r for r in row["runs"] if "failed" not in r] or [{"steps": {}}]
+                cells = [statistics.median(r["steps"].get(n, 0.0) for r in ok) for n in names]
                 s.add_row(str(row["ranks"]), row["size"], *(f"{x:.2f}" for x in cells))
         Console(width=170).print(s)
 
