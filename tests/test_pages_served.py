@@ -32,10 +32,13 @@ from tests.requirements import needs
 ARGS = ("--steps", "60", "--workers", "2", "--read-latency", "0.01")  # ~0.2 s a step
 # a restore on another node, as the target's handoff does it: lazy, over TLS, then supervised
 # (the restored tree is this process's child); MODE "abort" kills it before it runs, as a restore
-# that fails after CRIU does; "cut" kills its lazy-pages daemon as soon as it runs
+# that fails after CRIU does; "cut" kills its lazy-pages daemon as soon as it runs; "end" kills the
+# job as soon as it runs (a job that ends sooner than its pull), its watcher a daemon thread that
+# dies with this process, as the agent's keeper has it (criuctl.agent.handoff)
 RESTORE = """
-import sys, threading
+import os, signal, sys, threading
 from pathlib import Path
+from criuctl.core import workloads
 from criuctl.engine import criu
 from criuctl.local import restoring
 bundle, port, peer, cert, key, mode = sys.argv[1:7]
@@ -44,15 +47,15 @@ r = restoring.restore_stopped(Path(bundle), "restored", ("127.0.0.1", int(port))
 if mode == "abort":
     r.abort()
     sys.exit(0)
-r.start()
+r.start(pages=workloads.PULLING)
 if mode == "cut":
     r.lazy_daemon.kill()
-said = []
-watch = threading.Thread(target=lambda: said.append(r.watch_pages()))
+if mode == "end":
+    os.kill(r.workload.root_pid, signal.SIGKILL)
+watch = threading.Thread(target=r.watch_pages, daemon=True)
 watch.start()
 code = r.supervise()
-watch.join()
-print("pages:", said[0], file=sys.stderr, flush=True)
+print("pages:", workloads.load("restored").pages, file=sys.stderr, flush=True)
 sys.exit(code)
 """
 
@@ -156,6 +159,32 @@ def test_a_pull_that_fails_ends_the_job_and_a_server_nobody_pulls_from_ends_in_t
     assert not frozen.criu_dir.exists()
     late = keys.restore(frozen.bundle_dir, port, keys.source)
     assert late.wait(120) != 0, "a restore pulled pages from a server past its deadline"
+
+
+@needs("criu")
+def test_a_job_that_ends_before_its_pull_leaves_it_settled(tmp_path):
+    """A restored job that ends while its pages are still pulled (one that finishes sooner than
+    its pull: a moved rank near its last step) has nothing left to pull. Its keeper records so
+    before it exits, and the source's server ends with the pull: a keeper that exited first
+    left the record `pulling` for ever, and its move with it (bench/kube_jobs.py, 2 GiB)."""
+    job = Job.run(
+        "cnn", "train_cnn_loader.py", *ARGS, "--state-mb", "1024", "--log", str(tmp_path / "train.log")
+    )
+    job.wait_for_step(3)
+    keys = Keys(tmp_path / "keys")
+    frozen, port = _serving("cnn", tmp_path, keys)
+    assert job.wait(60) == 0, job.err[-5:]
+    served, ended = _serve_in_background(frozen, 30)
+    end = keys.restore(frozen.bundle_dir, port, keys.target, "end")
+    assert end.wait(120) == 128 + 9, end.err[-10:]  # its own end: killed, as the test did
+    said = [line.split("pages: ", 1)[1] for line in end.err if line.startswith("pages: ")]
+    assert said and said[-1] in (workloads.PULLED, workloads.ENDED), end.err[-10:]
+    w = workloads.load("restored")
+    assert w is not None and w.state == workloads.EXITED and w.pages_done, w
+    # ended with the pull, or (a daemon killed: the job's DataLoader workers outlived its main
+    # process by more than PULL_AFTER_EXIT) at its deadline, as the agent's own would be stopped
+    served.join(60)
+    assert ended in ([checkpoint.Served.PULLED], [checkpoint.Served.DEADLINE]), ended
 
 
 @needs("criu")

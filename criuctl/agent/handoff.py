@@ -351,7 +351,7 @@ def _collect(restored: restoring.Restored, bundle_dir: Path) -> None:
     """Post-copy: once the last page is here (or the pull failed, and the job with it), the
     bundle's images are no longer read."""
     said = restored.watch_pages()
-    if said != workloads.PULLED:
+    if said not in (workloads.PULLED, workloads.ENDED):
         print(f"criuctl: {restored.workload.name}: {said}", file=sys.stderr, flush=True)
     shutil.rmtree(bundle_dir, ignore_errors=True)
     pageserving.forget(bundle_dir.name)

@@ -22,7 +22,9 @@ from criuctl.core.errors import CriuctlError
 from criuctl.core.statedir import state_dir
 
 RUNNING, CHECKPOINTED, MIGRATED, EXITED = "running", "checkpointed", "migrated", "exited"
-PULLING, PULLED = "pulling", "pulled"  # `Workload.pages`; anything else there says how the pull failed
+# `Workload.pages`: post-copy's pull on the way, done, or moot (the job ended before it, on this
+# node: nothing was left to pull); anything else there says how the pull failed
+PULLING, PULLED, ENDED = "pulling", "pulled", "ended"
 
 NAME_MAX = 63  # a DNS label's length: a name may become a pod or a metric label
 NAME_RULE = (

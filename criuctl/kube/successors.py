@@ -100,6 +100,8 @@ def _finish(c: Cluster, m: moves.Move, pod: dict, node: str) -> None:
     said = f"restored on node {node} from node {m.source} (bundle {m.bundle}){f': {took}' if took else ''}"
     if m.braced:
         said += f"; {m.braced} of the staying ranks' connections to it retransmitted at least every second"
+    if m.note:  # stop-and-copy where post-copy could not run; a job that ended before its pull
+        said += f"; {m.note}"
     events.record(c, pod, events.Reason.MIGRATED, said)
     for other in {m.source, m.target} - {node, ""}:
         # a copy left on a node that is down stays there, root-only
@@ -169,6 +171,14 @@ def _pulling(c: Cluster, m: moves.Move, node: str) -> None:
     pages = row.get("pages") if row else None
     if row is None and restarted:
         _fail(c, m, f"the successor of pod {m.pod} restarted while its memory was pulled", pod)
+        return
+    if row is not None and pages in (workloads.PULLING, workloads.ENDED) and not row.get("alive"):
+        # the job ended here before its last page came (it finished sooner than its pull, or
+        # failed by itself): nothing is left to pull, and it ran once, here
+        code = row.get("exit_code")
+        m.note = f"the job ended (exit {'?' if code is None else code}) before its last page came"
+        m.stamp("pages", row.get("pages_done"))
+        _finish(c, m, pod, node)
         return
     if row is None or pages == workloads.PULLING:
         got = int(row.get("rss_bytes") or 0) if row else m.pulled

@@ -52,6 +52,8 @@ class Restored:
     gpu_seconds: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)  # seconds per step, for benchmarks
     work: Path | None = None  # CRIU's folder of this restore (its logs, the lazy-pages daemon's)
+    _pages_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _tree_ended: bool = False  # post-copy: the job ended before its pull did
 
     def start(self, **record: object) -> None:
         w = self.workload
@@ -77,19 +79,48 @@ class Restored:
         left the job's memory incomplete, and the kernel maps zeros where a page never came: the
         job is killed at once, before it computes on them for long. Returns what was recorded."""
         assert self.lazy_daemon is not None
-        rc = self.lazy_daemon.wait()
-        w = self.workload
-        w.pages_done = time.time()
-        if rc == 0:
-            w.pages = workloads.PULLED
-        else:
-            procinfo.kill_tree(w.root_pid)
-            why = criu.log_tail(self.work / "lazy-pages.log", 1) if self.work else ""
-            w.pages = f"lost: CRIU's lazy-pages daemon failed (exit {rc}) before every page was here"
-            w.pages += f": {why.strip()[-300:]}" if why.strip() else ""
-        with contextlib.suppress(OSError, CriuctlError):
-            workloads.save(w)
-        return w.pages
+        return self._pages_end(self.lazy_daemon.wait())
+
+    def _pages_end(self, rc: int) -> str:
+        """Record once how the pull ended (`watch_pages`'s thread and `_pull_after_exit` may both
+        get here): the first word stands."""
+        with self._pages_lock:
+            w = self.workload
+            if w.pages != workloads.PULLING:
+                return w.pages or ""
+            w.pages_done = time.time()
+            if rc == 0:
+                w.pages = workloads.PULLED
+            elif self._tree_ended:
+                w.pages = workloads.ENDED
+            else:
+                procinfo.kill_tree(w.root_pid)
+                why = criu.log_tail(self.work / "lazy-pages.log", 1) if self.work else ""
+                w.pages = f"lost: CRIU's lazy-pages daemon failed (exit {rc}) before every page was here"
+                w.pages += f": {why.strip()[-300:]}" if why.strip() else ""
+            with contextlib.suppress(OSError, CriuctlError):
+                workloads.save(w)
+            return w.pages
+
+    def _pull_after_exit(self) -> None:
+        """The job ended while its pages were pulled (a job that finishes sooner than its pull):
+        nothing is left to pull. Its daemon, which saw every process go, ends by itself; one that
+        does not within `PULL_AFTER_EXIT` is killed. Recorded before the workload's exit, and
+        before the placeholder ends (its cgroups, where the daemon is, go with it): a keeper that
+        exited first left the record `pulling` for ever, and its move waiting on it."""
+        if self.lazy_daemon is None:
+            return
+        self._tree_ended = True
+        try:
+            rc = self.lazy_daemon.wait(timeout=PULL_AFTER_EXIT)
+        except subprocess.TimeoutExpired:
+            _drop_lazy(self.lazy_daemon)
+            rc = self.lazy_daemon.wait()
+        self._pages_end(rc)
+        with self._pages_lock, contextlib.suppress(OSError, CriuctlError):
+            # the last word on disk: the exit's own save (`supervisor`) may have landed after the
+            # watcher's, with the pull as it was before the watcher's word
+            workloads.save(self.workload)
 
     def abort(self, why: str = "the migration did not commit") -> None:
         _drop_lazy(self.lazy_daemon)  # first: see `_drop_lazy`
@@ -101,9 +132,12 @@ class Restored:
         (the agent's target handoff) joins the placeholder's cgroups (`placeholder.keep`)."""
         if self.into is None:
             assert self.stdio is not None
-            return supervisor.supervise(self.workload, self.stdio, echo=echo)
+            code = supervisor.supervise(self.workload, self.stdio, echo=echo)
+            self._pull_after_exit()
+            return code
         lazy = (self.lazy_daemon.pid,) if self.lazy_daemon is not None else ()  # gone: the kernel says no
         code = placeholder.keep(self.into, self.workload.root_pid, join_cgroups=keeper, helpers=lazy)
+        self._pull_after_exit()
         w = self.workload
         now = workloads.load(w.name)
         if now is None or now.state == workloads.RUNNING:
@@ -335,6 +369,9 @@ def _end_with(lazy: subprocess.Popen, session: criu.Session) -> None:
         session.kill()
 
     threading.Thread(target=watch, name="lazy-daemon-watch", daemon=True).start()
+
+
+PULL_AFTER_EXIT = 10.0  # seconds a lazy-pages daemon is given to end once its job has ended
 
 
 def _drop_lazy(lazy: subprocess.Popen | None) -> None:
