@@ -76,7 +76,11 @@ def _at(size: str) -> int:
 
 def _job(name: str, world: int, size: str, dcp: str) -> dict:
     shape = SIZES.get(size) or ("--width", "64", "--state-mb", str(STATE[size]), "--state-ranks", "1")
-    args = ("--steps", str(STEPS), "--step-time", STEP_TIME, "--times", *shape)
+    # a moved rank's job runs on past its pull (~0.25 GB/s: docs/benchmarks.md): one that ended
+    # sooner would time its end, not the pull, and its stall would miss the faults of a whole pull.
+    # The restart's job stays short: its checkpoint of the state every 40 steps would dominate it
+    steps = STEPS if dcp else STEPS + STATE.get(size, 0) // 16
+    args = ("--steps", str(steps), "--step-time", STEP_TIME, "--times", *shape)
     if dcp:
         args += ("--dcp", dcp, "--save-every", str(_every(size)))
     return ddp_job(name, workers=world - 1, args=args, migratable=not dcp, dcp=str(DCP) if dcp else "")
