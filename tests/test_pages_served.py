@@ -90,6 +90,16 @@ def _serving(name: str, tmp_path: Path, keys: Keys) -> tuple[checkpoint.Frozen, 
     return frozen, port
 
 
+def _job_served(tmp_path: Path, step: int, *extra: str) -> tuple[Keys, checkpoint.Frozen, int]:
+    """A job run past `step`, then frozen in post-copy: its tree ended, its pages served."""
+    job = Job.run("cnn", "train_cnn_loader.py", *ARGS, *extra, "--log", str(tmp_path / "train.log"))
+    job.wait_for_step(step)
+    keys = Keys(tmp_path / "keys")
+    frozen, port = _serving("cnn", tmp_path, keys)
+    assert job.wait(60) == 0, job.err[-5:]  # its tree ended: its supervisor says it was checkpointed
+    return keys, frozen, port
+
+
 def _serve_in_background(frozen: checkpoint.Frozen, seconds: float) -> tuple[threading.Thread, list]:
     ended: list[checkpoint.Served] = []
     t = threading.Thread(target=lambda: ended.append(frozen.serve(time.monotonic() + seconds)), daemon=True)
@@ -142,11 +152,7 @@ def test_a_pull_that_fails_ends_the_job_and_a_server_nobody_pulls_from_ends_in_t
     corruption errors (docs/kubernetes.md, "The risk, plainly"). The source's server, which that
     daemon left without a word, serves on for another restore until its deadline, then ends with
     its pages."""
-    job = Job.run("cnn", "train_cnn_loader.py", *ARGS, "--log", str(tmp_path / "train.log"))
-    job.wait_for_step(10)
-    keys = Keys(tmp_path / "keys")
-    frozen, port = _serving("cnn", tmp_path, keys)
-    assert job.wait(60) == 0, job.err[-5:]
+    keys, frozen, port = _job_served(tmp_path, 10)
     served, ended = _serve_in_background(frozen, 20)
     cut = keys.restore(frozen.bundle_dir, port, keys.target, "cut")
     assert cut.wait(120) != 0, "the job ran on without its memory"
@@ -167,13 +173,7 @@ def test_a_job_that_ends_before_its_pull_leaves_it_settled(tmp_path):
     its pull: a moved rank near its last step) has nothing left to pull. Its keeper records so
     before it exits, and the source's server ends with the pull: a keeper that exited first
     left the record `pulling` for ever, and its move with it (bench/kube_jobs.py, 2 GiB)."""
-    job = Job.run(
-        "cnn", "train_cnn_loader.py", *ARGS, "--state-mb", "1024", "--log", str(tmp_path / "train.log")
-    )
-    job.wait_for_step(3)
-    keys = Keys(tmp_path / "keys")
-    frozen, port = _serving("cnn", tmp_path, keys)
-    assert job.wait(60) == 0, job.err[-5:]
+    keys, frozen, port = _job_served(tmp_path, 3, "--state-mb", "1024")
     served, ended = _serve_in_background(frozen, 30)
     end = keys.restore(frozen.bundle_dir, port, keys.target, "end")
     assert end.wait(120) == 128 + 9, end.err[-10:]  # its own end: killed, as the test did
@@ -189,10 +189,7 @@ def test_a_job_that_ends_before_its_pull_leaves_it_settled(tmp_path):
 
 @needs("criu")
 def test_a_server_told_to_stop_ends_at_once(tmp_path):
-    job = Job.run("cnn", "train_cnn_loader.py", *ARGS, "--log", str(tmp_path / "train.log"))
-    job.wait_for_step(3)
-    frozen, _ = _serving("cnn", tmp_path, Keys(tmp_path / "keys"))
-    assert job.wait(60) == 0
+    _, frozen, _ = _job_served(tmp_path, 3)
     stop = threading.Event()
     stop.set()
     started = time.monotonic()

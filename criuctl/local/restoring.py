@@ -91,7 +91,7 @@ class Restored:
             w.pages_done = time.time()
             if rc == 0:
                 w.pages = workloads.PULLED
-            elif self._tree_ended:
+            elif self._tree_ended or not w.alive():  # whatever its daemon did after: moot
                 w.pages = workloads.ENDED
             else:
                 procinfo.kill_tree(w.root_pid)
