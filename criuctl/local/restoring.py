@@ -91,7 +91,7 @@ class Restored:
             w.pages_done = time.time()
             if rc == 0:
                 w.pages = workloads.PULLED
-            elif self._tree_ended or not w.alive():  # whatever its daemon did after: moot
+            elif self._tree_ended:  # the job's end came first: whatever its daemon did after, moot
                 w.pages = workloads.ENDED
             else:
                 procinfo.kill_tree(w.root_pid)
@@ -110,13 +110,14 @@ class Restored:
         exited first left the record `pulling` for ever, and its move waiting on it."""
         if self.lazy_daemon is None:
             return
-        self._tree_ended = True
-        try:
-            rc = self.lazy_daemon.wait(timeout=PULL_AFTER_EXIT)
-        except subprocess.TimeoutExpired:
-            _drop_lazy(self.lazy_daemon)
-            rc = self.lazy_daemon.wait()
-        self._pages_end(rc)
+        if self.lazy_daemon.poll() is None:  # it pulled on when the job ended: whatever it does now is moot
+            self._tree_ended = True
+            try:
+                self.lazy_daemon.wait(timeout=PULL_AFTER_EXIT)
+            except subprocess.TimeoutExpired:
+                _drop_lazy(self.lazy_daemon)
+        # a daemon that had ended before the job did says how the pull went (a failed one: lost)
+        self._pages_end(self.lazy_daemon.wait())
         with self._pages_lock, contextlib.suppress(OSError, CriuctlError):
             # the last word on disk: the exit's own save (`supervisor`) may have landed after the
             # watcher's, with the pull as it was before the watcher's word
