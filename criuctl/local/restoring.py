@@ -81,9 +81,9 @@ class Restored:
         assert self.lazy_daemon is not None
         return self._pages_end(self.lazy_daemon.wait())
 
-    def _pages_end(self, rc: int) -> str:
+    def _pages_end(self, rc: int, save: bool = True) -> str:
         """Record once how the pull ended (`watch_pages`'s thread and `_pull_after_exit` may both
-        get here): the first word stands."""
+        get here): the first word stands. Saved, unless the caller saves the record itself."""
         with self._pages_lock:
             w = self.workload
             if w.pages != workloads.PULLING:
@@ -98,8 +98,9 @@ class Restored:
                 why = criu.log_tail(self.work / "lazy-pages.log", 1) if self.work else ""
                 w.pages = f"lost: CRIU's lazy-pages daemon failed (exit {rc}) before every page was here"
                 w.pages += f": {why.strip()[-300:]}" if why.strip() else ""
-            with contextlib.suppress(OSError, CriuctlError):
-                workloads.save(w)
+            if save:
+                with contextlib.suppress(OSError, CriuctlError):
+                    workloads.save(w)
             return w.pages
 
     def _pull_after_exit(self) -> None:
@@ -117,7 +118,7 @@ class Restored:
             except subprocess.TimeoutExpired:
                 _drop_lazy(self.lazy_daemon)
         # a daemon that had ended before the job did says how the pull went (a failed one: lost)
-        self._pages_end(self.lazy_daemon.wait())
+        self._pages_end(self.lazy_daemon.wait(), save=False)
         with self._pages_lock, contextlib.suppress(OSError, CriuctlError):
             # the last word on disk: the exit's own save (`supervisor`) may have landed after the
             # watcher's, with the pull as it was before the watcher's word
