@@ -207,12 +207,17 @@ def bench_restart(k: Kubectl, job: str, world: int, size: str) -> dict:
     )
 
 
+def _ok(runs: list[dict]) -> list[dict]:
+    """The rounds whose move went through (a failed one says only its line)."""
+    return [r for r in runs if "failed" not in r]
+
+
 def report(rows: list[dict]) -> None:
     t = Table(title="a worker of a running PyTorchJob moved, seconds (median [min–max])")
     for col in (*COLUMNS, "stall + redo", "its downtime"):
         t.add_column(col)
     for row in rows:
-        runs = [r for r in row["runs"] if "failed" not in r]
+        runs = _ok(row["runs"])
         failed = len(row["runs"]) - len(runs)
         if not runs:
             t.add_row(str(row["ranks"]), row["size"], row["contender"], f"all {failed} failed", "", "", "")
@@ -231,16 +236,14 @@ def report(rows: list[dict]) -> None:
         )
     Console(width=170).print(t)
     pulls = [
-        row
-        for row in rows
-        if row["contender"] == "criuctl" and any("failed" not in r and r.get("pages") for r in row["runs"])
+        row for row in rows if row["contender"] == "criuctl" and any(r.get("pages") for r in _ok(row["runs"]))
     ]
     if pulls:
         p = Table(title="post-copy's pull: every page on the target, against the link's time for its bytes")
         for col in ("ranks", "state / rank", "moved", "all pages in", "link time", "÷ link"):
             p.add_column(col)
         for row in pulls:
-            runs = [r for r in row["runs"] if "failed" not in r and r.get("pages")]
+            runs = [r for r in _ok(row["runs"]) if r.get("pages")]
             link = [r["bytes"] / r["tcp"] for r in runs if r.get("tcp")]
             p.add_row(
                 str(row["ranks"]),
@@ -261,7 +264,7 @@ def report(rows: list[dict]) -> None:
             s.add_column(col)
         for row in rows:
             if row["contender"] != "restart":
-                ok = [r for r in row["runs"] if "failed" not in r] or [{"steps": {}}]
+                ok = _ok(row["runs"]) or [{"steps": {}}]
                 cells = [statistics.median(r["steps"].get(n, 0.0) for r in ok) for n in names]
                 s.add_row(str(row["ranks"]), row["size"], *(f"{x:.2f}" for x in cells))
         Console(width=170).print(s)
