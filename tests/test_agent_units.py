@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from criuctl.agent import livesend, messages, protocol, receiver, transfer
+from criuctl.agent import livesend, messages, protocol, receiver, transfer, wire
 from criuctl.agent.server import Agent, AgentOptions
 from criuctl.client import agents, migrate
 from criuctl.core import workloads
@@ -109,20 +109,55 @@ def test_a_stream_with_a_symlink_is_refused(tmp_path):
         _receive(buf.getvalue(), tmp_path / "in")
 
 
-def test_a_live_stream_sends_pages_as_they_are_written_and_the_bundle_verifies(tmp_path):
+async def _put_to(take: str, dest, source, counter: transfer.Counter) -> tuple[typing.Any, dict]:
+    """PUT `source` with the agents' sender into a real aiohttp server on loopback whose handler
+    receives it as the agent does: `take="splice"` takes the socket (`criuctl.agent.wire`), `"aiohttp"`
+    reads aiohttp's stream, as an agent before the socket was taken does. The answer (or the error
+    the sender raised) and what the handler saw."""
+    seen: dict = {}
+
+    async def put(r: web.Request) -> web.Response:
+        try:
+            if take == "splice":
+                async with wire.taken(r) as body:
+                    seen["wire"] = type(body).__name__
+                    seen["digests"] = await receiver.receive(body, dest)
+            else:
+                seen["digests"] = await receiver.receive(r.content.read, dest)
+        except transfer.TransferError as exc:
+            return web.json_response({"what": exc.what, "hint": exc.hint}, status=400)
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    kw = {"expect_handler": wire.defer_continue} if take == "splice" else {}
+    app.router.add_put("/b", put, **kw)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        return await transfer.send(source, f"http://127.0.0.1:{port}/b", "t", None, counter, "b"), seen
+    except transfer.TransferError as exc:
+        return exc, seen
+    finally:
+        await runner.cleanup()
+
+
+TAKES = ["splice", "aiohttp"]
+
+
+@pytest.mark.parametrize("take", TAKES)
+def test_a_live_stream_sends_pages_as_they_are_written_and_the_bundle_verifies(tmp_path, take):
     """The dump and the transfer overlap: page bytes leave while the "dump" still writes them, over a
     real socket to the real receiver, and the bundle that arrives verifies against the manifest
-    sealed after the last page was written (and is refused if a sent byte changes afterwards)."""
+    sealed after the last page was written (and is refused if a sent byte changes afterwards).
+    Chunked: the spliced wire reads the chunks' framing itself."""
     key = os.urandom(32)
     src, dest = tmp_path / "src", tmp_path / "in"
     (src / "images").mkdir(parents=True)
     live = livesend.Live(src)
     before_seal: list[int] = []
-    got: dict = {}
-
-    async def put(r: web.Request) -> web.Response:
-        got["digests"] = await receiver.receive(r.content.read, dest)
-        return web.json_response({"ok": True})
 
     def dump() -> None:  # a stand-in for CRIU: appends pages, then the rest, then the seal
         with open(src / "images" / "pages-1.img", "wb", buffering=0) as f:
@@ -141,31 +176,69 @@ def test_a_live_stream_sends_pages_as_they_are_written_and_the_bundle_verifies(t
         bundle.seal(src, m, key, durable=False)
         live.sealed.set()
 
-    async def main() -> dict:
-        app = web.Application()
-        app.router.add_put("/b", put)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+    async def main() -> tuple[typing.Any, dict]:
         writer = threading.Thread(target=dump)
         writer.start()
         try:
-            return await transfer.send(live, f"http://127.0.0.1:{port}/b", "t", None, counter, "b")
+            return await _put_to(take, dest, live, counter)
         finally:
             writer.join()
-            await runner.cleanup()
 
     counter = transfer.Counter()
-    assert asyncio.run(main()) == {"ok": True}
+    answer, seen = asyncio.run(main())
+    assert answer == {"ok": True}, answer
+    assert seen.get("wire", "SpliceWire") == "SpliceWire", seen
     assert before_seal == [8 << 20], "every page byte was sent before the bundle was sealed"
-    m = bundle.verify(dest, key, got["digests"])
+    m = bundle.verify(dest, key, seen["digests"])
     assert set(m.files) == {"images/pages-1.img", "images/core-1.img", "images/empty.img"}
     with open(dest / "images" / "pages-1.img", "r+b") as f:
         f.write(b"\0")
     with pytest.raises(bundle.BundleError, match=r"pages-1\.img"):
         bundle.verify(dest, key)
+
+
+@pytest.mark.parametrize("take", TAKES)
+def test_a_sealed_bundle_is_spliced_into_its_files_and_verifies(tmp_path, take):
+    """A sealed bundle (tar, Content-Length) over a real socket: the files arrive whole and their
+    digests are those of what was written; one byte changed on disk afterwards is caught."""
+    key = os.urandom(32)
+    root = _bundle(tmp_path, key)
+    answer, seen = asyncio.run(_put_to(take, tmp_path / "in", root, transfer.Counter()))
+    assert answer == {"ok": True}, answer
+    assert seen.get("wire", "SpliceWire") == "SpliceWire", seen
+    assert bundle.verify(tmp_path / "in", key, seen["digests"]).workload == "w"
+    for p in root.rglob("*"):
+        if p.is_file():
+            assert (tmp_path / "in" / p.relative_to(root)).read_bytes() == p.read_bytes(), p
+
+
+class _Hostile:
+    """A tar stream that writes outside its folder, with 32 MiB after it: the target refuses at the
+    name, and the sender must still read why (the rest drained, not a reset)."""
+
+    def __init__(self) -> None:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+            info = tarfile.TarInfo("../evil")
+            info.size = 32 << 20
+            tar.addfile(info, io.BytesIO(bytes(info.size)))
+        self.data = buf.getvalue()
+
+    def headers(self) -> dict[str, str]:
+        return {"Content-Type": "application/x-tar", "Content-Length": str(len(self.data))}
+
+    def body(self, sock, counter: transfer.Counter) -> None:
+        sock.sendall(self.data)
+        counter.done += len(self.data)
+
+
+@pytest.mark.parametrize("take", TAKES)
+def test_a_refused_stream_reaches_its_sender_as_one_clear_line(tmp_path, take):
+    answer, seen = asyncio.run(_put_to(take, tmp_path / "in", _Hostile(), transfer.Counter()))
+    assert isinstance(answer, transfer.TransferError), answer
+    assert "refused a bundle stream with the path '../evil'" in answer.what, answer.line()
+    assert not (tmp_path / "evil").exists()
+    assert seen.get("wire", "SpliceWire") == "SpliceWire", seen
 
 
 def test_mode_choice_follows_both_kernels():

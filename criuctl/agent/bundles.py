@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from criuctl.agent import conn, pageserving, transfer
+from criuctl.agent import conn, pageserving, transfer, wire
 from criuctl.agent.handoffleases import Handoff, HandoffFailed
 from criuctl.agent.httpjson import BadInto, body_json, container_id, error, fail, valid_id
 from criuctl.agent.messages import (
@@ -78,7 +78,7 @@ class Bundles:
         r.add_post("/v1/workloads/{name}/checkpoint", self.checkpoint)
         r.add_get("/v1/bundles/{id}", self.send)
         r.add_get("/v1/bundles/{id}/manifest", self.manifest)
-        r.add_put("/v1/bundles/{id}", self.receive)
+        r.add_put("/v1/bundles/{id}", self.receive, expect_handler=wire.defer_continue)
         r.add_post("/v1/bundles/{id}/restore", self.restore)
         r.add_post("/v1/bundles/{id}/page-client", self.page_client)
         r.add_get("/v1/bundles/{id}/pages", self.pages)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from criuctl.agent import records
+from criuctl.agent import records, wire
 from criuctl.agent.handoffleases import Handoff
 from criuctl.agent.httpjson import BadInto, body_json, container_id, error, fail, outcome_response, valid_id
 from criuctl.agent.messages import (
@@ -79,7 +79,7 @@ class Incoming:
 
     def routes(self, r: web.UrlDispatcher) -> None:
         r.add_post("/v1/incoming", self.new)
-        r.add_put("/v1/incoming/{id}/bundle", self.upload)
+        r.add_put("/v1/incoming/{id}/bundle", self.upload, expect_handler=wire.defer_continue)
         r.add_post("/v1/incoming/{id}/pages", self.pages)
         r.add_post("/v1/incoming/{id}/restore", self.restore)
         r.add_post("/v1/incoming/{id}/commit", self.commit)

@@ -17,7 +17,6 @@ name twice, an offset that skips or rewinds, a record larger than `MAX_RECORD` a
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import os
 import struct
@@ -25,7 +24,8 @@ import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from criuctl.agent.transfer import PIECE, Counter, Read, TransferError
+from criuctl.agent.transfer import Counter, Read, TransferError
+from criuctl.agent.wire import SpliceWire, StreamWire, Wire
 from criuctl.format import bundle
 
 MAGIC = b"CRIUCTL\x02"
@@ -41,35 +41,15 @@ def _refused(what: str) -> TransferError:
     return TransferError(f"refused a bundle stream {what}", _NOT_AGENT)
 
 
-async def _parts(read: Read, n: int) -> list[bytes]:
-    """Exactly `n` bytes of the stream, as the pieces the socket gave (not joined: no extra copy)."""
+async def _exactly(wire: Wire, n: int) -> bytes:
     parts, got = [], 0
     while got < n:
-        part = await read(n - got)
+        part = await wire.read(n - got)
         if not part:
             raise TransferError("the bundle stream broke off before its end", "retry the migration")
         parts.append(part)
         got += len(part)
-    return parts
-
-
-async def _exactly(read: Read, n: int) -> bytes:
-    return b"".join(await _parts(read, n))
-
-
-def _hash_all(hasher: bundle.Hasher, parts: list[bytes]) -> None:
-    for part in parts:
-        hasher.update(part)
-
-
-def _write_all(fd: int, parts: list[bytes]) -> None:
-    views = [memoryview(p) for p in parts]
-    while views:
-        done = os.writev(fd, views[:1024])  # IOV_MAX
-        while views and done >= len(views[0]):
-            done -= len(views.pop(0))
-        if done:
-            views[0] = views[0][done:]
+    return b"".join(parts)
 
 
 @dataclass
@@ -97,7 +77,7 @@ class _Files:
         target = self.dest / p
         try:  # a name twice, a file where a folder must go, a name too long: refused, not a crash
             target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise  # this node's disk, not the stream: the agent says "disk full"
@@ -105,24 +85,10 @@ class _Files:
         self.open[rel] = f = _Open(fd)
         return f
 
-    async def copy(self, read: Read, f: _Open, n: int) -> None:
-        """Move `n` bytes from the stream into `f`; the next piece is read while this one is hashed
-        and written, in two threads (BLAKE3 and file I/O release the GIL on pieces this big)."""
-        pending = None
-        while n:
-            size = min(n, PIECE)
-            parts = await _parts(read, size)  # a whole piece: one thread hop per 4 MiB
-            if pending is not None:
-                await pending
-            pending = asyncio.gather(
-                asyncio.to_thread(_hash_all, f.hasher, parts), asyncio.to_thread(_write_all, f.fd, parts)
-            )
-            n -= size
-            f.size += size
-            if self.counter is not None:
-                self.counter.done += size
-        if pending is not None:
-            await pending
+    async def copy(self, wire: Wire, f: _Open, n: int) -> None:
+        """Move `n` bytes from the stream onto the end of `f`, hashed as written (`criuctl.agent.wire`)."""
+        await wire.copy(f.fd, f.size, n, f.hasher, self.counter)
+        f.size += n
 
     def close(self, rel: str) -> None:
         f = self.open.pop(rel)
@@ -134,26 +100,28 @@ class _Files:
             self.close(rel)
 
 
-async def receive(read: Read, dest: Path, counter: Counter | None = None) -> dict[str, str]:
-    """Write the stream `read` yields under `dest` (root-only); return each file's digest."""
+async def receive(body: Wire | Read, dest: Path, counter: Counter | None = None) -> dict[str, str]:
+    """Write the stream `body` yields (a wire, or a `read` callable) under `dest` (root-only);
+    return each file's digest."""
+    wire = body if isinstance(body, (SpliceWire, StreamWire)) else StreamWire(body)
     dest.mkdir(mode=0o700, parents=True, exist_ok=True)
     files = _Files(dest, counter)
     try:
-        first = await _exactly(read, len(MAGIC))
+        first = await _exactly(wire, len(MAGIC))
         if first == MAGIC:
-            await _records(read, files)
+            await _records(wire, files)
         else:
-            await _tar(read, files, first)
+            await _tar(wire, files, first)
     finally:
         for f in files.open.values():
             os.close(f.fd)
     return files.digests
 
 
-async def _records(read: Read, files: _Files) -> None:
+async def _records(wire: Wire, files: _Files) -> None:
     while True:
-        kind, name_len, offset, length = RECORD.unpack(await _exactly(read, RECORD.size))
-        name = (await _exactly(read, name_len)).decode("utf-8", "surrogateescape") if name_len else ""
+        kind, name_len, offset, length = RECORD.unpack(await _exactly(wire, RECORD.size))
+        name = (await _exactly(wire, name_len)).decode("utf-8", "surrogateescape") if name_len else ""
         if kind == END:
             files.close_all()
             return
@@ -169,11 +137,11 @@ async def _records(read: Read, files: _Files) -> None:
         f = files.open.get(rel) or files.create(name)
         if offset != f.size:
             raise _refused(f"with {name!r} at offset {offset}, where it ends at {f.size}")
-        await files.copy(read, f, length)
+        await files.copy(wire, f, length)
 
 
-async def _tar(read: Read, files: _Files, first: bytes) -> None:
-    header = first + await _exactly(read, _BLOCK - len(first))
+async def _tar(wire: Wire, files: _Files, first: bytes) -> None:
+    header = first + await _exactly(wire, _BLOCK - len(first))
     while header != bytes(_BLOCK):
         try:
             info = tarfile.TarInfo.frombuf(header, "utf-8", "surrogateescape")
@@ -184,8 +152,8 @@ async def _tar(read: Read, files: _Files, first: bytes) -> None:
         if info.size < 0:  # base-256 size fields can be negative
             raise _refused(f"with {info.name!r} of size {info.size}")
         f = files.create(info.name)
-        await files.copy(read, f, info.size)
+        await files.copy(wire, f, info.size)
         files.close(PurePosixPath(info.name).as_posix())
         if pad := -info.size % _BLOCK:
-            await _exactly(read, pad)
-        header = await _exactly(read, _BLOCK)
+            await _exactly(wire, pad)
+        header = await _exactly(wire, _BLOCK)

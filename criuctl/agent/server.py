@@ -44,7 +44,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from criuctl.agent import handoffleases, pageserving, receiver, transfer
+from criuctl.agent import handoffleases, pageserving, receiver, transfer, wire
 from criuctl.agent.bundles import Bundles
 from criuctl.agent.httpjson import fail
 from criuctl.agent.incoming import Incoming
@@ -254,18 +254,19 @@ class Agent:
         """Stream the request body into `dest`, hashing as it comes; verify (with what this node's
         page server says of pages that came straight from the dump, `vouch`); return the digests."""
         counter = transfer.Counter(started=time.monotonic())
-        job = asyncio.ensure_future(receiver.receive(r.content.read, dest, counter))
-        dog = asyncio.ensure_future(transfer.watchdog(counter, job, "receiving the bundle"))
-        try:
-            digests = await job
-        except asyncio.CancelledError:
-            if dog.done() and (stalled := dog.exception()) is not None:
-                raise stalled from None
-            raise
-        finally:
-            dog.cancel()
-            with contextlib.suppress(asyncio.CancelledError, transfer.TransferError):
-                await dog
+        async with wire.taken(r) as body:
+            job = asyncio.ensure_future(receiver.receive(body, dest, counter))
+            dog = asyncio.ensure_future(transfer.watchdog(counter, job, "receiving the bundle"))
+            try:
+                digests = await job
+            except asyncio.CancelledError:
+                if dog.done() and (stalled := dog.exception()) is not None:
+                    raise stalled from None
+                raise
+            finally:
+                dog.cancel()
+                with contextlib.suppress(asyncio.CancelledError, transfer.TransferError):
+                    await dog
         self.metrics.bytes.labels("received").inc(counter.done)
         key = bundle.load_key(statedir.key_path(), create=False)
         vouched = await vouch() if vouch is not None else None

@@ -15,6 +15,7 @@ import http.client
 import json
 import os
 import socket
+import ssl
 import tarfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -133,6 +134,20 @@ class Sealed:
         sock.sendall(bytes(2 * _BLOCK))
 
 
+def _continued(sock: socket.socket) -> bool:
+    """Wait for the target's interim "100 Continue" and take it off the socket; False when its final
+    answer came instead (a refusal, before any of the body was sent)."""
+    interim = b"HTTP/1.1 100 "
+    while True:
+        head = sock.recv(256, socket.MSG_PEEK)  # blocks up to the stall timeout
+        if not head or not (head.startswith(interim) or interim.startswith(head)):
+            return False
+        if (end := head.find(b"\r\n\r\n")) >= 0:
+            sock.recv(end + 4)
+            return True
+        time.sleep(0.001)  # part of it: the rest is on its way
+
+
 class _Put:
     """One PUT over a plain socket: headers, then the files with `sendfile` (no copy through Python:
     the kernel moves page-cache pages to the socket), then the answer.
@@ -155,11 +170,15 @@ class _Put:
             u = urlsplit(self.url)
             conn.putrequest("PUT", u.path + (f"?{u.query}" if u.query else ""), skip_accept_encoding=True)
             conn.putheader("Authorization", f"Bearer {self.token}")
+            plain = not isinstance(conn.sock, ssl.SSLSocket)
+            if plain:  # the target takes the socket for `splice` only if the body waits for its word
+                conn.putheader("Expect", "100-continue")
             for k, v in self.source.headers().items():
                 conn.putheader(k, v)
             conn.endheaders()
-            with contextlib.suppress(OSError):  # the target may have answered early (a refusal): read it
-                self.source.body(conn.sock, self.counter)
+            if not plain or _continued(conn.sock):
+                with contextlib.suppress(OSError):  # the target may have answered early (a refusal): read it
+                    self.source.body(conn.sock, self.counter)
             resp = conn.getresponse()
             raw = resp.read(1 << 20)
             try:
