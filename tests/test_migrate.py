@@ -496,6 +496,8 @@ def test_migration_over_plain_http_with_insecure(tmp_path, mlp_ref):
         _mlp_on_a(c, 10)
         _migrate_ok(c, "mlp", "b", "--mode", "stop-and-copy")
         assert_ran_once(c, "mlp", mlp_ref, "b")
+        said = c.nodes["b"].agent_log()
+        assert "upload spliced from its socket" in said, "b read the bundle through aiohttp"
 
 
 def test_eight_concurrent_migrations_between_one_pair(cluster, tmp_path):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import logging
 import os
 import select
 import socket
@@ -35,6 +36,8 @@ from criuctl.format import bundle
 
 if TYPE_CHECKING:
     from aiohttp import web
+
+log = logging.getLogger("criuctl.agent")
 
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _F_SETPIPE_SZ, _F_GETPIPE_SZ = 1031, 1032
@@ -273,6 +276,8 @@ class SpliceWire:
                 except BlockingIOError:
                     self._wait()
                     continue
+                except ConnectionError as exc:  # the sender went away mid-file
+                    raise TransferError(*_BROKE) from exc
                 if not moved:
                     raise TransferError(*_BROKE)
                 self.left -= moved
@@ -330,6 +335,7 @@ def take(r: web.Request) -> SpliceWire | StreamWire:
     transport.pause_reading()  # aiohttp reads no byte of the body from here on
     sock = socket.socket(fileno=os.dup(raw.fileno()))
     transport.write(CONTINUE)
+    log.info("upload spliced from its socket", extra={"path": r.path, "chunked": chunked})
     return SpliceWire(sock, chunked, length)
 
 
