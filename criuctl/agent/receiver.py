@@ -100,10 +100,12 @@ class _Files:
             self.close(rel)
 
 
-async def receive(body: Wire | Read, dest: Path, counter: Counter | None = None) -> dict[str, str]:
+async def receive(
+    body: SpliceWire | StreamWire | Read, dest: Path, counter: Counter | None = None
+) -> dict[str, str]:
     """Write the stream `body` yields (a wire, or a `read` callable) under `dest` (root-only);
     return each file's digest."""
-    wire = body if isinstance(body, (SpliceWire, StreamWire)) else StreamWire(body)
+    wire: Wire = body if isinstance(body, (SpliceWire, StreamWire)) else StreamWire(body)
     dest.mkdir(mode=0o700, parents=True, exist_ok=True)
     files = _Files(dest, counter)
     try:

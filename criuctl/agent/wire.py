@@ -86,7 +86,10 @@ class StreamWire:
     gave, hashed and written in two threads while the next piece is read."""
 
     def __init__(self, read: Read) -> None:
-        self.read = read
+        self._read = read
+
+    async def read(self, n: int) -> bytes:
+        return await self._read(n)
 
     async def parts(self, n: int) -> list[bytes]:
         """Exactly `n` bytes, as the pieces the socket gave (not joined: no extra copy)."""
@@ -171,7 +174,7 @@ class SpliceWire:
     def __init__(self, sock: socket.socket, chunked: bool, length: int | None) -> None:
         self.sock = sock  # a duplicate of aiohttp's socket, non-blocking as aiohttp left it
         self.chunked = chunked
-        self.left = length if not chunked else 0  # body bytes left (Content-Length), or in this chunk
+        self.left = 0 if chunked else (length or 0)  # body bytes left (Content-Length), or in this chunk
         self.crlf = False  # a chunk's data is done: its CRLF comes next
         self.ended = False
         self.stop = threading.Event()
@@ -324,12 +327,14 @@ def take(r: web.Request) -> SpliceWire | StreamWire:
     """The upload's body as a wire: its own socket where the sender waits to continue on plain TCP,
     else aiohttp's stream (a "100 Continue" said there too, for a sender that waits for it)."""
     transport, asked = r.transport, r.headers.get("Expect", "").lower() == "100-continue"
+    if transport is None:  # the sender is gone already: the stream says so at its first read
+        return StreamWire(r.content.read)
     chunked = "chunked" in r.headers.get("Transfer-Encoding", "").lower()
     length = r.content_length
-    raw = transport.get_extra_info("socket") if transport is not None else None
+    raw = transport.get_extra_info("socket")
     plain = raw is not None and transport.get_extra_info("sslcontext") is None
-    if not asked or not plain or (not chunked and length is None):
-        if asked and transport is not None:
+    if not asked or raw is None or not plain or (not chunked and length is None):
+        if asked:
             transport.write(CONTINUE)
         return StreamWire(r.content.read)
     transport.pause_reading()  # aiohttp reads no byte of the body from here on
