@@ -315,6 +315,15 @@ def mark_moved(w: workloads.Workload, node: str) -> bool:
         return False
 
 
+def _stamped(stamp: Path, digest: str) -> bool:
+    """Whether the inject dir holds these files; another agent may be swapping it this instant
+    (its stamp gone between a look and a read: CI, eight writers at once)."""
+    try:
+        return stamp.read_text() == digest
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return False
+
+
 def write_inject_dir(dest: Path = INJECT_DIR) -> Path:
     """The files a checkpointable container mounts read-only (docs/containers.md): criuctl's init
     (`nsinit.py`, standard library only) and the in-process hook. Replaced atomically, so a
@@ -332,7 +341,7 @@ def write_inject_dir(dest: Path = INJECT_DIR) -> Path:
     ]
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()
     stamp = dest / ".criuctl-files"
-    if stamp.is_file() and stamp.read_text() == digest:
+    if _stamped(stamp, digest):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     # A hostPath volume (the agent's DaemonSet) is a mount point: it cannot be renamed, so its
@@ -354,7 +363,7 @@ def write_inject_dir(dest: Path = INJECT_DIR) -> Path:
                     os.rename(live, old / live.name)
                 os.rename(new, live)
         except OSError:
-            if not (stamp.is_file() and stamp.read_text() == digest):
+            if not _stamped(stamp, digest):
                 raise
             # another agent put the same files in place between our look and our rename
         finally:
