@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from criuctl.container import containers, mounts
+from criuctl.container import containers, mounts, runtime
 from tests.conftest import needs_criu
 from tests.jobs import CRIUCTL
 from tests.requirements import missing, needs
@@ -89,6 +89,12 @@ def test_container_moves_into_a_placeholder(nodes: Nodes, reference, tmp_path, m
     job = nodes.pod("a", pod, [*init, "--", *_job_argv("/workspace/train.log")], src_scratch)
     holder = nodes.pod("b", pod, [*init, "--placeholder"], dst_scratch)
     wait_until(lambda: "placeholder ready" in holder.log.read_text(errors="replace"), 30, "the placeholder")
+    # what the successor loop finds a placeholder by (criuctl.kube.successors): its pod's UID, ready
+    rts = [runtime.connect(nodes.runtimes[n].endpoint) for n in "ab"]
+    listed = {r["container"]: r for rt in rts for r in containers.rows(rt)}
+    assert listed[holder.container]["placeholder_ready"] is True, listed[holder.container]
+    assert str(listed[holder.container]["pod_uid"]).startswith(f"uid-{pod}-"), listed[holder.container]
+    assert listed[job.container]["placeholder_ready"] is False, "a job is no placeholder"
     upper = Path(_root_mount(nodes.runtimes["b"], holder.container).super_options["upperdir"])
     wait_until(lambda: len(cri_steps(job.log)) >= 40, 120, "40 steps on node a")
 

@@ -65,10 +65,12 @@ def test_a_gpu_job_moves_onto_the_target_nodes_gpu(tmp_path, gpus, mlp_ref, mode
     CUDA calls go on, on b's GPU, and it ends once with an uninterrupted run's losses and weights."""
     with _gpu_cluster(tmp_path, gpus) as c:
         _gpu_job_on_a(c, gpus)
-        _migrate_ok(c, "gpujob", "b", "--mode", mode)
+        moved = _migrate_ok(c, "gpujob", "b", "--mode", mode)
         calls = gpus.driver_calls()
         kinds = [line.split()[0] for line in calls]
         assert kinds == ["lock", "checkpoint", "restore", "unlock"], calls
+        # the driver's restore, inside the downtime, said apart (post-copy: it pulls the host copy)
+        assert 0 < moved["phases"]["gpu_restore"] < moved["downtime_seconds"], moved
         assert calls[2].endswith(f"pairs={GPU_A.uuid}>{GPU_B.uuid}"), calls
         assert_ran_once(c, "gpujob", mlp_ref, "b")
         assert _gpu_lines(c, "gpujob") == [f"gpu {GPU_A.uuid}", f"gpu {GPU_B.uuid}"]

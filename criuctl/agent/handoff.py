@@ -316,7 +316,10 @@ def target(spec_file: Path) -> int:
         return 1
     lazy = restored.lazy_daemon is not None
     restored.start(supervisor_pid=os.getpid(), node=spec.node, pages=workloads.PULLING if lazy else None)
-    _emit(Event.RUNNING, pid=restored.workload.root_pid)
+    # the driver's restore ran inside start(): part of the downtime (post-copy: it pulls the
+    # device memory's host copy), said apart so that a GPU job's stall shows where it went
+    gpu = {"gpu_restore": restored.gpu_seconds} if restored.manifest and restored.manifest.gpu else {}
+    _emit(Event.RUNNING, pid=restored.workload.root_pid, phases=gpu)
     _detach()
     if lazy:  # the images are read until the last page is in
         threading.Thread(target=_collect, args=(restored, Path(spec.bundle)), daemon=True).start()

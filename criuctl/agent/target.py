@@ -259,7 +259,7 @@ class TargetMachine:
         if self.rec.mode != Mode.POST_COPY:  # post-copy: the lazy-pages daemon still reads the images
             # after the answer, not before: deleting GiBs of images took 0.3 s of every downtime
             self.cleanup = asyncio.ensure_future(asyncio.to_thread(shutil.rmtree, self.bundle_dir, True))
-        return Outcome(self.state, True, facts={"pid": ev["pid"]}), True
+        return Outcome(self.state, True, facts={"pid": ev["pid"], "phases": ev.get("phases", {})}), True
 
     async def verdict(self) -> Verdict:
         """Abort unless the job runs here; the answer a source acts on.

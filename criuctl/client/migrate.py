@@ -290,7 +290,9 @@ class Move:
         """Let the restored tree run: from here on the job runs on the target."""
         self.progress("commit")
         try:
-            _commit_target(self.src, self.dst, self.og_id, self.inc_id, self.name, self.source.name)
+            self.phases.update(
+                _commit_target(self.src, self.dst, self.og_id, self.inc_id, self.name, self.source.name)
+            )
         except MigrationInDoubt as exc:
             raise self._in_doubt(exc) from None
         self.running_at = time.monotonic()
@@ -431,10 +433,12 @@ def abort(
 
 def _commit_target(
     src: AgentClient, dst: AgentClient, og_id: str | None, inc_id: str, name: str, source: str
-) -> None:
+) -> dict[str, float]:
+    """The target's phases of letting the job run (a GPU job: the driver's restore); none where
+    its answer was lost and the move was confirmed by asking again."""
     try:
-        dst.post(f"/v1/incoming/{inc_id}/commit", timeout=timeouts().target_commit)
-        return
+        answer: StepAnswer = dst.post(f"/v1/incoming/{inc_id}/commit", timeout=timeouts().target_commit)
+        return answer.get("phases", {}) if isinstance(answer, dict) else {}
     except CriuctlError as exc:
         first = exc
     deadline = time.monotonic() + timeouts().in_doubt
@@ -448,7 +452,7 @@ def _commit_target(
         except CriuctlError as exc:
             state = exc.body.get("state", "unknown") if isinstance(exc, AgentError) else "unknown"
         if state == "running":
-            return
+            return {}
         raise abort(src, dst, og_id, inc_id, first, name, source)
     raise MigrationInDoubt(
         f"node {dst.node.name} did not confirm that {name!r} runs there ({first.what})",

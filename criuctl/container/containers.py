@@ -70,6 +70,12 @@ def is_placeholder(pid: int) -> bool:
     return runs_criuctl_init(pid) and PLACEHOLDER_FLAG in cmdline(pid)[:6]
 
 
+def placeholder_ready(pid: int) -> bool:
+    """An empty placeholder whose init listens for the restorer (nsinit.placeholder made its `ctl`):
+    a restore into it any sooner fails, and a move that fails there goes back to its source."""
+    return is_placeholder(pid) and os.path.exists(f"/proc/{pid}/root/{nsinit.CONTROL_DIR.strip('/')}/ctl")
+
+
 def why_not(c: Container) -> str | None:
     """Why container `c` cannot be checkpointed, in one line; None when it can (as far as we see)."""
     if c.state != "running" or not c.pid:
@@ -165,6 +171,8 @@ def rows(rt: Runtime) -> list[workloads.WorkloadRow]:
             "why_not": reason,
             "rss_bytes": procinfo.rss_bytes(c.pid) if c.state == "running" and c.pid else None,
             "runtime": c.runtime,
+            "pod_uid": c.pod_uid or None,
+            "placeholder_ready": c.state == "running" and bool(c.pid) and placeholder_ready(c.pid),
         }
         if reason is None:
             workload(c, rt.endpoint)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from criuctl.container import cgroups, mounts, rootfsdiff, volumes
-from criuctl.container.containers import is_placeholder, runs_criuctl_init
+from criuctl.container.containers import is_placeholder, placeholder_ready, runs_criuctl_init
 from criuctl.container.nodeview import NodeView
 from criuctl.container.runtime import Container, Runtime
 from criuctl.core.errors import CriuctlError
@@ -110,7 +110,7 @@ def find(rt: Runtime, ident: str) -> Placeholder:
             f"container {c.short_id} is not an empty placeholder (its PID 1 is {what})",
             "restore into a container started with criuctl's init and --placeholder (docs/containers.md)",
         )
-    if not os.path.exists(f"/proc/{c.pid}/root/{CONTROL_DIR.strip('/')}/ctl"):
+    if not placeholder_ready(c.pid):
         raise NotAPlaceholder(
             f"placeholder {c.short_id} is not ready (no {CONTROL_DIR}/ctl in it)",
             "wait until its log says 'placeholder ready', then try again",

@@ -223,6 +223,7 @@ class WorkloadRow(TypedDict):
     image: NotRequired[str]
     checkpointable: NotRequired[bool]
     why_not: NotRequired[str | None]  # why criuctl cannot checkpoint it (None: it can)
+    placeholder_ready: NotRequired[bool]  # an empty placeholder whose init listens for a restore
     tcp: NotRequired[EndpointsJson]
     # [[remote as the tree's sockets hold it, port, remote the node's kept redirects send it to], ...]:
     # a peer that moved since (its connections are listed as `tcp` with the redirected address)

@@ -10,7 +10,9 @@ instant picks up where the last one was. For a record whose bundle this node hol
                                The bundle must never run beside it: the move fails, bundle kept
     placeholder on another node   (pinned before the holder changed) deleted while empty, so the
                                controller recreates it and the webhook pins it here
-    placeholder here, running  restore the bundle into it (the agent uses the bundle up before
+    placeholder here, running  (its container found through this node's runtime by the pod's UID,
+                               its init listening: not the kubelet's status, a relist later)
+                               restore the bundle into it (the agent uses the bundle up before
                                the copy may run: it never restores twice); done: provenance on
                                the pod, Events, the other copy deleted, the record forgotten
     post-copy                  the restore pulls the memory pages from the source's page server
@@ -194,6 +196,19 @@ def _pulling(c: Cluster, m: moves.Move, node: str) -> None:
     _fail(c, m, f"{why}: the job ended, and its pod starts over", pod)
 
 
+def _successor_row(c: Cluster, node: str, pod: dict, container: str) -> workloads.WorkloadRow | None:
+    """`pod`'s container `container` once it runs on this node, as the runtime lists it through
+    this node's agent: found by the pod's UID, not read from the pod's status, which the kubelet
+    writes only after its next relist (up to a second later, all of it inside the job's stall)."""
+    uid, said = pod["metadata"]["uid"], container_id(pod, container)
+    rows: list[workloads.WorkloadRow] = _agent(c, node).get("/v1/containers")
+    for r in rows:
+        ours = r.get("pod_uid") == uid and r.get("container_name") == container
+        if r.get("alive") and (ours or (said is not None and r.get("container") == said)):
+            return r
+    return None
+
+
 def step(c: Cluster, m: moves.Move, node: str) -> None:
     """Advance one record as far as this node can, now."""
     age = time.time() - m.since
@@ -230,11 +245,15 @@ def step(c: Cluster, m: moves.Move, node: str) -> None:
         if cid is None or not _holds_job(c, pod["spec"]["nodeName"], cid):
             delete_now(c, pod)  # empty: its controller recreates it, pinned here by the webhook
         return
-    cid = container_id(pod, ctr["name"]) if ctr else None
-    if cid is None:
+    row = _successor_row(c, node, pod, ctr["name"]) if ctr else None
+    if row is None:
         return  # not started yet
+    cid = str(row.get("container"))
+    held = _holds_job(c, node, cid)
+    if not held and not row.get("placeholder_ready"):
+        return  # its init does not listen for the restore yet: next tick
     m.stamp("successor")
-    if _holds_job(c, node, cid):  # restored before this agent restarted
+    if held:  # restored before this agent restarted
         if m.pages:
             _ran(c, m, pod, node)
         else:
