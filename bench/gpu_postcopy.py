@@ -10,8 +10,9 @@ device memory must all be pulled inside the driver's restore, before the job's C
 
 For each D, the two modes alternate in paired rounds between two agents (tests/cluster.py, TLS as
 users run it). Reported per round: the downtime (the source's measure, frozen → running), the
-driver's restore within it (`gpu_restore`, the commit's phase), the bytes streamed before the
-restore, and post-copy's every page on the target. The stand-in copies at memcpy speed, which says
+`prepare` phase within it (the driver's lock and checkpoint, device → host), the driver's
+restore (`gpu_restore`, the commit's phase), the bytes streamed before the restore, and
+post-copy's every page on the target. The stand-in copies at memcpy speed, which says
 nothing of a real device's 20–50 GB/s: what this measures is where the pull of the device memory
 lands (inside the downtime), not how long a real driver takes. Run as root:
 `.venv/bin/python bench/gpu_postcopy.py [--mib 256 1024 4096] [--reps 3]`.
@@ -29,6 +30,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parent / "tools"))  # tests.requirements reads the local cluster's layout
 
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
@@ -70,6 +72,7 @@ def report(rows: list[dict]) -> None:
         "device memory",
         "mode",
         "downtime s",
+        "of it: prepare s (the driver's checkpoint)",
         "of it: driver's restore s",
         "streamed before the restore GiB",
         "every page on b s",
@@ -82,6 +85,7 @@ def report(rows: list[dict]) -> None:
                 f"{row['mib']} MiB",
                 mode,
                 _med(runs, lambda x: x["downtime_seconds"]),
+                _med(runs, lambda x: x.get("phases", {}).get("prepare", 0.0)),
                 _med(runs, lambda x: x.get("phases", {}).get("gpu_restore", 0.0)),
                 _med(runs, lambda x: x["bytes_moved"] / (1 << 30)),
                 _med(runs, lambda x: x["downtime_seconds"] + (x.get("pages_seconds") or 0.0)),

@@ -14,7 +14,9 @@
    with an older NCCL, refused in one line, then through the driver with CRIUCTL_NCCL_TRY=1;
 7. what the boundary's empty_cache() saves the driver, with torch's default allocator and with
    expandable segments (GPU_CHECK_ONLY=cache runs this alone);
-8. the hook's NCCL suspension called on a live one-rank communicator, outside CRIU.
+8. the hook's NCCL suspension called on a live one-rank communicator, outside CRIU;
+9. which kind of memory the driver's host copy of the device memory is (private anonymous: served
+   lazily by post-copy; shared: dumped whole), as the stand-in assumes.
 
 Not here: a move between two agents. On a GPU node `criuctl run` keeps the node's PIDs (CUDA reads
 /proc by them), and on one host the frozen source still holds them while the target restores; two
@@ -245,6 +247,47 @@ def driver_codes() -> dict:
     return codes
 
 
+def _rss(pid: int) -> dict[str, int]:
+    fields = ("RssAnon", "RssShmem", "RssFile")
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {k: int(x.split()[1]) << 10 for x in lines for k in fields if x.startswith(k + ":")}
+
+
+def host_copy_kind() -> None:
+    """Where the driver puts its host copy of the device memory: private anonymous memory is what
+    CRIU's lazy pages serve after the restore (post-copy), shared memory CRIU dumps whole before
+    it. The stand-in driver's copy is private (tests/workloads/_standin_cuda.py): this checks that."""
+    from criuctl.gpu import cuda
+
+    code = (
+        "import torch, time; x = torch.ones(1 << 28, device='cuda'); torch.cuda.synchronize()\n"
+        "print(1, flush=True); time.sleep(600)"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    driver = cuda.Driver.load()
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "1", "the CUDA process did not start"
+        before = _rss(p.pid)
+        driver.lock(p.pid, 10.0)
+        driver.checkpoint(p.pid)
+        grew = {k: v - before.get(k, 0) for k, v in _rss(p.pid).items()}
+        driver.restore(p.pid)
+        driver.unlock(p.pid)
+        private = grew.get("RssAnon", 0) >= grew.get("RssShmem", 0)
+        record(
+            "the driver's host copy",
+            private,
+            f"1 GiB on the device; after the checkpoint RSS grew {grew.get('RssAnon', 0) / 2**30:.2f} GiB "
+            f"private anonymous, {grew.get('RssShmem', 0) / 2**30:.2f} GiB shared, "
+            f"{grew.get('RssFile', 0) / 2**30:.2f} GiB file-backed"
+            + ("" if private else ": CRIU dumps shared memory whole, so post-copy saves none of it"),
+            grew=grew,
+        )
+    finally:
+        p.kill()
+        p.wait()
+
+
 # what each run of the empty_cache check does with a 4 GiB buffer a step, and the allocator it runs with
 CACHE_VARIANTS = {
     "freed": ((), {}),
@@ -434,6 +477,7 @@ def main() -> int:
         output=(r.stdout + r.stderr)[-3000:],
     )
     codes = stage("driver codes", driver_codes)
+    stage("the driver's host copy", host_copy_kind)
     ref = stage(
         "uninterrupted reference run", lambda: Reference("gpu-ref", "train_gpu.py", *ARGS, "--step-time", "0")
     )

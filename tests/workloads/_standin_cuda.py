@@ -34,7 +34,10 @@ class Context:
         self._int(8, RUNNING)
         self._int(12, os.getpid())
         ctypes.memmove(ctypes.addressof(self._buf) + 16, device.encode()[:239], len(device.encode()[:239]))
-        self._memory = mmap.mmap(-1, memory_mib << 20) if memory_mib else None
+        # private anonymous memory, as a driver's host allocation is: what CRIU's lazy pages cover
+        # (Python's default anonymous mmap is MAP_SHARED, which CRIU dumps whole, post-copy or not)
+        private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        self._memory = mmap.mmap(-1, memory_mib << 20, flags=private) if memory_mib else None
         if self._memory is not None:
             base = ctypes.addressof(ctypes.c_char.from_buffer(self._memory))
             ctypes.c_ulonglong.from_address(ctypes.addressof(self._buf) + 256).value = base
