@@ -341,3 +341,26 @@ def test_rules_go_into_another_processs_network_namespace():
 
     with pytest.raises(netns.NetnsError, match="network namespace cannot be opened"):
         netcut.tables(netcut.CUT, p.pid)
+
+
+@needs("util-linux")
+def test_a_pods_addresses_are_read_from_its_own_namespace():
+    """What a rank is re-addressed to before the kubelet writes the pod's IP (criuctl.kube.successors):
+    the pod namespace's own addresses, from its /proc, never loopback nor link-local, never the
+    caller's; none once the process is gone."""
+    from criuctl.net import netns
+
+    script = (
+        "ip link add p0 type veth peer name p1 && ip link set p1 up && ip link set lo up && "
+        "ip link set p0 up && "
+        "ip addr add 10.9.0.7/24 dev p0 && ip addr add fd00:9::7/64 dev p0 nodad && echo up && sleep 60"
+    )
+    p = subprocess.Popen(["unshare", "--net", "sh", "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "up"
+        assert sorted(netns.addresses(p.pid)) == ["10.9.0.7", "fd00:9::7"]
+        assert not set(netns.addresses(os.getpid())) & {"10.9.0.7", "fd00:9::7"}
+    finally:
+        p.kill()
+        p.wait()
+    assert netns.addresses(p.pid) == []

@@ -24,7 +24,7 @@ from criuctl.container.runtime import Container, Runtime
 from criuctl.core import durable, nsinit, procinfo, workloads
 from criuctl.core.errors import CriuctlError
 from criuctl.format.bundle import ContainerFacts
-from criuctl.net import peers
+from criuctl.net import netns, peers
 
 NAME_PREFIX = "ctr-"
 # Devices a checkpoint can hold open: CRIU reopens them by path on the target.
@@ -174,6 +174,8 @@ def rows(rt: Runtime) -> list[workloads.WorkloadRow]:
             "pod_uid": c.pod_uid or None,
             "placeholder_ready": c.state == "running" and bool(c.pid) and placeholder_ready(c.pid),
         }
+        if row["placeholder_ready"]:  # what a rank restored into it is re-addressed to
+            row["pod_ips"] = netns.addresses(c.pid)
         if reason is None:
             workload(c, rt.endpoint)
         out.append(row)

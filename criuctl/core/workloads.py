@@ -224,6 +224,7 @@ class WorkloadRow(TypedDict):
     checkpointable: NotRequired[bool]
     why_not: NotRequired[str | None]  # why criuctl cannot checkpoint it (None: it can)
     placeholder_ready: NotRequired[bool]  # an empty placeholder whose init listens for a restore
+    pod_ips: NotRequired[list[str]]  # a ready placeholder's: its network namespace's addresses
     tcp: NotRequired[EndpointsJson]
     # [[remote as the tree's sockets hold it, port, remote the node's kept redirects send it to], ...]:
     # a peer that moved since (its connections are listed as `tcp` with the redirected address)

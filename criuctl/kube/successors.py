@@ -32,6 +32,7 @@ ended with its pod (failed; the successor starts over).
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import time
 
@@ -209,6 +210,19 @@ def _successor_row(c: Cluster, node: str, pod: dict, container: str) -> workload
     return None
 
 
+def _pod_ip(m: moves.Move, pod: dict, row: workloads.WorkloadRow) -> str:
+    """The successor's address, which a rank's sockets are re-addressed to: the kubelet's word, or,
+    before it wrote it, the one address of the old address's family in the placeholder's network
+    namespace ("" when there is none or more than one: `step` waits for the kubelet then)."""
+    if said := pod["status"].get("podIP"):
+        return str(said)
+    if not m.address:
+        return ""
+    family = ipaddress.ip_address(m.address).version
+    mine = [a for a in row.get("pod_ips") or [] if ipaddress.ip_address(a).version == family]
+    return mine[0] if len(mine) == 1 else ""
+
+
 def step(c: Cluster, m: moves.Move, node: str) -> None:
     """Advance one record as far as this node can, now."""
     age = time.time() - m.since
@@ -252,6 +266,8 @@ def step(c: Cluster, m: moves.Move, node: str) -> None:
     held = _holds_job(c, node, cid)
     if not held and not row.get("placeholder_ready"):
         return  # its init does not listen for the restore yet: next tick
+    if not held and m.tcp and m.address and not _pod_ip(m, pod, row):
+        return  # a rank, and its new address not known yet: next tick
     m.stamp("successor")
     if held:  # restored before this agent restarted
         if m.pages:
@@ -265,7 +281,7 @@ def step(c: Cluster, m: moves.Move, node: str) -> None:
         restore = BundleRestoreRequest(into=cid)
         if m.pages:
             restore["page_server"], restore["page_cert"] = m.pages, m.page_cert
-        rewire = jobmoves.plan(c, m, pod["status"].get("podIP") or "")
+        rewire = jobmoves.plan(c, m, _pod_ip(m, pod, row))
         if rewire is not None:  # a job's rank: its connections follow it (criuctl.kube.jobmoves)
             pid = jobmoves.container_pid(here, cid)
             if pid is None:

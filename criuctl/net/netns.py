@@ -11,9 +11,12 @@ never change namespace. Below `netcut`; imports only `errors`.
 from __future__ import annotations
 
 import ctypes
+import ipaddress
+import itertools
 import json
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from criuctl.core.errors import CriuctlError
@@ -23,6 +26,28 @@ _CLONE_NEWNET = 0x40000000
 
 class NetnsError(CriuctlError):
     """The namespace could not be entered (its process is gone), or the function failed in it."""
+
+
+def addresses(pid: int) -> list[str]:
+    """The addresses of process `pid`'s network namespace other than loopback and link-local, read
+    from its /proc (no fork, no setns): a pod's IP as its CNI gave it, known here before the kubelet
+    writes it into the pod's status. Empty when the process is gone or has none yet."""
+    found: list[str] = []
+    try:
+        lines = Path(f"/proc/{pid}/net/fib_trie").read_text().splitlines()
+        v6 = Path(f"/proc/{pid}/net/if_inet6").read_text().splitlines()
+    except OSError:
+        return []
+    for above, line in itertools.pairwise(lines):  # "|-- ADDR" over "/32 host LOCAL": one of its own
+        addr = above.strip().removeprefix("|-- ")
+        local = above.strip().startswith("|-- ") and line.strip() == "/32 host LOCAL"
+        if local and addr not in found and not ipaddress.ip_address(addr).is_loopback:
+            found.append(addr)
+    for row in v6:  # address (32 hex), ifindex, prefix, scope (00: global), flags, name
+        hexa, _, _, scope, *_ = row.split()
+        if scope == "00":
+            found.append(str(ipaddress.IPv6Address(bytes.fromhex(hexa))))
+    return found
 
 
 def _same(pid: int) -> bool:
