@@ -1,4 +1,5 @@
-"""Run a function in another process's network namespace: a pod's, from its node's agent.
+"""Run a function in another process's network namespace: a pod's, from its node's agent; and read
+that namespace's own addresses (`addresses`), which needs no entering.
 
 A pod has a network namespace of its own. The rules that keep a job's connections whole while one
 of its ranks moves (`criuctl.net.netcut`) must act on the pod's own packets, so they go into the
