@@ -233,7 +233,14 @@ def big_bundle(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("big")
     env = {**os.environ, "CRIUCTL_STATE_DIR": str(d / "state")}
-    job = Job([*CRIUCTL, "run", "--name", "big", "--", sys.executable, str(BIG), "--gib", "0.2"], env=env)
+    # Ctrl-C must reach the job as it reaches one started from a terminal: a suite started in the
+    # background of a non-interactive shell (CI's `nohup … &`) inherits SIGINT ignored, and so did
+    # the job and its bundle; a SIGINT forwarded after the restore then never ended it (the CI hang)
+    job = Job(
+        [*CRIUCTL, "run", "--name", "big", "--", sys.executable, str(BIG), "--gib", "0.2"],
+        env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     job.wait_for(r"^ready ")
     r = subprocess.run([*CRIUCTL, "dump", "big", "-o", str(d / "b")], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
@@ -258,7 +265,7 @@ def test_interrupted_restore_leaves_no_copy(big_bundle, sig):
         restore.send_signal(sig)
         try:
             _, err = restore.communicate(timeout=120)
-        except subprocess.TimeoutExpired:  # seen once in CI (2026-12-03), never here: say where it hangs
+        except subprocess.TimeoutExpired:  # say where it hangs (a job ignoring the signal: see the fixture)
             state = tree_state(restore.pid)
             restore.kill()
             for pid in _copies_of(BIG):
