@@ -78,6 +78,9 @@ class Move:
     # [[old, port, new], ...] as JSON: peers that moved before it, whose address its sockets still
     # hold (its pod's redirects sent them on); its restore re-addresses them too
     rewired: str = ""
+    # a rank's place in the order its job's moving ranks dump in (criuctl.kube.prestop._take_turn):
+    # 0 while it is being chosen, then one more than any other record's when it was chosen
+    turn: int = 0
     source_pod: str = ""  # the source pod's own name (a JobSet's pod's is not `pod`)
     # {step: time.time()} as JSON: when each step of the successor path ended (`STEPS`)
     stamps: str = ""
@@ -139,6 +142,7 @@ def _from(cm) -> Move:
     kw["size"] = int(kw.get("size") or 0)
     kw["freeze"] = float(kw.get("freeze") or 0)
     kw["braced"] = int(kw.get("braced") or 0)
+    kw["turn"] = int(kw.get("turn") or 0)
     kw["memory"] = int(kw.get("memory") or 0)
     kw["pulled"] = int(kw.get("pulled") or 0)
     kw["version"] = cm.metadata.resource_version

@@ -87,35 +87,51 @@ def _remotes(row: dict) -> set[str]:
     return {ra for _, _, ra, _ in tcp.connections} | {str(r[0]) for r in row.get("redirected") or []}
 
 
+def take_turn(m: moves.Move, others: list[moves.Move]) -> int:
+    """A rank's turn among the moves on record (its own written first with turn 0, "choosing"):
+    one more than any other's. Chosen from what was read after its own record was written, so of
+    two ranks moving at once, the later to read sees the other, and takes a later turn or waits
+    for it to choose: a bakery (Lamport's), where a clock ("since") let both go first when one's
+    record was written after the other's check (`test_two_ranks_moving_at_once_never_dump_together`)."""
+    return 1 + max((o.turn for o in others if o.key != m.key), default=0)
+
+
+def ahead(m: moves.Move, others: list[moves.Move], remotes: set[str]) -> list[moves.Move]:
+    """The moves of `m`'s peers (their addresses among its connections' remotes) that dump before
+    it: those still choosing their turn, and those with an earlier one (then the bundle's id)."""
+    return [
+        o
+        for o in others
+        if o.key != m.key
+        and o.phase in (moves.Phase.DUMPING, moves.Phase.KEPT)
+        and o.address in remotes
+        and (o.turn == 0 or (o.turn, o.bundle) < (m.turn, m.bundle))
+    ]
+
+
 def _after_peers(c: Cluster, m: moves.Move, src: Node, cid: str, row: dict) -> moves.Move:
     """One rank of a job after another: a rank whose peer is moving (a drain evicts every pod of a
-    node at once) waits until that peer runs again, first come first served (the record's `since`,
-    then its bundle id), then reads its connections again. Its peer's move has redirected them by
-    then (criuctl.kube.jobmoves), so its own move re-points them to where the peer is now; two
-    peers moved at once would each re-point the other's old address, and their connection breaks.
-    The rank runs all the while: only the order of the dumps changes. `row` is its agent's row as
-    `m` was written from; `m` comes back as it is when no peer was ahead."""
+    node at once) waits until that peer runs again, in the order of their turns (`take_turn`),
+    then reads its connections again. Its peer's move has redirected them by then
+    (criuctl.kube.jobmoves), so its own move re-points them to where the peer is now; two peers
+    moved at once would each re-point the other's old address, and their connection breaks. The
+    rank runs all the while: only the order of the dumps changes. `row` is its agent's row as `m`
+    was written from (with turn 0); `m` comes back with its turn."""
+    m.turn = take_turn(m, moves.every(c))
+    m = moves.save(c, m)
     deadline = time.monotonic() + PEER_WAIT
     waited = False
     while True:
-        remotes = _remotes(row)
-        ahead = [
-            o
-            for o in moves.every(c)
-            if o.key != m.key
-            and o.phase in (moves.Phase.DUMPING, moves.Phase.KEPT)
-            and o.address in remotes
-            and (o.since, o.bundle) < (m.since, m.bundle)
-        ]
-        if not ahead or time.monotonic() > deadline:
+        first = ahead(m, moves.every(c), _remotes(row))
+        if not first or time.monotonic() > deadline:
             break
-        log.info("waiting for a peer's move", extra={"pod": m.name, "peer": ahead[0].name})
+        log.info("waiting for a peer's move", extra={"pod": m.name, "peer": first[0].name})
         time.sleep(1)
         row, waited = workload_row(src, cid) or {}, True
     if not waited:
         return m
-    if ahead:
-        log.warning("a peer's move did not end in time", extra={"pod": m.name, "peer": ahead[0].name})
+    if first:
+        log.warning("a peer's move did not end in time", extra={"pod": m.name, "peer": first[0].name})
     m.tcp = json.dumps(peers.Endpoints.from_json(row.get("tcp")).to_json())
     m.rewired = json.dumps(row.get("redirected") or [])
     return moves.save(c, m)

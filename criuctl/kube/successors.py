@@ -266,7 +266,8 @@ def step(c: Cluster, m: moves.Move, node: str) -> None:
     held = _holds_job(c, node, cid)
     if not held and not row.get("placeholder_ready"):
         return  # its init does not listen for the restore yet: next tick
-    if not held and m.tcp and m.address and not _pod_ip(m, pod, row):
+    address = _pod_ip(m, pod, row)
+    if not held and m.tcp and m.address and not address:
         return  # a rank, and its new address not known yet: next tick
     m.stamp("successor")
     if held:  # restored before this agent restarted
@@ -281,7 +282,7 @@ def step(c: Cluster, m: moves.Move, node: str) -> None:
         restore = BundleRestoreRequest(into=cid)
         if m.pages:
             restore["page_server"], restore["page_cert"] = m.pages, m.page_cert
-        rewire = jobmoves.plan(c, m, _pod_ip(m, pod, row))
+        rewire = jobmoves.plan(c, m, address)
         if rewire is not None:  # a job's rank: its connections follow it (criuctl.kube.jobmoves)
             pid = jobmoves.container_pid(here, cid)
             if pid is None:
