@@ -484,3 +484,79 @@ def test_a_trainjob_pod_moves_by_index_and_the_job_never_stops(local_cluster, ho
         if how == "drain" and source:
             k("uncordon", source, check=False)
         k("delete", "trainjob", job, "--wait=false", check=False)
+
+
+def _strict_jobset(name: str, ignore_disruptions: bool) -> dict:
+    """A JobSet without Trainer (one Indexed Job of one pod, a training pod criuctl wraps) whose Job
+    has backoffLimit 0: one failure counted fails it, and the JobSet with it (no failurePolicy).
+    restartPolicy Never, and with `ignore_disruptions` the podFailurePolicy rule that leaves a pod
+    marked DisruptionTarget uncounted."""
+    pod = training_pod(name, steps=400)
+    pod["spec"].update(restartPolicy="Never", terminationGracePeriodSeconds=5)
+    job: dict = {"parallelism": 1, "completions": 1, "backoffLimit": 0}
+    if ignore_disruptions:
+        job["podFailurePolicy"] = {
+            "rules": [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}]
+        }
+    job["template"] = {
+        "metadata": {k: pod["metadata"][k] for k in ("labels", "annotations")},
+        "spec": pod["spec"],
+    }
+    return {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": {"name": name},
+        "spec": {"replicatedJobs": [{"name": "node", "replicas": 1, "template": {"spec": job}}]},
+    }
+
+
+def test_a_jobs_pod_moves_uncounted_or_is_refused_before_anything_is_frozen(local_cluster) -> None:
+    """A Job that fails at its first counted failure (backoffLimit 0; the stand-in counts a deleted
+    pod as a recent Job controller does). Without a podFailurePolicy, `criuctl migrate` of its pod
+    is refused in one line that says what the Job needs, and the job runs on, untouched. With the
+    rule Ignore on DisruptionTarget, the pod moves (its preStop marks it), the Job counts nothing,
+    and the JobSet never fails."""
+    lay, k = local_cluster
+    for name, ignore in (("sjr", False), ("sjm", True)):
+        k.apply(_strict_jobset(name, ignore))
+        try:
+            deadline = time.monotonic() + 180
+            while not (pods := _trainjob_pods(k, name)) or pods["0"]["status"].get("phase") != "Running":
+                assert time.monotonic() < deadline, pods
+                time.sleep(1)
+            pod = pods["0"]
+            pname, source = pod["metadata"]["name"], pod["spec"]["nodeName"]
+            to = "a" if source == "b" else "b"
+            _wait_steps(k, pname, 5)
+            r = criuctl(lay, "migrate", pname, to)
+            if not ignore:
+                assert (
+                    r.returncode == 2 and "backoffLimit 0" in r.stderr and "podFailurePolicy" in r.stderr
+                ), r.stderr
+                assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) <= 2, r.stderr
+                now = _trainjob_pods(k, name)["0"]
+                assert now["metadata"]["uid"] == pod["metadata"]["uid"] and not now["metadata"].get(
+                    "deletionTimestamp"
+                )
+                at = max(steps(k.logs(pname)))
+                _wait_steps(k, pname, at + 2)  # still training, where it was
+                continue
+            assert r.returncode == 0, r.stderr[-3000:]
+            deadline = time.monotonic() + 180
+            while (new := _trainjob_pods(k, name).get("0") or {"metadata": {}})["metadata"].get("uid") in (
+                None,
+                pod["metadata"]["uid"],
+            ) or "criuctl.io/migrated-at" not in (new["metadata"].get("annotations") or {}):
+                assert time.monotonic() < deadline, new
+                time.sleep(1)
+            assert new["spec"]["nodeName"] == to
+            _wait_steps(k, new["metadata"]["name"], 10)
+            k.wait_gone("pod", pname)  # gone: its Job has judged it (its tracking finalizer went)
+            job = k.get("job", f"{name}-node-0")
+            assert int(job["status"].get("failed") or 0) == 0, job["status"]
+            conds = {c["type"] for c in (job["status"].get("conditions") or [])}
+            assert not conds & {"FailureTarget", "Failed"}, job["status"]
+            js = k.get("jobset", name)
+            assert "Failed" not in {c["type"] for c in (js.get("status") or {}).get("conditions") or []}
+        finally:
+            k("delete", "jobset", name, "--wait=false")

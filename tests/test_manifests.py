@@ -198,6 +198,10 @@ def test_what_kubectl_apply_k_sends_validates_strictly(objects: list[Obj], versi
     expected += ["Role", "RoleBinding"]  # the agent's, in criuctl-system: move records, its Secrets
     expected += ["DaemonSet", "Deployment", "Service", "MutatingWebhookConfiguration"]  # agent, webhook
     expected += ["ServiceAccount", "Role", "RoleBinding"]  # the webhook's: reads move records
+    expected += [
+        "ClusterRole",
+        "ClusterRoleBinding",
+    ]  # the webhook's: lists pods (a JobSet pod's predecessor)
     expected += ["CustomResourceDefinition"]  # PodMigration
     expected += ["Deployment", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"]
     expected += ["ClusterRole"]  # criuctl-migrator, for users
@@ -391,6 +395,8 @@ def test_everything_namespaced_is_in_criuctl_system(objects: list[Obj]) -> None:
 
 AGENT_RULES = {
     ("", "pods"): {"get", "list", "patch", "delete"},
+    # a Job's moving pod marked DisruptionTarget, for its podFailurePolicy (criuctl.kube.jobfailures)
+    ("", "pods/status"): {"patch"},
     ("", "nodes"): {"get", "list"},
     ("", "events"): {"create"},
     # a preStop checkpoint passes over the nodes a claim's volume cannot reach (criuctl.kube.podvolumes)
@@ -596,10 +602,11 @@ def test_every_api_call_of_the_code_is_granted(objects: list[Obj], identity: str
     assert not missing, f"{identity} calls without RBAC: {sorted(missing)}"
 
 
-def test_the_webhook_reads_move_records_and_nothing_else(objects: list[Obj]) -> None:
+def test_the_webhook_reads_move_records_and_lists_pods_and_nothing_else(objects: list[Obj]) -> None:
     role = one(objects, "Role", "criuctl-webhook")
     assert role["metadata"]["namespace"] == "criuctl-system"
     assert _granted(role) == {("", "configmaps"): {"get"}}
+    assert _granted(one(objects, "ClusterRole", "criuctl-webhook")) == {("", "pods"): {"list"}}
     pod = one(objects, "Deployment", "criuctl-webhook")["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "criuctl-webhook"
 

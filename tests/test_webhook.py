@@ -800,3 +800,47 @@ def test_a_jobset_pod_is_known_by_its_dns_name_not_its_random_one() -> None:
     assert asked == [("ml", "trn-node-0-1.trn")]
     assert new["spec"]["nodeName"] == "b" and mutate.is_placeholder(new)
     assert new["spec"]["hostname"] == "trn-node-0-1" and new["spec"]["subdomain"] == "trn"
+
+
+def test_a_jobset_pods_successor_waits_while_its_predecessors_move_is_undecided() -> None:
+    """A recent Job controller replaces a deleted pod at once (TerminatingOrFailed), before the
+    predecessor's preStop has recorded its dump: the new pod is refused (its controller retries)
+    while a predecessor of its index is leaving and no record says `dumping`, or one only says
+    `requested`; a record `dumping` makes it the placeholder; a failed move, or no predecessor
+    leaving, admits it as any pod. A pod known by its name (not a JobSet's) is never held: its
+    successor cannot exist beside it."""
+    from criuctl.kube import moves, webhook
+
+    p = jobset_pod()
+    leaving = "trn-node-0-1-x1y2z"
+    asked: list[tuple[str, str]] = []
+
+    def opts(move: moves.Move | None, gone: str | None) -> webhook.Options:
+        return webhook.Options(
+            prestop_port=7071,
+            pending=lambda ns, n: move,
+            leaving=lambda ns, n: asked.append((ns, n)) or gone,
+        )
+
+    def move(phase: moves.Phase) -> moves.Move:
+        return moves.Move("ml", "trn-node-0-1.trn", "u", "a", "train", phase, target="b")
+
+    for m in (None, move(moves.Phase.REQUESTED)):
+        out = webhook.review(admission(p), opts(m, leaving))["response"]
+        assert out["allowed"] is False and leaving in out["status"]["message"], out
+    assert asked[-1] == ("ml", "trn-node-0-1.trn")
+    out = webhook.review(admission(p), opts(move(moves.Phase.DUMPING), leaving))["response"]
+    assert out["allowed"] and mutate.is_placeholder(
+        apply_patch(p, json.loads(base64.b64decode(out["patch"])))
+    )
+    for m, gone in ((move(moves.Phase.FAILED), leaving), (None, None)):
+        out = webhook.review(admission(p), opts(m, gone))["response"]
+        new = apply_patch(p, json.loads(base64.b64decode(out["patch"])))
+        assert (
+            out["allowed"]
+            and not mutate.is_placeholder(new)
+            and "lifecycle" in containers_by_name(new)["train"]
+        )
+    asked.clear()
+    out = webhook.review(admission(named(pod(TRAIN))), opts(None, leaving))["response"]
+    assert out["allowed"] and asked == []

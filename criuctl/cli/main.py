@@ -307,6 +307,7 @@ def _cmd_webhook(a: argparse.Namespace) -> int:
     opts = webhook.Options(prestop_port=a.prestop_port)
     if a.kubeconfig or os.environ.get("KUBERNETES_SERVICE_HOST"):
         opts.pending = webhook.pending_moves(a.kubeconfig)
+        opts.leaving = webhook.leaving_pods(a.kubeconfig)
     webhook.serve(a.listen, a.tls_cert, a.tls_key, opts)  # runs as the webhook's own user, not root
     return 0
 

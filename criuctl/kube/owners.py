@@ -69,6 +69,15 @@ def _finished(obj: dict) -> bool:
     )
 
 
+def _failing(job: dict) -> bool:
+    """A Job that failed, or is failing: a recent controller says FailureTarget first, then Failed
+    once its pods are gone (`delayTerminalCondition`)."""
+    return any(
+        c["type"] in ("FailureTarget", "Failed") and c["status"] == "True"
+        for c in (job.get("status") or {}).get("conditions") or []
+    )
+
+
 def _read(c: Cluster, ref: dict, ns: str) -> dict:
     kind, name = ref["kind"], ref["name"]
     what = f"{kind} {name}"
@@ -97,6 +106,8 @@ def owner(c: Cluster, pod: dict) -> Owner | None:
             job_ref = controller_ref(obj)
             if job_ref is None or job_ref["kind"] != "JobSet":
                 return None
+            if _failing(obj):  # its pods are being deleted: no successor will come
+                return Owner("Job", ref["name"], 0, False, f"its Job {ref['name']} has failed")
             ref, obj = job_ref, _read(c, job_ref, ns)
     except NotFound:
         return Owner(ref["kind"], ref["name"], 0, False, f"its {ref['kind']} is gone")

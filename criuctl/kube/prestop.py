@@ -36,7 +36,17 @@ from criuctl.agent.messages import CheckpointAnswer, CheckpointRequest, LazyRequ
 from criuctl.agent.protocol import Mode
 from criuctl.client.agents import AgentClient, AgentError, Node
 from criuctl.core.errors import CriuctlError
-from criuctl.kube import events, jobmoves, moves, mutate, owners, podmigrations, podplan, podvolumes
+from criuctl.kube import (
+    events,
+    jobfailures,
+    jobmoves,
+    moves,
+    mutate,
+    owners,
+    podmigrations,
+    podplan,
+    podvolumes,
+)
 from criuctl.kube.cluster import Cluster, agent_for, agent_of, call, container_id, delete_now, workload_row
 from criuctl.local import exitwrites
 from criuctl.net import peers
@@ -180,6 +190,8 @@ def leaving(c: Cluster, namespace: str, ident: str, node: str) -> str:
     if row is None or row.get("why_not"):
         why_not = row.get("why_not") if row is not None else None
         return f"nothing to checkpoint ({why_not or 'no job in the container'})"
+    if (owners.controller_ref(pod) or {}).get("kind") == "Job":  # its Job may ignore the ended pod
+        jobfailures.mark_moving(c, pod)
     needed = max(podplan.pod_memory(pod), int(row.get("rss_bytes") or 0))
     tcp = peers.Endpoints.from_json(row.get("tcp"))  # a job's rank: re-addressed where it is restored
     ranked = any(not ipaddress.ip_address(c[2]).is_loopback for c in tcp.connections)

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from criuctl.agent import preflight
 from criuctl.core.errors import CriuctlError
-from criuctl.kube import api, cluster, moves, mutate
+from criuctl.kube import api, cluster, moves, mutate, owners
 
 log = logging.getLogger("criuctl.webhook")
 
@@ -51,6 +51,9 @@ class Options:
 
     prestop_port: int | None = None
     pending: Callable[[str, str], moves.Move | None] | None = None
+    # the name of a pod of this identity being deleted whose preStop may be checkpointing its job
+    # (a JobSet's pod: its successor has another name, so the two can exist together)
+    leaving: Callable[[str, str], str | None] | None = None
 
 
 def review(request: dict[str, Any], opts: Options | None = None) -> dict[str, Any]:
@@ -89,7 +92,12 @@ def _admit(body: Any, opts: Options) -> tuple[dict[str, Any], str]:
         except MovesUnknown as exc:
             return _unsure(uid, who, pod, exc)
         if move is not None and move.phase not in (moves.Phase.DUMPING, moves.Phase.KEPT):
+            held = _hold(uid, who, pod, opts, namespace, name, move)
+            if held is not None:
+                return held
             move = None
+        elif move is None and (held := _hold(uid, who, pod, opts, namespace, name, None)) is not None:
+            return held
         try:
             new = mutate.wrap(pod, opts.prestop_port, namespace)
             if move is not None:
@@ -112,6 +120,41 @@ def _admit(body: Any, opts: Options) -> tuple[dict[str, Any], str]:
     except Malformed as exc:
         message = f"criuctl's admission webhook refused the request: {exc}"
         return _response(uid, allowed=False, message=message), f"refused: {exc}"
+
+
+def _hold(
+    uid: str,
+    who: str,
+    pod: dict[str, Any],
+    opts: Options,
+    namespace: str,
+    ident: str,
+    move: moves.Move | None,
+) -> tuple[dict[str, Any], str] | None:
+    """The refusal of a JobSet pod created while a predecessor of its identity is being deleted and
+    its move is not decided yet (no record, or one only requested): a recent Job controller
+    replaces a pod as soon as it is deleted (`podReplacementPolicy: TerminatingOrFailed`, the
+    default), before the predecessor's preStop has written `dumping`, and admitted now it would
+    start its rank over. Refused, the Job controller retries (its rate limiter: 5 ms, doubling);
+    once the record says `dumping` the retry becomes the placeholder, and once the predecessor is
+    gone without a move an ordinary pod. None: nothing to wait for."""
+    if (
+        opts.leaving is None
+        or not mutate.indexed(pod)
+        or (move is not None and move.phase != moves.Phase.REQUESTED)
+    ):
+        return None
+    try:
+        old = opts.leaving(namespace, ident)
+    except MovesUnknown as exc:
+        return _unsure(uid, who, pod, exc)
+    if old is None:
+        return None
+    message = (
+        f"pod {ident}'s predecessor {old} is being deleted and criuctl may be checkpointing its job: "
+        "its successor is admitted once that is decided (its controller retries)"
+    )
+    return _response(uid, allowed=False, message=message), f"{who}: held back ({old} is leaving)"
 
 
 def _unsure(uid: str, who: str, pod: dict[str, Any], exc: MovesUnknown) -> tuple[dict[str, Any], str]:
@@ -213,6 +256,27 @@ def pending_moves(kubeconfig: str | None) -> Callable[[str, str], moves.Move | N
             raise MovesUnknown(f"criuctl's pending moves cannot be read: {exc.what}") from exc
 
     return pending
+
+
+def leaving_pods(kubeconfig: str | None) -> Callable[[str, str], str | None]:
+    """The lookup of a JobSet pod's predecessor still leaving (`Options.leaving`), through the API
+    server, bounded as `pending_moves`: a pod of the identity with a deletion timestamp, not
+    ended, that carries criuctl's preStop hook."""
+    c = cluster.connect(kubeconfig, api.timeouts().admission())
+
+    def leaving(namespace: str, ident: str) -> str | None:
+        try:
+            found = owners.pods_of(c, namespace, ident)
+        except CriuctlError as exc:
+            raise MovesUnknown(f"the pods of {ident} cannot be read: {exc.what}") from exc
+        for p in found:
+            ended = (p.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+            hooked = any(mutate.has_prestop(ctr) for ctr in p["spec"]["containers"])
+            if p["metadata"].get("deletionTimestamp") and not ended and hooked:
+                return str(p["metadata"]["name"])
+        return None
+
+    return leaving
 
 
 def serve(listen: str, cert: str, key: str, opts: Options | None = None) -> None:

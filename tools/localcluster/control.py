@@ -139,7 +139,7 @@ def start(lay: Layout, tokens: dict[str, str]) -> None:
             f"--service-account-private-key-file={pki}/sa.key",
             f"--root-ca-file={pki}/ca.crt",
             f"--flex-volume-plugin-dir={lay.dir}/flexvolume",
-            "--controllers=*,-bootstrapsigner,-tokencleaner",
+            "--controllers=*,-bootstrapsigner,-tokencleaner,-job",  # Jobs: localcluster.indexedjob
             "--use-service-account-credentials=true",
             "--node-monitor-grace-period=20s",
             "--pod-eviction-timeout=30s",

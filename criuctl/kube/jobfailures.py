@@ -1,0 +1,124 @@
+"""What a move costs a Job's failure count, and the one thing criuctl does to keep it at nothing.
+
+A move of a Job's pod ends that pod, and a recent Job controller (`pkg/controller/job`, Kubernetes ≥
+1.29) counts a pod deleted before it succeeded as failed (`isPodFailed`) against the Job's
+`backoffLimit` (default 6); past it the Job fails, and a JobSet with no failure policy fails with
+it: every rank ends (a TrainJob's too). Only a `podFailurePolicy` rule can leave a pod uncounted:
+`action: Ignore` on the pod condition `DisruptionTarget` (what the eviction API, the taint manager
+and preemption set on a pod they end). A Job may carry such a rule only with restartPolicy Never.
+
+So for a Job's pod criuctl:
+- marks the pod `DisruptionTarget` (reason `CriuctlMigration`) in its preStop, before the dump
+  (`mark_moving`): a `criuctl migrate` deletes it without the eviction API, which would set it;
+  the Job then ignores the pod where the user's rule says so, and nowhere else;
+- refuses a move, in one line and before anything is frozen, that would fail the Job (`refusal`):
+  counted, and one more failure than `backoffLimit` allows.
+
+The Job's spec comes from the Job, or for the fields an older API server drops (`podFailurePolicy`,
+before 1.26) from the JobSet's replicated-Job template it was made from, which JobSet copies verbatim.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from criuctl.core.errors import CriuctlError
+from criuctl.kube import events
+from criuctl.kube.cluster import Cluster, NotFound, call
+from criuctl.kube.owners import JOBSET
+
+CONDITION = "DisruptionTarget"
+REASON = "CriuctlMigration"
+BATCH = ("batch", "v1", "jobs")
+
+
+def ignores_disruption(spec: dict) -> bool:
+    """Whether a failed pod marked `DisruptionTarget` is left uncounted: the first rule that names
+    the condition (status True, the default) says Ignore, and no earlier rule claims the pod by its
+    exit codes alone (such a rule, FailJob or Count, matches before it: `matchPodFailurePolicy`)."""
+    for rule in (spec.get("podFailurePolicy") or {}).get("rules") or []:
+        if rule.get("onExitCodes"):
+            return False
+        if any(
+            c.get("type") == CONDITION and c.get("status", "True") == "True"
+            for c in rule.get("onPodConditions") or []
+        ):
+            return rule.get("action") == "Ignore"
+    return False
+
+
+def job_of(c: Cluster, pod: dict) -> dict | None:
+    """The pod's Job (with the spec fields its JobSet's template has and the Job lost), or None."""
+    ref = next((r for r in pod["metadata"].get("ownerReferences") or [] if r.get("controller")), None)
+    if ref is None or ref.get("kind") != "Job":
+        return None
+    ns = pod["metadata"]["namespace"]
+    try:
+        job = call(
+            f"Job {ref['name']}", c.custom.get_namespaced_custom_object, *BATCH[:2], ns, BATCH[2], ref["name"]
+        )
+    except NotFound:
+        return None
+    labels = job["metadata"].get("labels") or {}
+    jobset, rjob = (
+        labels.get("jobset.sigs.k8s.io/jobset-name"),
+        labels.get("jobset.sigs.k8s.io/replicatedjob-name"),
+    )
+    if jobset and rjob and "podFailurePolicy" not in job["spec"]:
+        try:
+            js = call(
+                f"JobSet {jobset}", c.custom.get_namespaced_custom_object, *JOBSET[:2], ns, JOBSET[2], jobset
+            )
+        except NotFound:
+            return job
+        for r in (js.get("spec") or {}).get("replicatedJobs") or []:
+            if r.get("name") == rjob:
+                template: dict[str, Any] = ((r.get("template") or {}).get("spec")) or {}
+                if "podFailurePolicy" in template:
+                    job["spec"]["podFailurePolicy"] = template["podFailurePolicy"]
+    return job
+
+
+def refusal(job: dict) -> str | None:
+    """Why moving a pod of `job` would fail it (None: it would not): the move counts as a failure,
+    and the Job has no failure left to spend."""
+    spec, status = job.get("spec") or {}, job.get("status") or {}
+    if ignores_disruption(spec):
+        return None
+    limit, failed = int(spec.get("backoffLimit", 6)), int(status.get("failed") or 0)
+    if failed + 1 <= limit:
+        return None
+    name = job["metadata"]["name"]
+    return (
+        f"moving it counts as a failure of Job {name} (backoffLimit {limit}, {failed} failed so far): "
+        "the Job, and a JobSet of it, would fail and end every rank"
+    )
+
+
+HINT = (
+    "nothing was changed; give the Job a podFailurePolicy rule "
+    "{action: Ignore, onPodConditions: [{type: DisruptionTarget}]} (restartPolicy Never), "
+    "or a higher backoffLimit"
+)
+
+
+def mark_moving(c: Cluster, pod: dict) -> bool:
+    """Set the pod's `DisruptionTarget` condition (once): its Job's Ignore rule then leaves the
+    ended pod uncounted. False where the API server refused (the move goes on: counted, as before)."""
+    conds = pod.get("status", {}).get("conditions") or []
+    if any(x.get("type") == CONDITION and x.get("status") == "True" for x in conds):
+        return True
+    mine = {
+        "type": CONDITION,
+        "status": "True",
+        "reason": REASON,
+        "message": "criuctl: its job is moving to another node",
+        "lastTransitionTime": events.now(),
+    }
+    body = {"status": {"conditions": [mine]}}  # a strategic merge: conditions merge by type
+    meta = pod["metadata"]
+    try:
+        call(f"pod {meta['name']}", c.core.patch_namespaced_pod_status, meta["name"], meta["namespace"], body)
+    except CriuctlError:  # a courtesy to the Job's accounting, never a reason to stop the move
+        return False
+    return True
