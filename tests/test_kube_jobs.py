@@ -517,46 +517,51 @@ def test_a_jobs_pod_moves_uncounted_or_is_refused_before_anything_is_frozen(loca
     rule Ignore on DisruptionTarget, the pod moves (its preStop marks it), the Job counts nothing,
     and the JobSet never fails."""
     lay, k = local_cluster
-    for name, ignore in (("sjr", False), ("sjm", True)):
+    cases = {"sjr": False, "sjm": True}  # both at once: the refused one is watched meanwhile
+    for name, ignore in cases.items():
         k.apply(_strict_jobset(name, ignore))
-        try:
-            deadline = time.monotonic() + 180
+    try:
+        first: dict[str, dict] = {}
+        deadline = time.monotonic() + 180
+        for name in cases:
             while not (pods := _trainjob_pods(k, name)) or pods["0"]["status"].get("phase") != "Running":
                 assert time.monotonic() < deadline, pods
                 time.sleep(1)
-            pod = pods["0"]
-            pname, source = pod["metadata"]["name"], pod["spec"]["nodeName"]
-            to = "a" if source == "b" else "b"
-            _wait_steps(k, pname, 5)
-            r = criuctl(lay, "migrate", pname, to)
-            if not ignore:
-                assert (
-                    r.returncode == 2 and "backoffLimit 0" in r.stderr and "podFailurePolicy" in r.stderr
-                ), r.stderr
-                assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) <= 2, r.stderr
-                now = _trainjob_pods(k, name)["0"]
-                assert now["metadata"]["uid"] == pod["metadata"]["uid"] and not now["metadata"].get(
-                    "deletionTimestamp"
-                )
-                at = max(steps(k.logs(pname)))
-                _wait_steps(k, pname, at + 2)  # still training, where it was
-                continue
-            assert r.returncode == 0, r.stderr[-3000:]
-            deadline = time.monotonic() + 180
-            while (new := _trainjob_pods(k, name).get("0") or {"metadata": {}})["metadata"].get("uid") in (
-                None,
-                pod["metadata"]["uid"],
-            ) or "criuctl.io/migrated-at" not in (new["metadata"].get("annotations") or {}):
-                assert time.monotonic() < deadline, new
-                time.sleep(1)
-            assert new["spec"]["nodeName"] == to
-            _wait_steps(k, new["metadata"]["name"], 10)
-            k.wait_gone("pod", pname)  # gone: its Job has judged it (its tracking finalizer went)
-            job = k.get("job", f"{name}-node-0")
-            assert int(job["status"].get("failed") or 0) == 0, job["status"]
-            conds = {c["type"] for c in (job["status"].get("conditions") or [])}
-            assert not conds & {"FailureTarget", "Failed"}, job["status"]
-            js = k.get("jobset", name)
-            assert "Failed" not in {c["type"] for c in (js.get("status") or {}).get("conditions") or []}
-        finally:
+            first[name] = pods["0"]
+            _wait_steps(k, pods["0"]["metadata"]["name"], 5)
+        refused, pod = first["sjr"], first["sjm"]
+        r = criuctl(
+            lay, "migrate", refused["metadata"]["name"], "a" if refused["spec"]["nodeName"] == "b" else "b"
+        )
+        assert r.returncode == 2 and "backoffLimit 0" in r.stderr and "podFailurePolicy" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) <= 2, r.stderr
+
+        pname, source = pod["metadata"]["name"], pod["spec"]["nodeName"]
+        to = "a" if source == "b" else "b"
+        r = criuctl(lay, "migrate", pname, to)
+        assert r.returncode == 0, r.stderr[-3000:]
+        deadline = time.monotonic() + 180
+        while (new := _trainjob_pods(k, "sjm").get("0") or {"metadata": {}})["metadata"].get("uid") in (
+            None,
+            pod["metadata"]["uid"],
+        ) or "criuctl.io/migrated-at" not in (new["metadata"].get("annotations") or {}):
+            assert time.monotonic() < deadline, new
+            time.sleep(1)
+        assert new["spec"]["nodeName"] == to
+        _wait_steps(k, new["metadata"]["name"], 10)
+        k.wait_gone("pod", pname)  # gone: its Job has judged it (its tracking finalizer went)
+        job = k.get("job", "sjm-node-0")
+        assert int(job["status"].get("failed") or 0) == 0, job["status"]
+        assert not {c["type"] for c in (job["status"].get("conditions") or [])} & {"FailureTarget", "Failed"}
+        js = k.get("jobset", "sjm")
+        assert "Failed" not in {c["type"] for c in (js.get("status") or {}).get("conditions") or []}
+
+        now = _trainjob_pods(k, "sjr")["0"]  # the refused one: untouched, training on where it was
+        assert now["metadata"]["uid"] == refused["metadata"]["uid"] and not now["metadata"].get(
+            "deletionTimestamp"
+        )
+        assert max(steps(k.logs(now["metadata"]["name"]))) > 5
+        assert int(k.get("job", "sjr-node-0")["status"].get("failed") or 0) == 0
+    finally:
+        for name in cases:
             k("delete", "jobset", name, "--wait=false")

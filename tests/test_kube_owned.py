@@ -69,7 +69,8 @@ def _pytorchjob(name: str, node: str) -> dict:
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",
         "metadata": {"name": name},
-        "spec": {"pytorchReplicaSpecs": {"Master": master}},
+        # the strictest backoff: any restart of a container fails the job (a move restarts none)
+        "spec": {"runPolicy": {"backoffLimit": 0}, "pytorchReplicaSpecs": {"Master": master}},
     }
 
 

@@ -194,6 +194,29 @@ def _until(what: str, get: Callable[[], Any], timeout: float = 90) -> Any:
     return value
 
 
+def test_the_backoff_limit_counts_the_running_pods_container_restarts() -> None:
+    """`PastBackoffLimit`: restarts of Running pods' containers, for restartable replicas, reach
+    runPolicy.backoffLimit (any restart when it is 0); a deleted pod (a move) restarts nothing."""
+    job = _job()
+
+    def pod(rtype: str, restarts: int, phase: str = "Running") -> dict:
+        labels = {L + "replica-type": rtype}
+        status = {"phase": phase, "containerStatuses": [{"name": "pytorch", "restartCount": restarts}]}
+        return {"metadata": {"labels": labels}, "status": status}
+
+    assert not ptj.past_backoff_limit(job, [pod("worker", 5)]), "no limit, no check"
+    job["spec"]["runPolicy"] = {"backoffLimit": 0}
+    assert ptj.past_backoff_limit(job, [pod("master", 0), pod("worker", 1)])
+    assert not ptj.past_backoff_limit(job, [pod("master", 0), pod("worker", 0)])
+    assert not ptj.past_backoff_limit(job, [pod("worker", 3, "Pending")])
+    job["spec"]["runPolicy"] = {"backoffLimit": 2}
+    assert not ptj.past_backoff_limit(job, [pod("worker", 1)]) and ptj.past_backoff_limit(
+        job, [pod("worker", 2)]
+    )
+    job["spec"]["pytorchReplicaSpecs"]["Worker"]["restartPolicy"] = "Never"
+    assert not ptj.past_backoff_limit(job, [pod("worker", 2)])
+
+
 def _conditions(k: Kubectl, name: str) -> dict[str, str]:
     job = k.get("pytorchjob", name, NS) or {}
     return {c["type"]: c["status"] for c in (job.get("status") or {}).get("conditions", [])}

@@ -140,7 +140,7 @@ def _until(what: str, get: Callable[[], Any], timeout: float = 90) -> Any:
 
 
 def _jobset(name: str, job_spec: dict) -> dict:
-    """A JobSet (no Trainer) of 2 indexes whose pods ignore SIGTERM for their 20 s of grace: a
+    """A JobSet (no Trainer) of 2 indexes whose pods ignore SIGTERM for their 8 s of grace: a
     deleted one terminates long enough to be seen beside its replacement."""
     ctr = {
         "name": "c",
@@ -149,7 +149,7 @@ def _jobset(name: str, job_spec: dict) -> dict:
         "command": ["/bin/sh", "-c", "trap '' TERM; while :; do sleep 1; done"],
         "resources": {"requests": {"memory": "8Mi", "cpu": "10m"}},
     }
-    template = {"spec": {"terminationGracePeriodSeconds": 20, "containers": [ctr]}}
+    template = {"spec": {"terminationGracePeriodSeconds": 8, "containers": [ctr]}}
     spec = {"parallelism": 2, "completions": 2, "template": template, **job_spec}
     return {
         "apiVersion": "jobset.x-k8s.io/v1alpha2",

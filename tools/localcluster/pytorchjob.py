@@ -26,9 +26,14 @@ that part of the operator's v1 PyTorchJob controller, the way the operator does 
   Failed (the same with Never, or a spec it cannot run), Succeeded (the master exited 0; Running
   turns False); `replicaStatuses`, `startTime`, `completionTime`.
 
+- `runPolicy.backoffLimit` as the operator counts it (`ReconcileJobs`, `core.PastBackoffLimit`): the
+  restarts of the containers of the job's Running pods; reached, every pod and Service is deleted
+  and the job Failed (a move restarts no container: it spends none of it).
+
 What it does NOT do: elastic jobs (torchrun rendezvous, nprocPerNode), a job without a Master, the
-ExitCode policy's retries (a failed pod is not deleted and made again), runPolicy (cleanPodPolicy,
-TTL, deadlines, backoffLimit, suspend), gang scheduling, the init container that waits for the
+ExitCode policy's retries (a failed pod is not deleted and made again), the backoff's other half
+(`jobHasNewFailure` with the work queue's requeue count), runPolicy (cleanPodPolicy, TTL,
+deadlines, suspend), gang scheduling, the init container that waits for the
 master, Events, metrics, webhooks, leader election. It polls every second rather than watching: a
 local cluster has a handful of pods, and a poll misses nothing across an API server restart.
 """
@@ -300,6 +305,16 @@ class Controller:
             order = sorted(specs, key="Master".__ne__)
             status["replicaStatuses"] = {rtype: self._replicas(job, rtype, pods, svcs) for rtype in order}
             update_conditions(status, name, specs, status["replicaStatuses"])
+            mine = [p for p in pods.values() if _owned(p, job)]
+            if past_backoff_limit(job, mine):  # ReconcileJobs: every pod and Service deleted, Failed
+                for p in mine:
+                    self._delete(self.core.delete_namespaced_pod, p)
+                for i_rtype in order:
+                    for i in range(replicas(specs[i_rtype])):
+                        svc = {"metadata": {"namespace": ns, "name": name_of(name, i_rtype, i)}}
+                        self._delete(self.core.delete_namespaced_service, svc)
+                why = f"PyTorchJob {name} has failed because it has reached the specified backoff limit"
+                set_condition(status, "Failed", why, KIND + "Failed")
             if holds(status, "Succeeded", "Failed"):
                 status.setdefault("completionTime", _now())
         if status != (job.get("status") or {}):
@@ -323,6 +338,36 @@ class Controller:
         return counts
 
     _create = staticmethod(lambda fn, ns, obj: create(fn, ns, obj))
+
+    @staticmethod
+    def _delete(fn, obj: dict) -> None:
+        try:
+            fn(obj["metadata"]["name"], obj["metadata"]["namespace"], _preload_content=False)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+
+def past_backoff_limit(job: dict, pods: list[dict]) -> bool:
+    """training-operator's `runPolicy.backoffLimit` as `ReconcileJobs` checks it through
+    `core.PastBackoffLimit`: the restarts of the containers of the job's Running pods, for replicas
+    whose restartPolicy lets the kubelet restart them (OnFailure, Always, ExitCode), reach the limit
+    (any restart, for a limit of 0). No limit: never."""
+    limit = ((job.get("spec") or {}).get("runPolicy") or {}).get("backoffLimit")
+    if limit is None:
+        return False
+    specs = replica_specs(job)
+    restarts = 0
+    for p in pods:
+        rtype = next(
+            (t for t in specs if t.lower() == p["metadata"]["labels"].get(LABEL + "replica-type")), None
+        )
+        if rtype is None or specs[rtype].get("restartPolicy", "OnFailure") == "Never":
+            continue
+        if (p.get("status") or {}).get("phase") != "Running":
+            continue
+        restarts += sum(int(c.get("restartCount") or 0) for c in p["status"].get("containerStatuses") or [])
+    return restarts > 0 if int(limit) == 0 else restarts >= int(limit)
 
 
 def create(fn, ns: str, obj: dict) -> None:
