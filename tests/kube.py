@@ -15,7 +15,9 @@ import re
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from localcluster.layout import BUSYBOX, HOST_PYTHON, REPO, Layout
 
@@ -399,3 +401,12 @@ def wait_podmigration(k: Kubectl, name: str, timeout: float = 300, namespace: st
     raise AssertionError(
         f"podmigration {name} did not end within {timeout:.0f} s: {obj and obj.get('status')}"
     )
+
+
+def until(what: str, get: Callable[[], Any], timeout: float = 90) -> Any:
+    """`get()` once it is truthy, polled every 0.3 s; fails the test with `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not (value := get()):
+        assert time.monotonic() < deadline, f"{what}: not after {timeout:.0f}s"
+        time.sleep(0.3)
+    return value

@@ -340,9 +340,12 @@ def test_a_worker_whose_restore_fails_on_the_target_comes_back_on_its_node(local
         k("delete", "pytorchjob", "fb", "--wait=false", check=False)
 
 
-def train_job(name: str, nodes: int = 3) -> dict:
+def train_job(name: str, nodes: int = 3, torchrun: int = 0) -> dict:
     """A TrainJob as a user writes one for Kubeflow Trainer's torch runtime: the script reads the
-    rank, world and master that Trainer's PET_* variables carry (torchrun's own names)."""
+    rank, world and master that Trainer's PET_* variables carry (torchrun's own names); or, with
+    `torchrun` N, torchrun itself runs in each pod (what most TrainJobs do): its agent reads the
+    PET_* variables, hosts the static rendezvous store on node 0, and starts N workers per node,
+    which find their rank and the store through env://."""
     from tests.test_multinode import STEPS as REF_STEPS
 
     ctr = ddp_job(name)["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
@@ -374,9 +377,10 @@ def train_job(name: str, nodes: int = 3) -> dict:
             "trainer": {
                 "numNodes": nodes,
                 "image": ctr["image"],
-                "command": ctr["command"],
-                "args": [DDP_JOB, *REF_STEPS[:2], "--step-time", "0.3", *dist],
+                "command": [*ctr["command"], "-m", "torch.distributed.run"] if torchrun else ctr["command"],
+                "args": [DDP_JOB, *REF_STEPS[:2], "--step-time", "0.3", *([] if torchrun else dist)],
                 "resourcesPerNode": ctr["resources"],
+                **({"numProcPerNode": torchrun} if torchrun else {}),
             },
             "podTemplateOverrides": [override],
         },
@@ -392,27 +396,31 @@ def _trainjob_pods(k: Kubectl, job: str) -> dict[str, dict]:
 
 @pytest.mark.parametrize("how", ["migrate", "drain"])
 def test_a_trainjob_pod_moves_by_index_and_the_job_never_stops(local_cluster, how: str) -> None:
-    """A 3-node TrainJob (the stand-in makes its pods as JobSet does: random names, hostname
-    `trn-node-0-I`, subdomain `trn`; rank 0's store found as `trn-node-0-0.trn`). `criuctl migrate`
-    of index 1's pod, or `kubectl drain` of its node (every index there moves, one after another,
-    rank 0 too if it is there): a successor has another name but the same index, hostname and DNS
-    name, and criuctl knows it by that (criuctl.kube.owners.identity). The job never stops and ends
-    as an uninterrupted run does; no pod restarted; no rule left on a node."""
+    """A TrainJob (the stand-ins make its pods as JobSet's Indexed Job does: random names, hostname
+    `trn-node-0-I`, subdomain `trn`; the store found as `trn-node-0-0.trn`; the replacement made
+    while the old pod terminates). `criuctl migrate` of index 0's pod of a 2-node job that runs
+    torchrun in each pod, 2 workers per node (the pod holds torchrun's agent, the static
+    rendezvous store every worker talks to, and ranks 0 and 1); or `kubectl drain` of index 1's
+    node in a 3-node job with a rank per pod (every index there moves, one after another, rank 0
+    too if it is there). A successor has another name but the same index, hostname and DNS name,
+    and criuctl knows it by that (criuctl.kube.owners.identity). The job never stops and ends as
+    an uninterrupted run does; no pod restarted; no rule left on a node."""
     lay, k = local_cluster
     job = {"migrate": "trn", "drain": "trd"}[how]
-    k.apply(train_job(job))
+    nodes, world, index = (2, 4, "0") if how == "migrate" else (3, 3, "1")
+    k.apply(train_job(job, nodes, torchrun=2 if how == "migrate" else 0))
     source = ""
     try:
         deadline = time.monotonic() + 180
-        while len(pods := _trainjob_pods(k, job)) < 3 or any(
+        while len(pods := _trainjob_pods(k, job)) < nodes or any(
             p["status"].get("phase") != "Running" for p in pods.values()
         ):
             assert time.monotonic() < deadline, {i: p["status"].get("phase") for i, p in pods.items()}
             time.sleep(1)
         rank0 = pods["0"]["metadata"]["name"]
         _wait_steps(k, rank0, 15)
-        assert {p["spec"]["hostname"] for p in pods.values()} == {f"{job}-node-0-{i}" for i in range(3)}
-        name, source = pods["1"]["metadata"]["name"], pods["1"]["spec"]["nodeName"]
+        assert {p["spec"]["hostname"] for p in pods.values()} == {f"{job}-node-0-{i}" for i in range(nodes)}
+        name, source = pods[index]["metadata"]["name"], pods[index]["spec"]["nodeName"]
         to = "a" if source == "b" else "b"
         before = {
             i: (p["metadata"]["uid"], p["status"]["containerStatuses"][0]["restartCount"])
@@ -424,7 +432,7 @@ def test_a_trainjob_pod_moves_by_index_and_the_job_never_stops(local_cluster, ho
         first0.start()
 
         if how == "migrate":
-            moved = ["1"]
+            moved = [index]
             r = criuctl(lay, "migrate", name, to, "-o", "json")
             assert r.returncode == 0, r.stderr[-3000:]
             out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -448,12 +456,12 @@ def test_a_trainjob_pod_moves_by_index_and_the_job_never_stops(local_cluster, ho
             assert new["metadata"]["annotations"]["criuctl.io/migrated-from"] == f"default/{old}@{source}"
         now = _trainjob_pods(k, job)
         rows = _jobs(lay, f"{job}-node-0")
-        assert (now["1"]["metadata"]["name"], to) in [(r[0], r[1]) for r in rows], rows
+        assert (now[index]["metadata"]["name"], to) in [(r[0], r[1]) for r in rows], rows
         _all_connected(rows, [p["metadata"]["name"] for p in now.values()])
 
         from tests.test_multinode import reference
 
-        ref_steps, ref_final = reference(3)
+        ref_steps, ref_final = reference(world)
         rank0_now = now["0"]["metadata"]["name"]
         deadline = time.monotonic() + 300
         while not final(log := k.logs(rank0_now)):

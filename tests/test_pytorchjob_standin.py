@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,6 +16,7 @@ from localcluster.layout import BUSYBOX
 
 from tests.conftest import needs_criu
 from tests.kube import Kubectl
+from tests.kube import until as _until
 
 NS = "ptj"
 FINISH = "/tmp/finish"  # the master exits 0 once this file exists: the test decides when
@@ -184,14 +185,6 @@ def cluster(local_cluster) -> Iterator[Kubectl]:
             thread.join(10)
         if not had_crd:
             k("delete", "crd", ptj.CRD_NAME, "--timeout=60s", check=False)
-
-
-def _until(what: str, get: Callable[[], Any], timeout: float = 90) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := get()):
-        assert time.monotonic() < deadline, f"{what}: not after {timeout:.0f}s"
-        time.sleep(0.3)
-    return value
 
 
 def test_the_backoff_limit_counts_the_running_pods_container_restarts() -> None:

@@ -5,8 +5,6 @@ while the old pod terminates, the deleted pod counted as a failure, and the JobS
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -16,6 +14,7 @@ from localcluster.layout import BUSYBOX
 
 from tests.conftest import needs_criu
 from tests.kube import Kubectl
+from tests.kube import until as _until
 
 NS = "default"
 
@@ -129,14 +128,6 @@ def test_trainers_env_and_jobsets_job_as_they_make_them() -> None:
     pod = ij.pod_for({**job, "metadata": {**job["metadata"], "uid": "j", "namespace": NS}}, 1)
     assert pod["spec"]["hostname"] == "t-node-0-1" and pod["metadata"]["generateName"] == "t-node-0-1-"
     assert pod["spec"]["subdomain"] == "t" and pod["metadata"]["finalizers"] == [ij.FINALIZER]
-
-
-def _until(what: str, get: Callable[[], Any], timeout: float = 90) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := get()):
-        assert time.monotonic() < deadline, f"{what}: not after {timeout:.0f}s"
-        time.sleep(0.3)
-    return value
 
 
 def _jobset(name: str, job_spec: dict) -> dict:
