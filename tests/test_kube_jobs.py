@@ -340,24 +340,15 @@ def test_a_worker_whose_restore_fails_on_the_target_comes_back_on_its_node(local
         k("delete", "pytorchjob", "fb", "--wait=false", check=False)
 
 
-def train_job(name: str, nodes: int = 3, torchrun: int = 0) -> dict:
-    """A TrainJob as a user writes one for Kubeflow Trainer's torch runtime: the script reads the
-    rank, world and master that Trainer's PET_* variables carry (torchrun's own names); or, with
-    `torchrun` N, torchrun itself runs in each pod (what most TrainJobs do): its agent reads the
-    PET_* variables, hosts the static rendezvous store on node 0, and starts N workers per node,
-    which find their rank and the store through env://."""
+def train_job(name: str, nodes: int, procs_per_node: int) -> dict:
+    """A TrainJob as a user writes one for Kubeflow Trainer's torch runtime: torchrun in each pod
+    (what most TrainJobs run): its agent reads Trainer's PET_* variables, hosts the static
+    rendezvous store on node 0 (`PET_MASTER_ADDR`, index 0's DNS name), and starts
+    `procs_per_node` workers, which find their rank and the store through env://."""
     from tests.test_multinode import STEPS as REF_STEPS
 
     ctr = ddp_job(name)["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
     pod = training_pod(name, container="pytorch")
-    dist = [
-        "--rank",
-        "$(PET_NODE_RANK)",
-        "--world",
-        "$(PET_NNODES)",
-        "--master",
-        "$(PET_MASTER_ADDR):$(PET_MASTER_PORT)",
-    ]
     override = {
         "targetJobs": [{"name": "node"}],
         "metadata": {k: pod["metadata"][k] for k in ("labels", "annotations")},
@@ -377,10 +368,10 @@ def train_job(name: str, nodes: int = 3, torchrun: int = 0) -> dict:
             "trainer": {
                 "numNodes": nodes,
                 "image": ctr["image"],
-                "command": [*ctr["command"], "-m", "torch.distributed.run"] if torchrun else ctr["command"],
-                "args": [DDP_JOB, *REF_STEPS[:2], "--step-time", "0.3", *([] if torchrun else dist)],
+                "command": [*ctr["command"], "-m", "torch.distributed.run"],
+                "args": [DDP_JOB, *REF_STEPS[:2], "--step-time", "0.3"],
                 "resourcesPerNode": ctr["resources"],
-                **({"numProcPerNode": torchrun} if torchrun else {}),
+                "numProcPerNode": procs_per_node,
             },
             "podTemplateOverrides": [override],
         },
@@ -401,14 +392,14 @@ def test_a_trainjob_pod_moves_by_index_and_the_job_never_stops(local_cluster, ho
     while the old pod terminates). `criuctl migrate` of index 0's pod of a 2-node job that runs
     torchrun in each pod, 2 workers per node (the pod holds torchrun's agent, the static
     rendezvous store every worker talks to, and ranks 0 and 1); or `kubectl drain` of index 1's
-    node in a 3-node job with a rank per pod (every index there moves, one after another, rank 0
-    too if it is there). A successor has another name but the same index, hostname and DNS name,
-    and criuctl knows it by that (criuctl.kube.owners.identity). The job never stops and ends as
-    an uninterrupted run does; no pod restarted; no rule left on a node."""
+    node in a 3-node job with torchrun and one worker per pod (every index there moves, one after
+    another, node 0 too if it is there). A successor has another name but the same index,
+    hostname and DNS name, and criuctl knows it by that (criuctl.kube.owners.identity). The job
+    never stops and ends as an uninterrupted run does; no pod restarted; no rule left on a node."""
     lay, k = local_cluster
     job = {"migrate": "trn", "drain": "trd"}[how]
     nodes, world, index = (2, 4, "0") if how == "migrate" else (3, 3, "1")
-    k.apply(train_job(job, nodes, torchrun=2 if how == "migrate" else 0))
+    k.apply(train_job(job, nodes, procs_per_node=2 if how == "migrate" else 1))
     source = ""
     try:
         deadline = time.monotonic() + 180
