@@ -819,7 +819,7 @@ def test_a_jobset_pods_successor_waits_while_its_predecessors_move_is_undecided(
         return webhook.Options(
             prestop_port=7071,
             pending=lambda ns, n: move,
-            leaving=lambda ns, n: asked.append((ns, n)) or gone,
+            leaving=lambda ns, n, sel: asked.append((ns, n, sel)) or gone,
         )
 
     def move(phase: moves.Phase) -> moves.Move:
@@ -828,7 +828,13 @@ def test_a_jobset_pods_successor_waits_while_its_predecessors_move_is_undecided(
     for m in (None, move(moves.Phase.REQUESTED)):
         out = webhook.review(admission(p), opts(m, leaving))["response"]
         assert out["allowed"] is False and leaving in out["status"]["message"], out
-    assert asked[-1] == ("ml", "trn-node-0-1.trn")
+    assert asked[-1] == ("ml", "trn-node-0-1.trn", "jobset.sigs.k8s.io/jobset-name=trn")
+    indexed = copy.deepcopy(p)
+    indexed["metadata"]["labels"].update({"jobset.sigs.k8s.io/job-index": "0", mutate.INDEX_LABELS[-1]: "1"})
+    webhook.review(admission(indexed), opts(None, leaving))
+    assert asked[-1][2] == (
+        "jobset.sigs.k8s.io/jobset-name=trn,jobset.sigs.k8s.io/job-index=0,batch.kubernetes.io/job-completion-index=1"
+    )
     out = webhook.review(admission(p), opts(move(moves.Phase.DUMPING), leaving))["response"]
     assert out["allowed"] and mutate.is_placeholder(
         apply_patch(p, json.loads(base64.b64decode(out["patch"])))

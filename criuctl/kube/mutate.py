@@ -75,6 +75,23 @@ def indexed(pod: Pod) -> bool:
     return bool(labels.get(JOBSET_LABEL) and spec.get("hostname") and spec.get("subdomain"))
 
 
+# labels a JobSet's pod shares with its successor, narrowest last: the completion index is a label
+# only where the Job controller writes it (PodIndexLabel, on by default since Kubernetes 1.28)
+INDEX_LABELS = (
+    "jobset.sigs.k8s.io/replicatedjob-name",
+    "jobset.sigs.k8s.io/job-index",
+    "batch.kubernetes.io/job-completion-index",
+)
+
+
+def same_index(pod: Pod) -> str:
+    """A label selector for the pods of a JobSet pod's index (it, its predecessor, its successor):
+    a lookup of one index, not of every pod of the namespace's JobSets (hundreds for one job)."""
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    parts = [f"{JOBSET_LABEL}={labels[JOBSET_LABEL]}"] if labels.get(JOBSET_LABEL) else [JOBSET_LABEL]
+    return ",".join([*parts, *(f"{k}={labels[k]}" for k in INDEX_LABELS if labels.get(k))])
+
+
 def identity(pod: Pod) -> str:
     """What the pod's successor shares with it (criuctl.kube.owners): `HOSTNAME.SUBDOMAIN` for a
     JobSet's pod (its name is random, and an admission webhook sees none yet: generateName), else

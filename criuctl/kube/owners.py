@@ -42,15 +42,17 @@ def controller_ref(obj: dict) -> dict | None:
     return next((r for r in obj["metadata"].get("ownerReferences") or [] if r.get("controller")), None)
 
 
-def pods_of(c: Cluster, namespace: str, ident: str) -> list[dict]:
-    """The pods of identity `ident` in `namespace`: none, the pod, or it and its successor."""
+def pods_of(c: Cluster, namespace: str, ident: str, selector: str = JOBSET_LABEL) -> list[dict]:
+    """The pods of identity `ident` in `namespace`: none, the pod, or it and its successor. A JobSet
+    pod's are looked for among those `selector` picks (every JobSet pod; `mutate.same_index`: one
+    index's)."""
     if "." not in ident:  # a name: a pod's own (a JobSet's identity always has a subdomain)
         try:
             pod = call(f"pod {namespace}/{ident}", c.core.read_namespaced_pod, ident, namespace)
         except NotFound:
             return []
         return [c.serialize(pod)]
-    pods = call(f"pods of {ident}", c.core.list_namespaced_pod, namespace, label_selector=JOBSET_LABEL).items
+    pods = call(f"pods of {ident}", c.core.list_namespaced_pod, namespace, label_selector=selector).items
     return [p for p in map(c.serialize, pods) if identity(p) == ident]
 
 

@@ -53,7 +53,7 @@ class Options:
     pending: Callable[[str, str], moves.Move | None] | None = None
     # the name of a pod of this identity being deleted whose preStop may be checkpointing its job
     # (a JobSet's pod: its successor has another name, so the two can exist together)
-    leaving: Callable[[str, str], str | None] | None = None
+    leaving: Callable[[str, str, str], str | None] | None = None
 
 
 def review(request: dict[str, Any], opts: Options | None = None) -> dict[str, Any]:
@@ -145,7 +145,7 @@ def _hold(
     ):
         return None
     try:
-        old = opts.leaving(namespace, ident)
+        old = opts.leaving(namespace, ident, mutate.same_index(pod))
     except MovesUnknown as exc:
         return _unsure(uid, who, pod, exc)
     if old is None:
@@ -258,15 +258,15 @@ def pending_moves(kubeconfig: str | None) -> Callable[[str, str], moves.Move | N
     return pending
 
 
-def leaving_pods(kubeconfig: str | None) -> Callable[[str, str], str | None]:
+def leaving_pods(kubeconfig: str | None) -> Callable[[str, str, str], str | None]:
     """The lookup of a JobSet pod's predecessor still leaving (`Options.leaving`), through the API
-    server, bounded as `pending_moves`: a pod of the identity with a deletion timestamp, not
-    ended, that carries criuctl's preStop hook."""
+    server, bounded as `pending_moves`: a pod of the identity (among those of the selector: its
+    index's) with a deletion timestamp, not ended, that carries criuctl's preStop hook."""
     c = cluster.connect(kubeconfig, api.timeouts().admission())
 
-    def leaving(namespace: str, ident: str) -> str | None:
+    def leaving(namespace: str, ident: str, selector: str) -> str | None:
         try:
-            found = owners.pods_of(c, namespace, ident)
+            found = owners.pods_of(c, namespace, ident, selector)
         except CriuctlError as exc:
             raise MovesUnknown(f"the pods of {ident} cannot be read: {exc.what}") from exc
         for p in found:
