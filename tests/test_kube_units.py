@@ -324,3 +324,32 @@ def test_two_ranks_moving_at_once_never_dump_together() -> None:
     assert _ranks_going_first("turn", 2) == (0, 0)
     assert _ranks_going_first("turn", 3) == (0, 0)
     assert _ranks_going_first("clock", 2)[0] > 0
+
+
+def test_a_move_that_would_fail_its_job_is_refused_and_one_it_ignores_is_not() -> None:
+    """`jobfailures.refusal`: the pod a move ends fails, marked DisruptionTarget, exit 137. Its
+    Job's podFailurePolicy decides first (rules in order: Ignore frees it, FailJob/FailIndex refuse
+    it); else it counts: refused when it is the failure past backoffLimit (those not yet counted
+    too), or when a per-index limit would fail its index."""
+    from criuctl.kube import jobfailures as jf
+
+    def job(status: dict | None = None, **spec: Any) -> dict:
+        return {"metadata": {"name": "j"}, "spec": spec, "status": status or {}}
+
+    ignore = {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}
+    assert jf.refusal(job(backoffLimit=0, podFailurePolicy={"rules": [ignore]})) is None
+    said = jf.refusal(job(backoffLimit=0))
+    assert said is not None and "backoffLimit 0" in said and "0 failed so far" in said
+    assert jf.refusal(job()) is None, "the default limit, 6"
+    assert jf.refusal(job({"failed": 5}, backoffLimit=6)) is None
+    assert jf.refusal(job({"failed": 5, "uncountedTerminatedPods": {"failed": ["u"]}}, backoffLimit=6))
+    fail_137 = {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [137]}}
+    said = jf.refusal(job(backoffLimit=6, podFailurePolicy={"rules": [fail_137, ignore]}))
+    assert said is not None and "FailJob" in said, "the exit-code rule comes first"
+    other = {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [1]}}
+    assert jf.refusal(job(backoffLimit=0, podFailurePolicy={"rules": [other, ignore]})) is None
+    not_in = {"action": "Count", "onExitCodes": {"operator": "NotIn", "values": [0, 1]}}
+    assert jf.action_on_move({"podFailurePolicy": {"rules": [not_in, ignore]}}) == "Count"
+    fail_index = {"action": "FailIndex", "onPodConditions": [{"type": "DisruptionTarget"}]}
+    assert "FailIndex" in (jf.refusal(job(podFailurePolicy={"rules": [fail_index]})) or "")
+    assert "backoffLimitPerIndex 1" in (jf.refusal(job(backoffLimitPerIndex=1)) or "")

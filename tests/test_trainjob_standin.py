@@ -221,3 +221,10 @@ def test_a_deleted_pods_phase_is_terminal_once_it_ended() -> None:
     late = _pod(0, deleting=True, containerStatuses=running)
     late["metadata"]["deletionTimestamp"] = "2020-01-01T00:00:00Z"
     assert ij.phase(late) == "Failed" and ij.phase(_pod(0, containerStatuses=ended)) == "Running"
+
+
+def test_the_pod_failure_backoff_doubles_from_ten_seconds() -> None:
+    """`getRemainingTime`: no pod made until 10 s after one counted failure, 20 s after two, …, at
+    most 10 min; none without a failure since the last success."""
+    assert [ij.pod_failure_backoff(n) for n in (0, 1, 2, 3)] == [0.0, 10.0, 20.0, 40.0]
+    assert ij.pod_failure_backoff(20) == 600.0

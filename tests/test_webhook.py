@@ -11,6 +11,7 @@ import asyncio
 import base64
 import contextlib
 import copy
+import datetime
 import json
 import os
 import socket
@@ -802,13 +803,24 @@ def test_a_jobset_pod_is_known_by_its_dns_name_not_its_random_one() -> None:
     assert new["spec"]["hostname"] == "trn-node-0-1" and new["spec"]["subdomain"] == "trn"
 
 
+def test_a_leaving_predecessor_holds_its_successor_only_within_its_grace_period() -> None:
+    """A pod on a dead node stays Terminating past its grace period: it holds nothing then."""
+    from criuctl.kube import webhook
+
+    now = 1_800_000_000.0
+    stamp = datetime.datetime.fromtimestamp(now + 30, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    assert webhook._in_grace(stamp, now) and webhook._in_grace(stamp, now + 30 + webhook.GRACE_MARGIN - 1)
+    assert not webhook._in_grace(stamp, now + 30 + webhook.GRACE_MARGIN + 1)
+    assert not webhook._in_grace(None, now)
+
+
 def test_a_jobset_pods_successor_waits_while_its_predecessors_move_is_undecided() -> None:
     """A recent Job controller replaces a deleted pod at once (TerminatingOrFailed), before the
     predecessor's preStop has recorded its dump: the new pod is refused (its controller retries)
     while a predecessor of its index is leaving and no record says `dumping`, or one only says
-    `requested`; a record `dumping` makes it the placeholder; a failed move, or no predecessor
-    leaving, admits it as any pod. A pod known by its name (not a JobSet's) is never held: its
-    successor cannot exist beside it."""
+    `requested`, or one of a failed or earlier move; a record `dumping` makes it the placeholder;
+    with no predecessor leaving (gone, or past its grace period) it is admitted as any pod. A pod
+    known by its name (not a JobSet's) is never held: its successor cannot exist beside it."""
     from criuctl.kube import moves, webhook
 
     p = jobset_pod()
@@ -839,7 +851,12 @@ def test_a_jobset_pods_successor_waits_while_its_predecessors_move_is_undecided(
     assert out["allowed"] and mutate.is_placeholder(
         apply_patch(p, json.loads(base64.b64decode(out["patch"])))
     )
-    for m, gone in ((move(moves.Phase.FAILED), leaving), (None, None)):
+    # a failed checkpoint (the job runs on in the predecessor until it ends), or a stale record of
+    # an earlier pod: held all the same while the predecessor is leaving
+    for m in (move(moves.Phase.FAILED), move(moves.Phase.PULLING)):
+        out = webhook.review(admission(p), opts(m, leaving))["response"]
+        assert out["allowed"] is False, out
+    for m, gone in ((move(moves.Phase.FAILED), None), (None, None)):
         out = webhook.review(admission(p), opts(m, gone))["response"]
         new = apply_patch(p, json.loads(base64.b64decode(out["patch"])))
         assert (

@@ -12,10 +12,12 @@ So for a Job's pod criuctl:
   (`mark_moving`): a `criuctl migrate` deletes it without the eviction API, which would set it;
   the Job then ignores the pod where the user's rule says so, and nowhere else;
 - refuses a move, in one line and before anything is frozen, that would fail the Job (`refusal`):
-  counted, and one more failure than `backoffLimit` allows.
+  a rule that fails the Job or the index on such a pod, a per-index limit, or one more failure
+  than `backoffLimit` allows.
 
 The Job's spec comes from the Job, or for the fields an older API server drops (`podFailurePolicy`,
-before 1.26) from the JobSet's replicated-Job template it was made from, which JobSet copies verbatim.
+`backoffLimitPerIndex`) from the JobSet's replicated-Job template it was made from, which JobSet
+copies verbatim. Not counted: moves of other pods of the Job under way at the same instant.
 """
 
 from __future__ import annotations
@@ -29,22 +31,24 @@ from criuctl.kube.owners import JOBSET
 
 CONDITION = "DisruptionTarget"
 REASON = "CriuctlMigration"
+MOVED_EXIT = 137  # the moved container's exit code: the dump ends its tree with SIGKILL
 BATCH = ("batch", "v1", "jobs")
 
 
-def ignores_disruption(spec: dict) -> bool:
-    """Whether a failed pod marked `DisruptionTarget` is left uncounted: the first rule that names
-    the condition (status True, the default) says Ignore, and no earlier rule claims the pod by its
-    exit codes alone (such a rule, FailJob or Count, matches before it: `matchPodFailurePolicy`)."""
+def action_on_move(spec: dict) -> str | None:
+    """What the Job's `podFailurePolicy` does with a pod a move ended, as `matchPodFailurePolicy`
+    takes its rules in order: the pod failed, marked `DisruptionTarget`, its containers killed
+    (exit code 137, SIGKILL: how the dump ends the tree). None: no rule matches (counted)."""
     for rule in (spec.get("podFailurePolicy") or {}).get("rules") or []:
-        if rule.get("onExitCodes"):
-            return False
-        if any(
-            c.get("type") == CONDITION and c.get("status", "True") == "True"
-            for c in rule.get("onPodConditions") or []
+        codes = rule.get("onExitCodes")
+        if codes and (int(MOVED_EXIT) in {int(v) for v in codes.get("values") or []}) == (
+            codes.get("operator") == "In"
         ):
-            return rule.get("action") == "Ignore"
-    return False
+            return str(rule.get("action"))
+        conds = rule.get("onPodConditions") or []
+        if any(c.get("type") == CONDITION and c.get("status", "True") == "True" for c in conds):
+            return str(rule.get("action"))
+    return None
 
 
 def job_of(c: Cluster, pod: dict) -> dict | None:
@@ -64,7 +68,7 @@ def job_of(c: Cluster, pod: dict) -> dict | None:
         labels.get("jobset.sigs.k8s.io/jobset-name"),
         labels.get("jobset.sigs.k8s.io/replicatedjob-name"),
     )
-    if jobset and rjob and "podFailurePolicy" not in job["spec"]:
+    if jobset and rjob and not {"podFailurePolicy", "backoffLimitPerIndex"} <= job["spec"].keys():
         try:
             js = call(
                 f"JobSet {jobset}", c.custom.get_namespaced_custom_object, *JOBSET[:2], ns, JOBSET[2], jobset
@@ -74,21 +78,35 @@ def job_of(c: Cluster, pod: dict) -> dict | None:
         for r in (js.get("spec") or {}).get("replicatedJobs") or []:
             if r.get("name") == rjob:
                 template: dict[str, Any] = ((r.get("template") or {}).get("spec")) or {}
-                if "podFailurePolicy" in template:
-                    job["spec"]["podFailurePolicy"] = template["podFailurePolicy"]
+                for key in ("podFailurePolicy", "backoffLimitPerIndex"):
+                    if key in template and key not in job["spec"]:
+                        job["spec"][key] = template[key]
     return job
 
 
 def refusal(job: dict) -> str | None:
-    """Why moving a pod of `job` would fail it (None: it would not): the move counts as a failure,
-    and the Job has no failure left to spend."""
+    """Why moving a pod of `job` would fail it (None: it would not): its failure policy fails the
+    Job (or the index) on such a pod, or the move counts as a failure and the Job has none left to
+    spend (those counted, and those the controller has seen but not yet counted)."""
     spec, status = job.get("spec") or {}, job.get("status") or {}
-    if ignores_disruption(spec):
+    name = job["metadata"]["name"]
+    action = action_on_move(spec)
+    if action == "Ignore":
         return None
-    limit, failed = int(spec.get("backoffLimit", 6)), int(status.get("failed") or 0)
+    if action in ("FailJob", "FailIndex"):
+        return (
+            f"its Job {name}'s podFailurePolicy says {action} for a pod a move ends "
+            f"({CONDITION}, exit {MOVED_EXIT})"
+        )
+    if spec.get("backoffLimitPerIndex") is not None:
+        per_index = spec["backoffLimitPerIndex"]
+        return f"moving it counts as a failure of its index in Job {name} (backoffLimitPerIndex {per_index})"
+    limit = int(spec.get("backoffLimit", 6))
+    failed = int(status.get("failed") or 0) + len(
+        (status.get("uncountedTerminatedPods") or {}).get("failed") or []
+    )
     if failed + 1 <= limit:
         return None
-    name = job["metadata"]["name"]
     return (
         f"moving it counts as a failure of Job {name} (backoffLimit {limit}, {failed} failed so far): "
         "the Job, and a JobSet of it, would fail and end every rank"

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import datetime
 import json
 import logging
 import ssl
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +34,7 @@ log = logging.getLogger("criuctl.webhook")
 API_VERSION = "admission.k8s.io/v1"
 # A pod's JSON is bounded by etcd's request limit (1.5 MiB); aiohttp's default (1 MiB) is not enough.
 MAX_BODY = 8 * 1024 * 1024
+GRACE_MARGIN = 10.0  # s past a leaving pod's grace period after which it holds its successor no more
 
 
 class Malformed(ValueError):
@@ -92,11 +95,8 @@ def _admit(body: Any, opts: Options) -> tuple[dict[str, Any], str]:
         except MovesUnknown as exc:
             return _unsure(uid, who, pod, exc)
         if move is not None and move.phase not in (moves.Phase.DUMPING, moves.Phase.KEPT):
-            held = _hold(uid, who, pod, opts, namespace, name, move)
-            if held is not None:
-                return held
             move = None
-        elif move is None and (held := _hold(uid, who, pod, opts, namespace, name, None)) is not None:
+        if move is None and (held := _hold(uid, who, pod, opts, namespace, name)) is not None:
             return held
         try:
             new = mutate.wrap(pod, opts.prestop_port, namespace)
@@ -123,26 +123,19 @@ def _admit(body: Any, opts: Options) -> tuple[dict[str, Any], str]:
 
 
 def _hold(
-    uid: str,
-    who: str,
-    pod: dict[str, Any],
-    opts: Options,
-    namespace: str,
-    ident: str,
-    move: moves.Move | None,
+    uid: str, who: str, pod: dict[str, Any], opts: Options, namespace: str, ident: str
 ) -> tuple[dict[str, Any], str] | None:
-    """The refusal of a JobSet pod created while a predecessor of its identity is being deleted and
-    its move is not decided yet (no record, or one only requested): a recent Job controller
-    replaces a pod as soon as it is deleted (`podReplacementPolicy: TerminatingOrFailed`, the
-    default), before the predecessor's preStop has written `dumping`, and admitted now it would
-    start its rank over. Refused, the Job controller retries (its rate limiter: 5 ms, doubling);
-    once the record says `dumping` the retry becomes the placeholder, and once the predecessor is
-    gone without a move an ordinary pod. None: nothing to wait for."""
-    if (
-        opts.leaving is None
-        or not mutate.indexed(pod)
-        or (move is not None and move.phase != moves.Phase.REQUESTED)
-    ):
+    """The refusal of a JobSet pod created while a predecessor of its index is being deleted and
+    no record says its job is in a bundle (`dumping`, `kept`): none, one only requested, or one
+    of an earlier pod or a failed checkpoint (the job then runs on in the predecessor until its
+    container ends). A recent Job controller replaces a pod as soon as it is deleted
+    (`podReplacementPolicy: TerminatingOrFailed`, the default), before the predecessor's preStop
+    has written `dumping`; admitted then, it would start its rank beside the one still running.
+    Refused, the Job controller retries (its API backoff: 1 s, doubling); once the record says
+    `dumping` the retry becomes the placeholder, and once the predecessor is gone an ordinary pod.
+    A predecessor past its grace period (a dead node's pod stays Terminating) holds nothing: its
+    preStop, if it ever ran, has ended. None: nothing to wait for."""
+    if opts.leaving is None or not mutate.indexed(pod):
         return None
     try:
         old = opts.leaving(namespace, ident, mutate.same_index(pod))
@@ -258,6 +251,14 @@ def pending_moves(kubeconfig: str | None) -> Callable[[str, str], moves.Move | N
     return pending
 
 
+def _in_grace(deletion: str | None, now: float) -> bool:
+    """Being deleted, its grace period (which the deletion timestamp ends) not over."""
+    if not deletion:
+        return False
+    ends = datetime.datetime.fromisoformat(deletion.replace("Z", "+00:00")).timestamp()
+    return now < ends + GRACE_MARGIN
+
+
 def leaving_pods(kubeconfig: str | None) -> Callable[[str, str, str], str | None]:
     """The lookup of a JobSet pod's predecessor still leaving (`Options.leaving`), through the API
     server, bounded as `pending_moves`: a pod of the identity (among those of the selector: its
@@ -269,10 +270,11 @@ def leaving_pods(kubeconfig: str | None) -> Callable[[str, str, str], str | None
             found = owners.pods_of(c, namespace, ident, selector)
         except CriuctlError as exc:
             raise MovesUnknown(f"the pods of {ident} cannot be read: {exc.what}") from exc
+        now = time.time()
         for p in found:
             ended = (p.get("status") or {}).get("phase") in ("Succeeded", "Failed")
             hooked = any(mutate.has_prestop(ctr) for ctr in p["spec"]["containers"])
-            if p["metadata"].get("deletionTimestamp") and not ended and hooked:
+            if hooked and not ended and _in_grace(p["metadata"].get("deletionTimestamp"), now):
                 return str(p["metadata"]["name"])
         return None
 

@@ -29,8 +29,9 @@ job, modelled on `pkg/controller/job/job_controller.go` and `indexed_job_utils.g
   matches a failed pod decides: `Ignore` (not counted), `FailJob` (the Job fails, reason
   `PodFailurePolicy`), `Count`; a rule matches on `onExitCodes` (a container's exit code, In or
   NotIn, 0 never counted) or `onPodConditions` (type and status, default "True").
-- **A refused creation waits** (`syncJob`'s error requeued through the work queue's
-  `DefaultControllerRateLimiter`): 5 ms after the first, doubling, at most 1000 s.
+- **Backoffs** (`manageJob`, `getRemainingTime`): no pod is made until 10 s × 2^(n−1) (at most
+  10 min) after the last of the n failures counted since the Job's last success; a refused
+  creation (the sync's error, requeued) is tried again after 1 s, doubling, at most 60 s.
 - **Indexes** (`indexed_job_utils.go`): a pod per pending index, `generateName` `<job>-<i>-`,
   hostname `<job>-<i>`, the index in the annotation and label `batch.kubernetes.io/job-completion-index`
   and `JOB_COMPLETION_INDEX`; one active pod per index is kept, the most advanced
@@ -62,6 +63,10 @@ from localcluster.pytorchjob import _json, _now, _owned, log
 FINALIZER = "batch.kubernetes.io/job-tracking"
 INDEX = "batch.kubernetes.io/job-completion-index"
 DISRUPTION = "DisruptionTarget"
+# the controller's backoffs (`DefaultJobApiBackOff`, `MaxJobApiBackOff`,
+# `DefaultJobPodFailureBackOff`, `MaxJobPodFailureBackOff`), in seconds
+API_BACKOFF, MAX_API_BACKOFF = 1.0, 60.0
+POD_FAILURE_BACKOFF, MAX_POD_FAILURE_BACKOFF = 10.0, 600.0
 GRACE_MARGIN = 5.0  # s past a deleted pod's deletionTimestamp (its grace's end) it is taken as ended
 
 
@@ -96,6 +101,12 @@ class Spec:
     def only_replace_failed(self) -> bool:
         """`onlyReplaceFailedPods`: a terminating pod keeps its index until it is terminal."""
         return self.replacement == "Failed" or bool(self.rules)
+
+
+def pod_failure_backoff(failures: int) -> float:
+    """`backoffRecord.getRemainingTime`'s delay after `failures` counted failures since the Job's
+    last success: 10 s, doubling, at most 10 min (none without a failure)."""
+    return 0.0 if failures <= 0 else min(POD_FAILURE_BACKOFF * 2 ** (failures - 1), MAX_POD_FAILURE_BACKOFF)
 
 
 def index_of(pod: dict) -> int | None:
@@ -190,6 +201,8 @@ class Plan:
     delete: list[dict] = field(default_factory=list)
     counted: list[dict] = field(default_factory=list)
     status: dict[str, Any] = field(default_factory=dict)
+    failures: int = 0  # new failures counted this pass (the pod-failure backoff's)
+    success: bool = False  # a pod succeeded this pass (it resets that backoff)
 
 
 def _condition(status: dict, ctype: str, reason: str, message: str) -> None:
@@ -216,12 +229,14 @@ def plan(name: str, spec: Spec, status: dict, pods: list[dict]) -> Plan:
             continue
         if phase(pod) == "Succeeded":
             st["succeeded"] = int(st.get("succeeded") or 0) + 1
+            p.success = True
         elif is_failed(pod, spec):
             action = match_policy(pod, spec.rules)
             if action == "FailJob":
                 failed_job = f"pod {pod['metadata']['name']} matched a FailJob rule of the podFailurePolicy"
             if action != "Ignore":
                 st["failed"] = int(st.get("failed") or 0) + 1
+                p.failures += 1
         else:
             continue
         p.counted.append(pod)
@@ -313,6 +328,7 @@ class Controller:
         self.core = api.bounded(client.CoreV1Api, api_client, t)
         self.batch = api.bounded(client.BatchV1Api, api_client, t)
         self.retry: dict[str, tuple[int, float]] = {}  # a Job's UID → (failed creations, next try)
+        self.backoff: dict[str, tuple[int, float]] = {}  # → (failures since a success, the last's time)
 
     def sync(self, specs: dict[str, dict]) -> None:
         """`specs`: a Job's UID → its spec as the JobSet wrote it."""
@@ -353,15 +369,21 @@ class Controller:
                 if exc.status != 404:
                     raise
         uid = job["metadata"]["uid"]
+        failures, last = self.backoff.get(uid, (0, 0.0))
+        if p.success:
+            failures = 0
+        if p.failures:
+            failures, last = failures + p.failures, time.monotonic()
+        self.backoff[uid] = (failures, last)
         tries, not_before = self.retry.get(uid, (0, 0.0))
-        if not p.make or time.monotonic() < not_before:
+        if not p.make or time.monotonic() < max(not_before, last + pod_failure_backoff(failures)):
             return
         try:
             for i in p.make:
                 self.core.create_namespaced_pod(ns, pod_for(job, i), _preload_content=False)
                 log.info("Job %s/%s: made a pod for index %d", ns, name, i)
-        except ApiException:  # the work queue's rate limiter: 5 ms, doubling, at most 1000 s
-            self.retry[uid] = (tries + 1, time.monotonic() + min(0.005 * 2**tries, 1000.0))
+        except ApiException:  # a refused creation: the sync's error requeued with the API backoff
+            self.retry[uid] = (tries + 1, time.monotonic() + min(API_BACKOFF * 2**tries, MAX_API_BACKOFF))
             raise
         self.retry.pop(uid, None)
 
