@@ -353,3 +353,52 @@ def test_a_move_that_would_fail_its_job_is_refused_and_one_it_ignores_is_not() -
     fail_index = {"action": "FailIndex", "onPodConditions": [{"type": "DisruptionTarget"}]}
     assert "FailIndex" in (jf.refusal(job(podFailurePolicy={"rules": [fail_index]})) or "")
     assert "backoffLimitPerIndex 1" in (jf.refusal(job(backoffLimitPerIndex=1)) or "")
+
+
+def test_a_jobset_pods_lookup_lists_its_index_not_every_pod_of_the_namespace() -> None:
+    """`owners.pods_of` for `HOST.SUBDOMAIN`: the record's selector alone when it has one; else the
+    Job and index the hostname names, and every JobSet pod only where that finds none (a cluster
+    that writes no completion-index label)."""
+    from types import SimpleNamespace
+
+    from criuctl.kube import owners
+
+    def pod(host: str, labelled: bool) -> dict:
+        labels = {"jobset.sigs.k8s.io/jobset-name": "trn"}
+        if labelled:
+            labels.update({"job-name": "trn-node-0", "batch.kubernetes.io/job-completion-index": host[-1]})
+        return {"metadata": {"labels": labels}, "spec": {"hostname": host, "subdomain": "trn"}}
+
+    def cluster(pods: list[dict]) -> tuple[Any, list[str]]:
+        asked: list[str] = []
+
+        def list_pods(ns: str, label_selector: str) -> Any:
+            asked.append(label_selector)
+            want = dict(kv.split("=") if "=" in kv else (kv, None) for kv in label_selector.split(","))
+            keep = [
+                p
+                for p in pods
+                if all(
+                    k in p["metadata"]["labels"] and v in (None, p["metadata"]["labels"][k])
+                    for k, v in want.items()
+                )
+            ]
+            return SimpleNamespace(items=keep)
+
+        return SimpleNamespace(
+            core=SimpleNamespace(list_namespaced_pod=list_pods), serialize=lambda p: p
+        ), asked
+
+    c, asked = cluster([pod("trn-node-0-1", True), pod("trn-node-0-2", True)])
+    assert len(owners.pods_of(c, "ml", "trn-node-0-1.trn")) == 1
+    assert asked == [
+        "jobset.sigs.k8s.io/jobset-name,job-name=trn-node-0,batch.kubernetes.io/job-completion-index=1"
+    ]
+    c, asked = cluster([pod("trn-node-0-1", False), pod("trn-node-0-2", False)])
+    assert (
+        len(owners.pods_of(c, "ml", "trn-node-0-1.trn")) == 1
+        and asked[-1] == "jobset.sigs.k8s.io/jobset-name"
+    )
+    c, asked = cluster([pod("trn-node-0-1", False)])
+    assert owners.pods_of(c, "ml", "trn-node-0-1.trn", "jobset.sigs.k8s.io/jobset-name=x") == []
+    assert asked == ["jobset.sigs.k8s.io/jobset-name=x"], "the record's selector alone"

@@ -17,11 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from criuctl.kube.cluster import Cluster, NotFound, call
-from criuctl.kube.mutate import JOBSET_LABEL, identity, indexed
+from criuctl.kube.mutate import INDEX_LABELS, JOBSET_LABEL, identity, indexed
 
 __all__ = ["KINDS", "SAME_INDEX", "SAME_NAME", "Owner", "current", "identity", "indexed", "owner", "pods_of"]
 
 SAME_NAME = ("StatefulSet", "PyTorchJob")
+INDEX_LABEL = INDEX_LABELS[-1]  # batch.kubernetes.io/job-completion-index
 # JobSet (jobset.x-k8s.io) owns Jobs that own the pods; the local cluster's stand-in owns the pods
 # itself (Kubernetes 1.20 has no Indexed Jobs). Either way the JobSet says whether it wants them.
 JOBSET = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
@@ -42,24 +43,32 @@ def controller_ref(obj: dict) -> dict | None:
     return next((r for r in obj["metadata"].get("ownerReferences") or [] if r.get("controller")), None)
 
 
-def pods_of(c: Cluster, namespace: str, ident: str, selector: str = JOBSET_LABEL) -> list[dict]:
+def pods_of(c: Cluster, namespace: str, ident: str, selector: str = "") -> list[dict]:
     """The pods of identity `ident` in `namespace`: none, the pod, or it and its successor. A JobSet
-    pod's are looked for among those `selector` picks (every JobSet pod; `mutate.same_index`: one
-    index's)."""
+    pod's are looked for among those `selector` picks (`mutate.same_index`: one index's); without
+    one, among those of the Job and completion index its hostname names (`<job>-<index>`, labels
+    the Job controller writes), else, where that finds none (a cluster that writes no index
+    label), among every JobSet pod of the namespace."""
     if "." not in ident:  # a name: a pod's own (a JobSet's identity always has a subdomain)
         try:
             pod = call(f"pod {namespace}/{ident}", c.core.read_namespaced_pod, ident, namespace)
         except NotFound:
             return []
         return [c.serialize(pod)]
-    pods = call(f"pods of {ident}", c.core.list_namespaced_pod, namespace, label_selector=selector).items
-    return [p for p in map(c.serialize, pods) if identity(p) == ident]
+    job, _, index = ident.split(".", 1)[0].rpartition("-")
+    guess = f"{JOBSET_LABEL},job-name={job},{INDEX_LABEL}={index}" if job and index.isdigit() else ""
+    for sel in dict.fromkeys(x for x in (selector, "" if selector else guess, JOBSET_LABEL) if x):
+        pods = call(f"pods of {ident}", c.core.list_namespaced_pod, namespace, label_selector=sel).items
+        found = [p for p in map(c.serialize, pods) if identity(p) == ident]
+        if found or selector:
+            return found
+    return []
 
 
-def current(c: Cluster, namespace: str, ident: str, not_uid: str = "") -> dict | None:
+def current(c: Cluster, namespace: str, ident: str, not_uid: str = "", selector: str = "") -> dict | None:
     """The pod of identity `ident`: one whose UID is not `not_uid` (a successor) before the one
-    whose UID it is, a live one before one being deleted."""
-    found = pods_of(c, namespace, ident)
+    whose UID it is, a live one before one being deleted (`selector`: as `pods_of`)."""
+    found = pods_of(c, namespace, ident, selector)
     found.sort(key=lambda p: (p["metadata"]["uid"] == not_uid, bool(p["metadata"].get("deletionTimestamp"))))
     return found[0] if found else None
 

@@ -212,6 +212,7 @@ def leaving(c: Cluster, namespace: str, ident: str, node: str) -> str:
         tcp=json.dumps(tcp.to_json()) if ranked else "",
         rewired=json.dumps(row.get("redirected") or []) if ranked else "",
         source_pod=name,
+        selector=mutate.same_index(pod) if mutate.indexed(pod) else "",
         mode=requested.mode if requested else "",
         memory=int(row.get("rss_bytes") or 0),
     )

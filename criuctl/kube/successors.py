@@ -64,7 +64,7 @@ def _holds_job(c: Cluster, node: str, cid: str) -> bool:
 
 def _pod(c: Cluster, m: moves.Move) -> dict | None:
     """The pod of the move's identity: its successor once there is one, else the source pod."""
-    return owners.current(c, m.namespace, m.pod, not_uid=m.uid)
+    return owners.current(c, m.namespace, m.pod, not_uid=m.uid, selector=m.selector)
 
 
 def _fail(c: Cluster, m: moves.Move, why: str, pod: dict | None) -> None:
@@ -120,7 +120,7 @@ def _finish(c: Cluster, m: moves.Move, pod: dict, node: str) -> None:
 def _settle_dumping(c: Cluster, m: moves.Move, node: str) -> None:
     if m.bundle in moves.AT_WORK:
         return  # its preStop, in this process, deleted the pod and copies the bundle
-    found = owners.pods_of(c, m.namespace, m.pod)
+    found = owners.pods_of(c, m.namespace, m.pod, m.selector)
     if any(p["metadata"]["uid"] == m.uid for p in found):
         return  # its preStop is still at work
     pod = next(iter(found), None)
