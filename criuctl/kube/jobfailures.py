@@ -25,14 +25,12 @@ from __future__ import annotations
 from typing import Any
 
 from criuctl.core.errors import CriuctlError
-from criuctl.kube import events
+from criuctl.kube import events, owners
 from criuctl.kube.cluster import Cluster, NotFound, call
-from criuctl.kube.owners import JOBSET
 
 CONDITION = "DisruptionTarget"
 REASON = "CriuctlMigration"
 MOVED_EXIT = 137  # the moved container's exit code: the dump ends its tree with SIGKILL
-BATCH = ("batch", "v1", "jobs")
 
 
 def action_on_move(spec: dict) -> str | None:
@@ -41,7 +39,7 @@ def action_on_move(spec: dict) -> str | None:
     (exit code 137, SIGKILL: how the dump ends the tree). None: no rule matches (counted)."""
     for rule in (spec.get("podFailurePolicy") or {}).get("rules") or []:
         codes = rule.get("onExitCodes")
-        if codes and (int(MOVED_EXIT) in {int(v) for v in codes.get("values") or []}) == (
+        if codes and (MOVED_EXIT in {int(v) for v in codes.get("values") or []}) == (
             codes.get("operator") == "In"
         ):
             return str(rule.get("action"))
@@ -53,14 +51,12 @@ def action_on_move(spec: dict) -> str | None:
 
 def job_of(c: Cluster, pod: dict) -> dict | None:
     """The pod's Job (with the spec fields its JobSet's template has and the Job lost), or None."""
-    ref = next((r for r in pod["metadata"].get("ownerReferences") or [] if r.get("controller")), None)
+    ref = owners.controller_ref(pod)
     if ref is None or ref.get("kind") != "Job":
         return None
     ns = pod["metadata"]["namespace"]
     try:
-        job = call(
-            f"Job {ref['name']}", c.custom.get_namespaced_custom_object, *BATCH[:2], ns, BATCH[2], ref["name"]
-        )
+        job = owners.read_owner(c, ref, ns)
     except NotFound:
         return None
     labels = job["metadata"].get("labels") or {}
@@ -70,9 +66,7 @@ def job_of(c: Cluster, pod: dict) -> dict | None:
     )
     if jobset and rjob and not {"podFailurePolicy", "backoffLimitPerIndex"} <= job["spec"].keys():
         try:
-            js = call(
-                f"JobSet {jobset}", c.custom.get_namespaced_custom_object, *JOBSET[:2], ns, JOBSET[2], jobset
-            )
+            js = owners.read_owner(c, {"kind": "JobSet", "name": jobset}, ns)
         except NotFound:
             return job
         for r in (js.get("spec") or {}).get("replicatedJobs") or []:

@@ -78,7 +78,7 @@ class Move:
     # [[old, port, new], ...] as JSON: peers that moved before it, whose address its sockets still
     # hold (its pod's redirects sent them on); its restore re-addresses them too
     rewired: str = ""
-    # a rank's place in the order its job's moving ranks dump in (criuctl.kube.prestop._take_turn):
+    # a rank's place in the order its job's moving ranks dump in (criuctl.kube.prestop.take_turn):
     # 0 while it is being chosen, then one more than any other record's when it was chosen
     turn: int = 0
     source_pod: str = ""  # the source pod's own name (a JobSet's pod's is not `pod`)

@@ -19,7 +19,18 @@ from dataclasses import dataclass
 from criuctl.kube.cluster import Cluster, NotFound, call
 from criuctl.kube.mutate import INDEX_LABELS, JOBSET_LABEL, identity, indexed
 
-__all__ = ["KINDS", "SAME_INDEX", "SAME_NAME", "Owner", "current", "identity", "indexed", "owner", "pods_of"]
+__all__ = [
+    "KINDS",
+    "SAME_INDEX",
+    "SAME_NAME",
+    "Owner",
+    "current",
+    "identity",
+    "indexed",
+    "owner",
+    "pods_of",
+    "read_owner",
+]
 
 SAME_NAME = ("StatefulSet", "PyTorchJob")
 INDEX_LABEL = INDEX_LABELS[-1]  # batch.kubernetes.io/job-completion-index
@@ -55,14 +66,19 @@ def pods_of(c: Cluster, namespace: str, ident: str, selector: str = "") -> list[
         except NotFound:
             return []
         return [c.serialize(pod)]
+    if selector:
+        return _of_identity(c, namespace, ident, selector)
     job, _, index = ident.split(".", 1)[0].rpartition("-")
-    guess = f"{JOBSET_LABEL},job-name={job},{INDEX_LABEL}={index}" if job and index.isdigit() else ""
-    for sel in dict.fromkeys(x for x in (selector, "" if selector else guess, JOBSET_LABEL) if x):
-        pods = call(f"pods of {ident}", c.core.list_namespaced_pod, namespace, label_selector=sel).items
-        found = [p for p in map(c.serialize, pods) if identity(p) == ident]
-        if found or selector:
+    if job and index.isdigit():
+        found = _of_identity(c, namespace, ident, f"{JOBSET_LABEL},job-name={job},{INDEX_LABEL}={index}")
+        if found:
             return found
-    return []
+    return _of_identity(c, namespace, ident, JOBSET_LABEL)
+
+
+def _of_identity(c: Cluster, namespace: str, ident: str, selector: str) -> list[dict]:
+    pods = call(f"pods of {ident}", c.core.list_namespaced_pod, namespace, label_selector=selector).items
+    return [p for p in map(c.serialize, pods) if identity(p) == ident]
 
 
 def current(c: Cluster, namespace: str, ident: str, not_uid: str = "", selector: str = "") -> dict | None:
@@ -89,7 +105,8 @@ def _failing(job: dict) -> bool:
     )
 
 
-def _read(c: Cluster, ref: dict, ns: str) -> dict:
+def read_owner(c: Cluster, ref: dict, ns: str) -> dict:
+    """The owner `ref` names (a StatefulSet, a Job, a JobSet, a PyTorchJob), as JSON."""
     kind, name = ref["kind"], ref["name"]
     what = f"{kind} {name}"
     if kind == "StatefulSet":
@@ -112,14 +129,14 @@ def owner(c: Cluster, pod: dict) -> Owner | None:
     if ref["kind"] in SAME_INDEX and not indexed(pod):
         return None
     try:
-        obj = _read(c, ref, ns)
+        obj = read_owner(c, ref, ns)
         if ref["kind"] == "Job":  # a JobSet's Indexed Job: its JobSet is the one that decides
             job_ref = controller_ref(obj)
             if job_ref is None or job_ref["kind"] != "JobSet":
                 return None
             if _failing(obj):  # its pods are being deleted: no successor will come
                 return Owner("Job", ref["name"], 0, False, f"its Job {ref['name']} has failed")
-            ref, obj = job_ref, _read(c, job_ref, ns)
+            ref, obj = job_ref, read_owner(c, job_ref, ns)
     except NotFound:
         return Owner(ref["kind"], ref["name"], 0, False, f"its {ref['kind']} is gone")
     if ref["kind"] == "StatefulSet":

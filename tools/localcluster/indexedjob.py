@@ -205,7 +205,8 @@ class Plan:
     success: bool = False  # a pod succeeded this pass (it resets that backoff)
 
 
-def _condition(status: dict, ctype: str, reason: str, message: str) -> None:
+def condition(status: dict, ctype: str, reason: str, message: str) -> None:
+    """Set condition `ctype` True (replacing one of that type), as the controllers write theirs."""
     status["conditions"] = [
         *(c for c in status.get("conditions") or [] if c["type"] != ctype),
         {"type": ctype, "status": "True", "reason": reason, "message": message, "lastTransitionTime": _now()},
@@ -247,19 +248,20 @@ def plan(name: str, spec: Spec, status: dict, pods: list[dict]) -> Plan:
     target = any(c["type"] == "FailureTarget" for c in st.get("conditions") or [])
     if not target and (failed_job or past_backoff_limit(spec, int(st.get("failed") or 0), live)):
         reason = "PodFailurePolicy" if failed_job else "BackoffLimitExceeded"
-        _condition(st, "FailureTarget", reason, failed_job or "Job has reached the specified backoff limit")
+        condition(st, "FailureTarget", reason, failed_job or "Job has reached the specified backoff limit")
         target = True
     if target:  # delayTerminalCondition: Failed once no pod of it terminates any more
         p.delete = live
         st["active"] = 0
         if not terminating and not live:
             why = next(c for c in st["conditions"] if c["type"] == "FailureTarget")
-            _condition(st, "Failed", why["reason"], why["message"])
+            condition(st, "Failed", why["reason"], why["message"])
         return p
     done = {i for pod in pods if phase(pod) == "Succeeded" and (i := index_of(pod)) is not None}
     by_index: dict[int, list[dict]] = {}
     for pod in live:
-        by_index.setdefault(index_of(pod) if index_of(pod) is not None else -1, []).append(pod)
+        i = index_of(pod)
+        by_index.setdefault(-1 if i is None else i, []).append(pod)
     for i, group in by_index.items():  # appendDuplicatedIndexPodsForRemoval
         if i in done or not 0 <= i < spec.completions:
             p.delete += group
@@ -273,14 +275,12 @@ def plan(name: str, spec: Spec, status: dict, pods: list[dict]) -> Plan:
             p.delete += group[1:]
     holding = set(by_index)
     if spec.only_replace_failed:  # a terminating pod keeps its index until it is terminal
-        holding |= {
-            index_of(pod) for pod in pods if pod["metadata"].get("deletionTimestamp") and not terminal(pod)
-        }
+        holding |= {index_of(pod) for pod in terminating}
     room = spec.parallelism - sum(1 for i in by_index if 0 <= i < spec.completions and i not in done)
     p.make = [i for i in range(spec.completions) if i not in done and i not in holding][: max(room, 0)]
     st["active"] = len(live) - len(p.delete) + len(p.make)
     if len(done) == spec.completions:
-        _condition(st, "Complete", "CompletionsReached", f"Job {name} completed")
+        condition(st, "Complete", "CompletionsReached", f"Job {name} completed")
         st["completionTime"] = _now()
     return p
 

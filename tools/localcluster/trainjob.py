@@ -44,12 +44,12 @@ from kubernetes.client.exceptions import ApiException
 
 from criuctl.kube import api
 from localcluster import indexedjob
-from localcluster.pytorchjob import _json, _key, _now, _owned, _short, crd, create, log
+from localcluster.pytorchjob import _json, _key, _owned, _short, crd, create, log
 
 TRAINER = ("trainer.kubeflow.org", "v1alpha1", "trainjobs", "TrainJob")
 JOBSET = ("jobset.x-k8s.io", "v1alpha2", "jobsets", "JobSet")
 JS = "jobset.sigs.k8s.io/"
-INDEX = "batch.kubernetes.io/job-completion-index"
+INDEX = indexedjob.INDEX
 RJOB, CONTAINER, MASTER_PORT = "node", "node", 29500
 
 
@@ -201,12 +201,7 @@ def service_for(js: dict) -> dict:
 
 
 def _condition(status: dict, ctype: str, message: str) -> None:
-    conds = [c for c in status.get("conditions") or [] if c["type"] != ctype]
-    reason = ctype + "Job" if ctype != "Created" else "Created"
-    conds.append(
-        {"type": ctype, "status": "True", "reason": reason, "message": message, "lastTransitionTime": _now()}
-    )
-    status["conditions"] = conds
+    indexedjob.condition(status, ctype, ctype + "Job" if ctype != "Created" else "Created", message)
 
 
 def _ended(status: dict) -> bool:
