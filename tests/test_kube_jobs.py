@@ -31,6 +31,7 @@ from tests.kube import (
     final,
     steps,
     training_pod,
+    until,
 )
 
 pytestmark = [needs_criu, pytest.mark.slow]
@@ -478,6 +479,12 @@ def test_a_trainjob_pod_moves_by_index_and_the_job_never_stops(local_cluster, ho
         ) != "Complete":
             assert time.monotonic() < deadline, k.get("trainjob", job)
             time.sleep(1)
+        # its moves cost the Job nothing (criuctl.kube.jobfailures: out of the count before the
+        # delete): no failure counted, so no pod-failure backoff either, and the JobSet never restarted
+        js = k.get("jobset", job)
+        assert int((js.get("status") or {}).get("restarts") or 0) == 0, js.get("status")
+        counted = k.get("job", f"{job}-node-0")["status"]
+        assert int(counted.get("failed") or 0) == 0, counted
         _no_rule_on_the_nodes(lay)
     finally:
         if how == "drain" and source:
@@ -485,18 +492,13 @@ def test_a_trainjob_pod_moves_by_index_and_the_job_never_stops(local_cluster, ho
         k("delete", "trainjob", job, "--wait=false", check=False)
 
 
-def _strict_jobset(name: str, ignore_disruptions: bool) -> dict:
+def _strict_jobset(name: str) -> dict:
     """A JobSet without Trainer (one Indexed Job of one pod, a training pod criuctl wraps) whose Job
-    has backoffLimit 0: one failure counted fails it, and the JobSet with it (no failurePolicy).
-    restartPolicy Never, and with `ignore_disruptions` the podFailurePolicy rule that leaves a pod
-    marked DisruptionTarget uncounted."""
+    has backoffLimit 0 and restartPolicy Never, no podFailurePolicy: one failure counted fails it,
+    and the JobSet with it (no failurePolicy)."""
     pod = training_pod(name, steps=400)
     pod["spec"].update(restartPolicy="Never", terminationGracePeriodSeconds=5)
     job: dict = {"parallelism": 1, "completions": 1, "backoffLimit": 0}
-    if ignore_disruptions:
-        job["podFailurePolicy"] = {
-            "rules": [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}]
-        }
     job["template"] = {
         "metadata": {k: pod["metadata"][k] for k in ("labels", "annotations")},
         "spec": pod["spec"],
@@ -509,16 +511,31 @@ def _strict_jobset(name: str, ignore_disruptions: bool) -> dict:
     }
 
 
-def test_a_jobs_pod_moves_uncounted_or_is_refused_before_anything_is_frozen(local_cluster) -> None:
-    """A Job that fails at its first counted failure (backoffLimit 0; the stand-in counts a deleted
-    pod as a recent Job controller does). Without a podFailurePolicy, `criuctl migrate` of its pod
-    is refused in one line that says what the Job needs, and the job runs on, untouched. With the
-    rule Ignore on DisruptionTarget, the pod moves (its preStop marks it), the Job counts nothing,
-    and the JobSet never fails."""
+def test_a_jobs_pod_moves_uncounted_and_an_eviction_refused_leaves_it_counted(local_cluster) -> None:
+    """Two JobSets whose Job fails at its first counted failure (backoffLimit 0, restartPolicy Never,
+    no podFailurePolicy; the stand-in counts a deleted pod as a recent Job controller does).
+    `criuctl migrate` of sjm's pod takes it out of its Job's count before the delete (the tracking
+    finalizer): it moves, the Job counts nothing and the JobSet never fails. sje's pod is evicted
+    under a disruption budget that refuses: the webhook took it out of the count for an eviction
+    that never came, so the job trains on, untouched, and the agents' loop puts it back in the
+    count (its finalizer back, the label gone) within STALE and a look."""
+    from criuctl.kube import jobfailures as jf
+
     lay, k = local_cluster
-    cases = {"sjr": False, "sjm": True}  # both at once: the refused one is watched meanwhile
-    for name, ignore in cases.items():
-        k.apply(_strict_jobset(name, ignore))
+    cases = ("sje", "sjm")  # both at once: the evicted one is watched while the other moves
+    for name in cases:
+        k.apply(_strict_jobset(name))
+    k.apply(
+        {
+            "apiVersion": "policy/v1beta1",
+            "kind": "PodDisruptionBudget",
+            "metadata": {"name": "sje"},
+            "spec": {
+                "minAvailable": 1,
+                "selector": {"matchLabels": {"jobset.sigs.k8s.io/jobset-name": "sje"}},
+            },
+        }
+    )
     try:
         first: dict[str, dict] = {}
         deadline = time.monotonic() + 180
@@ -528,12 +545,27 @@ def test_a_jobs_pod_moves_uncounted_or_is_refused_before_anything_is_frozen(loca
                 time.sleep(1)
             first[name] = pods["0"]
             _wait_steps(k, pods["0"]["metadata"]["name"], 5)
-        refused, pod = first["sjr"], first["sjm"]
-        r = criuctl(
-            lay, "migrate", refused["metadata"]["name"], "a" if refused["spec"]["nodeName"] == "b" else "b"
+        evicted, pod = first["sje"], first["sjm"]
+        assert jf.TRACKING in evicted["metadata"]["finalizers"]
+        ename = evicted["metadata"]["name"]
+        body = {
+            "apiVersion": "policy/v1beta1",
+            "kind": "Eviction",
+            "metadata": {"name": ename, "namespace": "default"},
+        }
+        r = k(
+            "create",
+            "--raw",
+            f"/api/v1/namespaces/default/pods/{ename}/eviction",
+            "-f",
+            "-",
+            input=json.dumps(body),
+            check=False,
         )
-        assert r.returncode == 2 and "backoffLimit 0" in r.stderr and "podFailurePolicy" in r.stderr, r.stderr
-        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) <= 2, r.stderr
+        assert r.returncode != 0 and "disruption budget" in r.stderr, r.stderr
+        now = k.get("pod", ename)
+        assert jf.TRACKING not in (now["metadata"].get("finalizers") or []), "the webhook did not untrack it"
+        assert jf.UNTRACKED in now["metadata"]["labels"] and not now["metadata"].get("deletionTimestamp")
 
         pname, source = pod["metadata"]["name"], pod["spec"]["nodeName"]
         to = "a" if source == "b" else "b"
@@ -547,20 +579,29 @@ def test_a_jobs_pod_moves_uncounted_or_is_refused_before_anything_is_frozen(loca
             assert time.monotonic() < deadline, new
             time.sleep(1)
         assert new["spec"]["nodeName"] == to
+        assert jf.TRACKING in new["metadata"]["finalizers"], "the successor is its Job's to count"
         _wait_steps(k, new["metadata"]["name"], 10)
-        k.wait_gone("pod", pname)  # gone: its Job has judged it (its tracking finalizer went)
+        k.wait_gone("pod", pname)
         job = k.get("job", "sjm-node-0")
         assert int(job["status"].get("failed") or 0) == 0, job["status"]
         assert not {c["type"] for c in (job["status"].get("conditions") or [])} & {"FailureTarget", "Failed"}
         js = k.get("jobset", "sjm")
         assert "Failed" not in {c["type"] for c in (js.get("status") or {}).get("conditions") or []}
 
-        now = _trainjob_pods(k, "sjr")["0"]  # the refused one: untouched, training on where it was
-        assert now["metadata"]["uid"] == refused["metadata"]["uid"] and not now["metadata"].get(
+        back = until(
+            "the evicted pod's tracking finalizer back",
+            lambda: (
+                (p := k.get("pod", ename)) and jf.TRACKING in (p["metadata"].get("finalizers") or []) and p
+            ),
+            timeout=jf.STALE + 60,
+        )
+        assert jf.UNTRACKED not in back["metadata"]["labels"]
+        assert back["metadata"]["uid"] == evicted["metadata"]["uid"] and not back["metadata"].get(
             "deletionTimestamp"
         )
-        assert max(steps(k.logs(now["metadata"]["name"]))) > 5
-        assert int(k.get("job", "sjr-node-0")["status"].get("failed") or 0) == 0
+        assert max(steps(k.logs(ename))) > 5
+        assert int(k.get("job", "sje-node-0")["status"].get("failed") or 0) == 0
     finally:
+        k("delete", "pdb", "sje", "--wait=false", check=False)
         for name in cases:
             k("delete", "jobset", name, "--wait=false")

@@ -402,3 +402,102 @@ def test_a_jobset_pods_lookup_lists_its_index_not_every_pod_of_the_namespace() -
     c, asked = cluster([pod("trn-node-0-1", False)])
     assert owners.pods_of(c, "ml", "trn-node-0-1.trn", "jobset.sigs.k8s.io/jobset-name=x") == []
     assert asked == ["jobset.sigs.k8s.io/jobset-name=x"], "the record's selector alone"
+
+
+def test_a_jobs_pod_leaves_its_count_before_its_delete_and_comes_back_if_none_came() -> None:
+    """`jobfailures.untrack`/`retrack`, applied as the API server applies their JSON patches: the
+    tracking finalizer goes (and only it), the pod is labelled with when; a pod untracked and not
+    deleted within STALE gets it back, unless a newer untrack relabelled it meanwhile (the test op
+    refuses); a pod not a Job's, or already untracked, is left alone; a patch the API server
+    refuses says False, not an exception."""
+    from types import SimpleNamespace
+
+    import jsonpatch
+    from kubernetes.client.exceptions import ApiException
+
+    from criuctl.kube import jobfailures as jf
+
+    def store(pod: dict, refuse: bool = False) -> tuple[Any, list]:
+        calls: list = []
+
+        def patch(name: str, ns: str, body: list) -> dict:
+            calls.append(body)
+            if refuse:
+                raise ApiException(status=403, reason="Forbidden")
+            try:
+                pod.update(jsonpatch.apply_patch(pod, body))
+            except jsonpatch.JsonPatchTestFailed as exc:
+                raise ApiException(status=422, reason="Invalid") from exc
+            return pod
+
+        return SimpleNamespace(core=SimpleNamespace(patch_namespaced_pod=patch)), calls
+
+    def job_pod() -> dict:
+        return {
+            "metadata": {
+                "name": "trn-node-0-0-x",
+                "namespace": "ml",
+                "labels": {"job-name": "trn-node-0"},
+                "finalizers": ["example.com/keep", jf.TRACKING],
+                "ownerReferences": [{"kind": "Job", "name": "trn-node-0", "controller": True}],
+            }
+        }
+
+    pod = job_pod()
+    c, calls = store(pod)
+    assert jf.untrack(c, pod)
+    assert pod["metadata"]["finalizers"] == ["example.com/keep"]
+    when = float(pod["metadata"]["labels"][jf.UNTRACKED])
+    assert not jf.stale(pod, when + jf.STALE - 1) and jf.stale(pod, when + jf.STALE + 1)
+    assert jf.untrack(c, pod) and len(calls) == 1, "already untracked: no second patch"
+    assert not jf.stale({**pod, "metadata": {**pod["metadata"], "deletionTimestamp": "x"}}, when + 99)
+
+    seen = copy.deepcopy(pod)  # what the agents' loop read; then a newer untrack relabels it
+    pod["metadata"]["labels"][jf.UNTRACKED] = str(int(when) + 50)
+    with pytest.raises(CriuctlError):
+        jf.retrack(c, seen)
+    assert jf.TRACKING not in pod["metadata"]["finalizers"]
+    jf.retrack(c, pod)
+    assert pod["metadata"]["finalizers"] == ["example.com/keep", jf.TRACKING]
+    assert jf.UNTRACKED not in pod["metadata"]["labels"]
+
+    bare = {"metadata": {"name": "p", "namespace": "ml", "finalizers": [jf.TRACKING]}}
+    c, calls = store(bare)
+    assert jf.untrack(c, bare) and not calls, "not a Job's pod: left alone"
+    pod = job_pod()
+    c, calls = store(pod, refuse=True)
+    assert not jf.untrack(c, pod) and jf.TRACKING in pod["metadata"]["finalizers"]
+
+
+def test_the_webhook_untracks_an_evicted_pod_and_never_refuses_an_eviction() -> None:
+    """`webhook.review_eviction`: every eviction is allowed, a malformed review too (the webhook
+    never stands between a drain and its pods); the untrack is asked for a real eviction only,
+    never for a dry run or another request."""
+    from criuctl.kube import webhook
+
+    asked: list[tuple[str, str]] = []
+    opts = webhook.Options(untrack=lambda ns, name: asked.append((ns, name)) or "untracked")
+
+    def eviction(**over: Any) -> dict:
+        req = {
+            "uid": "u1",
+            "operation": "CREATE",
+            "kind": {"group": "policy", "version": "v1beta1", "kind": "Eviction"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "subResource": "eviction",
+            "namespace": "ml",
+            "name": "trn-node-0-0-x",
+            **over,
+        }
+        return {"apiVersion": webhook.API_VERSION, "kind": "AdmissionReview", "request": req}
+
+    for review, untracked in (
+        (eviction(), True),
+        (eviction(dryRun=True), False),
+        (eviction(subResource="status"), False),
+        ({"apiVersion": "v1", "kind": "x"}, False),
+    ):
+        asked.clear()
+        answer = webhook.review_eviction(review, opts)["response"]
+        assert answer["allowed"] is True and "patch" not in answer, answer
+        assert asked == ([("ml", "trn-node-0-0-x")] if untracked else []), review

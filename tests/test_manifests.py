@@ -602,11 +602,22 @@ def test_every_api_call_of_the_code_is_granted(objects: list[Obj], identity: str
     assert not missing, f"{identity} calls without RBAC: {sorted(missing)}"
 
 
-def test_the_webhook_reads_move_records_and_lists_pods_and_nothing_else(objects: list[Obj]) -> None:
+def test_the_webhook_reads_move_records_and_pods_and_patches_only_pods(objects: list[Obj]) -> None:
+    """Pods patched: an evicted Job's pod leaves its Job's count (criuctl.kube.jobfailures.untrack);
+    the eviction webhook sees every eviction outside the system namespaces, with side effects only
+    where the request is no dry run, and never stands in a drain's way."""
     role = one(objects, "Role", "criuctl-webhook")
     assert role["metadata"]["namespace"] == "criuctl-system"
     assert _granted(role) == {("", "configmaps"): {"get"}}
-    assert _granted(one(objects, "ClusterRole", "criuctl-webhook")) == {("", "pods"): {"list"}}
+    assert _granted(one(objects, "ClusterRole", "criuctl-webhook")) == {
+        ("", "pods"): {"list", "get", "patch"}
+    }
+    hooks = {w["name"]: w for w in one(objects, "MutatingWebhookConfiguration", "criuctl")["webhooks"]}
+    evict = hooks["evictions.criuctl.io"]
+    assert [r["resources"] for r in evict["rules"]] == [["pods/eviction"]]
+    assert evict["clientConfig"]["service"]["path"] == "/evict"
+    assert (evict["failurePolicy"], evict["sideEffects"]) == ("Ignore", "NoneOnDryRun")
+    assert "objectSelector" not in evict  # an Eviction carries none of the pod's labels
     pod = one(objects, "Deployment", "criuctl-webhook")["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "criuctl-webhook"
 

@@ -308,6 +308,7 @@ def _cmd_webhook(a: argparse.Namespace) -> int:
     if a.kubeconfig or os.environ.get("KUBERNETES_SERVICE_HOST"):
         opts.pending = webhook.pending_moves(a.kubeconfig)
         opts.leaving = webhook.leaving_pods(a.kubeconfig)
+        opts.untrack = webhook.untracker(a.kubeconfig)
     webhook.serve(a.listen, a.tls_cert, a.tls_key, opts)  # runs as the webhook's own user, not root
     return 0
 

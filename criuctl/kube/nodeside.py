@@ -3,7 +3,9 @@
 - a plain-HTTP listener on 127.0.0.1:PORT for the preStop hook the webhook adds to migratable
   pods (GET /v1/prestop/NAMESPACE/POD; criuctl.kube.prestop). Loopback only: the kubelet of this
   node is its one caller (its hooks run in the node's network namespace, like the agent's);
-- the loop that restores kept bundles into their pods' successors (criuctl.kube.successors).
+- the loop that restores kept bundles into their pods' successors (criuctl.kube.successors), and
+  puts a Job's tracking finalizer back on a pod of this node untracked for a deletion that did not
+  come (criuctl.kube.jobfailures.retrack_stale).
 
 The agent's layer knows nothing of Kubernetes: the CLI hands it `extension(...)`, which it calls
 with itself and its application at start-up.
@@ -13,13 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from criuctl.core.errors import CriuctlError
-from criuctl.kube import cluster, prestop, successors
+from criuctl.kube import cluster, jobfailures, prestop, successors
 
 if TYPE_CHECKING:
     from criuctl.agent.server import Agent
@@ -28,6 +31,7 @@ log = logging.getLogger("criuctl.kube")
 
 TICK = 2.0  # one list of the move records per node per tick: cheap on a cluster of many nodes
 TICK_BUSY = 0.2  # while this node is to restore a move: only the holder's (or target's) agent
+RETRACK_EVERY = 10.0  # s between two looks for pods untracked for a deletion that did not come
 
 
 def extension(port: int, kubeconfig: str | None) -> Callable[[Agent, web.Application], None]:
@@ -84,10 +88,14 @@ async def _prestop(r: web.Request, c: cluster.Cluster, node: str) -> web.Respons
 
 
 async def _loop(c: cluster.Cluster, node: str) -> None:
+    untracked_at = 0.0
     while True:
         busy = False
         try:
             busy = await asyncio.to_thread(successors.tick, c, node)
+            if time.monotonic() - untracked_at > RETRACK_EVERY:
+                untracked_at = time.monotonic()
+                await asyncio.to_thread(jobfailures.retrack_stale, c, node)
         except CriuctlError as exc:
             log.warning("moves not read", extra={"why": exc.line()})
         except Exception:  # a bug here must not take the agent (and the migrations it drives) down

@@ -38,10 +38,10 @@ from criuctl.agent.protocol import Point
 from criuctl.client import migrate as agent_migrate
 from criuctl.client.agents import AgentClient, AgentError, Node
 from criuctl.core.errors import CriuctlError
-from criuctl.kube import events, moves, owners
+from criuctl.kube import events, jobfailures, moves, owners
 from criuctl.kube.cluster import Cluster, NotFound, call, delete_now
 from criuctl.kube.podmigrations import Phase, downtime_text
-from criuctl.kube.podplan import PodPlan, plan
+from criuctl.kube.podplan import NotMigratable, PodPlan, plan
 
 __all__ = ["execute", "execute_owned", "follow_owned", "hand_over", "plan", "request_owned", "settle"]
 
@@ -320,10 +320,31 @@ def request_owned(c: Cluster, p: PodPlan, journal: Journal = _unrecorded, mode: 
                 mode=mode or "",
             ),
         )
+    _untrack(c, p)
     said = f"moving to node {p.target}: checkpointed on delete, restored into its successor"
     events.record(c, p.source_pod, events.Reason.STARTED, said)
     journal(Phase.MIGRATING)
-    _delete(c, p.namespace, p.pod, uid=uid)
+    try:
+        _delete(c, p.namespace, p.pod, uid=uid)
+    except CriuctlError:  # not deleted: its Job judges it again (else the agents' loop does it)
+        with contextlib.suppress(CriuctlError):
+            if (pod := read_pod(c, p.namespace, p.pod)) is not None and pod["metadata"]["uid"] == uid:
+                jobfailures.retrack(c, pod)
+        raise
+
+
+def _untrack(c: Cluster, p: PodPlan) -> None:
+    """A Job's pod leaves its Job's count before it is deleted (criuctl.kube.jobfailures); where it
+    cannot and the count would fail the Job, the move is refused here, before anything is frozen."""
+    if jobfailures.untrack(c, p.source_pod):
+        return
+    job = jobfailures.job_of(c, p.source_pod)
+    why = jobfailures.refusal(job) if job is not None else None
+    if why is not None:
+        with contextlib.suppress(CriuctlError):
+            if (m := moves.read(c, p.namespace, p.identity)) is not None and m.phase == moves.Phase.REQUESTED:
+                moves.forget(c, m)
+        raise NotMigratable(f"pod {p.pod}: {why}", jobfailures.HINT)
 
 
 def follow_owned(

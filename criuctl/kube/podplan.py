@@ -10,7 +10,7 @@ from typing import Any
 
 from criuctl.client.agents import Node
 from criuctl.core.errors import CriuctlError
-from criuctl.kube import events, jobfailures, moves, mutate, owners, podvolumes
+from criuctl.kube import events, moves, mutate, owners, podvolumes
 from criuctl.kube.cluster import Cluster, NotFound, agent_for, call, workload_row
 
 # labels a controller selects its pods by: a placeholder keeps none, or the controller adopts it
@@ -149,10 +149,6 @@ def _owned(c: Cluster, pod: dict, ctr: dict) -> owners.Owner | None:
             "the webhook added one): its job would end with it",
             "recreate the pod (delete it: its controller makes a new one); nothing was changed",
         )
-    job = jobfailures.job_of(c, pod)
-    why = jobfailures.refusal(job) if job is not None else None
-    if why is not None:
-        raise NotMigratable(f"pod {meta['name']}: {why}", jobfailures.HINT)
     pending = moves.read(c, meta["namespace"], owners.identity(pod))
     if pending is not None and pending.phase in (moves.Phase.DUMPING, moves.Phase.KEPT):
         raise CriuctlError(

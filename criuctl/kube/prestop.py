@@ -190,7 +190,9 @@ def leaving(c: Cluster, namespace: str, ident: str, node: str) -> str:
     if row is None or row.get("why_not"):
         why_not = row.get("why_not") if row is not None else None
         return f"nothing to checkpoint ({why_not or 'no job in the container'})"
-    if (owners.controller_ref(pod) or {}).get("kind") == "Job":  # its Job may ignore the ended pod
+    # a Job's pod out of its Job's count (a plain delete: before the Job looks, at best); where that
+    # failed, marked for a podFailurePolicy that ignores it (criuctl.kube.jobfailures)
+    if not jobfailures.untrack(c, pod):
         jobfailures.mark_moving(c, pod)
     needed = max(podplan.pod_memory(pod), int(row.get("rss_bytes") or 0))
     tcp = peers.Endpoints.from_json(row.get("tcp"))  # a job's rank: re-addressed where it is restored

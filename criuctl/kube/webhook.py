@@ -27,7 +27,7 @@ from aiohttp import web
 
 from criuctl.agent import preflight
 from criuctl.core.errors import CriuctlError
-from criuctl.kube import api, cluster, moves, mutate, owners
+from criuctl.kube import api, cluster, jobfailures, moves, mutate, owners
 
 log = logging.getLogger("criuctl.webhook")
 
@@ -57,6 +57,8 @@ class Options:
     # the name of a pod of this identity being deleted whose preStop may be checkpointing its job
     # (a JobSet's pod: its successor has another name, so the two can exist together)
     leaving: Callable[[str, str, str], str | None] | None = None
+    # a pod about to be evicted (a drain): what was done to keep it out of its Job's failure count
+    untrack: Callable[[str, str], str] | None = None
 
 
 def review(request: dict[str, Any], opts: Options | None = None) -> dict[str, Any]:
@@ -120,6 +122,37 @@ def _admit(body: Any, opts: Options) -> tuple[dict[str, Any], str]:
     except Malformed as exc:
         message = f"criuctl's admission webhook refused the request: {exc}"
         return _response(uid, allowed=False, message=message), f"refused: {exc}"
+
+
+def review_eviction(request: dict[str, Any], opts: Options | None = None) -> dict[str, Any]:
+    """An AdmissionReview of an eviction (`pods/eviction` CREATE: what `kubectl drain` sends for
+    each pod) → always allowed. Before the API server deletes the pod, a Job's pod under criuctl's
+    preStop leaves its Job's failure count (criuctl.kube.jobfailures.untrack): its move is then no
+    failure of the Job, and the Job makes the successor at once. A dry run changes nothing."""
+    return _evict(request, opts or Options())[0]
+
+
+def _evict(body: Any, opts: Options) -> tuple[dict[str, Any], str]:
+    uid = ""
+    try:
+        req = _request(body)
+        uid = req["uid"]
+    except Malformed as exc:  # allowed all the same: this webhook never stands between a drain and a pod
+        return _response(uid), f"eviction: not read ({exc}), allowed"
+    resource = req.get("resource") or {}
+    who = f"{req.get('namespace') or '?'}/{req.get('name') or '?'}"
+    if (resource.get("group"), resource.get("resource"), req.get("subResource"), req.get("operation")) != (
+        "",
+        "pods",
+        "eviction",
+        "CREATE",
+    ):
+        return _response(uid), f"{who}: not an eviction, left alone"
+    if req.get("dryRun"):
+        return _response(uid), f"eviction of {who}: a dry run, nothing done"
+    if opts.untrack is None or not req.get("namespace") or not req.get("name"):
+        return _response(uid), f"eviction of {who}: allowed (no credentials: its Job counts it)"
+    return _response(uid), f"eviction of {who}: {opts.untrack(req['namespace'], req['name'])}"
 
 
 def _hold(
@@ -220,6 +253,16 @@ async def _mutate(request: web.Request) -> web.Response:
     return web.json_response(response)
 
 
+async def _eviction(request: web.Request) -> web.Response:
+    try:
+        body = await request.json()
+    except (ValueError, UnicodeDecodeError):
+        body = None
+    response, line = await asyncio.to_thread(_evict, body, request.app[OPTIONS])
+    log.info(line)
+    return web.json_response(response)
+
+
 async def _healthz(_request: web.Request) -> web.Response:
     return web.Response(text="ok\n")
 
@@ -228,10 +271,11 @@ OPTIONS = web.AppKey("options", Options)
 
 
 def app(opts: Options | None = None) -> web.Application:
-    """POST /mutate (the API server's AdmissionReviews) and GET /healthz (the readiness probe)."""
+    """POST /mutate (pod creations), POST /evict (evictions) and GET /healthz (the readiness probe)."""
     application = web.Application(client_max_size=MAX_BODY)
     application[OPTIONS] = opts or Options()
     application.router.add_post("/mutate", _mutate)
+    application.router.add_post("/evict", _eviction)
     application.router.add_get("/healthz", _healthz)
     return application
 
@@ -281,6 +325,27 @@ def leaving_pods(kubeconfig: str | None) -> Callable[[str, str, str], str | None
     return leaving
 
 
+def untracker(kubeconfig: str | None) -> Callable[[str, str], str]:
+    """`Options.untrack` through the API server, bounded as `pending_moves`: the pod read, and a
+    Job's pod under criuctl's preStop untracked. Never raises: an eviction is never held up."""
+    c = cluster.connect(kubeconfig, api.timeouts().admission())
+
+    def untrack(namespace: str, name: str) -> str:
+        try:
+            pod = c.serialize(cluster.call(f"pod {name}", c.core.read_namespaced_pod, name, namespace))
+        except CriuctlError as exc:
+            return f"allowed, the pod not read ({exc.what}): its Job counts it"
+        if (owners.controller_ref(pod) or {}).get("kind") != "Job":
+            return "allowed (not a Job's pod)"
+        if not any(mutate.has_prestop(ctr) for ctr in pod["spec"]["containers"]):
+            return "allowed (no criuctl preStop: it ends with its pod)"
+        if jobfailures.untrack(c, pod):
+            return "allowed, out of its Job's failure count (its preStop moves it)"
+        return "allowed, its Job's tracking finalizer kept (the API server refused): its Job counts it"
+
+    return untrack
+
+
 def serve(listen: str, cert: str, key: str, opts: Options | None = None) -> None:
     """Serve HTTPS on `listen` ("HOST:PORT") until SIGTERM or SIGINT.
 
@@ -295,5 +360,5 @@ def serve(listen: str, cert: str, key: str, opts: Options | None = None) -> None
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.load_cert_chain(cert, key)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
-    log.info("listening on https://%s:%d/mutate", host, port)
+    log.info("listening on https://%s:%d (/mutate, /evict)", host, port)
     web.run_app(app(opts), host=host, port=port, ssl_context=ctx, print=None, access_log=None)
