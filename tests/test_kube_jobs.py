@@ -492,11 +492,11 @@ def test_a_trainjob_pod_moves_by_index_and_the_job_never_stops(local_cluster, ho
         k("delete", "trainjob", job, "--wait=false", check=False)
 
 
-def _strict_jobset(name: str) -> dict:
+def _strict_jobset(name: str, steps: int = 400) -> dict:
     """A JobSet without Trainer (one Indexed Job of one pod, a training pod criuctl wraps) whose Job
     has backoffLimit 0 and restartPolicy Never, no podFailurePolicy: one failure counted fails it,
     and the JobSet with it (no failurePolicy)."""
-    pod = training_pod(name, steps=400)
+    pod = training_pod(name, steps=steps)
     pod["spec"].update(restartPolicy="Never", terminationGracePeriodSeconds=5)
     job: dict = {"parallelism": 1, "completions": 1, "backoffLimit": 0}
     job["template"] = {
@@ -523,8 +523,8 @@ def test_a_jobs_pod_moves_uncounted_and_an_eviction_refused_leaves_it_counted(lo
 
     lay, k = local_cluster
     cases = ("sje", "sjm")  # both at once: the evicted one is watched while the other moves
-    for name in cases:
-        k.apply(_strict_jobset(name))
+    for name in cases:  # sje trains until it is deleted: its pod must still run when it is looked at
+        k.apply(_strict_jobset(name, steps=5000 if name == "sje" else 400))
     k.apply(
         {
             "apiVersion": "policy/v1beta1",

@@ -501,3 +501,30 @@ def test_the_webhook_untracks_an_evicted_pod_and_never_refuses_an_eviction() -> 
         answer = webhook.review_eviction(review, opts)["response"]
         assert answer["allowed"] is True and "patch" not in answer, answer
         assert asked == ([("ml", "trn-node-0-0-x")] if untracked else []), review
+
+
+def test_a_pod_of_an_owner_that_renames_its_replacement_is_refused_in_one_line() -> None:
+    """Item 4 of the owners that replace a pod under another name: a ReplicaSet's pod (nothing
+    tells its successor apart) and a plain Job's (no JobSet, no stable DNS name) are refused by
+    `podplan._owned` before anything is read or changed, each in one line that names the owner
+    and says what moves."""
+    from criuctl.kube import podplan
+
+    def pod(kind: str, labels: dict | None = None, **spec: str) -> dict:
+        meta = {
+            "name": "w-x7k",
+            "namespace": "ml",
+            "labels": labels or {},
+            "ownerReferences": [{"kind": kind, "name": "w", "controller": True}],
+        }
+        return {"metadata": meta, "spec": spec}
+
+    for p, says in (
+        (pod("ReplicaSet"), "pod of another name"),
+        (pod("Job", {"job-name": "w"}, hostname="w-0"), "not by a JobSet's Indexed Job"),
+        (pod("DaemonSet"), "pod of another name"),
+    ):
+        with pytest.raises(podplan.NotMigratable) as err:
+            podplan._owned(None, p, {"name": "c"})  # type: ignore[arg-type]
+        assert says in err.value.what and "nothing was changed" in err.value.hint, err.value
+        assert "\n" not in err.value.line()

@@ -45,6 +45,18 @@ def test_a_terminating_pod_is_replaced_at_once_and_counted_as_failed() -> None:
     assert [x["metadata"]["name"] for x in p.counted] == ["j-1-running-d"]
 
 
+def test_a_pod_without_the_tracking_finalizer_is_never_judged_but_still_replaced() -> None:
+    """`trackJobStatusAndRemoveFinalizers` skips a pod without the finalizer: deleted (or failed)
+    with backoffLimit 0, it counts nothing and fails nothing, and its index is made again at once;
+    its end, however it comes, is never counted later either."""
+    p = ij.plan("j", _spec(backoffLimit=0), {}, [_pod(0), _pod(1, deleting=True, tracked=False)])
+    assert p.make == [1] and not p.status.get("failed") and not p.status.get("conditions") and not p.counted
+    later = ij.plan(
+        "j", _spec(backoffLimit=0), p.status, [_pod(0), _pod(1, "Failed", deleting=True, tracked=False)]
+    )
+    assert not later.status.get("failed") and not ij.finished(later.status)
+
+
 def test_a_deleted_pod_fails_a_job_whose_backoff_limit_is_zero() -> None:
     """backoffLimit 0: the one deletion fails the Job; every active pod is deleted, FailureTarget
     first, Failed once none terminates (`delayTerminalCondition`)."""

@@ -133,12 +133,22 @@ def _owned(c: Cluster, pod: dict, ctr: dict) -> owners.Owner | None:
     ref = owners.controller_ref(pod)
     if ref is None:
         return None
-    if ref["kind"] not in owners.KINDS or (ref["kind"] in owners.SAME_INDEX and not owners.indexed(pod)):
+    supported = (
+        f"criuctl moves bare pods and the pods of {', '.join(owners.SAME_NAME)}s and JobSets (a TrainJob's)"
+    )
+    if ref["kind"] in owners.SAME_INDEX and not owners.indexed(pod):
+        # a plain Job (Indexed or not), or a JobSet pod without its stable DNS name: its successor
+        # could be told by index, but nothing here runs such a Job to test a move of it against
+        raise NotMigratable(
+            f"pod {meta['name']} is owned by {ref['kind']} {ref['name']}, not by a JobSet's Indexed Job "
+            "with its pods' DNS names (hostname and subdomain): its move is not supported",
+            f"nothing was changed; {supported}",
+        )
+    if ref["kind"] not in owners.KINDS:
         raise NotMigratable(
             f"pod {meta['name']} is owned by {ref['kind']} {ref['name']}, which replaces it with a pod "
             "of another name: nothing could tell its successor apart, so it does not move",
-            f"nothing was changed; criuctl moves bare pods and the pods of {', '.join(owners.SAME_NAME)}s "
-            "and JobSets (a TrainJob's)",
+            f"nothing was changed; {supported}",
         )
     o = owners.owner(c, pod)
     if o is None or not o.wants_back:

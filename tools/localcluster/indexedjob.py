@@ -20,7 +20,10 @@ job, modelled on `pkg/controller/job/job_controller.go` and `indexed_job_utils.g
 - **A deleted pod is a failure** (`isPodFailed`): phase Failed, or, under TerminatingOrFailed, a
   deletion timestamp on a pod that did not succeed. Every pod carries the tracking finalizer
   `batch.kubernetes.io/job-tracking`, removed only once the pod is counted
-  (`trackJobStatusAndRemoveFinalizers`), so a pod deleted at once (grace 0) is counted all the same.
+  (`trackJobStatusAndRemoveFinalizers`), so a pod deleted at once (grace 0) is counted all the same;
+  a pod that lost it to someone else is never judged (that function skips it) and never given it
+  back (`getPodsForJob` adds it only to a pod it adopts). Pods are looked at every 0.25 s, sooner
+  than the real one's batch period (`syncJobBatchPeriod`, 1 s) lets it.
 - **The count against `backoffLimit`** (`syncJob`, `pastBackoffLimitOnFailure`): more failed pods
   than the limit, or with restartPolicy OnFailure the live pods' container restarts reaching it;
   then the condition `FailureTarget` (reason `BackoffLimitExceeded`), every active pod deleted, and
