@@ -379,9 +379,9 @@ def train_job(name: str, nodes: int, procs_per_node: int) -> dict:
     }
 
 
-def _trainjob_pods(k: Kubectl, job: str) -> dict[str, dict]:
-    """The job's live pods by completion index."""
-    pods = k.pods(selector=f"jobset.sigs.k8s.io/jobset-name={job}")
+def _trainjob_pods(k: Kubectl, job: str, selector: str = "") -> dict[str, dict]:
+    """The job's live pods by completion index (a JobSet's, or those `selector` picks)."""
+    pods = k.pods(selector=selector or f"jobset.sigs.k8s.io/jobset-name={job}")
     live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
     return {p["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"]: p for p in live}
 
@@ -492,10 +492,10 @@ def test_a_trainjob_pod_moves_by_index_and_the_job_never_stops(local_cluster, ho
         k("delete", "trainjob", job, "--wait=false", check=False)
 
 
-def _strict_jobset(name: str, steps: int = 400) -> dict:
-    """A JobSet without Trainer (one Indexed Job of one pod, a training pod criuctl wraps) whose Job
-    has backoffLimit 0 and restartPolicy Never, no podFailurePolicy: one failure counted fails it,
-    and the JobSet with it (no failurePolicy)."""
+def _strict_job(name: str, steps: int = 400) -> dict:
+    """An Indexed Job of one pod (a training pod criuctl wraps, its DNS name through the subdomain
+    NAME) with backoffLimit 0 and restartPolicy Never, no podFailurePolicy: one failure counted
+    fails it."""
     pod = training_pod(name, steps=steps)
     pod["spec"].update(restartPolicy="Never", terminationGracePeriodSeconds=5)
     job: dict = {"parallelism": 1, "completions": 1, "backoffLimit": 0}
@@ -503,6 +503,13 @@ def _strict_jobset(name: str, steps: int = 400) -> dict:
         "metadata": {k: pod["metadata"][k] for k in ("labels", "annotations")},
         "spec": pod["spec"],
     }
+    return job
+
+
+def _strict_jobset(name: str, steps: int) -> dict:
+    """`_strict_job` as the one Job of a JobSet without Trainer (the JobSet fails with it: no
+    failurePolicy)."""
+    job = _strict_job(name, steps)
     return {
         "apiVersion": "jobset.x-k8s.io/v1alpha2",
         "kind": "JobSet",
@@ -511,20 +518,40 @@ def _strict_jobset(name: str, steps: int = 400) -> dict:
     }
 
 
+def _indexed_job(name: str, steps: int) -> dict:
+    """`_strict_job` as a Job of its own: `completionMode: Indexed`, written where the Job stand-in
+    reads the fields Kubernetes 1.20 drops (localcluster.indexedjob.SPEC)."""
+    from localcluster import indexedjob
+
+    job = _strict_job(name, steps)
+    job["template"]["spec"]["subdomain"] = name
+    dropped = json.dumps({"completionMode": "Indexed"})
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "annotations": {indexedjob.SPEC: dropped}},
+        "spec": job,
+    }
+
+
 def test_a_jobs_pod_moves_uncounted_and_an_eviction_refused_leaves_it_counted(local_cluster) -> None:
-    """Two JobSets whose Job fails at its first counted failure (backoffLimit 0, restartPolicy Never,
-    no podFailurePolicy; the stand-in counts a deleted pod as a recent Job controller does).
-    `criuctl migrate` of sjm's pod takes it out of its Job's count before the delete (the tracking
-    finalizer): it moves, the Job counts nothing and the JobSet never fails. sje's pod is evicted
-    under a disruption budget that refuses: the webhook took it out of the count for an eviction
-    that never came, so the job trains on, untouched, and the agents' loop puts it back in the
-    count (its finalizer back, the label gone) within STALE and a look."""
+    """Two Jobs that fail at their first counted failure (backoffLimit 0, restartPolicy Never, no
+    podFailurePolicy; the stand-in counts a deleted pod as a recent Job controller does): pjm, an
+    Indexed Job of its own (no JobSet; its pod's DNS name through its subdomain), and sje's, a
+    JobSet's. `criuctl migrate` of pjm's pod takes it out of its Job's count before the delete
+    (the tracking finalizer): it moves by index into the replacement the Job makes at once, and
+    the Job counts nothing. sje's pod is evicted under a disruption budget that refuses: the
+    webhook took it out of the count for an eviction that never came, so the job trains on,
+    untouched, and the agents' loop puts it back in the count (its finalizer back, the label
+    gone) within STALE and a look."""
     from criuctl.kube import jobfailures as jf
 
     lay, k = local_cluster
-    cases = ("sje", "sjm")  # both at once: the evicted one is watched while the other moves
-    for name in cases:  # sje trains until it is deleted: its pod must still run when it is looked at
-        k.apply(_strict_jobset(name, steps=5000 if name == "sje" else 400))
+    # both at once: the evicted one is watched while the other moves; sje trains until it is
+    # deleted (its pod must still run when it is looked at)
+    k.apply(_strict_jobset("sje", steps=5000))
+    k.apply(_indexed_job("pjm", steps=400))
+    cases = {"sje": "", "pjm": "job-name=pjm"}
     k.apply(
         {
             "apiVersion": "policy/v1beta1",
@@ -539,13 +566,16 @@ def test_a_jobs_pod_moves_uncounted_and_an_eviction_refused_leaves_it_counted(lo
     try:
         first: dict[str, dict] = {}
         deadline = time.monotonic() + 180
-        for name in cases:
-            while not (pods := _trainjob_pods(k, name)) or pods["0"]["status"].get("phase") != "Running":
+        for name, selector in cases.items():
+            while (
+                not (pods := _trainjob_pods(k, name, selector))
+                or pods["0"]["status"].get("phase") != "Running"
+            ):
                 assert time.monotonic() < deadline, pods
                 time.sleep(1)
             first[name] = pods["0"]
             _wait_steps(k, pods["0"]["metadata"]["name"], 5)
-        evicted, pod = first["sje"], first["sjm"]
+        evicted, pod = first["sje"], first["pjm"]
         assert jf.TRACKING in evicted["metadata"]["finalizers"]
         ename = evicted["metadata"]["name"]
         body = {
@@ -571,22 +601,22 @@ def test_a_jobs_pod_moves_uncounted_and_an_eviction_refused_leaves_it_counted(lo
         to = "a" if source == "b" else "b"
         r = criuctl(lay, "migrate", pname, to)
         assert r.returncode == 0, r.stderr[-3000:]
-        deadline = time.monotonic() + 180
-        while (new := _trainjob_pods(k, "sjm").get("0") or {"metadata": {}})["metadata"].get("uid") in (
-            None,
-            pod["metadata"]["uid"],
-        ) or "criuctl.io/migrated-at" not in (new["metadata"].get("annotations") or {}):
-            assert time.monotonic() < deadline, new
-            time.sleep(1)
-        assert new["spec"]["nodeName"] == to
+
+        def restored() -> dict | None:
+            new = _trainjob_pods(k, "pjm", cases["pjm"]).get("0") or {"metadata": {}}
+            notes = new["metadata"].get("annotations") or {}
+            fresh = new["metadata"].get("uid") not in (None, pod["metadata"]["uid"])
+            return new if fresh and "criuctl.io/migrated-at" in notes else None
+
+        new = until("pjm's index restored into its successor", restored, timeout=180)
+        assert new["spec"]["nodeName"] == to and new["spec"]["hostname"] == "pjm-0"
+        assert new["metadata"]["annotations"]["criuctl.io/migrated-from"] == f"default/{pname}@{source}"
         assert jf.TRACKING in new["metadata"]["finalizers"], "the successor is its Job's to count"
         _wait_steps(k, new["metadata"]["name"], 10)
         k.wait_gone("pod", pname)
-        job = k.get("job", "sjm-node-0")
+        job = k.get("job", "pjm")
         assert int(job["status"].get("failed") or 0) == 0, job["status"]
         assert not {c["type"] for c in (job["status"].get("conditions") or [])} & {"FailureTarget", "Failed"}
-        js = k.get("jobset", "sjm")
-        assert "Failed" not in {c["type"] for c in (js.get("status") or {}).get("conditions") or []}
 
         back = until(
             "the evicted pod's tracking finalizer back",
@@ -603,5 +633,5 @@ def test_a_jobs_pod_moves_uncounted_and_an_eviction_refused_leaves_it_counted(lo
         assert int(k.get("job", "sje-node-0")["status"].get("failed") or 0) == 0
     finally:
         k("delete", "pdb", "sje", "--wait=false", check=False)
-        for name in cases:
-            k("delete", "jobset", name, "--wait=false")
+        k("delete", "jobset", "sje", "--wait=false", check=False)
+        k("delete", "job", "pjm", "--wait=false", check=False)

@@ -187,9 +187,9 @@ def _obj(name: str, uid: str, owner: dict | None = None, **rest: Any) -> dict:
 
 
 def test_a_jobset_pod_belongs_to_its_jobset_through_its_indexed_job() -> None:
-    """On a real cluster a TrainJob's pod is owned by an Indexed Job, which a JobSet owns; the
-    stand-in's JobSet owns its pods itself. Either way the JobSet decides whether it wants the pod
-    back; a Job of no JobSet (a plain Job) keeps refusing."""
+    """A TrainJob's pod is owned by an Indexed Job, which a JobSet owns (on a real cluster and the
+    stand-ins'); a JobSet that owns its pods itself is read the same. The JobSet decides whether
+    it wants the pod back; an Indexed Job of no JobSet decides itself (finished or failing: no)."""
     from types import SimpleNamespace
 
     from criuctl.kube import owners
@@ -215,8 +215,17 @@ def test_a_jobset_pod_belongs_to_its_jobset_through_its_indexed_job() -> None:
     o = owners.owner(c, pod)
     assert o is not None and not o.wants_back and o.why == "the JobSet has finished"
     del jobset["status"]
-    objs[("batch", "jobs", "trn-node-0")]["metadata"]["ownerReferences"] = []
-    assert owners.owner(c, pod) is None, "a Job no JobSet owns: its pods do not come back by index"
+    job = objs[("batch", "jobs", "trn-node-0")]
+    job["metadata"]["ownerReferences"] = []
+    job["spec"] = {"parallelism": 2, "completions": 2}
+    o = owners.owner(c, pod)  # an Indexed Job of its own: the Job decides
+    assert o is not None and (o.kind, o.name, o.replicas, o.wants_back) == ("Job", "trn-node-0", 2, True)
+    job["status"] = {"conditions": [{"type": "Complete", "status": "True"}]}
+    o = owners.owner(c, pod)
+    assert o is not None and not o.wants_back and o.why == "the Job has finished"
+    job["status"] = {"conditions": [{"type": "FailureTarget", "status": "True"}]}
+    o = owners.owner(c, pod)
+    assert o is not None and not o.wants_back and "has failed" in o.why
     plain = copy.deepcopy(pod)
     del plain["spec"]["subdomain"]
     assert owners.owner(c, plain) is None, "no stable DNS name: nothing its successor shares"
@@ -355,18 +364,18 @@ def test_a_move_that_would_fail_its_job_is_refused_and_one_it_ignores_is_not() -
     assert "backoffLimitPerIndex 1" in (jf.refusal(job(backoffLimitPerIndex=1)) or "")
 
 
-def test_a_jobset_pods_lookup_lists_its_index_not_every_pod_of_the_namespace() -> None:
+def test_an_indexed_job_pods_lookup_lists_its_index_not_every_pod_of_the_namespace() -> None:
     """`owners.pods_of` for `HOST.SUBDOMAIN`: the record's selector alone when it has one; else the
-    Job and index the hostname names, and every JobSet pod only where that finds none (a cluster
-    that writes no completion-index label)."""
+    Job and index the hostname names, and every pod of that Job only where that finds none (a
+    cluster that writes no completion-index label)."""
     from types import SimpleNamespace
 
     from criuctl.kube import owners
 
     def pod(host: str, labelled: bool) -> dict:
-        labels = {"jobset.sigs.k8s.io/jobset-name": "trn"}
+        labels = {"jobset.sigs.k8s.io/jobset-name": "trn", "job-name": "trn-node-0"}
         if labelled:
-            labels.update({"job-name": "trn-node-0", "batch.kubernetes.io/job-completion-index": host[-1]})
+            labels["batch.kubernetes.io/job-completion-index"] = host[-1]
         return {"metadata": {"labels": labels}, "spec": {"hostname": host, "subdomain": "trn"}}
 
     def cluster(pods: list[dict]) -> tuple[Any, list[str]]:
@@ -391,14 +400,9 @@ def test_a_jobset_pods_lookup_lists_its_index_not_every_pod_of_the_namespace() -
 
     c, asked = cluster([pod("trn-node-0-1", True), pod("trn-node-0-2", True)])
     assert len(owners.pods_of(c, "ml", "trn-node-0-1.trn")) == 1
-    assert asked == [
-        "jobset.sigs.k8s.io/jobset-name,job-name=trn-node-0,batch.kubernetes.io/job-completion-index=1"
-    ]
+    assert asked == ["job-name=trn-node-0,batch.kubernetes.io/job-completion-index=1"]
     c, asked = cluster([pod("trn-node-0-1", False), pod("trn-node-0-2", False)])
-    assert (
-        len(owners.pods_of(c, "ml", "trn-node-0-1.trn")) == 1
-        and asked[-1] == "jobset.sigs.k8s.io/jobset-name"
-    )
+    assert len(owners.pods_of(c, "ml", "trn-node-0-1.trn")) == 1 and asked[-1] == "job-name=trn-node-0"
     c, asked = cluster([pod("trn-node-0-1", False)])
     assert owners.pods_of(c, "ml", "trn-node-0-1.trn", "jobset.sigs.k8s.io/jobset-name=x") == []
     assert asked == ["jobset.sigs.k8s.io/jobset-name=x"], "the record's selector alone"
@@ -504,8 +508,9 @@ def test_the_webhook_untracks_an_evicted_pod_and_never_refuses_an_eviction() -> 
 
 
 def test_a_pod_of_an_owner_that_renames_its_replacement_is_refused_in_one_line() -> None:
-    """Item 4 of the owners that replace a pod under another name: a ReplicaSet's pod (nothing
-    tells its successor apart) and a plain Job's (no JobSet, no stable DNS name) are refused by
+    """The owners that replace a pod under another name: a ReplicaSet's pod (nothing tells its
+    successor apart), a Job's that is not Indexed, and an Indexed one's without a subdomain (no
+    stable DNS name) are refused by
     `podplan._owned` before anything is read or changed, each in one line that names the owner
     and says what moves."""
     from criuctl.kube import podplan
@@ -521,7 +526,11 @@ def test_a_pod_of_an_owner_that_renames_its_replacement_is_refused_in_one_line()
 
     for p, says in (
         (pod("ReplicaSet"), "pod of another name"),
-        (pod("Job", {"job-name": "w"}, hostname="w-0"), "not by a JobSet's Indexed Job"),
+        (pod("Job", {"job-name": "w"}, hostname="w-0"), "not by an Indexed Job"),
+        (
+            pod("Job", {"job-name": "w", "batch.kubernetes.io/job-completion-index": "0"}, hostname="w-0"),
+            "DNS name",
+        ),
         (pod("DaemonSet"), "pod of another name"),
     ):
         with pytest.raises(podplan.NotMigratable) as err:

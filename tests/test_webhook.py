@@ -625,7 +625,9 @@ def test_the_cert_script_trusts_old_and_new_ca_then_applies_and_restarts(certs: 
 def test_the_manifest_agrees_with_the_code_and_the_script(certs: Path) -> None:
     objs = manifest()
     hooks = {h["name"]: h for h in objs["MutatingWebhookConfiguration"]["webhooks"]}
-    assert set(hooks) == {"pods.criuctl.io", "namespaces.criuctl.io"}
+    assert set(hooks) == {"pods.criuctl.io", "namespaces.criuctl.io", "evictions.criuctl.io"}
+    evict = hooks.pop("evictions.criuctl.io")  # tests/test_manifests.py: the pods it may patch
+    assert evict["clientConfig"]["service"]["path"] == "/evict" and evict["failurePolicy"] == "Ignore"
     svc = objs["Service"]
     # a pod labelled itself must not be admitted unwrapped; a namespace's every pod must not be blocked
     assert hooks["pods.criuctl.io"]["failurePolicy"] == "Fail"

@@ -20,6 +20,8 @@ Pod = dict[str, Any]
 
 LABEL = "criuctl.io/migratable"  # on a pod or a namespace: "true" opts in, on a pod "false" opts out
 JOBSET_LABEL = "jobset.sigs.k8s.io/jobset-name"  # a JobSet's pod (Kubeflow Trainer's TrainJob runs on one)
+JOB_LABEL = "job-name"  # a Job's pod (the API server puts it in the Job's template)
+COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"  # an Indexed Job's pod: annotation, and label
 INJECTED = "criuctl.io/injected"  # "true" once the webhook has seen the pod: never wrapped twice
 PYTHON_ANNOTATION = "criuctl.io/python"  # the image's Python 3, when it is not `python3` on PATH
 NOT_WRAPPED = "criuctl.io/not-wrapped"  # JSON {container: why it was left alone}
@@ -70,32 +72,37 @@ def not_wrapped(pod: Pod) -> dict[str, str]:
 
 
 def indexed(pod: Pod) -> bool:
-    """A JobSet's pod with the stable DNS name its Indexed Job gives it (hostname and subdomain)."""
-    spec, labels = pod.get("spec") or {}, (pod.get("metadata") or {}).get("labels") or {}
-    return bool(labels.get(JOBSET_LABEL) and spec.get("hostname") and spec.get("subdomain"))
+    """A pod of an Indexed Job (a JobSet's, a TrainJob's, or a Job of its own) with the stable DNS
+    name that Job gives it: hostname `<job>-<index>` and the subdomain of its template."""
+    spec, meta = pod.get("spec") or {}, pod.get("metadata") or {}
+    labels, notes = meta.get("labels") or {}, meta.get("annotations") or {}
+    of_job = labels.get(JOBSET_LABEL) or (labels.get(JOB_LABEL) and COMPLETION_INDEX in {**labels, **notes})
+    return bool(of_job and spec.get("hostname") and spec.get("subdomain"))
 
 
-# labels a JobSet's pod shares with its successor, narrowest last: the completion index is a label
-# only where the Job controller writes it (PodIndexLabel, on by default since Kubernetes 1.28)
+# labels an Indexed Job's pod shares with its successor, narrowest last: the completion index is a
+# label only where the Job controller writes it (PodIndexLabel, on by default since Kubernetes 1.28)
 INDEX_LABELS = (
     "jobset.sigs.k8s.io/replicatedjob-name",
     "jobset.sigs.k8s.io/job-index",
-    "batch.kubernetes.io/job-completion-index",
+    JOB_LABEL,
+    COMPLETION_INDEX,
 )
 
 
 def same_index(pod: Pod) -> str:
-    """A label selector for the pods of a JobSet pod's index (it, its predecessor, its successor):
-    a lookup of one index, not of every pod of the namespace's JobSets (hundreds for one job)."""
+    """A label selector for the pods of an Indexed Job pod's index (it, its predecessor, its
+    successor): a lookup of one index, not of every pod of the namespace's Jobs (hundreds for one
+    job)."""
     labels = (pod.get("metadata") or {}).get("labels") or {}
-    parts = [f"{JOBSET_LABEL}={labels[JOBSET_LABEL]}"] if labels.get(JOBSET_LABEL) else [JOBSET_LABEL]
-    return ",".join([*parts, *(f"{k}={labels[k]}" for k in INDEX_LABELS if labels.get(k))])
+    parts = [f"{JOBSET_LABEL}={labels[JOBSET_LABEL]}"] if labels.get(JOBSET_LABEL) else []
+    return ",".join([*parts, *(f"{k}={labels[k]}" for k in INDEX_LABELS if labels.get(k))]) or JOB_LABEL
 
 
 def identity(pod: Pod) -> str:
-    """What the pod's successor shares with it (criuctl.kube.owners): `HOSTNAME.SUBDOMAIN` for a
-    JobSet's pod (its name is random, and an admission webhook sees none yet: generateName), else
-    its name ("" for none)."""
+    """What the pod's successor shares with it (criuctl.kube.owners): `HOSTNAME.SUBDOMAIN` for an
+    Indexed Job's pod (its name is random, and an admission webhook sees none yet: generateName),
+    else its name ("" for none)."""
     if indexed(pod):
         return f"{pod['spec']['hostname']}.{pod['spec']['subdomain']}"
     return (pod.get("metadata") or {}).get("name") or ""

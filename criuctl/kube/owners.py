@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from criuctl.kube.cluster import Cluster, NotFound, call
-from criuctl.kube.mutate import INDEX_LABELS, JOBSET_LABEL, identity, indexed
+from criuctl.kube.mutate import COMPLETION_INDEX, JOB_LABEL, JOBSET_LABEL, identity, indexed
 
 __all__ = [
     "KINDS",
@@ -33,9 +33,8 @@ __all__ = [
 ]
 
 SAME_NAME = ("StatefulSet", "PyTorchJob")
-INDEX_LABEL = INDEX_LABELS[-1]  # batch.kubernetes.io/job-completion-index
-# JobSet (jobset.x-k8s.io) owns Jobs that own the pods; the local cluster's stand-in owns the pods
-# itself (Kubernetes 1.20 has no Indexed Jobs). Either way the JobSet says whether it wants them.
+# JobSet (jobset.x-k8s.io) owns Indexed Jobs that own the pods, and says whether it wants them back;
+# an Indexed Job of its own says so itself.
 JOBSET = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
 SAME_INDEX = ("Job", "JobSet")
 KINDS = (*SAME_NAME, *SAME_INDEX)
@@ -55,12 +54,12 @@ def controller_ref(obj: dict) -> dict | None:
 
 
 def pods_of(c: Cluster, namespace: str, ident: str, selector: str = "") -> list[dict]:
-    """The pods of identity `ident` in `namespace`: none, the pod, or it and its successor. A JobSet
-    pod's are looked for among those `selector` picks (`mutate.same_index`: one index's); without
-    one, among those of the Job and completion index its hostname names (`<job>-<index>`, labels
-    the Job controller writes), else, where that finds none (a cluster that writes no index
-    label), among every JobSet pod of the namespace."""
-    if "." not in ident:  # a name: a pod's own (a JobSet's identity always has a subdomain)
+    """The pods of identity `ident` in `namespace`: none, the pod, or it and its successor. An
+    Indexed Job pod's are looked for among those `selector` picks (`mutate.same_index`: one
+    index's); without one, among those of the Job and completion index its hostname names
+    (`<job>-<index>`, labels the Job controller writes), else, where that finds none (a cluster
+    that writes no index label), among every pod of that Job."""
+    if "." not in ident:  # a name: a pod's own (an Indexed Job pod's identity always has a subdomain)
         try:
             pod = call(f"pod {namespace}/{ident}", c.core.read_namespaced_pod, ident, namespace)
         except NotFound:
@@ -70,9 +69,10 @@ def pods_of(c: Cluster, namespace: str, ident: str, selector: str = "") -> list[
         return _of_identity(c, namespace, ident, selector)
     job, _, index = ident.split(".", 1)[0].rpartition("-")
     if job and index.isdigit():
-        found = _of_identity(c, namespace, ident, f"{JOBSET_LABEL},job-name={job},{INDEX_LABEL}={index}")
+        found = _of_identity(c, namespace, ident, f"{JOB_LABEL}={job},{COMPLETION_INDEX}={index}")
         if found:
             return found
+        return _of_identity(c, namespace, ident, f"{JOB_LABEL}={job}")
     return _of_identity(c, namespace, ident, JOBSET_LABEL)
 
 
@@ -91,7 +91,7 @@ def current(c: Cluster, namespace: str, ident: str, not_uid: str = "", selector:
 
 def _finished(obj: dict) -> bool:
     return any(
-        c["type"] in ("Succeeded", "Completed", "Failed") and c["status"] == "True"
+        c["type"] in ("Succeeded", "Completed", "Complete", "Failed") and c["status"] == "True"
         for c in (obj.get("status") or {}).get("conditions") or []
     )
 
@@ -119,7 +119,7 @@ def read_owner(c: Cluster, ref: dict, ns: str) -> dict:
 
 def owner(c: Cluster, pod: dict) -> Owner | None:
     """The pod's controller, if it is one that recreates with the same identity; None for a bare
-    pod. A JobSet's pod's Job is passed for its JobSet, which decides whether it is wanted back.
+    pod. An Indexed Job decides whether it wants its pod back, or for a JobSet's Job, its JobSet.
 
     Raises nothing for a controller of another kind: the caller refuses it with its kind named."""
     ref = controller_ref(pod)
@@ -130,19 +130,21 @@ def owner(c: Cluster, pod: dict) -> Owner | None:
         return None
     try:
         obj = read_owner(c, ref, ns)
-        if ref["kind"] == "Job":  # a JobSet's Indexed Job: its JobSet is the one that decides
-            job_ref = controller_ref(obj)
-            if job_ref is None or job_ref["kind"] != "JobSet":
-                return None
+        if ref["kind"] == "Job":  # an Indexed Job; a JobSet's: its JobSet is the one that decides
             if _failing(obj):  # its pods are being deleted: no successor will come
                 return Owner("Job", ref["name"], 0, False, f"its Job {ref['name']} has failed")
-            ref, obj = job_ref, read_owner(c, job_ref, ns)
+            job_ref = controller_ref(obj)
+            if job_ref is not None and job_ref["kind"] == "JobSet":
+                ref, obj = job_ref, read_owner(c, job_ref, ns)
     except NotFound:
         return Owner(ref["kind"], ref["name"], 0, False, f"its {ref['kind']} is gone")
     if ref["kind"] == "StatefulSet":
         replicas = int(obj["spec"].get("replicas", 1))
         ordinal = int(name.rsplit("-", 1)[1]) if name.rsplit("-", 1)[-1].isdigit() else 0
         counted, why = ordinal < replicas, f"the StatefulSet now has {replicas} replica(s)"
+    elif ref["kind"] == "Job":
+        replicas = int(obj["spec"].get("parallelism", 1))
+        counted, why = not _finished(obj), "the Job has finished"
     elif ref["kind"] == "JobSet":
         rjobs = (obj.get("spec") or {}).get("replicatedJobs") or []
         replicas = sum(

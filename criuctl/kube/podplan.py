@@ -134,14 +134,15 @@ def _owned(c: Cluster, pod: dict, ctr: dict) -> owners.Owner | None:
     if ref is None:
         return None
     supported = (
-        f"criuctl moves bare pods and the pods of {', '.join(owners.SAME_NAME)}s and JobSets (a TrainJob's)"
+        f"criuctl moves bare pods, the pods of {', '.join(owners.SAME_NAME)}s, and those of Indexed Jobs "
+        "(a JobSet's, a TrainJob's) that have a subdomain"
     )
     if ref["kind"] in owners.SAME_INDEX and not owners.indexed(pod):
-        # a plain Job (Indexed or not), or a JobSet pod without its stable DNS name: its successor
-        # could be told by index, but nothing here runs such a Job to test a move of it against
+        # a Job that is not Indexed replaces its pod under another name and no other index: nothing
+        # tells the successor apart; an Indexed one without a subdomain gives its pods no DNS name
         raise NotMigratable(
-            f"pod {meta['name']} is owned by {ref['kind']} {ref['name']}, not by a JobSet's Indexed Job "
-            "with its pods' DNS names (hostname and subdomain): its move is not supported",
+            f"pod {meta['name']} is owned by {ref['kind']} {ref['name']}, not by an Indexed Job whose pods "
+            "have a stable DNS name (hostname and subdomain): nothing could tell its successor apart",
             f"nothing was changed; {supported}",
         )
     if ref["kind"] not in owners.KINDS:

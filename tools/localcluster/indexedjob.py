@@ -1,5 +1,5 @@
 """A STAND-IN for the Job controller of a recent Kubernetes (1.31–1.34), for the local cluster only:
-the Indexed Jobs a JobSet owns.
+the Indexed Jobs a JobSet owns, and Indexed Jobs of their own.
 
 The local cluster's Kubernetes is 1.20: its Job controller knows no Indexed Job, no
 `podReplacementPolicy`, no `podFailurePolicy`, and it would fight over pods it did not make
@@ -8,8 +8,9 @@ The local cluster's Kubernetes is 1.20: its Job controller knows no Indexed Job,
 JobSet. The Job objects are real `batch/v1` Jobs; the fields 1.20's API drops (`completionMode`,
 `podReplacementPolicy`, `podFailurePolicy`, `backoffLimitPerIndex`) are read from the JobSet's
 replicated-Job template the Job was made from, which a JobSet copies verbatim
-(localcluster.trainjob). It does what the real controller does where a move of a pod can break a
-job, modelled on `pkg/controller/job/job_controller.go` and `indexed_job_utils.go`:
+(localcluster.trainjob), or for a Job of no JobSet from its annotation `SPEC` (JSON; such a Job is
+run only if that says `completionMode: Indexed`). It does what the real controller does where a
+move of a pod can break a job, modelled on `pkg/controller/job/job_controller.go` and `indexed_job_utils.go`:
 
 - **Replacement while the old pod terminates** (`onlyReplaceFailedPods`, `manageJob`): with
   `podReplacementPolicy: TerminatingOrFailed` (the default without a `podFailurePolicy`) a pod with
@@ -42,7 +43,7 @@ job, modelled on `pkg/controller/job/job_controller.go` and `indexed_job_utils.g
   removes the least advanced of `active - (completions - succeeded)` extras: the same count); the
   Job is `Complete` once every index succeeded.
 
-What it does NOT do: non-indexed Jobs or Jobs without a JobSet (left alone: nothing runs them here),
+What it does NOT do: Jobs that are not Indexed (left alone: nothing runs them here),
 `backoffLimitPerIndex`/`maxFailedIndexes`, success policies, `activeDeadlineSeconds`, suspend,
 TTL, the exponential backoff between pod creations, `uncountedTerminatedPods` (a failure is
 written to the status before its finalizer goes: a crash between the two counts it twice, harsher
@@ -52,6 +53,7 @@ than the real one, never kinder), Events, metrics.
 from __future__ import annotations
 
 import copy
+import json
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -70,6 +72,9 @@ DISRUPTION = "DisruptionTarget"
 # `DefaultJobPodFailureBackOff`, `MaxJobPodFailureBackOff`), in seconds
 API_BACKOFF, MAX_API_BACKOFF = 1.0, 60.0
 POD_FAILURE_BACKOFF, MAX_POD_FAILURE_BACKOFF = 10.0, 600.0
+# a Job of no JobSet carries the fields 1.20's API drops here, as JSON (a convention of the stand-in's
+# tests: a real cluster keeps them in the Job's spec)
+SPEC = "localcluster.criuctl.io/job-spec"
 GRACE_MARGIN = 5.0  # s past a deleted pod's deletionTimestamp (its grace's end) it is taken as ended
 
 
@@ -288,6 +293,16 @@ def plan(name: str, spec: Spec, status: dict, pods: list[dict]) -> Plan:
     return p
 
 
+def own_spec(job: dict) -> dict | None:
+    """A Job of no JobSet: its spec with the fields 1.20's API dropped, from the annotation SPEC
+    (JSON) its test wrote them into; None (left alone) unless that says `completionMode: Indexed`."""
+    try:
+        dropped = json.loads((job["metadata"].get("annotations") or {}).get(SPEC) or "{}")
+    except ValueError:
+        return None
+    return {**job["spec"], **dropped} if dropped.get("completionMode") == "Indexed" else None
+
+
 def pod_for(job: dict, i: int) -> dict:
     """Index `i` of `job`, as the controller makes it (`podGenerateNameWithIndex`, hostname set)."""
     name, ns = job["metadata"]["name"], job["metadata"]["namespace"]
@@ -322,8 +337,8 @@ def pod_for(job: dict, i: int) -> dict:
 
 
 class Controller:
-    """One `sync` runs every JobSet-owned Job one pass; `spec_of(job)` gives its full spec (the
-    JobSet's template, as 1.20 drops the newer fields)."""
+    """One `sync` runs every Job a JobSet owns and every Indexed Job of its own one pass (their
+    full specs: `specs` from the JobSets' templates, `own_spec`; 1.20 drops the newer fields)."""
 
     KIND = "Job"
 
@@ -344,7 +359,7 @@ class Controller:
             if ours and ours[0]["uid"] not in uids and FINALIZER in (pod["metadata"].get("finalizers") or []):
                 self._drop_finalizer(pod)
         for job in jobs:
-            spec = specs.get(job["metadata"]["uid"])
+            spec = specs.get(job["metadata"]["uid"]) or own_spec(job)
             if spec is None or job["metadata"].get("deletionTimestamp"):
                 continue
             try:
