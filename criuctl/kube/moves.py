@@ -59,7 +59,7 @@ class Phase(StrEnum):
 @dataclass
 class Move:
     namespace: str
-    pod: str  # its identity (criuctl.kube.owners.identity): the name, or a JobSet pod's HOST.SUBDOMAIN
+    pod: str  # its identity (criuctl.kube.owners.identity): the name, or an Indexed Job pod's HOST.SUBDOMAIN
     uid: str  # the source pod's UID: its successor has another
     source: str  # node
     container: str
@@ -82,7 +82,9 @@ class Move:
     # 0 while it is being chosen, then one more than any other record's when it was chosen
     turn: int = 0
     source_pod: str = ""  # the source pod's own name (a JobSet's pod's is not `pod`)
-    selector: str = ""  # a JobSet pod's: the labels of its index (mutate.same_index), to find its pods by
+    selector: str = (
+        ""  # an Indexed Job pod's: the labels of its index (mutate.same_index), to find its pods by
+    )
     # {step: time.time()} as JSON: when each step of the successor path ended (`STEPS`)
     stamps: str = ""
     braced: int = 0  # the staying peers' sockets whose backoff was bounded (criuctl.net.rto)

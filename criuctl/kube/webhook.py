@@ -158,8 +158,9 @@ def _evict(body: Any, opts: Options) -> tuple[dict[str, Any], str]:
 def _hold(
     uid: str, who: str, pod: dict[str, Any], opts: Options, namespace: str, ident: str
 ) -> tuple[dict[str, Any], str] | None:
-    """The refusal of a JobSet pod created while a predecessor of its index is being deleted and
-    no record says its job is in a bundle (`dumping`, `kept`): none, one only requested, or one
+    """The refusal of an Indexed Job's pod (a JobSet's, or its own) created while a predecessor of
+    its index is being deleted and no record says its job is in a bundle (`dumping`, `kept`):
+    none, one only requested, or one
     of an earlier pod or a failed checkpoint (the job then runs on in the predecessor until its
     container ends). A recent Job controller replaces a pod as soon as it is deleted
     (`podReplacementPolicy: TerminatingOrFailed`, the default), before the predecessor's preStop
