@@ -21,6 +21,7 @@ from tests.conftest import needs_criu
 from tests.jobs import CRIUCTL
 from tests.kube import (
     DDP_JOB,
+    Controller,
     Kubectl,
     LogFollower,
     Points,
@@ -32,6 +33,7 @@ from tests.kube import (
     steps,
     training_pod,
     until,
+    wait_podmigration,
 )
 
 pytestmark = [needs_criu, pytest.mark.slow]
@@ -635,3 +637,52 @@ def test_a_jobs_pod_moves_uncounted_and_an_eviction_refused_leaves_it_counted(lo
         k("delete", "pdb", "sje", "--wait=false", check=False)
         k("delete", "jobset", "sje", "--wait=false", check=False)
         k("delete", "job", "pjm", "--wait=false", check=False)
+
+
+def test_the_leader_killed_between_the_untrack_and_the_delete_moves_the_job_once(local_cluster) -> None:
+    """The state table's row for a Job's pod taken out of its count before its delete: the leading
+    controller is killed right there (`controller.untracked`: the pod untracked, not deleted, the
+    job training on). The next leader plans the move again from the PodMigration's status and
+    deletes the pod; the job moves once, into the Job's replacement on the target, and the Job
+    (backoffLimit 0, which one counted failure would fail) counts nothing."""
+    from criuctl.kube import jobfailures as jf
+
+    lay, k = local_cluster
+    name = "kuj"
+    k.apply(_indexed_job(name, steps=600))
+    selector = f"job-name={name}"
+    pod = until(
+        "kuj's pod running",
+        lambda: (
+            (p := _trainjob_pods(k, name, selector).get("0")) and p["status"].get("phase") == "Running" and p
+        ),
+        timeout=180,
+    )
+    pname, source = pod["metadata"]["name"], pod["spec"]["nodeName"]
+    to = "a" if source == "b" else "b"
+    _wait_steps(k, pname, 5)
+    ctl = Controller(lay, k)
+    ctl.arm("controller.untracked")
+    try:
+        r = criuctl(lay, "migrate", pname, to, "--detach", "--as", "pm-kuj")
+        assert r.returncode == 0, r.stderr
+        ctl.reached("controller.untracked")
+        now = k.get("pod", pname)
+        assert jf.TRACKING not in (now["metadata"].get("finalizers") or []), "not untracked"
+        assert not now["metadata"].get("deletionTimestamp"), "deleted before the point"
+        old = ctl.kill_leader()
+    finally:
+        ctl.disarm()
+    ctl.wait_leader(old)
+    st = wait_podmigration(k, "pm-kuj")["status"]
+    assert st["phase"] == "Succeeded", st
+    new = _trainjob_pods(k, name, selector)["0"]
+    assert new["metadata"]["uid"] != pod["metadata"]["uid"] and new["spec"]["nodeName"] == to
+    assert new["metadata"]["annotations"]["criuctl.io/migrated-from"] == f"default/{pname}@{source}"
+    assert new["status"]["containerStatuses"][0]["restartCount"] == 0
+    _wait_steps(k, new["metadata"]["name"], max(steps(k.logs(new["metadata"]["name"])) or [0]) + 5)
+    k.wait_gone("pod", pname)
+    job = k.get("job", name)
+    assert int(job["status"].get("failed") or 0) == 0, job["status"]
+    assert len(k.pods(selector=selector)) == 1, "one pod of the index, training"
+    k("delete", "job", name, "--wait=false", check=False)

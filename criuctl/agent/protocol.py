@@ -475,6 +475,7 @@ class Point(enum.StrEnum):
     """Named instants of the protocol where a test may stop it (`criuctl.agent.points`)."""
 
     CONTROLLER_PLACED = "controller.placed"  # PodMigration Placing: the placeholder made, job untouched
+    CONTROLLER_UNTRACKED = "controller.untracked"  # Placing, a Job's pod out of its count, not deleted yet
     CLIENT_PREPARED = "client.prepared"  # target NEW; nothing frozen
     CLIENT_SENT = "client.sent"  # source SENT, target RECEIVED
     CLIENT_RESTORED = "client.restored"  # target RESTORED (stopped), source SENT

@@ -321,6 +321,7 @@ def request_owned(c: Cluster, p: PodPlan, journal: Journal = _unrecorded, mode: 
             ),
         )
     _untrack(c, p)
+    points.reach(Point.CONTROLLER_UNTRACKED)
     said = f"moving to node {p.target}: checkpointed on delete, restored into its successor"
     events.record(c, p.source_pod, events.Reason.STARTED, said)
     journal(Phase.MIGRATING)
