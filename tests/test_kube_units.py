@@ -234,6 +234,35 @@ def test_a_jobset_pod_belongs_to_its_jobset_through_its_indexed_job() -> None:
     assert o is not None and not o.wants_back and o.why == "its JobSet is gone"
 
 
+def test_a_pytorchjob_pod_that_never_restarts_is_not_moved() -> None:
+    """training-operator's UpdateJobStatus fails the whole PyTorchJob once a pod of a replica type
+    with restartPolicy Never is counted failed, and UpdateJobReplicaStatuses counts a Running pod
+    being deleted as failed: a move (which deletes the pod) would end every rank. Such a pod is not
+    wanted back, said in one line that names the policy; OnFailure and ExitCode move."""
+    from types import SimpleNamespace
+
+    from criuctl.kube import owners
+
+    ref = {"kind": "PyTorchJob", "name": "ddp", "uid": "pj", "controller": True}
+    specs = {"Master": {"replicas": 1}, "Worker": {"replicas": 2, "restartPolicy": "Never"}}
+    objs = {("kubeflow.org", "pytorchjobs", "ddp"): _obj("ddp", "pj", spec={"pytorchReplicaSpecs": specs})}
+    c = SimpleNamespace(custom=_Objects(objs))
+
+    def pod(rtype: str) -> dict:
+        p = _obj(f"ddp-{rtype}-0", "p", ref)
+        p["metadata"].update(namespace="ml", labels={owners.REPLICA_TYPE: rtype})
+        return p
+
+    o = owners.owner(c, pod("worker"))
+    assert o is not None and not o.wants_back and "restartPolicy Never" in o.why and "\n" not in o.why
+    o = owners.owner(c, pod("master"))
+    assert o is not None and o.wants_back and o.replicas == 3, "the master's replica type restarts"
+    for policy in ("OnFailure", "ExitCode"):
+        specs["Worker"]["restartPolicy"] = policy
+        o = owners.owner(c, pod("worker"))
+        assert o is not None and o.wants_back, policy
+
+
 def test_a_moves_breakdown_is_the_time_between_its_stamped_steps_in_order(monkeypatch) -> None:
     """What the MIGRATED Event says the stall was made of: each step's seconds since the step
     stamped before it, in the path's order; a step never stamped (a restore a restarted agent

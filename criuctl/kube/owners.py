@@ -37,6 +37,7 @@ SAME_NAME = ("StatefulSet", "PyTorchJob")
 # an Indexed Job of its own says so itself.
 JOBSET = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
 SAME_INDEX = ("Job", "JobSet")
+REPLICA_TYPE = "training.kubeflow.org/replica-type"  # a PyTorchJob's pod: master, worker
 KINDS = (*SAME_NAME, *SAME_INDEX)
 
 
@@ -158,6 +159,18 @@ def owner(c: Cluster, pod: dict) -> Owner | None:
         specs = obj.get("spec", {}).get("pytorchReplicaSpecs", {})
         replicas = sum(int(s.get("replicas", 1)) for s in specs.values())
         counted, why = not _finished(obj), "the PyTorchJob has finished"
+        rtype = (pod["metadata"].get("labels") or {}).get(REPLICA_TYPE, "")
+        mine = next((s for t, s in specs.items() if t.lower() == rtype.lower()), {})
+        if counted and mine.get("restartPolicy") == "Never":
+            # the operator's UpdateJobStatus fails the whole job once a pod of a replica type that
+            # never restarts is counted failed, and it counts a deleted pod so (a move deletes it)
+            counted, why = (
+                False,
+                (
+                    f"its PyTorchJob's {rtype or 'replica'} pods have restartPolicy Never, and the training "
+                    "operator fails the whole job when one of them is deleted; use OnFailure or ExitCode"
+                ),
+            )
     if obj["metadata"].get("uid") != ref.get("uid"):
         return Owner(ref["kind"], ref["name"], 0, False, f"its {ref['kind']} was replaced")
     if obj["metadata"].get("deletionTimestamp"):
