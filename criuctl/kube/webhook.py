@@ -244,24 +244,20 @@ def _response(
     return {"apiVersion": API_VERSION, "kind": "AdmissionReview", "response": response}
 
 
-async def _mutate(request: web.Request) -> web.Response:
-    try:
-        body = await request.json()
-    except (ValueError, UnicodeDecodeError):
-        body = None  # answered as a malformed review: a refusal that says why, not a bare 400
-    response, line = await asyncio.to_thread(_admit, body, request.app[OPTIONS])
-    log.info(line)
-    return web.json_response(response)
+def _endpoint(answer: Callable[[Any, Options], tuple[dict[str, Any], str]]):
+    """An aiohttp handler for AdmissionReviews that `answer` decides (`_admit`, `_evict`), off the
+    event loop (it may call the API server), with its one log line."""
 
+    async def handle(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError):
+            body = None  # answered as a malformed review: said why, not a bare 400
+        response, line = await asyncio.to_thread(answer, body, request.app[OPTIONS])
+        log.info(line)
+        return web.json_response(response)
 
-async def _eviction(request: web.Request) -> web.Response:
-    try:
-        body = await request.json()
-    except (ValueError, UnicodeDecodeError):
-        body = None
-    response, line = await asyncio.to_thread(_evict, body, request.app[OPTIONS])
-    log.info(line)
-    return web.json_response(response)
+    return handle
 
 
 async def _healthz(_request: web.Request) -> web.Response:
@@ -275,8 +271,8 @@ def app(opts: Options | None = None) -> web.Application:
     """POST /mutate (pod creations), POST /evict (evictions) and GET /healthz (the readiness probe)."""
     application = web.Application(client_max_size=MAX_BODY)
     application[OPTIONS] = opts or Options()
-    application.router.add_post("/mutate", _mutate)
-    application.router.add_post("/evict", _eviction)
+    application.router.add_post("/mutate", _endpoint(_admit))
+    application.router.add_post("/evict", _endpoint(_evict))
     application.router.add_get("/healthz", _healthz)
     return application
 
