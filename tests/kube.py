@@ -173,10 +173,20 @@ class Kubectl:
     def wait_gone(self, kind: str, name: str, namespace: str = "default", timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.get(kind, name, namespace) is None:
+            if (last := self.get(kind, name, namespace)) is None:
                 return
             time.sleep(0.5)
-        raise AssertionError(f"{kind} {namespace}/{name} still there after {timeout}s")
+        # what holds it: its finalizers, deletion, containers' states, and the Events about it
+        meta, status = last.get("metadata", {}), last.get("status", {})
+        held = {k: meta.get(k) for k in ("finalizers", "deletionTimestamp", "deletionGracePeriodSeconds")}
+        states = {c["name"]: c.get("state") for c in status.get("containerStatuses") or []}
+        about = f"involvedObject.name={name}"
+        events = self("-n", namespace, "get", "events", "--field-selector", about, check=False)
+        raise AssertionError(
+            f"{kind} {namespace}/{name} still there after {timeout}s: {held}, node "
+            f"{last.get('spec', {}).get('nodeName')}, phase {status.get('phase')}, containers {states}; "
+            f"events:\n{events.stdout[-1500:]}"
+        )
 
 
 def steps(log: str) -> dict[int, str]:

@@ -32,6 +32,8 @@ from criuctl.container import containers
 from criuctl.core import nsinit
 from criuctl.kube import mutate, webhook
 from criuctl.kube.mutate import INIT, INJECTED, NOT_WRAPPED, PLACEHOLDER_FOR
+from tests import podsecurity
+from tests.jobs import CRIUCTL
 
 ROOT = Path(__file__).resolve().parent.parent
 CERT_SCRIPT = ROOT / "scripts" / "webhook-cert.sh"
@@ -373,6 +375,104 @@ def test_review_of_a_pod_create_answers_with_the_patch_that_wraps_it() -> None:
     assert response["uid"] == review["request"]["uid"]
     assert response["allowed"] is True and "status" not in response
     assert apply_patch(source, decoded_patch(response)) == mutate.wrap(source)
+
+
+IMAGE = "registry.example/criuctl-agent:0.1.0-g1234567"
+RESTRICTED = {
+    "runAsNonRoot": True,
+    "runAsUser": 1000,
+    "fsGroup": 1000,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+HARDENED = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+}
+
+
+def _indexed(p: Obj) -> Obj:
+    """A JobSet's (a TrainJob's) pod: a stable identity, so the webhook gives it the preStop hook."""
+    p["metadata"]["labels"][mutate.JOBSET_LABEL] = "llm"
+    p["metadata"]["annotations"] = {mutate.COMPLETION_INDEX: "3"}
+    p["spec"].update(hostname="llm-node-0-3", subdomain="llm")
+    return p
+
+
+# the pods a training namespace sees: what a user writes, what Trainer and the operator make
+TRAINING_PODS = {
+    "plain": pod(TRAIN),
+    "sidecar-and-init": pod(TRAIN, SIDECAR, initContainers=[INIT_CONTAINER]),
+    "restricted": pod(
+        {**TRAIN, "securityContext": HARDENED},
+        securityContext=RESTRICTED,
+        volumes=[{"name": "shm", "emptyDir": {"medium": "Memory"}}],
+    ),
+    "trainjob-node": _indexed(pod({**TRAIN, "ports": [{"containerPort": 29500}]})),
+    "named": {**pod(TRAIN), "metadata": {"name": "w0", "namespace": "ml", "labels": {mutate.LABEL: "true"}}},
+}
+
+
+def _wrapped_by_the_webhook(source: Obj) -> Obj:
+    opts = webhook.Options(prestop_port=7071, image=IMAGE)
+    return apply_patch(source, decoded_patch(webhook.review(admission(source), opts)["response"]))
+
+
+@pytest.mark.parametrize("name", sorted(TRAINING_PODS))
+def test_every_pod_the_webhook_wraps_passes_pod_security_baseline(name: str) -> None:
+    """What the webhook patches into a baseline pod keeps it baseline (the PodSecurity plugin's
+    checks, tests/podsecurity.py): criuctl's files come from its image by an init container into an
+    emptyDir, not by hostPath, and that container is `restricted` itself. From Kubernetes 1.34 the
+    level also refuses a `host` in a lifecycle hook, which criuctl's preStop hook names (the node
+    agent listens on the node's loopback): a pod that gets the hook fails there, and only there."""
+    source = TRAINING_PODS[name]
+    assert podsecurity.baseline(source) == []
+    wrapped = _wrapped_by_the_webhook(source)
+    assert mutate.is_wrapped(containers_by_name(wrapped)["train"])
+    spec = wrapped["spec"]
+    inject = spec["initContainers"][0]
+    assert inject == mutate.inject_container(IMAGE) and inject["args"] == ["inject", mutate.MOUNT]
+    volume = next(v for v in spec["volumes"] if v["name"] == mutate.VOLUME)
+    assert "emptyDir" in volume and "hostPath" not in volume
+    assert podsecurity.baseline(wrapped, version=(1, 33)) == []
+    hooked = [i for i, c in enumerate(spec["containers"]) if mutate.has_prestop(c)]
+    hosts = [f"spec.containers[{i}].lifecycle.preStop.httpGet.host" for i in hooked]
+    assert podsecurity.baseline(wrapped) == hosts
+    # criuctl's own init container would pass `restricted` too: non-root, no capability, no escalation
+    ctx = inject["securityContext"]
+    assert ctx["runAsNonRoot"] and not ctx["allowPrivilegeEscalation"]
+    assert ctx["capabilities"] == {"drop": ["ALL"]}
+    assert ctx["seccompProfile"] == {"type": "RuntimeDefault"}
+
+
+def test_without_an_image_the_files_come_by_hostpath_which_baseline_refuses() -> None:
+    """The check is not vacuous: the node's copy by hostPath (a webhook told no image) fails it."""
+    wrapped = mutate.wrap(pod(TRAIN))
+    index = next(i for i, v in enumerate(wrapped["spec"]["volumes"]) if v["name"] == mutate.VOLUME)
+    assert podsecurity.baseline(wrapped, version=(1, 25)) == [f"spec.volumes[{index}].hostPath"]
+    assert "initContainers" not in wrapped["spec"]
+
+
+def test_the_placeholder_of_a_wrapped_pod_fills_its_own_emptydir_first() -> None:
+    """On the target, the placeholder runs the same init container before it waits for the
+    restore, so the restored job finds criuctl's files at the same path in its new pod."""
+    wrapped = _wrapped_by_the_webhook(pod(TRAIN, initContainers=[INIT_CONTAINER]))
+    held = mutate.placeholder(running(wrapped), "node-b", "ml/train-x")
+    names = [c["name"] for c in held["spec"]["initContainers"]]
+    assert names == [mutate.INJECT_CONTAINER, INIT_CONTAINER["name"]]
+    assert podsecurity.baseline(held) == []  # the placeholder has no preStop hook
+
+
+def test_the_inject_verb_writes_what_the_init_container_mounts(tmp_path: Path) -> None:
+    """`criuctl inject DIR`, the init container's command: the init and the hook, readable by any
+    user of the job's container (the init container runs as an unprivileged user of its own)."""
+    dest = tmp_path / "inject"
+    dest.mkdir()
+    r = subprocess.run([*CRIUCTL, "inject", str(dest)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert (dest / nsinit.INJECT_NAME).read_bytes() == Path(nsinit.__file__).read_bytes()
+    assert (dest / "hooks").is_dir() and any((dest / "hooks").rglob("*.py"))
+    assert all(p.stat().st_mode & 0o004 for p in dest.rglob("*"))
 
 
 @pytest.mark.parametrize(

@@ -295,7 +295,18 @@ VERBS: dict[str, Verb] = {
                 help="credentials to read pending moves (default: in-cluster; without either, "
                 "controller-owned pods are not made placeholders)",
             ),
+            opt(
+                "--inject-image",
+                metavar="IMAGE",
+                help="criuctl's image, from which an init container copies criuctl's files into "
+                "each wrapped pod (default: the webhook's own pod's image, read from the API server; "
+                "without either, a hostPath of the node's copy, which Pod Security baseline refuses)",
+            ),
         ),
+    ),
+    "inject": Verb(
+        "copy criuctl's init and hook into DIR (the webhook's init container runs this)",
+        (opt("dir", metavar="DIR"),),
     ),
     "controller": Verb(
         "carry out PodMigrations in the cluster: one active replica, elected through a Lease "

@@ -304,12 +304,20 @@ def _cmd_demo(a: argparse.Namespace) -> int:
 def _cmd_webhook(a: argparse.Namespace) -> int:
     from criuctl.kube import webhook
 
-    opts = webhook.Options(prestop_port=a.prestop_port)
+    opts = webhook.Options(prestop_port=a.prestop_port, image=a.inject_image)
     if a.kubeconfig or os.environ.get("KUBERNETES_SERVICE_HOST"):
         opts.pending = webhook.pending_moves(a.kubeconfig)
         opts.leaving = webhook.leaving_pods(a.kubeconfig)
         opts.untrack = webhook.untracker(a.kubeconfig)
+        opts.image = opts.image or webhook.own_image(a.kubeconfig)
     webhook.serve(a.listen, a.tls_cert, a.tls_key, opts)  # runs as the webhook's own user, not root
+    return 0
+
+
+def _cmd_inject(a: argparse.Namespace) -> int:
+    from criuctl.container import containers
+
+    containers.write_inject_dir(Path(a.dir))
     return 0
 
 
@@ -347,6 +355,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "doctor": _cmd_doctor,
     "prestop": _cmd_prestop,
     "webhook": _cmd_webhook,
+    "inject": _cmd_inject,
     "controller": _cmd_controller,
     "get": climigrate.cmd_get,
     "demo": _cmd_demo,

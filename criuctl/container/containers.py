@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 
 from criuctl.container import mounts, volumes
-from criuctl.container.nodeview import NodeView
+from criuctl.container.nodeview import NodeView, NodeViewError
 from criuctl.container.runtime import Container, Runtime
 from criuctl.core import durable, nsinit, procinfo, workloads
 from criuctl.core.errors import CriuctlError
@@ -314,14 +314,16 @@ def mark_moved(w: workloads.Workload, node: str) -> bool:
     try:
         init = next(a for a in cmdline(w.root_pid) if a.endswith(f"/{nsinit.INJECT_NAME}"))
         seen = mounts.by_point(mounts.of(w.root_pid)).get(os.path.dirname(init))
-        dest = mounts.host_path(seen, mounts.of("self")) if seen else None
+        # the node's inject dir, or the pod's own emptyDir (the webhook's init container filled it),
+        # which only the node's mount namespace may show
+        dest = NodeView.of_runtime(w.runtime).reach(seen) if seen else None
         if dest is None:
             return False
         moved = Path(dest) / nsinit.MOVED_DIR
         moved.mkdir(mode=0o755, exist_ok=True)
         durable.replace(moved / w.pod_uid, (node + "\n").encode(), 0o644)
         return True
-    except (OSError, StopIteration):
+    except (OSError, StopIteration, NodeViewError):
         return False
 
 

@@ -512,6 +512,18 @@ POD_UID: Var[str] = Var(
     role=Role.INTERNAL,
 )
 
+OWN_POD: Var[str] = Var(
+    "CRIUCTL_POD",
+    "NAMESPACE/NAME of the pod criuctl's webhook runs in (its manifest sets it from the downward "
+    "API): the webhook reads its own image there, for the init container of each pod it wraps",
+    parse=_text,
+    default="",
+    shown="unset",
+    expect="NAMESPACE/NAME",
+    readers="criuctl.kube.webhook",
+    role=Role.INTERNAL,
+)
+
 # ----------------------------------------------- tooling: install scripts and the test suite
 
 _SCRIPTS = "scripts/install-*.sh, tests, tools/localcluster"

@@ -34,6 +34,9 @@ VOLUME = "criuctl-inject"
 MOUNT = nsinit.INJECT_MOUNT
 INJECT_DIR = str(containers.INJECT_DIR)  # where the node agent writes nsinit.py and the hook
 INIT = f"{MOUNT}/{nsinit.INJECT_NAME}"
+INJECT_CONTAINER = "criuctl-inject"  # the init container copying the files from criuctl's image
+INJECT_VERB = "inject"  # `criuctl inject DIR` (the image's entrypoint is criuctl)
+INJECT_UID = 65532  # the image's unprivileged user (manifests: the webhook's and controller's too)
 RUN_VOLUME = "criuctl-run"  # an emptyDir for the init's FIFOs and the hook's boundary on a read-only rootfs
 RUN_DIR = nsinit.CONTROL_DIR
 
@@ -42,6 +45,7 @@ PROBES = ("livenessProbe", "readinessProbe", "startupProbe")
 # The spec fields the webhook rewrites: `patch` replaces these whole and nothing else.
 PATCHED = (
     ("metadata", "annotations"),
+    ("spec", "initContainers"),
     ("spec", "containers"),
     ("spec", "volumes"),
     ("spec", "nodeName"),
@@ -122,12 +126,49 @@ def prestop_hook(port: int, namespace: str, name: str) -> dict[str, Any]:
     }
 
 
-def wrap(pod: Pod, prestop_port: int | None = None, namespace: str | None = None) -> Pod:
+def inject_container(image: str) -> dict[str, Any]:
+    """The init container that puts criuctl's init and hook into the pod's own emptyDir, from
+    criuctl's image: no hostPath, nothing privileged, so the pod passes the `baseline` Pod Security
+    Standard (and, this container, `restricted`: it runs as a non-root user with no capability, a
+    read-only root and no privilege escalation, whatever the pod's own settings). The files are the
+    image's, so they match the agents' criuctl; the agent still writes the moved marker there
+    (criuctl.container.containers.mark_moved), from the node's side of the volume."""
+    return {
+        "name": INJECT_CONTAINER,
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "args": [INJECT_VERB, MOUNT],
+        "env": [{"name": "PYTHONDONTWRITEBYTECODE", "value": "1"}],
+        "resources": {
+            "requests": {"cpu": "10m", "memory": "32Mi"},
+            "limits": {"cpu": "1", "memory": "128Mi"},
+        },
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "runAsUser": INJECT_UID,
+            "runAsGroup": INJECT_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "volumeMounts": [{"name": VOLUME, "mountPath": MOUNT}],
+    }
+
+
+def wrap(
+    pod: Pod, prestop_port: int | None = None, namespace: str | None = None, image: str | None = None
+) -> Pod:
     """The pod with every container that has a `command` started by criuctl's init, and criuctl's
     files mounted read-only: transparent, because Kubernetes appends `args` to `command`, so the
     job's argv is the same. A container without a command runs the image's ENTRYPOINT, which the
-    pod spec does not show, so it cannot be wrapped here; it is named in NOT_WRAPPED instead. Init
-    containers are never wrapped: they run to completion before the job, there is nothing to move."""
+    pod spec does not show, so it cannot be wrapped here; it is named in NOT_WRAPPED instead. The
+    user's init containers are never wrapped: they run to completion before the job, there is
+    nothing to move.
+
+    The files come from criuctl's `image` into an emptyDir by an init container (`inject_container`)
+    that runs first; without an image, from the node's copy by hostPath (which the `baseline` Pod
+    Security Standard refuses: a webhook outside a cluster, or a test)."""
     new = copy.deepcopy(pod)
     if _annotations(pod).get(INJECTED) == "true":
         return new
@@ -153,8 +194,12 @@ def wrap(pod: Pod, prestop_port: int | None = None, namespace: str | None = None
             c.setdefault("volumeMounts", []).append({"name": VOLUME, "mountPath": MOUNT, "readOnly": True})
     used = any(m.get("name") == VOLUME for c in spec.get("containers", []) for m in _mounts(c))
     if used and not any(v.get("name") == VOLUME for v in spec.get("volumes", [])):
-        host_path = {"path": INJECT_DIR, "type": "Directory"}  # the agent made it: missing means no agent
-        spec.setdefault("volumes", []).append({"name": VOLUME, "hostPath": host_path})
+        if image:
+            spec.setdefault("volumes", []).append({"name": VOLUME, "emptyDir": {"sizeLimit": "64Mi"}})
+            spec["initContainers"] = [inject_container(image), *spec.get("initContainers", [])]
+        else:  # no image to copy from: the node's copy, which the agent made (missing means no agent)
+            host_path = {"path": INJECT_DIR, "type": "Directory"}
+            spec.setdefault("volumes", []).append({"name": VOLUME, "hostPath": host_path})
     _run_dirs(spec)
     name, namespace = identity(new), namespace or meta.get("namespace")
     if prestop_port and name and namespace:  # a generateName pod's successor shares nothing: no use

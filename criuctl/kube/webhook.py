@@ -26,6 +26,7 @@ from typing import Any
 from aiohttp import web
 
 from criuctl.agent import preflight
+from criuctl.core import env
 from criuctl.core.errors import CriuctlError
 from criuctl.kube import api, cluster, jobfailures, moves, mutate, owners
 
@@ -53,6 +54,7 @@ class Options:
     placeholder (None: no credentials, no pending moves seen; docs/kubernetes.md)."""
 
     prestop_port: int | None = None
+    image: str | None = None  # criuctl's image, for the wrapped pods' init container (mutate.wrap)
     pending: Callable[[str, str], moves.Move | None] | None = None
     # the name of a pod of this identity being deleted whose preStop may be checkpointing its job
     # (a JobSet's pod: its successor has another name, so the two can exist together)
@@ -101,7 +103,7 @@ def _admit(body: Any, opts: Options) -> tuple[dict[str, Any], str]:
         if move is None and (held := _hold(uid, who, pod, opts, namespace, name)) is not None:
             return held
         try:
-            new = mutate.wrap(pod, opts.prestop_port, namespace)
+            new = mutate.wrap(pod, opts.prestop_port, namespace, opts.image)
             if move is not None:
                 node = move.holder or move.target
                 new = mutate.successor(new, node, f"{namespace}/{name}@{move.source}")
@@ -320,6 +322,23 @@ def leaving_pods(kubeconfig: str | None) -> Callable[[str, str, str], str | None
         return None
 
     return leaving
+
+
+def own_image(kubeconfig: str | None) -> str | None:
+    """The image of the webhook's own pod (env CRIUCTL_POD, NAMESPACE/NAME): the one the wrapped
+    pods' init container copies criuctl's files from, so that a kustomize `images` override (the
+    one line a user changes) reaches it too. None outside a pod. A pod that cannot be read stops
+    the webhook at start, in one line: wrapping without the image would give every training pod a
+    hostPath, which Pod Security baseline refuses."""
+    own = env.OWN_POD.get()
+    if not own:
+        return None
+    namespace, _, name = own.partition("/")
+    c = cluster.connect(kubeconfig, api.timeouts().admission())
+    read = c.core.read_namespaced_pod
+    pod = c.serialize(cluster.call(f"the webhook's own pod {own}", read, name, namespace))
+    images = [ctr["image"] for ctr in pod["spec"]["containers"] if (ctr.get("args") or [""])[0] == "webhook"]
+    return images[0] if images else str(pod["spec"]["containers"][0]["image"])
 
 
 def untracker(kubeconfig: str | None) -> Callable[[str, str], str]:
