@@ -84,6 +84,8 @@ def test_agent_image_runs_doctor_and_agent_help(local_cluster) -> None:
     assert f"agent image of commit {commit} (CRIU {built})" in doctor.stdout, doctor.stdout
     assert f"ok   CRIU: {built} at /usr/local/sbin/criu" in doctor.stdout, doctor.stdout
     assert "ok   criu check" in doctor.stdout and "ok   container runtime: containerd" in doctor.stdout
+    version = inside("criuctl", "--version")
+    assert f"agent image of commit {commit} (CRIU {built})" in version.stdout, version.stdout
     help_ = inside("criuctl", "agent", "--help")
     assert help_.returncode == 0 and "--listen" in help_.stdout, help_.stdout + help_.stderr
     probe = (

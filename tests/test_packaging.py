@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,6 +163,9 @@ def test_every_module_imports_without_the_extras(installed):
 def test_help_and_the_demo_without_its_extra(installed):
     r = installed.run(installed.bin("criuctl"), "--help")
     assert r.returncode == 0 and r.stdout.startswith("usage: criuctl"), r.stderr
+    r = installed.run(installed.bin("criuctl"), "--version")
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert r.returncode == 0 and r.stdout.startswith(f"criuctl {version}, Python "), r
     r = installed.run(installed.bin("criuctl"), "demo")
     assert_error_line(r, "lacks torch and matplotlib", "pip install 'criuctl[demo]'")
     assert r.returncode == 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, NamedTuple
 
+from criuctl.cli import version
 from criuctl.core import env
 
 Option = tuple[tuple[str, ...], dict[str, Any]]
@@ -351,6 +352,7 @@ VERBS: dict[str, Verb] = {
 def parser() -> argparse.ArgumentParser:
     """`criuctl`'s parser: the verb lands in `verb` (a sub-verb in `<verb>_verb`), options by name."""
     p = argparse.ArgumentParser(prog="criuctl", description=DESCRIPTION)
+    p.add_argument("--version", action="version", version=f"criuctl {version.describe()}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--state-dir", metavar="DIR", help=STATE_DIR_HELP)
     # `node ls --state-dir D` as well as `node --state-dir D ls`: SUPPRESS, or the sub-verb's

@@ -6,15 +6,14 @@ the others only limit what criuctl can do here (post-copy, GPU).
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import shutil
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from criuctl.cli import version
 from criuctl.core.errors import CriuctlError
 from criuctl.engine import criu
 from criuctl.gpu import cuda, gpus
@@ -33,23 +32,8 @@ class Check:
 
 
 def _criuctl() -> Check:
-    """What runs: criuctl's version, its Python and, inside the agent image, the image's revision
-    (the Dockerfile records it beside the venv), so a user can tell which build a node runs."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        mine = version("criuctl")
-    except PackageNotFoundError:
-        mine = "(not installed)"
-    detail = f"{mine}, Python {platform.python_version()} at {sys.executable}"
-    record = Path(sys.prefix).parent / "image.json"
-    if record.is_file():
-        try:
-            image = json.loads(record.read_text())
-            detail += f"; agent image of commit {image['revision']} (CRIU {image['criu']})"
-        except (OSError, ValueError, KeyError, TypeError):
-            detail += f"; unreadable image record {record}"
-    return Check("criuctl", True, detail)
+    """What runs (criuctl.cli.version)."""
+    return Check("criuctl", True, version.describe())
 
 
 def _criu_version() -> Check:
