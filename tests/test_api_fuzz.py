@@ -119,7 +119,10 @@ def _everything_under(root: Path) -> set[Path]:
     return {p for p in root.rglob("*")}
 
 
-QUERIES = st.sampled_from(["", "?tail=-1", "?tail=x", "?tail=99999999999999999999", "?tail=3"])
+QUERIES = st.sampled_from(
+    ["", "?tail=-1", "?tail=x", "?tail=99999999999999999999", "?tail=3", "?from=-5", "?from=x", "?from=tail",
+     "?from=99999999999999999999", "?from=0&tail=2"]
+)  # fmt: skip
 AUTH = st.sampled_from(["token", "none", "bogus"])
 
 

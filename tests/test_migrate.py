@@ -70,6 +70,23 @@ def _migrate_ok(c: Cluster, name: str, to: str, *flags: str) -> dict:
     return json.loads(r.stdout)
 
 
+def _follow_logs(c: Cluster, node: str) -> subprocess.Popen:
+    """`criuctl logs cnn --node NODE -f`, from the client's seat, running on."""
+    env = {**os.environ, "CRIUCTL_STATE_DIR": str(c.client_state)}
+    argv = [*CRIUCTL, "logs", "cnn", "--node", node, "-f"]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _followed(p: subprocess.Popen, until: int) -> str:
+    """A follower ended by itself (the job moved away or ended) with exit 0, having printed the
+    job's steps up to `until` at least, in order, none twice; its last stderr line."""
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err[-2000:]
+    logged = [int(x.split()[1]) for x in out.splitlines() if x.startswith("step ")]
+    assert logged == sorted(set(logged)) and logged and logged[-1] >= until, out[-2000:]
+    return err.strip().splitlines()[-1]
+
+
 def _failed(r: subprocess.CompletedProcess) -> str:
     """A failed migrate: non-zero, one `criuctl: error:` line that says the job keeps running."""
     assert r.returncode != 0, r.stdout
@@ -97,17 +114,26 @@ def test_stop_and_copy_a_to_b_to_a_with_dataloader_workers(tmp_path, monkeypatch
         log = tmp_path / "train.log"
         job = c.run("a", "cnn", "train_cnn_loader.py", *args, "--log", str(log))
         c.wait_step("cnn", 8)
+        followers = {"a": _follow_logs(c, "a")} if stream == "live" else {}
         there = _migrate_ok(c, "cnn", "b", "--mode", "stop-and-copy")
         assert job.wait(60) == 0 and "moved to node b" in job.err[-1]
         assert c.running("cnn") == ["b"]
+        if followers:
+            followers["b"] = _follow_logs(c, "b")
+            assert _followed(followers.pop("a"), until=9).endswith("`criuctl logs cnn --node b -f`")
         c.wait_step("cnn", 20)
         back = _migrate_ok(c, "cnn", "a", "--mode", "stop-and-copy")
+        if followers:
+            followers["a"] = _follow_logs(c, "a")
+            assert _followed(followers.pop("b"), until=21).endswith("`criuctl logs cnn --node a -f`")
         assert back["downtime_seconds"] > 0
         if stream == "direct":  # ~200 MB of memory moved, but not through the agents' stream
             assert there["bytes_moved"] < 20 << 20, there
         else:
             assert there["bytes_moved"] > 100 << 20, there
         assert_ran_once(c, "cnn", ref, "a")
+        if followers:
+            assert _followed(followers.pop("a"), until=steps - 1).endswith("cnn exited with code 0 on node a")
         # the log file the job holds open kept being appended to, on every node, in order
         logged = [int(x.split()[1]) for x in log.read_text().splitlines() if x.startswith("step ")]
         assert logged == list(range(steps))

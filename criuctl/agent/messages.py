@@ -36,6 +36,16 @@ class ErrorAnswer(Refusal, total=False):
     hint: str
 
 
+class LogChunk(TypedDict):
+    """GET /v1/workloads/NAME/logs?from=OFFSET: the log from there on (criuctl.core.worklogs)."""
+
+    text: str
+    end: int
+    state: str
+    moved_to: str | None
+    exit_code: int | None
+
+
 class Healthz(TypedDict):
     """GET /healthz (no token)."""
 

@@ -3,7 +3,7 @@
     GET    /healthz                          liveness (the only call without a token)
     GET    /v1/info                          node name, CRIU version, what this kernel allows, TLS
     GET    /v1/workloads                     workloads on this node
-    GET    /v1/workloads/{name}/logs         a workload's stdout+stderr on this node (?tail=N)
+    GET    /v1/workloads/{name}/logs         its stdout+stderr here (?tail=N; ?from=OFFSET: JSON, logs -f)
     POST   /v1/workloads/{name}/checkpoint   dump into a bundle kept here   ┐ criuctl.agent.bundles
     …      /v1/bundles/{id}[/restore]        stream out, receive, restore   ┘
     …      /v1/incoming…                     the target side of a migration   criuctl.agent.incoming
@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import os
 import socket
 import ssl
 import time
@@ -48,13 +47,13 @@ from criuctl.agent import handoffleases, pageserving, receiver, transfer, wire
 from criuctl.agent.bundles import Bundles
 from criuctl.agent.httpjson import fail
 from criuctl.agent.incoming import Incoming
-from criuctl.agent.messages import Healthz, NodeInfo
+from criuctl.agent.messages import Healthz, LogChunk, NodeInfo
 from criuctl.agent.outgoing import Outgoing
 from criuctl.agent.redirects import Redirects
 from criuctl.agent.runtimes import Runtimes
 from criuctl.agent.target import Vouch
 from criuctl.container import containers, runtime
-from criuctl.core import jsonlog, statedir, workloads
+from criuctl.core import jsonlog, statedir, workloads, worklogs
 from criuctl.core.errors import CriuctlError
 from criuctl.core.tokens import read_token
 from criuctl.engine import criu
@@ -107,19 +106,6 @@ class Metrics:
             buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 60, 120),
             registry=self.registry,
         )
-
-
-def tail_text(path: Path, lines: int, chunk: int = 1 << 16) -> str:
-    """The last `lines` lines of a file, read backwards from its end (a log may be gigabytes)."""
-    with path.open("rb") as f:
-        f.seek(0, os.SEEK_END)
-        end = pos = f.tell()
-        data = b""
-        while pos > 0 and data.count(b"\n") <= lines:
-            pos = max(0, pos - chunk)
-            f.seek(pos)
-            data = f.read(end - pos)
-    return b"\n".join(data.splitlines()[-lines:]).decode(errors="replace") + "\n"
 
 
 class Agent:
@@ -318,22 +304,32 @@ class Agent:
         return out
 
     async def workload_logs(self, r: web.Request) -> web.StreamResponse:
+        """The last lines (`?tail=N`, text); or, with `?from=OFFSET` (`from=tail`: the last N lines
+        first), a JSON LogChunk with the workload's state, for `criuctl logs -f`."""
         try:
             name = workloads.validate_name(r.match_info["name"])
             tail = int(r.query.get("tail", "0"))
-            if tail < 0:
+            start = r.query.get("from")
+            offset = None if start in (None, "tail") else int(start or "")
+            if tail < 0 or (offset is not None and offset < 0):
                 raise ValueError
         except CriuctlError as exc:
             return fail(400, exc.what, exc.hint)
         except ValueError:
-            return fail(400, f"tail must be a whole number, not {r.query.get('tail')!r}")
-        path = workloads.log_path(name)
-        if not path.exists():
+            return fail(400, f"tail and from must be whole numbers, not {dict(r.query)!r}")
+        if not workloads.log_path(name).exists():
             return fail(404, f"no logs for {name!r} on node {self.name}", "see `criuctl ps --node`")
-        if tail:
-            text = await asyncio.to_thread(tail_text, path, tail)
-            return web.Response(text=text)
-        return web.FileResponse(path, headers={"Content-Type": "text/plain; charset=utf-8"})
+        chunk = await asyncio.to_thread(worklogs.read, name, offset, tail)
+        if start is None:
+            return web.Response(body=chunk.text, content_type="text/plain", charset="utf-8")
+        out: LogChunk = {
+            "text": chunk.text.decode(errors="replace"),
+            "end": chunk.end,
+            "state": chunk.state,
+            "moved_to": chunk.moved_to,
+            "exit_code": chunk.exit_code,
+        }
+        return web.json_response(out)
 
 
 def serve(opts: AgentOptions) -> None:

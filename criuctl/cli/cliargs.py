@@ -74,6 +74,12 @@ VERBS: dict[str, Verb] = {
             opt("name", metavar="NAME"),
             opt("--node", help="ask this node's agent"),
             opt("--tail", type=int, default=0, metavar="N", help="only the last N lines"),
+            opt(
+                "-f",
+                "--follow",
+                action="store_true",
+                help="go on printing what it writes until it ends or moves away (then: where to)",
+            ),
         ),
     ),
     "agent": Verb(

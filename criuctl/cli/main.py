@@ -18,6 +18,7 @@ from criuctl.core.errors import CriuctlError, require_root
 
 if TYPE_CHECKING:
     from criuctl.core.workloads import WorkloadRow
+    from criuctl.core.worklogs import Chunk
 
 __all__ = ["main", "parser"]
 
@@ -69,23 +70,67 @@ def _cmd_ps(a: argparse.Namespace) -> int:
 
 
 def _cmd_logs(a: argparse.Namespace) -> int:
-    from criuctl.core import workloads
+    from criuctl.core import workloads, worklogs
 
     workloads.validate_name(a.name)  # it becomes a file name here, a URL path segment there
+    read: Callable[[int | None], worklogs.Chunk]
     if a.node:
         from criuctl.client.agents import AgentClient, get_node
 
-        text = AgentClient(get_node(a.node)).text(f"/v1/workloads/{a.name}/logs?tail={a.tail}")
+        client = AgentClient(get_node(a.node))
+        read = lambda offset: client.log_chunk(a.name, offset, a.tail)  # noqa: E731
     else:
-        path = workloads.log_path(a.name)
-        if not path.exists():
+        if not workloads.log_path(a.name).exists():
             raise workloads.UnknownWorkload(
                 f"no logs for {a.name!r} on this host", "see `criuctl ps -a`, or pass --node NODE"
             )
-        lines = path.read_text(errors="replace").splitlines(keepends=True)
-        text = "".join(lines[-a.tail :] if a.tail else lines)
-    sys.stdout.write(text)
+        read = lambda offset: worklogs.read(a.name, offset, a.tail)  # noqa: E731
+    chunk = read(None)
+    _write(chunk.text)
+    if a.follow:
+        chunk = _follow(read, chunk)
+        print(f"criuctl: {_ending(a.name, a.node, chunk)}", file=sys.stderr)
     return 0
+
+
+FOLLOW_POLL = 0.5  # s between reads of a log that has nothing new
+
+
+def _write(text: bytes) -> None:
+    sys.stdout.buffer.write(text)
+    sys.stdout.flush()
+
+
+def _follow(read: Callable[[int | None], Chunk], chunk: Chunk) -> Chunk:
+    """`logs -f`: read on from the end until the workload no longer runs on that node, then once
+    more after a pause (its last lines may still be on their way into the log) and to the end."""
+    import time
+
+    from criuctl.core import worklogs
+
+    while True:
+        ended = chunk.ended
+        if len(chunk.text) < worklogs.CHUNK:
+            time.sleep(FOLLOW_POLL)
+        chunk = read(chunk.end)
+        _write(chunk.text)
+        if ended and len(chunk.text) < worklogs.CHUNK:
+            return chunk
+
+
+def _ending(name: str, node: str | None, chunk: Chunk) -> str:
+    """Why following stopped, and where to follow on."""
+    from criuctl.core import workloads
+
+    if chunk.state == workloads.MIGRATED and chunk.moved_to:
+        return (
+            f"{name} moved to node {chunk.moved_to}: follow it there with "
+            f"`criuctl logs {name} --node {chunk.moved_to} -f`"
+        )
+    if chunk.state == workloads.CHECKPOINTED:
+        return f"{name} was checkpointed and ended here (`criuctl ps -a`)"
+    code = f" with code {chunk.exit_code}" if chunk.exit_code is not None else ""
+    return f"{name} exited{code}" + (f" on node {node}" if node else "")
 
 
 def _cmd_agent(a: argparse.Namespace) -> int:

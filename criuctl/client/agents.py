@@ -19,8 +19,8 @@ from urllib.parse import urlparse
 
 import requests
 
-from criuctl.agent.messages import BundleKept, ErrorAnswer
-from criuctl.core import durable, statedir, tokens, workloads
+from criuctl.agent.messages import BundleKept, ErrorAnswer, LogChunk
+from criuctl.core import durable, statedir, tokens, workloads, worklogs
 from criuctl.core.errors import CriuctlError
 from criuctl.core.workloads import WorkloadRow
 
@@ -300,6 +300,13 @@ class AgentClient:
 
     def text(self, path: str) -> str:
         return self._call("GET", path).text
+
+    def log_chunk(self, name: str, offset: int | None, tail: int = 0) -> worklogs.Chunk:
+        """A workload's log on this node from `offset` (None: its last `tail` lines) and its state."""
+        start = "tail" if offset is None else str(offset)
+        got: LogChunk = self._call("GET", f"/v1/workloads/{name}/logs?from={start}&tail={tail}").json()
+        text = got["text"].encode()
+        return worklogs.Chunk(text, got["end"], got["state"], got.get("moved_to"), got.get("exit_code"))
 
     def events(self, path: str, body: Any, timeout: float = 3600) -> Iterator[Any]:
         """POST, then yield the JSON events the agent streams back, one per line (as sent: the
