@@ -209,7 +209,7 @@ def migration_summary(r) -> None:
         f"(freeze {r.freeze_seconds:.2f} s, transfer {r.transfer_seconds:.2f} s, "
         f"restore {r.restore_seconds:.2f} s{pages})"
     )
-    err.print(f"follow it with: criuctl logs {r.workload} --node {r.target}")
+    err.print(f"follow it with: criuctl logs {r.workload} --node {r.target} -f")
     if not r.source_confirmed:
         err.print(
             f"criuctl: warning: node {r.source} did not confirm that its frozen copy ended; its handoff "

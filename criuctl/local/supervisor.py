@@ -323,7 +323,7 @@ def _finish(w: workloads.Workload, status: int) -> int:
         if now.state == workloads.MIGRATED:
             _say(
                 f"criuctl: workload {w.name!r} moved to node {now.moved_to}; "
-                f"follow it with: criuctl logs {w.name} --node {now.moved_to}"
+                f"follow it with: criuctl logs {w.name} --node {now.moved_to} -f"
             )
             return 0
     code = exit_code(status)
