@@ -103,7 +103,7 @@ def bench_checkpoint(gib: float, work: Path, reps: int) -> dict[str, list[float]
             cri = time.monotonic() - t0
             target.unlink()
             t0 = time.monotonic()
-            argv = [*CRIUCTL, "dump", pod.container, "-o", str(root / f"b{i}"), "--leave-running"]
+            argv = [*CRIUCTL, "dump", pod.container, "--bundle", str(root / f"b{i}"), "--leave-running"]
             subprocess.run(argv, env=env, check=True, capture_output=True)
             ours = time.monotonic() - t0
             shutil.rmtree(root / f"b{i}")

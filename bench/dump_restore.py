@@ -89,7 +89,7 @@ def drop(path: Path) -> None:
 def bench_criuctl(gib: float, work: Path) -> dict:
     job = start_job("bench-criuctl", gib)
     out = work / "criuctl-bundle"
-    t_dump, r = timed([*CRIUCTL, "dump", "bench-criuctl", "-o", str(out)])
+    t_dump, r = timed([*CRIUCTL, "dump", "bench-criuctl", "--bundle", str(out)])
     job.wait(60)
     said = re.search(r"frozen [0-9.]+ s \((.*?)\)", r.stderr)  # a criuctl before 2026-12 says no phases
     phases = {k: float(v) for k, v in re.findall(r"(\w+) ([0-9.]+) s", said[1] if said else "")}

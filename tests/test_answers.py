@@ -145,7 +145,7 @@ def test_a_record_whose_pid_now_names_another_process_is_refused_and_that_proces
             _register("victim", stranger.pid, root_start=start - 7, boot_id=procinfo.boot_id())
         else:
             _register("victim", stranger.pid, started=time.time() - 3600)  # as criuctl before wrote it
-        r = criuctl("dump", "victim", "-o", str(tmp_path / "b"))
+        r = criuctl("dump", "victim", "--bundle", str(tmp_path / "b"))
         assert r.returncode == 3, r.stderr
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and f"was PID {stranger.pid}, which is now another process" in lines[0], lines

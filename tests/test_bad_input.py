@@ -96,7 +96,7 @@ def test_run_refuses_a_bad_name_before_anything_starts(name, tmp_path, state_dir
     [
         ("logs", "{n}"),
         ("logs", "{n}", "--node", "nosuch"),
-        ("dump", "{n}", "-o", "{d}/b"),
+        ("dump", "{n}", "--bundle", "{d}/b"),
         ("restore", "{d}", "--name", "{n}"),
         ("migrate", "{n}", "--to", "nosuch"),
     ],
@@ -108,6 +108,17 @@ def test_every_verb_refuses_a_bad_name(verb, name, tmp_path):
     r = criuctl(*argv)
     assert_error_line(r, f"workload name {name!r}", "1-63 characters")
     assert r.returncode == 2
+
+
+def test_o_is_an_output_format_and_a_folder_there_says_where_it_goes(tmp_path):
+    """`-o DIR` (a dump's folder once) is refused before anything runs, naming `--bundle`."""
+    for verb in (("dump", "x"), ("ps",), ("migrate", "x", "b")):
+        r = criuctl(*verb, "-o", str(tmp_path / "b"))
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        said = f"not a folder ({str(tmp_path / 'b')!r}); a dump's bundle folder is `--bundle DIR`"
+        assert last.endswith(said), last
+    assert not (tmp_path / "b").exists()
 
 
 def test_logs_by_pid_like_names_still_work(tmp_path):
@@ -186,7 +197,7 @@ def test_dump_into_a_read_only_folder_is_one_line_and_nothing_is_frozen(tmp_path
     try:
         job.wait_for("^up$", timeout=60)
         with _read_only_mount(tmp_path / "ro") as ro:
-            r = criuctl("dump", "sl", "-o", str(ro / "b"))
+            r = criuctl("dump", "sl", "--bundle", str(ro / "b"))
             assert_error_line(
                 r, f"cannot write a bundle into {ro}", "Read-only file system", "nothing was frozen"
             )
@@ -294,7 +305,7 @@ def test_inspect_shows_markup_in_a_manifest_as_text(tmp_path):
         ("run", "--", "touch", "{marker}"),
         ("node", "ls"),
         ("logs", "x"),
-        ("dump", "x", "-o", "{d}/b"),
+        ("dump", "x", "--bundle", "{d}/b"),
     ],
     ids=lambda v: v[0],
 )

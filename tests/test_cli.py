@@ -78,7 +78,13 @@ def test_hook_is_loaded_and_user_sitecustomize_still_runs(tmp_path):
 def test_inspect_describes_a_real_bundle(tmp_path):
     job = Job.run("cnn", "train_cnn_loader.py", "--steps", "200", "--log", str(tmp_path / "log"))
     job.wait_for_step(2)
-    assert criuctl("dump", "cnn", "-o", str(tmp_path / "b")).returncode == 0
+    listed = criuctl("ps", "-o", "json")  # -o is an output format on every verb
+    assert [r["name"] for r in json.loads(listed.stdout) if r["alive"]] == ["cnn"], listed.stdout
+    dumped = criuctl("dump", "cnn", "--bundle", str(tmp_path / "b"), "-o", "json")
+    assert dumped.returncode == 0, dumped.stderr
+    result = json.loads(dumped.stdout)
+    assert result["bundle"] == str(tmp_path / "b") and result["workload"] == "cnn", result
+    assert result["size_bytes"] > 100 << 20 and 0 < result["freeze_seconds"] <= result["total_seconds"]
     job.wait()
     r = criuctl("inspect", str(tmp_path / "b"), "--output", "json")
     assert r.returncode == 0, r.stderr

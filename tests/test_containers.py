@@ -146,7 +146,7 @@ def _root_mount(rt: Containerd, cid: str) -> mounts.Mount:
 
 
 def test_local_dump_then_restore_into_a_placeholder(nodes: Nodes, reference, tmp_path) -> None:
-    """The third way: `criuctl dump CONTAINER -o DIR` on one node, `criuctl restore DIR --into
+    """The third way: `criuctl dump CONTAINER --bundle DIR` on one node, `criuctl restore DIR --into
     PLACEHOLDER` on another, by hand. Run from the host's network namespace, so the dump finds the
     pod's network outside CRIU's and leaves it external: the restore joins the placeholder's."""
     ref = reference(JOB.name, "--steps", str(STEPS), "--workers", "2", "--log", "/dev/null")
@@ -161,7 +161,7 @@ def test_local_dump_then_restore_into_a_placeholder(nodes: Nodes, reference, tmp
     a = {**state, "CRIUCTL_RUNTIME_ENDPOINT": nodes.runtimes["a"].endpoint}
     # the state pre-dump cannot reach a container's trainers: refused in one line, nothing written
     r = subprocess.run(
-        [*CRIUCTL, "dump", "--state", job.container, "-o", str(out)], env=a, capture_output=True, text=True
+        [*CRIUCTL, "dump", "--state", job.container, "-b", str(out)], env=a, capture_output=True, text=True
     )
     lines = r.stderr.strip().splitlines()
     assert r.returncode != 0 and len(lines) == 1 and "is a container" in lines[0], r.stderr
@@ -169,7 +169,7 @@ def test_local_dump_then_restore_into_a_placeholder(nodes: Nodes, reference, tmp
     went = max(cri_steps(job.log))
     wait_until(lambda: max(cri_steps(job.log)) >= went + 3, 60, "steps after the refusal")
     r = subprocess.run(
-        [*CRIUCTL, "dump", job.container, "-o", str(out)], env=a, capture_output=True, text=True
+        [*CRIUCTL, "dump", job.container, "--bundle", str(out)], env=a, capture_output=True, text=True
     )
     assert r.returncode == 0, r.stderr
     assert nodes.runtimes["a"].wait_exited(job.container, timeout=30) == 128 + 9  # committed: the tree ended

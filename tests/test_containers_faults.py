@@ -138,13 +138,13 @@ def test_bad_input_one_line_nothing_frozen(nodes: Nodes, tmp_path: Path) -> None
         (nodes.cluster.migrate(containers.name_of(plain.container), "b"), "not criuctl's init"),
     ]
     env = {**os.environ, "CRIUCTL_STATE_DIR": str(tmp_path / "state")}
-    local = [*CRIUCTL, "dump", "0123456789abcdef", "-o", str(tmp_path / "b1")]
+    local = [*CRIUCTL, "dump", "0123456789abcdef", "--bundle", str(tmp_path / "b1")]
     dead = {**env, "CRIUCTL_RUNTIME_ENDPOINT": f"unix://{tmp_path / 'nothing.sock'}"}
     cases.append((subprocess.run(local, env=dead, capture_output=True, text=True), "does not answer"))
     sock = nodes.runtimes["a"].endpoint
     unknown = {**env, "CRIUCTL_RUNTIME_ENDPOINT": sock}
     cases.append((subprocess.run(local, env=unknown, capture_output=True, text=True), "no container"))
-    plain_dump = [*CRIUCTL, "dump", plain.container, "-o", str(tmp_path / "b2")]
+    plain_dump = [*CRIUCTL, "dump", plain.container, "--bundle", str(tmp_path / "b2")]
     cases.append(
         (subprocess.run(plain_dump, env=unknown, capture_output=True, text=True), "not criuctl's init")
     )

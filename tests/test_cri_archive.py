@@ -437,7 +437,7 @@ def test_dump_via_runtime_takes_the_kubelets_checkpoint(checkpointed: Checkpoint
     a bundle this node signed; the container keeps running."""
     node, out = checkpointed.node, state_dir.parent / "via-runtime"
     env = {**os.environ, "CRIUCTL_RUNTIME_ENDPOINT": node.endpoint}
-    argv = [CRIUCTL, "dump", checkpointed.counter_id, "-o", out, "--via-runtime"]
+    argv = [CRIUCTL, "dump", checkpointed.counter_id, "--bundle", out, "--via-runtime"]
     r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "checkpointed by its runtime" in r.stderr

@@ -597,7 +597,7 @@ def test_a_gpu_bundle_counts_the_device_memory_the_checkpoint_put_in_host_memory
     bundle_dir = tmp_path / "b"
     try:
         job.wait_for_step(3)
-        r = criuctl("dump", "devbytes", "-o", str(bundle_dir), env=env)
+        r = criuctl("dump", "devbytes", "--bundle", str(bundle_dir), env=env)
         assert r.returncode == 0, r.stderr
     finally:
         job.kill()

@@ -42,7 +42,7 @@ MALFORMED = {
 @pytest.mark.parametrize("var", list(MALFORMED), ids=str)
 def test_a_malformed_variable_stops_the_cli_in_one_line(var: env.Var, tmp_path: Path) -> None:
     raw, said = MALFORMED[var]
-    r = criuctl("dump", "nosuch", "-o", str(tmp_path / "b"), env={**_clean(), var: raw}, timeout=60)
+    r = criuctl("dump", "nosuch", "--bundle", str(tmp_path / "b"), env={**_clean(), var: raw}, timeout=60)
     line = assert_error_line(r, f"{var}={raw!r} {said}")
     assert "Traceback" not in r.stderr and r.returncode == 1, r.stderr
     assert not (tmp_path / "b").exists(), line

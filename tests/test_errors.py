@@ -49,10 +49,10 @@ def assert_still_training_exactly_once(job: Job, ref: Reference) -> None:
 
 
 def test_unknown_name_and_pid(tmp_path, job, ref):
-    assert_error_line(criuctl("dump", "nosuch", "-o", str(tmp_path / "b")), "nosuch", "criuctl ps")
+    assert_error_line(criuctl("dump", "nosuch", "--bundle", str(tmp_path / "b")), "nosuch", "criuctl ps")
     free_pid = next(p for p in range(4_000_000, 3_000_000, -1) if not os.path.exists(f"/proc/{p}"))
-    assert_error_line(criuctl("dump", str(free_pid), "-o", str(tmp_path / "b")), str(free_pid))
-    line = assert_error_line(criuctl("dump", str(os.getpid()), "-o", str(tmp_path / "b")))
+    assert_error_line(criuctl("dump", str(free_pid), "--bundle", str(tmp_path / "b")), str(free_pid))
+    line = assert_error_line(criuctl("dump", str(os.getpid()), "--bundle", str(tmp_path / "b")))
     assert "not part of a criuctl workload" in line and "criuctl run" in line
     assert not (tmp_path / "b").exists()
     assert_still_training_exactly_once(job, ref)
@@ -75,7 +75,7 @@ def test_not_root(tmp_path, job, ref):
             "criuctl.cli.main",
             "dump",
             "mlp",
-            "-o",
+            "--bundle",
             str(tmp_path / "b"),
         ],
         capture_output=True,
@@ -89,7 +89,7 @@ def test_not_root(tmp_path, job, ref):
 
 def test_criu_missing(tmp_path, job, ref):
     r = criuctl(
-        "dump", "mlp", "-o", str(tmp_path / "b"), env={**os.environ, "CRIUCTL_CRIU": "/nonexistent/criu"}
+        "dump", "mlp", "-b", str(tmp_path / "b"), env={**os.environ, "CRIUCTL_CRIU": "/nonexistent/criu"}
     )
     assert_error_line(r, "CRIU not found", "install-criu.sh")
     assert not (tmp_path / "b").exists()
@@ -98,7 +98,7 @@ def test_criu_missing(tmp_path, job, ref):
 
 @needs("criu-3.17")
 def test_criu_too_old(tmp_path, job, ref):
-    r = criuctl("dump", "mlp", "-o", str(tmp_path / "b"), env={**os.environ, "CRIUCTL_CRIU": str(OLD_CRIU)})
+    r = criuctl("dump", "mlp", "-b", str(tmp_path / "b"), env={**os.environ, "CRIUCTL_CRIU": str(OLD_CRIU)})
     assert_error_line(r, "3.17", "too old", "install-criu.sh")
     assert_still_training_exactly_once(job, ref)
 
@@ -109,7 +109,7 @@ def test_unsupported_resource_leaves_job_running(tmp_path, ref):
     )
     try:
         job.wait_for_step(3)
-        r = criuctl("dump", "uring", "-o", str(tmp_path / "b"))
+        r = criuctl("dump", "uring", "--bundle", str(tmp_path / "b"))
         assert_error_line(r, "holds an io_uring", "without --allow-io-uring", "keeps running")
         assert not (tmp_path / "b").exists()
         assert not list(tmp_path.glob(".b.partial-*")), "the staging directory was left behind"
@@ -123,7 +123,7 @@ def test_disk_full_leaves_job_running(tmp_path, job, ref):
     small.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)], check=True)
     try:
-        r = criuctl("dump", "mlp", "-o", str(small / "b"))
+        r = criuctl("dump", "mlp", "--bundle", str(small / "b"))
         assert_error_line(r, "disk full", "keeps running")
         assert list(small.iterdir()) == [], "a partial bundle was left on the full disk"
         assert_still_training_exactly_once(job, ref)
@@ -140,7 +140,7 @@ def sealed(tmp_path_factory):
     job = Job([*CRIUCTL, "run", "--name", "s", "--", *_cmd("--steps", "2000")], env=env)
     try:
         job.wait_for_step(3)
-        dump = [*CRIUCTL, "dump", "s", "-o", str(d / "b")]
+        dump = [*CRIUCTL, "dump", "s", "--bundle", str(d / "b")]
         r = subprocess.run(dump, capture_output=True, text=True, env=env)
         assert r.returncode == 0, r.stderr
         job.wait()
@@ -229,6 +229,6 @@ def test_restore_without_criu_keeps_bundle(sealed, tmp_path):
 def test_dump_into_existing_directory_is_refused(tmp_path, job, ref):
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "keep.txt").write_text("user data")
-    assert_error_line(criuctl("dump", "mlp", "-o", str(tmp_path / "b")), "not empty")
+    assert_error_line(criuctl("dump", "mlp", "--bundle", str(tmp_path / "b")), "not empty")
     assert (tmp_path / "b" / "keep.txt").read_text() == "user data"
     assert_still_training_exactly_once(job, ref)

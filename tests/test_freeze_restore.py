@@ -12,7 +12,7 @@ pytestmark = [needs_criu, pytest.mark.slow]
 
 def _freeze(job: Job, name: str, at_step: int, out, *flags: str) -> None:
     job.wait_for_step(at_step)
-    r = criuctl("dump", name, "-o", str(out), *flags)
+    r = criuctl("dump", name, "--bundle", str(out), *flags)
     assert r.returncode == 0, r.stderr
 
 

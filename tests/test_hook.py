@@ -39,7 +39,7 @@ def test_a_dump_during_a_long_step_lands_after_it(tmp_path):
     job.wait_for(r"^step 2 started")
     time.sleep(1)
     started = time.monotonic()
-    r = criuctl("dump", "long", "-o", str(tmp_path / "b"))
+    r = criuctl("dump", "long", "--bundle", str(tmp_path / "b"))
     waited = time.monotonic() - started
     assert r.returncode == 0, r.stderr
     assert job.wait() == 0
@@ -55,7 +55,7 @@ def test_a_dump_during_a_long_step_lands_after_it(tmp_path):
 def test_a_job_without_optimizer_steps_is_dumped_at_once(tmp_path):
     sleeper = Job([*CRIUCTL, "run", "--name", "nap", "--", sys.executable, "-c", NAP])
     sleeper.wait_for(r"^up")
-    r = criuctl("dump", "nap", "-o", str(tmp_path / "b"))
+    r = criuctl("dump", "nap", "--bundle", str(tmp_path / "b"))
     assert r.returncode == 0, r.stderr
     shown = criuctl("inspect", str(tmp_path / "b")).stdout
     assert "step boundary: none (no process of it has run an optimizer step" in shown, shown
@@ -115,7 +115,7 @@ def test_state_predump_of_a_plain_script_carries_model_optimizer_scheduler(tmp_p
     args = ("--steps", "60", "--workers", "2", "--log", str(log), "--show-state")
     job = Job.run("cnn", "train_cnn_loader.py", *args)
     job.wait_for_step(12)
-    r = criuctl("dump", "cnn", "--state", "-o", str(tmp_path / "b"))
+    r = criuctl("dump", "cnn", "--state", "--bundle", str(tmp_path / "b"))
     assert r.returncode == 0, r.stderr
     assert job.wait() == 0
     saved = _state_file(tmp_path / "b")
@@ -151,7 +151,7 @@ def test_state_predump_of_a_migrator_script_is_exact(tmp_path, monkeypatch):
         f.unlink()
     job = Job.run("mig", "train_migrator.py", *args, "--step-time", "0.03")
     job.wait_for_step(40)
-    r = criuctl("dump", "mig", "--state", "-o", str(tmp_path / "b"))
+    r = criuctl("dump", "mig", "--state", "--bundle", str(tmp_path / "b"))
     assert r.returncode == 0, r.stderr
     assert job.wait() == 0
     restored = Job.restore(tmp_path / "b")
@@ -163,7 +163,7 @@ def test_state_predump_of_a_migrator_script_is_exact(tmp_path, monkeypatch):
 def test_state_predump_refused_for_a_job_that_does_not_train(tmp_path):
     sleeper = Job([*CRIUCTL, "run", "--name", "nap", "--", sys.executable, "-c", NAP])
     sleeper.wait_for(r"^up")
-    r = criuctl("dump", "nap", "--state", "-o", str(tmp_path / "b"))
+    r = criuctl("dump", "nap", "--state", "--bundle", str(tmp_path / "b"))
     assert r.returncode != 0
     assert "its state could not be saved at a step boundary" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
@@ -279,7 +279,7 @@ def test_an_altered_state_bundle_is_refused_and_nothing_starts(tmp_path):
     log = tmp_path / "train.log"
     job = Job.run("cnn", "train_cnn_loader.py", "--steps", "400", "--workers", "0", "--log", str(log))
     job.wait_for_step(5)
-    r = criuctl("dump", "cnn", "--state", "-o", str(tmp_path / "b"))
+    r = criuctl("dump", "cnn", "--state", "--bundle", str(tmp_path / "b"))
     assert r.returncode == 0, r.stderr
     assert job.wait() == 0
     state = tmp_path / "b" / "state" / "state-0.pt"
@@ -317,7 +317,7 @@ def test_a_job_that_removes_its_control_directory_is_dumped_without_a_boundary(t
     the restored job goes on where it was."""
     job = Job([*CRIUCTL, "run", "--name", "nodir", "--", sys.executable, "-c", _REMOVES_ITS_CONTROL])
     job.wait_for(r"^step 10 ")
-    r = criuctl("dump", "nodir", "-o", str(tmp_path / "b"))
+    r = criuctl("dump", "nodir", "--bundle", str(tmp_path / "b"))
     assert r.returncode == 0, r.stderr
     job.wait()
     shown = criuctl("inspect", str(tmp_path / "b")).stdout

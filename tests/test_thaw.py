@@ -101,7 +101,7 @@ def assert_finishes_like_reference(job: Job, ref, server: AckServer | None) -> N
 
 def test_leave_running_keeps_connections(job, tmp_path):
     j, name, ref, server = job
-    r = criuctl("dump", name, "-o", str(tmp_path / "b"), "--leave-running")
+    r = criuctl("dump", name, "--bundle", str(tmp_path / "b"), "--leave-running")
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "b" / "manifest.json").is_file()
     assert not any(t in criu_tables() for t in _tables_of(tmp_path / "b")), "its network lock is still there"
@@ -118,7 +118,7 @@ def test_leave_running_whose_lock_cannot_be_lifted_runs_and_says_so_until_thawed
     faults.mkdir()
     (faults / Fault.NETLOCK_LIFT).touch()
     env = {**os.environ, FAULT_DIR: str(faults)}
-    r = criuctl("dump", name, "-o", str(tmp_path / "b"), "--leave-running", env=env)
+    r = criuctl("dump", name, "--bundle", str(tmp_path / "b"), "--leave-running", env=env)
     line = assert_error_line(r, "runs again, but its thaw did not complete", "network lock", "criuctl thaw")
     assert r.returncode == 1, line
     assert (tmp_path / "b" / "manifest.json").is_file(), "the bundle itself is good"
@@ -141,7 +141,7 @@ def test_dump_failing_after_criu_keeps_connections(job, tmp_path):
     j, name, ref, server = job
     out = tmp_path / "b"
     dump = subprocess.Popen(
-        [*CRIUCTL, "dump", name, "-o", str(out)],
+        [*CRIUCTL, "dump", name, "--bundle", str(out)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -163,7 +163,7 @@ def test_dump_failing_in_criu_keeps_connections(job, tmp_path):
     small.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(small)], check=True)
     try:
-        r = criuctl("dump", name, "-o", str(small / "b"))
+        r = criuctl("dump", name, "--bundle", str(small / "b"))
         assert_error_line(r, "disk full", "keeps running")
         assert list(small.iterdir()) == [], "a partial bundle was left on the full disk"
     finally:
@@ -174,7 +174,7 @@ def test_dump_failing_in_criu_keeps_connections(job, tmp_path):
 def test_second_dump_is_refused_at_once(job, tmp_path):
     j, name, ref, server = job
     first = subprocess.Popen(
-        [*CRIUCTL, "dump", name, "-o", str(tmp_path / "first"), "--leave-running"],
+        [*CRIUCTL, "dump", name, "--bundle", str(tmp_path / "first"), "--leave-running"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -185,7 +185,7 @@ def test_second_dump_is_refused_at_once(job, tmp_path):
     os.kill(first.pid, signal.SIGSTOP)
     try:
         started = time.monotonic()
-        second = criuctl("dump", name, "-o", str(tmp_path / "second"), timeout=30)
+        second = criuctl("dump", name, "--bundle", str(tmp_path / "second"), timeout=30)
         took = time.monotonic() - started
     finally:
         os.kill(first.pid, signal.SIGCONT)
@@ -242,7 +242,7 @@ def big_bundle(tmp_path_factory):
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     job.wait_for(r"^ready ")
-    r = subprocess.run([*CRIUCTL, "dump", "big", "-o", str(d / "b")], capture_output=True, text=True, env=env)
+    r = subprocess.run([*CRIUCTL, "dump", "big", "-b", str(d / "b")], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
     job.wait()
     return d / "b", env

@@ -20,6 +20,28 @@ def opt(*flags: str, **kw: Any) -> Option:
     return flags, kw
 
 
+FORMATS = ("text", "json")
+
+
+def output_format(value: str) -> str:
+    """`-o`/`--output` is an output format on every verb, as in kubectl: a folder given there (the
+    bundle folder `dump -o DIR` used to take) gets one line saying where it goes now."""
+    if value in FORMATS:
+        return value
+    if "/" in value or value.startswith("."):
+        raise argparse.ArgumentTypeError(
+            f"-o is the output format (text or json), not a folder ({value!r}); "
+            "a dump's bundle folder is `--bundle DIR`"
+        )
+    raise argparse.ArgumentTypeError(f"invalid output format {value!r}: text or json")
+
+
+def output(what: str = "the result") -> Option:
+    """The one `-o`/`--output` every verb that prints a result takes."""
+    kw = {"type": output_format, "default": "text", "metavar": "text|json"}
+    return opt("-o", "--output", **kw, help=f"json: {what} on stdout")
+
+
 class Verb(NamedTuple):
     help: str
     options: tuple[Option, ...] = ()
@@ -66,6 +88,7 @@ VERBS: dict[str, Verb] = {
                 help="with --jobs: ask the cluster's agents (default when $KUBECONFIG or "
                 "~/.kube/config is there and no node was added with `criuctl node add`)",
             ),
+            output("the rows (every field of each workload, and `alive`, `rss_bytes`)"),
         ),
     ),
     "logs": Verb(
@@ -196,9 +219,7 @@ VERBS: dict[str, Verb] = {
                 action="store_true",
                 help="a pod: check everything, change nothing, say what would happen",
             ),
-            opt(
-                "-o", "--output", choices=["text", "json"], default="text", help="json: the result on stdout"
-            ),
+            output(),
             opt("--from", dest="source", metavar="NODE", help="the node it runs on (default: ask them all)"),
             opt(
                 "--mode",
@@ -211,7 +232,7 @@ VERBS: dict[str, Verb] = {
                 help="a container's job: the placeholder container (ID) on the target to restore it into "
                 "(default: the target's one empty placeholder for the same pod and container)",
             ),
-            opt("--json", action="store_true", help="also print the result as JSON on stdout"),
+            opt("--json", action="store_true", help=argparse.SUPPRESS),  # older scripts' `-o json`
             opt(
                 "--as",
                 dest="object_name",
@@ -234,7 +255,8 @@ VERBS: dict[str, Verb] = {
         "checkpoint a workload into a bundle directory",
         (
             opt("target", metavar="NAME|PID"),
-            opt("-o", "--output", required=True, metavar="DIR", help="new bundle directory"),
+            opt("-b", "--bundle", required=True, metavar="DIR", help="the new bundle's folder"),
+            output("the dump's result (bundle, size, times)"),
             opt("--leave-running", action="store_true", help="snapshot only: the workload keeps running"),
             opt(
                 "--state",
@@ -268,7 +290,7 @@ VERBS: dict[str, Verb] = {
         "describe a bundle: processes, memory, files, checks",
         (
             opt("bundle", metavar="DIR|ARCHIVE", help="a bundle, or a kubelet/CRI checkpoint archive"),
-            opt("--output", choices=["text", "json"], default="text"),
+            output("the description"),
         ),
     ),
     "doctor": Verb("check CRIU and the kernel features criuctl needs"),
@@ -341,7 +363,7 @@ VERBS: dict[str, Verb] = {
             opt("-n", "--namespace", help="default: the kubeconfig context's"),
             opt("-A", "--all-namespaces", action="store_true"),
             opt("--kubeconfig", metavar="FILE"),
-            opt("-o", "--output", choices=["text", "json"], default="text"),
+            output("the PodMigrations"),
         ),
     ),
     "demo": Verb(

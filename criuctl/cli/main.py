@@ -38,9 +38,12 @@ def _cmd_run(a: argparse.Namespace) -> int:
 
 def _cmd_ps(a: argparse.Namespace) -> int:
     from criuctl.cli import render
+    from criuctl.core import workloads
 
     if a.kubeconfig and not a.jobs:
         raise CriuctlError("--kubeconfig is for `criuctl ps --jobs`", "add --jobs")
+    if a.jobs and a.output == "json":
+        raise CriuctlError("`ps --jobs` prints a table only", "leave out -o json, or drop --jobs")
     if a.jobs:
         from criuctl.client import agents, jobs
         from criuctl.kube import cluster
@@ -63,9 +66,17 @@ def _cmd_ps(a: argparse.Namespace) -> int:
             raise CriuctlError(
                 f"node {a.node} sent no workload list", "check that its agent is criuctl's, and its version"
             )
-        render.workloads_table(rows, all_states=a.all, where=f"node {a.node}")
     else:
-        render.workloads_table(all_states=a.all)
+        rows = workloads.rows()
+    if a.output == "json":
+        import json
+
+        # as the table: what runs, and what runs but cannot be checkpointed; with -a every row
+        live = [r for r in rows if (r["state"] == workloads.RUNNING and r["alive"]) or r.get("why_not")]
+        shown = rows if a.all else live
+        print(json.dumps(shown, sort_keys=True))
+    else:
+        render.workloads_table(rows, all_states=a.all, where=f"node {a.node}" if a.node else None)
     return 0
 
 
@@ -214,7 +225,7 @@ def _cmd_dump(a: argparse.Namespace) -> int:
     a.target = containers.normalize(a.target)
     if not a.target.isdigit():  # a PID is digits; anything else must be a workload name
         workloads.validate_name(a.target)
-    _check_writable(Path(a.output).absolute().parent)
+    _check_writable(Path(a.bundle).absolute().parent)
     if a.via_runtime:
         return _dump_via_runtime(a)
     containers.resolve(a.target)  # a container is registered as a workload here
@@ -226,7 +237,7 @@ def _cmd_dump(a: argparse.Namespace) -> int:
         freezer = statesnapshot.freeze_state
     with render.phase_progress() as progress:
         outcome = checkpoint.dump(
-            a.target, Path(a.output), leave_running=a.leave_running, progress=progress, freezer=freezer
+            a.target, Path(a.bundle), leave_running=a.leave_running, progress=progress, freezer=freezer
         )
     if outcome.thaw is not None and not outcome.thaw.complete:  # the bundle is good; the job is not whole
         name = outcome.manifest.workload
@@ -235,7 +246,7 @@ def _cmd_dump(a: argparse.Namespace) -> int:
             f"{outcome.thaw.line()}",
             f"`criuctl ps` shows it until `criuctl thaw {name}` completes it",
         )
-    render.dump_summary(outcome, a.leave_running)
+    render.dump_summary(outcome, a.leave_running, as_json=a.output == "json")
     return 0
 
 
@@ -270,12 +281,18 @@ def _dump_via_runtime(a: argparse.Namespace) -> int:
     started = time.monotonic()
     key = bundle.load_key(statedir.key_path())
     ident = a.target.removeprefix(containers.NAME_PREFIX)
-    manifest = archive.checkpoint_via_runtime(runtime.connect(), ident, Path(a.output), key)
+    manifest = archive.checkpoint_via_runtime(runtime.connect(), ident, Path(a.bundle), key)
+    took = time.monotonic() - started
     print(
-        f"criuctl: container {ident} checkpointed by its runtime and imported into {a.output} "
-        f"in {time.monotonic() - started:.2f} s ({len(manifest.processes)} processes); it keeps running",
+        f"criuctl: container {ident} checkpointed by its runtime and imported into {a.bundle} "
+        f"in {took:.2f} s ({len(manifest.processes)} processes); it keeps running",
         file=sys.stderr,
     )
+    if a.output == "json":
+        import json
+
+        out = {"workload": manifest.workload, "bundle": a.bundle, "total_seconds": took}
+        print(json.dumps({**out, "leave_running": True}, sort_keys=True))
     return 0
 
 

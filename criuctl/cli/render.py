@@ -40,12 +40,11 @@ def short_command(argv: list[str], width: int = 90) -> str:
 
 
 def workloads_table(
-    rows: list[workloads.WorkloadRow] | None = None, all_states: bool = False, where: str = "this host"
+    rows: list[workloads.WorkloadRow], all_states: bool = False, where: str | None = None
 ) -> None:
-    """Workloads as a table: this node's registry, or `rows` an agent sent (`ps --node`)."""
-    remote = rows is not None
-    if rows is None:
-        rows = workloads.rows()
+    """Workloads as a table: this node's registry, or the rows a node's agent sent (`where`)."""
+    remote = where is not None
+    where = where or "this host"
     table, notes = [], []
     for r in rows:
         live = r["state"] == workloads.RUNNING and r["alive"]
@@ -263,7 +262,19 @@ def _phases(phases: dict[str, float]) -> str:
     return f" ({', '.join(f'{k} {v:.2f} s' for k, v in phases.items())})" if phases else ""
 
 
-def dump_summary(o, leave_running: bool) -> None:
+def dump_summary(o, leave_running: bool, as_json: bool = False) -> None:
+    """The dump's one line on stderr; with `as_json` also its result on stdout, for scripts."""
+    if as_json:
+        result = {
+            "workload": o.manifest.workload,
+            "bundle": str(o.bundle),
+            "size_bytes": o.size_bytes,
+            "freeze_seconds": o.freeze_seconds,
+            "total_seconds": o.total_seconds,
+            "phases": o.phases,
+            "leave_running": leave_running,
+        }
+        print(json.dumps(result, sort_keys=True))
     after = "still running" if leave_running else "stopped"
     err.print(
         f"checkpointed {o.manifest.workload!r} to {o.bundle}: {human_bytes(o.size_bytes)}, "

@@ -149,7 +149,7 @@ MANIFEST_MAX = 64 << 20  # far above any real manifest (a few KiB per thousand f
 
 def _read_raw(root: Path) -> bytes:
     """manifest.json's bytes, read once; every reader checks and parses these same bytes."""
-    hint = "pass the directory written by `criuctl dump -o DIR`"
+    hint = "pass the directory written by `criuctl dump --bundle DIR`"
     if not root.exists():
         raise BundleError(f"no bundle at {root}", hint)
     if not root.is_dir():

@@ -65,7 +65,7 @@ class DumpOutcome:
 
 def _check_out_dir(out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CriuctlError(f"{out} already exists and is not empty", "pass a new directory to -o")
+        raise CriuctlError(f"{out} already exists and is not empty", "pass a new directory to --bundle")
     if not out.parent.is_dir():
         raise CriuctlError(f"{out.parent} does not exist", "create the parent directory first")
 

@@ -112,7 +112,7 @@ def moved_through_driver(
     try:
         job.wait_for_step(15, timeout=180)
         t = time.monotonic()
-        r = criuctl("dump", f"gpu-{tag}", "-o", str(bundle), env={**os.environ, **env})
+        r = criuctl("dump", f"gpu-{tag}", "--bundle", str(bundle), env={**os.environ, **env})
         dump_s = time.monotonic() - t
         if r.returncode != 0:
             record(f"dump ({tag})", False, r.stderr.strip()[-600:])
@@ -162,7 +162,7 @@ def state_predump() -> None:
     try:
         job.wait_for_step(15, timeout=180)
         t = time.monotonic()
-        r = criuctl("dump", "gpu-state", "--state", "-o", str(bundle))
+        r = criuctl("dump", "gpu-state", "--state", "--bundle", str(bundle))
         if r.returncode != 0:
             record("state pre-dump", False, r.stderr.strip()[-600:])
             return
@@ -316,7 +316,7 @@ def cache_emptied() -> None:
                 capture_output=True,
                 text=True,
             ).stdout.strip()
-            r = criuctl("dump", name, "-o", str(bundle))
+            r = criuctl("dump", name, "--bundle", str(bundle))
             if r.returncode != 0:
                 record(f"boundary empty_cache ({tag})", False, r.stderr.strip()[-600:])
                 return
@@ -353,7 +353,7 @@ def nccl_refused() -> None:
     job = Job.run("gpu-nccl-refused", "train_gpu.py", *ARGS, "--nccl", "--step-time", "0.05")
     try:
         job.wait_for_step(15, timeout=180)
-        r = criuctl("dump", "gpu-nccl-refused", "-o", "/tmp/criuctl-gpu-nccl-refused")
+        r = criuctl("dump", "gpu-nccl-refused", "--bundle", "/tmp/criuctl-gpu-nccl-refused")
         code = job.wait(300)
         line = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
         ok = r.returncode != 0 and "NCCL process group" in line and code == 0 and job.final is not None
