@@ -155,7 +155,10 @@ def test_malformed_requests_get_a_clear_4xx_and_touch_nothing_outside(
                 return resp.status, text
 
     status, answer = asyncio.run(go())
-    assert status < 500, (method, seg, body, status, answer)
+    # a 5xx only as 503 with its line: a name shaped like a container ID sends the agent to the
+    # container runtime, which the fuzzing agent has none of (a dependency down, not a crash)
+    unavailable = status == 503 and isinstance(answer, dict) and "container runtime" in answer.get("what", "")
+    assert status < 500 or unavailable, (method, seg, body, status, answer)
     if status >= 400 and isinstance(answer, dict):
         assert answer.get("what"), answer  # one line a person can read
     if auth != "token":
