@@ -57,6 +57,26 @@ def test_a_name_is_a_pod_only_with_a_kubernetes_configuration(monkeypatch, tmp_p
     assert cluster.wanted(None, None)
 
 
+def test_migrate_goes_the_way_named_or_else_guesses() -> None:
+    """`--kube` and `--agents` choose; without them a kubeconfig there makes NAME a pod unless
+    NODE is a node added with `criuctl node add`; both, or `--agents` with a cluster's options,
+    is one line."""
+    from criuctl.cli import climigrate
+    from criuctl.cli.cliargs import parser
+
+    def way(*argv: str, kube_there: bool = True, added: tuple[str, ...] = ()) -> bool:
+        a = parser().parse_args(["migrate", "x", "b", *argv])
+        return climigrate._through_kube(a, "b", kube_there, added)
+
+    assert way() and not way(added=("b",)) and not way(kube_there=False)
+    assert way("--kube", kube_there=False, added=("b",))
+    assert not way("--agents") and not way("--agents", added=("b",))
+    for bad, says in ((("--kube", "--agents"), "two ways"), (("--agents", "-n", "ml"), "a pod's cluster")):
+        with pytest.raises(CriuctlError) as e:
+            way(*bad)
+        assert says in e.value.line() and "\n" not in e.value.line()
+
+
 # ---------------------------------------------------------------- PodMigration and the controller
 
 

@@ -219,6 +219,18 @@ VERBS: dict[str, Verb] = {
                 action="store_true",
                 help="a pod: check everything, change nothing, say what would happen",
             ),
+            opt(
+                "--kube",
+                action="store_true",
+                help="NAME is a pod: move it through the API server (default when a kubeconfig is "
+                "there and NODE is no node added with `criuctl node add`)",
+            ),
+            opt(
+                "--agents",
+                action="store_true",
+                help="NAME is a workload on the nodes added with `criuctl node add`: move it through "
+                "their agents, whatever kubeconfig is there",
+            ),
             output(),
             opt("--from", dest="source", metavar="NODE", help="the node it runs on (default: ask them all)"),
             opt(

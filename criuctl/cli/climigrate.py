@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -134,7 +135,7 @@ def cmd_migrate(a: argparse.Namespace) -> int:
     if a.job:
         return _migrate_job(a, a.job, _pairs([a.name, *a.node]))
     to = _target(a)
-    if cluster.wanted(a.kubeconfig, a.namespace) and to not in agents.all_nodes():
+    if _through_kube(a, to, cluster.wanted(a.kubeconfig, a.namespace), agents.all_nodes()):
         return _migrate_pod(a, to)
     if a.dry_run:
         raise CriuctlError(
@@ -165,6 +166,18 @@ def cmd_migrate(a: argparse.Namespace) -> int:
     if a.json:
         _print_json(result)
     return 0 if result.source_confirmed else 6
+
+
+def _through_kube(a: argparse.Namespace, to: str, kube_there: bool, added: Collection[str]) -> bool:
+    """Which of the two ways `migrate NAME NODE` goes: `--kube` or `--agents` when given; else a
+    pod's when a kubeconfig is there and NODE is no node added with `criuctl node add`."""
+    if a.kube and a.agents:
+        raise CriuctlError("--kube and --agents are two ways to move it", "give one of them")
+    if a.agents and (a.kubeconfig or a.namespace):
+        raise CriuctlError("--kubeconfig and -n name a pod's cluster", "leave them out with --agents")
+    if a.kube or a.agents:
+        return bool(a.kube)
+    return kube_there and to not in added
 
 
 def _pairs(args: list[str]) -> dict[str, str]:
