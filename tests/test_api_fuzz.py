@@ -106,13 +106,15 @@ BODY = st.one_of(
 
 @pytest.fixture
 def agent_app(tmp_path, state_dir):
-    token = tmp_path / "token"
-    token.write_text(secrets.token_urlsafe(24))
-    os.chmod(token, 0o600)
+    token, scrape = tmp_path / "token", tmp_path / "scrape-token"
+    for f in (token, scrape):
+        f.write_text(secrets.token_urlsafe(24))
+        os.chmod(f, 0o600)
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     (state_dir / "bundle.key").write_text(secrets.token_bytes(32).hex())
     os.chmod(state_dir / "bundle.key", 0o600)
-    return Agent(AgentOptions("127.0.0.1", 0, token, name="fuzz")), token.read_text()
+    agent = Agent(AgentOptions("127.0.0.1", 0, token, name="fuzz", metrics_token_file=scrape))
+    return agent, token.read_text(), scrape.read_text()
 
 
 def _everything_under(root: Path) -> set[Path]:
@@ -123,7 +125,7 @@ QUERIES = st.sampled_from(
     ["", "?tail=-1", "?tail=x", "?tail=99999999999999999999", "?tail=3", "?from=-5", "?from=x", "?from=tail",
      "?from=99999999999999999999", "?from=0&tail=2"]
 )  # fmt: skip
-AUTH = st.sampled_from(["token", "none", "bogus"])
+AUTH = st.sampled_from(["token", "none", "bogus", "scrape"])  # scrape: the token that opens /metrics only
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
@@ -131,7 +133,7 @@ AUTH = st.sampled_from(["token", "none", "bogus"])
 def test_malformed_requests_get_a_clear_4xx_and_touch_nothing_outside(
     agent_app, tmp_path, route, seg, body, query, auth
 ):
-    agent, token = agent_app
+    agent, token, scrape = agent_app
     method, pattern = route
     outside = tmp_path.parent / "fuzz-canary"
     outside.mkdir(exist_ok=True)
@@ -143,6 +145,7 @@ def test_malformed_requests_get_a_clear_4xx_and_touch_nothing_outside(
                 "token": {"Authorization": f"Bearer {token}"},
                 "none": {},
                 "bogus": {"Authorization": "Bearer " + "z" * 40},
+                "scrape": {"Authorization": f"Bearer {scrape}"},
             }[auth]
             path = pattern.replace("{x}", seg) + (query if "logs" in pattern else "")
             resp = await client.request(
@@ -168,8 +171,30 @@ def test_malformed_requests_get_a_clear_4xx_and_touch_nothing_outside(
         assert "root:" not in answer and "install " not in answer, "a file outside the state dir was served"
 
 
+def test_the_scrape_token_opens_metrics_and_nothing_else(agent_app) -> None:
+    """Prometheus holds the scrape token (`--metrics-token-file`), not the one that drives dumps."""
+    agent, token, scrape = agent_app
+
+    async def get(path: str, bearer: str | None, method: str = "GET") -> int:
+        async with TestClient(TestServer(agent.app())) as client:
+            headers = {"Authorization": f"Bearer {bearer}"} if bearer else {}
+            return (await client.request(method, path, headers=headers)).status
+
+    async def all_of_them() -> list[int]:
+        return [
+            await get("/metrics", scrape),
+            await get("/metrics", token),
+            await get("/metrics", None),
+            await get("/v1/workloads", scrape),
+            await get("/v1/info", scrape),
+            await get("/metrics", scrape, "POST"),
+        ]
+
+    assert asyncio.run(all_of_them()) == [200, 200, 401, 401, 401, 401]
+
+
 def test_logs_path_traversal_is_refused(agent_app):
-    agent, token = agent_app
+    agent, token, _ = agent_app
 
     async def go() -> list[tuple[int, str]]:
         out = []
@@ -188,7 +213,7 @@ def test_logs_path_traversal_is_refused(agent_app):
 
 def test_agent_starts_over_torn_and_hostile_records(agent_app, state_dir, caplog):
     """A record torn by a crash, or not a record at all, is reported and skipped, never a crash loop."""
-    agent, token = agent_app
+    agent, token, _ = agent_app
     for kind in ("outgoing", "incoming"):
         spool = state_dir / kind
         spool.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -586,3 +586,43 @@ def test_a_pod_of_an_owner_that_renames_its_replacement_is_refused_in_one_line()
             podplan._owned(None, p, {"name": "c"})  # type: ignore[arg-type]
         assert says in err.value.what and "nothing was changed" in err.value.hint, err.value
         assert "\n" not in err.value.line()
+
+
+def test_the_controller_counts_moves_and_serves_them_behind_its_scrape_token(monkeypatch) -> None:
+    """A PodMigration's phases, its end and its downtime reach the controller's /metrics (its
+    health port), which asks for the scrape token when one is set, and never the agents' token."""
+    import requests
+
+    from criuctl.kube import controller, movemetrics, podmigrations
+    from criuctl.kube.podmigrations import Phase
+
+    def stored(c, ns, name, status):
+        return {"metadata": {"namespace": ns, "name": name}, "status": status}
+
+    monkeypatch.setattr(podmigrations, "patch_status", stored)
+    monkeypatch.setattr(controller.events, "record", lambda *a, **k: None)
+    fresh = movemetrics.MoveMetrics()
+    monkeypatch.setattr(controller, "METRICS", fresh)
+    j = controller.Journal(None, {"metadata": {"namespace": "ml", "name": "m1"}}, "me")  # type: ignore[arg-type]
+    j(Phase.CHECKING)
+    j(Phase.CHECKING, target="b")  # the same phase again: entered once
+    j.succeeded(None, "moved", downtime=1.5)
+    srv = controller._serve_health("127.0.0.1:0", "s" * 32)
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}/metrics"
+
+        def scrape(bearer: str) -> requests.Response:
+            headers = {"Authorization": f"Bearer {bearer}"} if bearer else {}
+            return requests.get(url, headers=headers, timeout=5)
+
+        assert scrape("").status_code == 401 and scrape("t" * 32).status_code == 401
+        page = scrape("s" * 32)
+        assert page.status_code == 200, page.text
+        lines = page.text.splitlines()
+        assert 'criuctl_podmigration_phases_total{phase="Checking"} 1.0' in lines
+        assert 'criuctl_podmigrations_ended_total{phase="Succeeded"} 1.0' in lines
+        assert "criuctl_podmigration_downtime_seconds_count 1.0" in lines
+        assert requests.get(url.replace("/metrics", "/healthz"), timeout=5).text == "standby\n"
+    finally:
+        srv.shutdown()
+        controller._Health.metrics_token = None

@@ -10,7 +10,8 @@
     …      /v1/outgoing…                     the source side of a migration   criuctl.agent.outgoing
     …      /v1/redirects…                    a staying rank's re-pointed peers ┐ criuctl.agent.redirects
     POST   /v1/workloads/{name}/brace        its backoff to a moving peer      ┘
-    GET    /metrics                          Prometheus: migrations by result, bytes, downtime
+    GET    /metrics                          Prometheus: migrations by result, bytes, downtime (the
+                                             token, or the scrape token: --metrics-token-file)
 
 Freezing and restoring happen in handoff processes (`criuctl.agent.handoff`) leased to this one;
 the protocol they follow is `criuctl.agent.protocol`, the machines that drive them
@@ -70,6 +71,7 @@ class AgentOptions:
     port: int
     token_file: Path
     name: str = field(default_factory=socket.gethostname)
+    metrics_token_file: Path | None = None  # a scrape credential that opens GET /metrics only
     tls_cert: Path | None = None
     tls_key: Path | None = None
     lease_seconds: float = 120.0  # a frozen source waits this long for a commit before asking the target
@@ -112,6 +114,7 @@ class Agent:
     def __init__(self, opts: AgentOptions) -> None:
         self.opts = opts
         self.token = read_token(opts.token_file)
+        self.metrics_token = read_token(opts.metrics_token_file) if opts.metrics_token_file else None
         self.metrics = Metrics()
         self.incoming = Incoming(self)
         self.outgoing = Outgoing(self)
@@ -203,6 +206,9 @@ class Agent:
         given = request.headers.get("Authorization", "")
         token = given.removeprefix("Bearer ").strip() if given.startswith("Bearer ") else ""
         if token and hmac.compare_digest(token.encode(), self.token.encode()):
+            return await handler(request)
+        scrape = request.method == "GET" and request.path == "/metrics" and self.metrics_token
+        if token and scrape and hmac.compare_digest(token.encode(), str(self.metrics_token).encode()):
             return await handler(request)
         if token and self.incoming.ticket_opens(request, token):
             return await handler(request)

@@ -117,6 +117,12 @@ VERBS: dict[str, Verb] = {
             ),
             opt("--tls-key", metavar="FILE", help="its private key, PEM, unencrypted, mode 0600"),
             opt(
+                "--metrics-token-file",
+                metavar="FILE",
+                help="a scrape credential (mode 0600, at least 16 characters) that opens /metrics and "
+                "nothing else, so that Prometheus need not hold the token that drives dumps",
+            ),
+            opt(
                 "--insecure",
                 action="store_true",
                 help="serve plain HTTP instead of HTTPS: token and bundles cross the network in the clear "
@@ -365,7 +371,12 @@ VERBS: dict[str, Verb] = {
                 help="a leader that cannot renew within this stops",
             ),
             opt("--retry-seconds", type=int, default=2, metavar="S"),
-            opt("--health", default="0.0.0.0:8081", metavar="HOST:PORT", help="serves /healthz"),
+            opt("--health", default="0.0.0.0:8081", metavar="HOST:PORT", help="serves /healthz and /metrics"),
+            opt(
+                "--metrics-token-file",
+                metavar="FILE",
+                help="the scrape credential /metrics asks for (default: /metrics is open on that port)",
+            ),
         ),
     ),
     "get": Verb(

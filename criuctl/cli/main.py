@@ -154,6 +154,8 @@ def _cmd_agent(a: argparse.Namespace) -> int:
     host, port = preflight.parse_listen(a.listen)
     preflight.check_transport(a.tls_cert, a.tls_key, a.insecure)
     tokens.read_token(Path(a.token_file))
+    if a.metrics_token_file:
+        tokens.read_token(Path(a.metrics_token_file))
     if a.runtime_endpoint and a.runtime_endpoint != "procfs":
         from criuctl.container import runtime
 
@@ -167,6 +169,7 @@ def _cmd_agent(a: argparse.Namespace) -> int:
         host=host,
         port=port,
         token_file=Path(a.token_file),
+        metrics_token_file=a.metrics_token_file and Path(a.metrics_token_file),
         tls_cert=a.tls_cert and Path(a.tls_cert),
         tls_key=a.tls_key and Path(a.tls_key),
         lease_seconds=a.lease,
@@ -396,6 +399,7 @@ def _cmd_controller(a: argparse.Namespace) -> int:
         renew_seconds=a.renew_seconds,
         retry_seconds=a.retry_seconds,
         health=a.health,
+        metrics_token_file=a.metrics_token_file and Path(a.metrics_token_file),
     )
     controller.check(o)
     controller.run(o)

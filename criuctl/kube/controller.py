@@ -38,13 +38,16 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from criuctl.client import migrate as agent_migrate
 from criuctl.client.agents import Node
+from criuctl.core import tokens
 from criuctl.core.errors import CriuctlError
-from criuctl.kube import events, moves, owners, podmigrate, podmigrations, podplan
+from criuctl.kube import events, movemetrics, moves, owners, podmigrate, podmigrations, podplan
 from criuctl.kube.cluster import SYSTEM_NS, Cluster, agent_for, agent_of, call, connect
+from criuctl.kube.movemetrics import METRICS
 from criuctl.kube.podmigrations import COMMITTED, Phase
 
 log = logging.getLogger("criuctl.controller")
@@ -64,7 +67,8 @@ class Options:
     lease_seconds: int = 15
     renew_seconds: int = 10
     retry_seconds: int = 2
-    health: str = "0.0.0.0:8081"  # /healthz: "leading" or "standby"
+    health: str = "0.0.0.0:8081"  # /healthz: "leading" or "standby"; /metrics
+    metrics_token_file: Path | None = None  # the scrape credential /metrics asks for (None: open)
 
 
 class _Latest(threading.Thread):
@@ -139,6 +143,7 @@ class Journal:
             )
         self.write(status)
         if entered:
+            METRICS.phases.labels(str(phase)).inc()
             log.info("phase", extra={"podmigration": f"{self.ns}/{self.name}", "phase": str(phase)})
             events.record(self.c, self.obj, events.Reason.PHASE, f"{phase}")
 
@@ -168,6 +173,7 @@ class Journal:
                 **facts,
             }
         )
+        METRICS.ended.labels(str(phase)).inc()
         kind = events.Reason.MIGRATED if phase == Phase.SUCCEEDED else events.Reason.FAILED
         events.record(self.c, self.obj, kind, reason)
 
@@ -185,6 +191,9 @@ class Journal:
                 downtime=podmigrations.downtime_text(result.downtime_seconds),
                 bytesMoved=result.bytes_moved,
             )
+            METRICS.bytes.inc(result.bytes_moved)
+        if facts.get("downtimeSeconds") is not None:
+            METRICS.downtime.observe(facts["downtimeSeconds"])
         self.ended(Phase.SUCCEEDED, reason, **facts)
 
     def failed(self, exc: CriuctlError) -> None:
@@ -481,11 +490,23 @@ def _connection(c: Cluster) -> Any:
 
 
 class _Health(http.server.BaseHTTPRequestHandler):
+    """/healthz ("leading" or "standby") and /metrics (movemetrics, behind the scrape token)."""
+
     leading = threading.Event()
+    metrics_token: str | None = None
 
     def do_GET(self) -> None:
-        body = b"leading\n" if self.leading.is_set() else b"standby\n"
-        self.send_response(200 if self.path == "/healthz" else 404)
+        status, kind = 200, "text/plain; charset=utf-8"
+        if self.path == "/metrics":
+            if movemetrics.authorized(self.headers.get("Authorization", ""), self.metrics_token):
+                body, kind = METRICS.page(), METRICS.content_type
+            else:
+                status, body = 401, b"the scrape token (--metrics-token-file) is needed\n"
+        else:
+            body = b"leading\n" if self.leading.is_set() else b"standby\n"
+            status = 200 if self.path == "/healthz" else 404
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -494,10 +515,12 @@ class _Health(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def _serve_health(listen: str) -> None:
+def _serve_health(listen: str, metrics_token: str | None = None) -> http.server.ThreadingHTTPServer:
     host, _, port = listen.rpartition(":")
+    _Health.metrics_token = metrics_token
     srv = http.server.ThreadingHTTPServer((host or "0.0.0.0", int(port)), _Health)
     threading.Thread(target=srv.serve_forever, daemon=True, name="health").start()
+    return srv
 
 
 def _elect(c: Cluster, o: Options, leading: threading.Event) -> None:
@@ -529,6 +552,8 @@ def check(o: Options) -> None:
     port = o.health.rpartition(":")[2]
     if not port.isdigit() or not 0 < int(port) < 65536:
         raise CriuctlError(f"--health {o.health!r} is not HOST:PORT", "e.g. --health 0.0.0.0:8081")
+    if o.metrics_token_file:
+        tokens.read_token(o.metrics_token_file)
 
 
 def run(o: Options) -> None:
@@ -544,7 +569,7 @@ def run(o: Options) -> None:
     logging.getLogger("leaderelection").setLevel(logging.WARNING)  # a line per try otherwise
     c = connect(o.kubeconfig)
     call("the API server", c.core.get_api_resources)  # one line now if it cannot be reached
-    _serve_health(o.health)
+    _serve_health(o.health, o.metrics_token_file and tokens.read_token(o.metrics_token_file))
     leading = _Health.leading
     threading.Thread(target=_elect, args=(c, o, leading), daemon=True, name="lease").start()
     log.info(
