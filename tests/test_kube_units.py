@@ -4,6 +4,7 @@ NAME means a pod, the PodMigration's body and conditions, the controller's optio
 from __future__ import annotations
 
 import copy
+import datetime
 import subprocess
 import time
 from collections.abc import Iterator
@@ -92,6 +93,11 @@ def test_a_podmigration_body_is_what_the_schema_takes() -> None:
     assert len(obj["metadata"]["generateName"]) + 5 <= 253
     assert obj["spec"] == {"pod": long_pod, "node": long_node, "mode": "stop-and-copy", "dryRun": True}
     assert pm.body("ml", "t", "b")["spec"] == {"pod": "t", "node": "b"}
+    assert pm.body("ml", "t", "b", ttl=600)["spec"] == {
+        "pod": "t",
+        "node": "b",
+        "ttlSecondsAfterFinished": 600,
+    }
     named = pm.body("ml", "t", "b", name="move-t", origin="criuctl migrate")
     assert named["metadata"] == {
         "namespace": "ml",
@@ -101,6 +107,74 @@ def test_a_podmigration_body_is_what_the_schema_takes() -> None:
     crd = (Path(__file__).resolve().parent.parent / "manifests" / "podmigration-crd.yaml").read_text()
     phases = re.search(r'enum: \[("Pending".*)\]', crd)
     assert phases and [p.strip(' "') for p in phases[1].split(",")] == [str(p) for p in pm.Phase]
+
+
+def test_a_finished_move_expires_after_its_ttl_and_only_then() -> None:
+    from criuctl.kube import podmigrations as pm
+
+    def move(phase: str, ttl: int | None, finished: str | None = "2026-12-06T10:00:00Z") -> dict:
+        spec = {"pod": "t", "node": "b", **({} if ttl is None else {"ttlSecondsAfterFinished": ttl})}
+        return {"spec": spec, "status": {"phase": phase, **({"finishedAt": finished} if finished else {})}}
+
+    ended = datetime.datetime(2026, 12, 6, 10, 0, tzinfo=datetime.UTC).timestamp()
+    assert pm.expired(move("Succeeded", 60), ended + 60) and pm.expired(move("Failed", 0), ended)
+    assert not pm.expired(move("Succeeded", 60), ended + 59)
+    assert not pm.expired(move("Succeeded", None), ended + 1e6)  # no TTL: kept
+    assert not pm.expired(move("Migrating", 0, None), ended + 1e6)  # never while it runs
+    assert not pm.expired(move("InDoubt", 0, None), ended + 1e6)
+
+
+def test_an_ended_move_has_kubernetes_style_conditions_with_the_generation(monkeypatch) -> None:
+    """Succeeded or Failed True (as a Job's Complete or Failed), the reason a CamelCase word, and the
+    generation each is about; the status says which generation it observed."""
+    from criuctl.kube import controller, podmigrations
+    from criuctl.kube.podmigrations import Phase
+
+    writes: list[dict] = []
+
+    def stored(c, ns, name, status):
+        writes.append(status)
+        old = writes[-2] if len(writes) > 1 else {}
+        return {"metadata": {"namespace": ns, "name": name, "generation": 1}, "status": {**old, **status}}
+
+    monkeypatch.setattr(podmigrations, "patch_status", stored)
+    monkeypatch.setattr(controller.events, "record", lambda *a, **k: None)
+    obj = {"metadata": {"namespace": "ml", "name": "m1", "generation": 1}}
+    j = controller.Journal(None, obj, "me")  # type: ignore[arg-type]
+    j(Phase.CHECKING)
+    assert writes[-1]["observedGeneration"] == 1
+    j.ended(Phase.FAILED, "node b is cordoned", "pick another", code=2)
+    (failed,) = [c for c in writes[-1]["conditions"] if c["type"] == "Failed"]
+    assert failed["status"] == "True" and failed["reason"] == "NotMigratable"
+    assert failed["observedGeneration"] == 1 and failed["message"] == "node b is cordoned"
+    assert writes[-1]["observedGeneration"] == 1 and writes[-1]["phase"] == "Failed"
+    j2 = controller.Journal(None, dict(obj), "me")  # type: ignore[arg-type]
+    j2.succeeded(None, "moved", downtime=0.5)
+    assert [c["reason"] for c in writes[-1]["conditions"] if c["type"] == "Succeeded"] == ["Moved"]
+
+
+def test_get_watch_prints_each_change_and_ends_with_the_one_it_watches(capsys, monkeypatch) -> None:
+    from criuctl.cli import climigrate
+
+    def obj(phase: str, progress: str = "") -> dict:
+        status = {"phase": phase, "source": "a", "target": "b", "progress": progress}
+        return {
+            "metadata": {"namespace": "ml", "name": "m1"},
+            "spec": {"pod": "t", "node": "b"},
+            "status": status,
+        }
+
+    seen = [
+        obj("Checking"),
+        obj("Migrating", "transfer 0.1/0.3 GiB (33%)"),
+        obj("Migrating", "transfer 0.1/0.3 GiB (33%)"),
+    ]
+    seen.append(obj("Succeeded"))
+    feed = iter(seen[1:])
+    monkeypatch.setattr(climigrate, "WATCH_EVERY", 0.0)
+    climigrate._watch(lambda: [next(feed)], [seen[0]], "m1", as_json=False)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["ml/m1  t  a → b  Migrating  transfer 0.1/0.3 GiB (33%)", "ml/m1  t  a → b  Succeeded"]
 
 
 def test_a_condition_keeps_when_it_became_true() -> None:

@@ -260,7 +260,15 @@ VERBS: dict[str, Verb] = {
             opt(
                 "--detach",
                 action="store_true",
-                help="a pod: create the PodMigration and return; `criuctl get` follows it",
+                help="a pod: create the PodMigration and return (without it, migrate watches it to its "
+                "end); `criuctl get NAME -w` follows it",
+            ),
+            opt(
+                "--ttl",
+                type=int,
+                metavar="SECONDS",
+                help="a pod: the controller deletes the PodMigration this long after it ended "
+                "(spec.ttlSecondsAfterFinished; default: kept)",
             ),
         ),
     ),
@@ -387,6 +395,12 @@ VERBS: dict[str, Verb] = {
             opt("-A", "--all-namespaces", action="store_true"),
             opt("--kubeconfig", metavar="FILE"),
             output("the PodMigrations"),
+            opt(
+                "-w",
+                "--watch",
+                action="store_true",
+                help="then a line for each one that appears or changes (one named: until it ends)",
+            ),
         ),
     ),
     "demo": Verb(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -232,15 +232,17 @@ def _migrate_pod(a: argparse.Namespace, to: str) -> int:
     c = cluster.connect(a.kubeconfig)
     namespace = a.namespace or c.namespace
     podplan.check_name("namespace", namespace)  # the kubeconfig context's, when none was given
+    if a.ttl is not None and a.ttl < 0:
+        raise CriuctlError(f"--ttl {a.ttl}: a number of seconds, 0 or more", "e.g. --ttl 3600")
     body = podmigrations.body(
-        namespace, a.name, to, a.mode, a.dry_run, a.object_name, origin="criuctl migrate"
+        namespace, a.name, to, a.mode, a.dry_run, a.object_name, origin="criuctl migrate", ttl=a.ttl
     )
     podmigrations.create(c, body, server_dry_run=True)
     obj = podmigrations.create(c, body)
     name = obj["metadata"]["name"]
     if a.detach:
         print(
-            f"criuctl: podmigration {namespace}/{name} created; follow it with `criuctl get {name}`",
+            f"criuctl: podmigration {namespace}/{name} created; follow it with `criuctl get {name} -w`",
             file=sys.stderr,
         )
         if a.json:
@@ -294,14 +296,49 @@ def cmd_get(a: argparse.Namespace) -> int:
             podplan.check_name(kind, value)
     c = cluster.connect(a.kubeconfig)
     namespace = None if a.all_namespaces else (a.namespace or c.namespace)
-    if a.name:
-        objs = [podmigrations.read(c, namespace or c.namespace, a.name)]
-    else:
-        objs = podmigrations.every(c, namespace)
+
+    def fetch() -> list[dict]:
+        if a.name:
+            return [podmigrations.read(c, namespace or c.namespace, a.name)]
+        return podmigrations.every(c, namespace)
+
+    objs = fetch()
     if a.output == "json":
         import json
 
         print(json.dumps(objs))
     else:
         render.podmigrations_table(objs, wide=a.name is not None)
+    if a.watch:
+        _watch(fetch, objs, a.name, a.output == "json")
     return 0
+
+
+WATCH_EVERY = 1.0  # s between looks of `get -w`
+
+
+def _watch(fetch: Callable[[], list[dict]], objs: list[dict], name: str | None, as_json: bool) -> None:
+    """`get -w`: a line (or a JSON object) for each PodMigration that appears or changes, as
+    `kubectl get -w` prints them, until interrupted; watching one, until it ends or is gone."""
+    import json
+    import time
+
+    from criuctl.cli import render
+    from criuctl.kube import podmigrations
+    from criuctl.kube.cluster import NotFound
+
+    def key(o: dict) -> tuple[str, str]:
+        return o["metadata"]["namespace"], o["metadata"]["name"]
+
+    seen = {key(o): o.get("status") for o in objs}
+    while not (name and objs and podmigrations.phase_of(objs[0]).final):
+        time.sleep(WATCH_EVERY)
+        try:
+            objs = fetch()
+        except NotFound:
+            print(f"criuctl: podmigration {name} is gone", file=sys.stderr)
+            return
+        for o in objs:
+            if seen.get(key(o), ...) != o.get("status"):
+                seen[key(o)] = o.get("status")
+                print(json.dumps(o) if as_json else render.podmigration_line(o), flush=True)

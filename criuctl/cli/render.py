@@ -257,6 +257,16 @@ def podmigrations_table(objs: list[dict], wide: bool = False) -> None:
     out.print(t)
 
 
+def podmigration_line(o: dict) -> str:
+    """One PodMigration as `get -w` prints each change of it: where it is, and how far."""
+    st, meta = o.get("status") or {}, o["metadata"]
+    where = f"{st.get('source') or '?'} → {st.get('target') or o['spec']['node']}"
+    how = f"downtime {st['downtime']}" if st.get("downtime") else st.get("progress") or ""
+    phase, reason = st.get("phase") or "Pending", st.get("reason") or ""
+    cells = [f"{meta['namespace']}/{meta['name']}", o["spec"]["pod"], where, phase, how, reason]
+    return "  ".join(c for c in cells if c)
+
+
 def _phases(phases: dict[str, float]) -> str:
     """ " (criu_dump 4.10 s, seal 0.31 s)": where a freeze's time went, for benchmarks and users alike."""
     return f" ({', '.join(f'{k} {v:.2f} s' for k, v in phases.items())})" if phases else ""

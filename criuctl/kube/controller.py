@@ -118,6 +118,10 @@ def progress_text(step: str, done: int | None, total: int | None) -> str:
     return f"{step} {done / div:.1f}/{total / div:.1f} {unit} ({100 * done // total}%)"
 
 
+TTL_EVERY = 10.0  # s between looks at a finished PodMigration with a ttlSecondsAfterFinished
+FINAL = (str(Phase.SUCCEEDED), str(Phase.FAILED))
+
+
 class Journal:
     """A PodMigration's status, written before each step: the phase, with the facts known by then."""
 
@@ -133,10 +137,16 @@ class Journal:
     def write(self, status: dict[str, Any]) -> None:
         self.obj = podmigrations.patch_status(self.c, self.ns, self.name, status)
 
+    def seen(self) -> dict[str, Any]:
+        """`observedGeneration`: the spec this status is about (one generation per PodMigration:
+        its spec does not change once it is taken up)."""
+        gen = podmigrations.generation(self.obj)
+        return {} if gen is None else {"observedGeneration": gen}
+
     def __call__(self, phase: Phase, **facts: Any) -> None:
         """Phase `phase` begins (or goes on with `facts` learnt): recorded, with an Event on entry."""
         entered = podmigrations.phase_of(self.obj) != phase
-        status: dict[str, Any] = {"phase": str(phase), "controller": self.me, **facts}
+        status: dict[str, Any] = {"phase": str(phase), "controller": self.me, **self.seen(), **facts}
         if phase == Phase.HANDING_OVER and entered:
             status["conditions"] = podmigrations.condition(
                 self.obj, COMMITTED, "TargetRunning", f"the job runs on node {self.status.get('target')}"
@@ -161,10 +171,14 @@ class Journal:
 
     def ended(self, phase: Phase, reason: str, hint: str = "", code: int = 0, **facts: Any) -> None:
         self.close()
+        kind = podmigrations.SUCCEEDED if phase == Phase.SUCCEEDED else podmigrations.FAILED
+        why = "Moved" if phase == Phase.SUCCEEDED else _reason_word(code)
         self.write(
             {
                 "phase": str(phase),
                 "controller": self.me,
+                **self.seen(),
+                "conditions": podmigrations.condition(self.obj, kind, why, reason),
                 "reason": reason[:1000],
                 "hint": hint[:1000],
                 "exitCode": code,
@@ -198,6 +212,13 @@ class Journal:
 
     def failed(self, exc: CriuctlError) -> None:
         self.ended(Phase.FAILED, exc.what, exc.hint, exc.exit_code)
+
+
+def _reason_word(code: int) -> str:
+    """A Failed condition's reason, CamelCase as Kubernetes' are, from `criuctl migrate`'s exit code
+    (README, "Exit codes"): what kind of failure, for a selector or an alert."""
+    words = {2: "NotMigratable", 3: "NotFound", 4: "MoveFailed", 5: "InDoubt", 65: "NotCheckpointable"}
+    return words.get(code, "MoveFailed")
 
 
 class Retry(Exception):
@@ -461,6 +482,17 @@ def _handlers(c: Cluster, me: str) -> Any:
     @kopf.on.delete(*resource, id="settle", registry=registry)
     def deleted(body: Any, **_: Any) -> None:
         handle(body, deleting=True)
+
+    def finished_with_ttl(spec: Any, status: Any, **_: Any) -> bool:
+        return spec.get("ttlSecondsAfterFinished") is not None and status.get("phase") in FINAL
+
+    @kopf.timer(*resource, id="ttl", interval=TTL_EVERY, when=finished_with_ttl, registry=registry)
+    def expire(body: Any, **_: Any) -> None:
+        obj = dict(body)
+        if podmigrations.expired(obj, time.time()):
+            meta = obj["metadata"]
+            log.info("ttl: deleting", extra={"podmigration": f"{meta['namespace']}/{meta['name']}"})
+            podmigrations.delete(c, meta["namespace"], meta["name"])
 
     return registry
 

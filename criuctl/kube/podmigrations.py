@@ -50,12 +50,17 @@ class Phase(StrEnum):
         return self in (Phase.SUCCEEDED, Phase.FAILED)
 
 
-# the conditions a status carries, each True once reached
-CHECKED, COMMITTED = "Checked", "Committed"
+# the conditions a status carries, each True once reached (Kubernetes' style: a type, True, the
+# reason in CamelCase, a message, when it became True, and the generation it was about); a move
+# that ended has Succeeded or Failed True, as a Job has Complete or Failed
+CHECKED, COMMITTED, SUCCEEDED, FAILED = "Checked", "Committed", "Succeeded", "Failed"
+
+
+STAMP = "%Y-%m-%dT%H:%M:%SZ"  # RFC 3339 in UTC, as the API server writes its own times
 
 
 def now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime(STAMP)
 
 
 def phase_of(obj: dict) -> Phase:
@@ -70,6 +75,7 @@ def body(
     dry_run: bool = False,
     name: str | None = None,
     origin: str = "",
+    ttl: int | None = None,
 ) -> dict[str, Any]:
     """A PodMigration moving `pod` to `node`: named `name`, or generated from the pod's name."""
     meta: dict[str, Any] = {"namespace": namespace}
@@ -84,6 +90,8 @@ def body(
         spec["mode"] = mode
     if dry_run:
         spec["dryRun"] = True
+    if ttl is not None:
+        spec["ttlSecondsAfterFinished"] = ttl
     return {"apiVersion": API_VERSION, "kind": KIND, "metadata": meta, "spec": spec}
 
 
@@ -195,9 +203,26 @@ def condition(obj: dict, kind: str, reason: str, message: str) -> list[dict]:
             "reason": reason,
             "message": message[:1000],
             "lastTransitionTime": since,
+            "observedGeneration": generation(obj),
         }
     )
     return out
+
+
+def expired(obj: dict, at: float) -> bool:
+    """A move that ended more than its `spec.ttlSecondsAfterFinished` ago (as a Job's TTL: the
+    controller deletes it then; unset, it is kept)."""
+    ttl = (obj.get("spec") or {}).get("ttlSecondsAfterFinished")
+    status = obj.get("status") or {}
+    if ttl is None or not phase_of(obj).final or not status.get("finishedAt"):
+        return False
+    ended = datetime.datetime.strptime(status["finishedAt"], STAMP).replace(tzinfo=datetime.UTC)
+    return at >= ended.timestamp() + int(ttl)
+
+
+def generation(obj: dict) -> int | None:
+    """The object's `metadata.generation` (the API server bumps it on each change of the spec)."""
+    return (obj.get("metadata") or {}).get("generation")
 
 
 def downtime_text(seconds: float | None) -> str:
