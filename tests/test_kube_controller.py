@@ -231,7 +231,8 @@ def test_a_user_with_only_podmigrations_moves_a_pod_from_a_network_that_reaches_
                 "apiVersion": "criuctl.io/v1alpha1",
                 "kind": "PodMigration",
                 "metadata": {"name": "back", "namespace": "default"},
-                "spec": {"pod": moved, "node": "a", "mode": "stop-and-copy"},
+                # deleted by the controller 20 s after it ends (as a Job's TTL)
+                "spec": {"pod": moved, "node": "a", "mode": "stop-and-copy", "ttlSecondsAfterFinished": 20},
             }
             applied = subprocess.run(
                 [*netns, "kubectl", "--kubeconfig", str(lay.dir / "migrator.kubeconfig"), "apply", "-f", "-"],
@@ -243,16 +244,26 @@ def test_a_user_with_only_podmigrations_moves_a_pod_from_a_network_that_reaches_
             assert applied.returncode == 0, applied.stderr
             listed = _as(lay, "migrator", "kubectl", "get", "podmigrations", prefix=netns)
             assert "back" in listed.stdout and "PHASE" in listed.stdout, listed
-        st = wait_podmigration(k, "back")["status"]
+        ended = wait_podmigration(k, "back")
+        st = ended["status"]
         assert st["phase"] == "Succeeded" and st["source"] == "b", st
+        # Kubernetes' conditions: what `kubectl wait --for=condition=Succeeded` waits for
+        done = {c["type"]: c for c in st["conditions"]}
+        assert done["Succeeded"]["status"] == "True" and done["Succeeded"]["reason"] == "Moved", done
+        generation = ended["metadata"]["generation"]
+        assert st["observedGeneration"] == done["Succeeded"]["observedGeneration"] == generation, st
+        waited = k("wait", "--for=condition=Succeeded", "podmigration/back", "--timeout=5s", check=False)
+        assert waited.returncode == 0, waited.stderr
         back = st["newPod"]
         follows.append(LogFollower(k, back))
         follows[-1].start()
         _to_the_end(k, [name, moved, back], follows, ref)
         table = criuctl(lay, "get")
-        assert table.returncode == 0 and "back" in table.stdout and "Succeeded" in table.stdout, table
+        assert table.returncode == 0 and f"{name}-to-b-" in table.stdout, table  # the first one: no TTL
+        assert "Succeeded" in table.stdout, table
         reasons = k("get", "events", "--field-selector", "involvedObject.name=back", "-o", "json").stdout
         assert "MigrationPhase" in reasons and "Migrated" in reasons
+        k.wait_gone("podmigration", "back", timeout=90)  # its TTL
     finally:
         k("delete", "rolebinding", "migrator", check=False)
         k(
