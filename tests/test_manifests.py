@@ -706,3 +706,25 @@ def test_without_the_env_the_signing_key_is_in_the_state_dir(state_dir: Path, mo
     assert statedir.key_path() == state_dir / "bundle.key"
     monkeypatch.setenv(BUNDLE_KEY, "")
     assert statedir.key_path() == state_dir / "bundle.key"
+
+
+@needs_validate
+@needs("kubectl")
+@pytest.mark.parametrize("version", versions())
+def test_the_immutable_spec_component_makes_the_api_server_refuse_a_spec_change(
+    tmp_path: Path, version: str
+) -> None:
+    """manifests/components/immutable-spec, as an overlay adds it on a cluster with CRD validation
+    rules: the CRD then carries `self == oldSelf` on the spec, and stays strictly valid."""
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    base = os.path.relpath(MANIFESTS, overlay)
+    (overlay / "kustomization.yaml").write_text(
+        f"resources: [{base}]\ncomponents: [{base}/components/immutable-spec]\n"
+    )
+    crd = one(render(overlay), "CustomResourceDefinition")
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    (rule,) = spec["x-kubernetes-validations"]
+    assert rule["rule"] == "self == oldSelf" and "cannot change" in rule["message"]
+    validate(crd, version)
+    assert "x-kubernetes-validations" not in str(one(render(MANIFESTS), "CustomResourceDefinition"))
