@@ -50,12 +50,17 @@ def _containers(spec: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
             yield f"spec.{kind}[{i}]", c
 
 
-def _host_process(spec: dict[str, Any]) -> Iterator[str]:
-    if ((spec.get("securityContext") or {}).get("windowsOptions") or {}).get("hostProcess"):
-        yield "spec.securityContext.windowsOptions.hostProcess"
+def _contexts(spec: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The pod's security context and each container's, with the field path of each."""
+    yield "spec.securityContext", spec.get("securityContext") or {}
     for where, c in _containers(spec):
-        if ((c.get("securityContext") or {}).get("windowsOptions") or {}).get("hostProcess"):
-            yield f"{where}.securityContext.windowsOptions.hostProcess"
+        yield f"{where}.securityContext", c.get("securityContext") or {}
+
+
+def _host_process(spec: dict[str, Any]) -> Iterator[str]:
+    for where, ctx in _contexts(spec):
+        if (ctx.get("windowsOptions") or {}).get("hostProcess"):
+            yield f"{where}.windowsOptions.hostProcess"
 
 
 def _host_namespaces(spec: dict[str, Any]) -> Iterator[str]:
@@ -93,18 +98,13 @@ def _app_armor(pod: Pod) -> Iterator[str]:
         armored = key.startswith("container.apparmor.security.beta.kubernetes.io/")
         if armored and value != "runtime/default" and not value.startswith("localhost/"):
             yield f"metadata.annotations[{key}]"
-    spec = pod.get("spec") or {}
-    contexts = [("spec.securityContext", spec.get("securityContext") or {})]
-    contexts += [(f"{w}.securityContext", c.get("securityContext") or {}) for w, c in _containers(spec)]
-    for where, ctx in contexts:
+    for where, ctx in _contexts(pod.get("spec") or {}):
         if (ctx.get("appArmorProfile") or {}).get("type") == "Unconfined":
             yield f"{where}.appArmorProfile.type"
 
 
 def _se_linux(spec: dict[str, Any], version: tuple[int, int]) -> Iterator[str]:
-    contexts = [("spec.securityContext", spec.get("securityContext") or {})]
-    contexts += [(f"{w}.securityContext", c.get("securityContext") or {}) for w, c in _containers(spec)]
-    for where, ctx in contexts:
+    for where, ctx in _contexts(spec):
         opts = ctx.get("seLinuxOptions") or {}
         since = SELINUX_TYPES.get(opts.get("type", ""))
         if since is None or since > version:
@@ -119,10 +119,7 @@ def _proc_mount(spec: dict[str, Any]) -> Iterator[str]:
 
 
 def _seccomp(pod: Pod) -> Iterator[str]:
-    spec = pod.get("spec") or {}
-    contexts = [("spec.securityContext", spec.get("securityContext") or {})]
-    contexts += [(f"{w}.securityContext", c.get("securityContext") or {}) for w, c in _containers(spec)]
-    for where, ctx in contexts:
+    for where, ctx in _contexts(pod.get("spec") or {}):
         if (ctx.get("seccompProfile") or {}).get("type") == "Unconfined":
             yield f"{where}.seccompProfile.type"
 

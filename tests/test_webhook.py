@@ -445,6 +445,29 @@ def test_every_pod_the_webhook_wraps_passes_pod_security_baseline(name: str) -> 
     assert ctx["seccompProfile"] == {"type": "RuntimeDefault"}
 
 
+POD_CTX, CTR, C0 = "spec.securityContext", "spec.containers[0]", {**TRAIN, "name": "c0"}
+REFUSED = [
+    ({"hostNetwork": True}, "spec.hostNetwork"),
+    ({"securityContext": {"seccompProfile": {"type": "Unconfined"}}}, f"{POD_CTX}.seccompProfile.type"),
+    ({"securityContext": {"sysctls": [{"name": "kernel.msgmax"}]}}, f"{POD_CTX}.sysctls[0].name"),
+    ({"securityContext": {"seLinuxOptions": {"type": "spc_t"}}}, f"{POD_CTX}.seLinuxOptions.type"),
+    ({"containers": [{**C0, "securityContext": {"privileged": True}}]}, f"{CTR}.securityContext.privileged"),
+    (
+        {"containers": [{**C0, "securityContext": {"capabilities": {"add": ["SYS_ADMIN"]}}}]},
+        f"{CTR}.securityContext.capabilities.add",
+    ),
+    ({"containers": [{**C0, "ports": [{"containerPort": 80, "hostPort": 80}]}]}, f"{CTR}.ports[0].hostPort"),
+]
+
+
+@pytest.mark.parametrize(("change", "field"), REFUSED)
+def test_the_baseline_stand_in_refuses_what_the_plugin_refuses(change: Obj, field: str) -> None:
+    """Each check of tests/podsecurity.py fails the field the real plugin names (check_*.go)."""
+    bad = copy.deepcopy(pod(TRAIN))
+    bad["spec"].update(copy.deepcopy(change))
+    assert podsecurity.baseline(bad) == [field]
+
+
 def test_without_an_image_the_files_come_by_hostpath_which_baseline_refuses() -> None:
     """The check is not vacuous: the node's copy by hostPath (a webhook told no image) fails it."""
     wrapped = mutate.wrap(pod(TRAIN))
