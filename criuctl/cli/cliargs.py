@@ -414,10 +414,22 @@ VERBS: dict[str, Verb] = {
 }
 
 
+class _Version(argparse.Action):
+    """`--version`: argparse's own would wrap the line to the terminal's width (and compute it on
+    every start); this prints it whole, once asked."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kw: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        print(f"criuctl {version.describe()}")
+        parser.exit()
+
+
 def parser() -> argparse.ArgumentParser:
     """`criuctl`'s parser: the verb lands in `verb` (a sub-verb in `<verb>_verb`), options by name."""
     p = argparse.ArgumentParser(prog="criuctl", description=DESCRIPTION)
-    p.add_argument("--version", action="version", version=f"criuctl {version.describe()}")
+    p.add_argument("--version", action=_Version, help="say which criuctl this is, and exit")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--state-dir", metavar="DIR", help=STATE_DIR_HELP)
     # `node ls --state-dir D` as well as `node --state-dir D ls`: SUPPRESS, or the sub-verb's
