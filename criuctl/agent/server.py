@@ -325,6 +325,10 @@ class Agent:
             return fail(400, f"tail and from must be whole numbers, not {dict(r.query)!r}")
         if not workloads.log_path(name).exists():
             return fail(404, f"no logs for {name!r} on node {self.name}", "see `criuctl ps --node`")
+        if start is None and not tail:  # the whole file, streamed
+            return web.FileResponse(
+                workloads.log_path(name), headers={"Content-Type": "text/plain; charset=utf-8"}
+            )
         chunk = await asyncio.to_thread(worklogs.read, name, offset, tail)
         if start is None:
             return web.Response(body=chunk.text, content_type="text/plain", charset="utf-8")

@@ -89,6 +89,9 @@ def _cmd_logs(a: argparse.Namespace) -> int:
         from criuctl.client.agents import AgentClient, get_node
 
         client = AgentClient(get_node(a.node))
+        if not a.follow:  # the agent streams the file (a log may be gigabytes)
+            sys.stdout.write(client.text(f"/v1/workloads/{a.name}/logs?tail={a.tail}"))
+            return 0
         read = lambda offset: client.log_chunk(a.name, offset, a.tail)  # noqa: E731
     else:
         if not workloads.log_path(a.name).exists():
@@ -96,7 +99,8 @@ def _cmd_logs(a: argparse.Namespace) -> int:
                 f"no logs for {a.name!r} on this host", "see `criuctl ps -a`, or pass --node NODE"
             )
         read = lambda offset: worklogs.read(a.name, offset, a.tail)  # noqa: E731
-    chunk = read(None)
+    # following: the last lines, or the whole log a chunk at a time from its start
+    chunk = read(None if a.tail or not a.follow else 0)
     _write(chunk.text)
     if a.follow:
         chunk = _follow(read, chunk)
