@@ -469,7 +469,7 @@ def test_the_agent_role_is_exactly_the_minimal_one(objects: list[Obj]) -> None:
 
 
 CONTROLLER_RULES = {
-    ("criuctl.io", "podmigrations"): {"get", "list", "watch", "patch"},
+    ("criuctl.io", "podmigrations"): {"get", "list", "watch", "patch", "delete"},
     ("criuctl.io", "podmigrations/status"): {"patch"},
     ("", "pods"): {"get", "list", "create", "delete", "patch"},
     ("", "nodes"): {"get"},
@@ -519,7 +519,7 @@ CALLERS = {
     "criuctl-controller": [
         "controller",
         "podmigrate",
-        "podmigrations:read,every,patch_status",
+        "podmigrations:read,every,patch_status,delete",
         "podplan",
         "moves:read,save,forget",
         "events",
