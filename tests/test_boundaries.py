@@ -40,6 +40,10 @@ pytestmark = [needs_criu, pytest.mark.slow]
 JOB = ("train_mlp.py", "--steps", "120", "--step-time", "0.05")
 LEASE = 3.0
 FAULTS = ("source-agent", "target-agent", "client", "link")
+# node b off for good at the point (its link down, its agent and handoffs killed): the client is
+# killed as a person would give up on it, and the person settles the move (`criuctl settle`)
+TARGET_LOST = "target-lost"
+SETTLE_REFUSED = "settle-refused"  # a person settles while b still answers: refused, the move goes on
 
 # (point, fault, mode): client points see every fault, agent points their own party's and the others'
 STOP = "stop-and-copy"
@@ -111,6 +115,13 @@ CASES = (
         (Point.CLIENT_TARGET_COMMITTED, "source-agent", GPU),
         (Point.CLIENT_RESTORED, "source-agent", GPU_POST),
         (Point.CLIENT_TARGET_COMMITTED, "client", GPU_POST),
+        # the settling verb: only where b never ran the job (a target that ran it and died took
+        # its steps with it: the source goes on from its freeze, which the step count would flag)
+        (Point.CLIENT_SENT, TARGET_LOST, STOP),
+        (Point.CLIENT_RESTORED, TARGET_LOST, STOP),
+        (Point.SOURCE_SENT_RECORDED, TARGET_LOST, STOP),
+        (Point.SOURCE_SETTLE_ORDERED, "source-agent", STOP),  # b lost at client.sent, then this
+        (Point.CLIENT_RESTORED, SETTLE_REFUSED, STOP),
     ]
 )
 
@@ -143,6 +154,44 @@ def _wait_paused(pause: Path, point: Point, p: subprocess.Popen, timeout: float 
         assert time.monotonic() < deadline, f"the protocol never reached {point}"
         time.sleep(0.05)
     return int((pause / str(point)).read_text())
+
+
+def _lose_target(c: Cluster, pause: Path, point: Point, paused: int, p: subprocess.Popen) -> None:
+    """At `point` (where process `paused` waits), node b goes off for good: no link, no agent, no
+    handoff (its restored copy, stopped and never run, is gone for the job as a powered-off node's
+    memory would be; b's agent ends it when b comes back). The client `p` is killed, as a person
+    gives up on a move that cannot end."""
+    c.link("b", up=False)
+    b = c.nodes["b"]
+    b.agent.kill()
+    b.agent.wait()
+    for proc in c.handoffs():
+        with contextlib.suppress(psutil.Error):
+            if _net_ns(proc.pid) == _net_ns_of(b):
+                proc.kill()
+    if psutil.pid_exists(paused):
+        (pause / f"{point}.go").touch()
+    p.kill()
+    p.wait()
+
+
+def _net_ns(pid: int) -> str:
+    return os.readlink(f"/proc/{pid}/ns/net")
+
+
+def _net_ns_of(node) -> str:
+    return f"net:[{os.stat(f'/run/netns/{node.ns}').st_ino}]"
+
+
+def _settle(c: Cluster, name: str) -> subprocess.Popen:
+    """A person settles the move from the client's seat (a process, so that a point may stop it)."""
+    return subprocess.Popen(
+        [*CRIUCTL, "settle", name, "--node", "a", "--target-down"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "CRIUCTL_STATE_DIR": str(c.client_state)},
+    )
 
 
 def _restart_agent(c: Cluster, node: str, pause: Path) -> None:
@@ -188,7 +237,8 @@ def test_fault_at_boundary_runs_the_job_exactly_once(shared, ref, point, fault, 
     c, pause, name = shared.get(), shared.pause, f"job{CASES.index((point, fault, mode))}"
     for f in pause.iterdir():
         f.unlink()
-    (pause / ARMED).write_text(f"{point}\n")
+    first = Point.CLIENT_SENT if point == Point.SOURCE_SETTLE_ORDERED else point  # (see _one_case)
+    (pause / ARMED).write_text(f"{first}\n")
     try:
         _one_case(c, pause, name, point, fault, mode, ref, shared.gpus)
     except BaseException:
@@ -216,13 +266,25 @@ def _one_case(
         env=env,
     )
     try:
+        if point == Point.SOURCE_SETTLE_ORDERED:  # b lost once the move is sent, then the settle stops
+            _lose_target(c, pause, Point.CLIENT_SENT, _wait_paused(pause, Point.CLIENT_SENT, p), p)
+            (pause / ARMED).write_text(f"{point}\n")
+            p = _settle(c, name)
         paused = _wait_paused(pause, point, p)
         (pause / ARMED).unlink()  # once is enough: nothing else may stop there in this case
+        if fault == TARGET_LOST:
+            _lose_target(c, pause, point, paused, p)
+            p = _settle(c, name)
+        elif fault == SETTLE_REFUSED:
+            refused = c.client("settle", name, "--node", "a", "--target-down", timeout=120)
+            assert refused.returncode == 5, refused.stderr
+            assert refused.stderr.startswith("criuctl: error: node b answers"), refused.stderr
+            assert len(refused.stderr.splitlines()) == 1, refused.stderr
         if fault in ("source-agent", "target-agent"):
             _restart_agent(c, "a" if fault == "source-agent" else "b", pause)
         elif fault == "client":
             p.kill()
-        else:
+        elif fault == "link":
             c.link("b", up=False)
         if psutil.pid_exists(paused):
             (pause / f"{point}.go").touch()
@@ -240,7 +302,13 @@ def _one_case(
         elif p.returncode not in (0, -signal.SIGKILL):
             errors = [x for x in err.splitlines() if x.startswith("criuctl: error:")]
             assert len(errors) == 1, err[-3000:]
+        if fault == TARGET_LOST:
+            assert p.returncode == 0, err[-3000:]
+            assert "runs on a again" in err, err
         c.wait_finished(name, timeout=240)
+        if fault == TARGET_LOST or point == Point.SOURCE_SETTLE_ORDERED:
+            c.link("b", up=True)  # b comes back: its agent ends the copy that never ran
+            c.nodes["b"].start_agent(env={PAUSE_DIR: str(pause)}, lease=LEASE)
         deadline = time.monotonic() + 120  # and every party has settled: no handoff left waiting
         while c.handoffs():
             assert time.monotonic() < deadline, f"still unsettled: {[h.cmdline() for h in c.handoffs()]}"

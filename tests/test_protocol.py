@@ -571,3 +571,51 @@ def test_points_cost_nothing_unless_armed_and_pause_where_armed(tmp_path, monkey
     (tmp_path / "client.restored.go").touch()
     t.join(5)
     assert not t.is_alive()
+
+
+def test_handoff_settle_order_thaws_only_when_the_target_stays_silent(tmp_path, monkeypatch):
+    """A person declared the target down: the handoff asks it once more, and its answer wins."""
+    from criuctl.agent.protocol import SettleOrder
+
+    order = SettleOrder("--target-down by test", 1.0)
+    # silent: thawed, the record says on whose word
+    src, events = _sent_source(tmp_path, monkeypatch, ["settle"], [Verdict.UNKNOWN])
+    records.order_settle(src.spec.record, order)
+    src._settle(handoff_mod._command())
+    assert src.frozen.fate == ["thaw"] and events == ["thawed"]
+    rec = records.read(Path(src.spec.record), SourceRecord.from_json)
+    assert rec.state == SourceState.THAWED and rec.settled == order.declared
+    # the target answers that it runs the job: whatever was declared, the source ends its copy
+    (tmp_path / "r").mkdir()
+    src, events = _sent_source(tmp_path / "r", monkeypatch, ["settle"], [Verdict.RUNNING])
+    records.order_settle(src.spec.record, order)
+    src._settle(handoff_mod._command())
+    assert src.frozen.fate == ["end"] and events == ["committed", "done"]
+
+
+def test_handoff_whose_lease_broke_finds_a_settle_order_while_it_waits(tmp_path, monkeypatch):
+    """Its agent died: nobody can tell it "settle", so it looks beside its record between asks."""
+    from criuctl.agent.protocol import SettleOrder
+
+    asked = []
+    src, events = _sent_source(tmp_path, monkeypatch, [""], [])
+
+    def silent(_ticket):
+        asked.append(1)
+        if len(asked) == 3:  # while it keeps asking, a person settles (through a restarted agent)
+            records.order_settle(src.spec.record, SettleOrder("node b deleted", 2.0))
+        return Verdict.UNKNOWN
+
+    monkeypatch.setattr(handoff_mod.verdicts, "ask_abort", silent)
+    src._settle(handoff_mod._command())
+    assert len(asked) == 4  # it asked once more after it found the order: silence, then the thaw
+    assert src.frozen.fate == ["thaw"] and events == ["thawed"]
+    assert records.read(Path(src.spec.record), SourceRecord.from_json).settled == "node b deleted"
+
+
+def test_no_settle_order_no_thaw_whatever_the_agent_says(tmp_path, monkeypatch):
+    """ "settle" without the order on disk (a bug, or a forged line) is an abort: silent target, frozen."""
+    src, events = _sent_source(tmp_path, monkeypatch, ["settle", ""], [Verdict.UNKNOWN, Verdict.ABORTED])
+    src._settle(handoff_mod._command())
+    assert events == ["in-doubt", "thawed"] and src.frozen.fate == ["thaw"]
+    assert records.read(Path(src.spec.record), SourceRecord.from_json).settled is None

@@ -10,6 +10,8 @@ the pipe closes. What a handoff does then depends on how far it got, and is writ
                 "commit": ask the target; running → end the tree (COMMITTED, DONE)
                 "abort" or the lease breaks: ask the target to abort; aborted → thaw (THAWED),
                     running → end the tree; no answer → stay frozen and ask again
+                "settle" (or the order found while the lease is broken): ask once more as for
+                    "abort"; no answer → thaw on the person's word that the target is down
             before "sent": "abort" or the lease breaks → thaw (THAWED)
     target  restore the tree *stopped* → RESTORED
             "commit": RUNNING recorded, then the tree runs; this process stays as its supervisor
@@ -179,9 +181,13 @@ class _Source:
         return 0
 
     def _settle(self, cmd: str) -> None:
-        """SENT: whatever we are told, the target's answer decides. Returns once settled."""
+        """SENT: whatever we are told, the target's answer decides — or, once it stays silent, a
+        person's settle order (`SettleOrder`: the agent says "settle", or a handoff whose agent died
+        finds the order beside its record while it waits). Returns once settled."""
         backoff = Backoff(timeouts().ask_backoff_max)
         while True:
+            if self._ordered():
+                cmd = Command.SETTLE
             if cmd == Command.COMMIT:
                 state = verdicts.ask_state(self.spec.ticket)
                 if state == TargetState.RUNNING:
@@ -189,22 +195,31 @@ class _Source:
                 _emit(Event.REFUSED, target_state=state)
                 cmd = _command()
                 continue
-            verdict = verdicts.ask_abort(self.spec.ticket)  # "abort", or the lease broke
+            verdict = verdicts.ask_abort(self.spec.ticket)  # "abort", "settle", or the lease broke
             if verdict == Verdict.RUNNING:
                 return self._commit()
             if verdict == Verdict.ABORTED:
                 return self._thaw()
-            if cmd == Command.ABORT:  # the agent asked and is still there: tell it, wait for more
+            order = records.settle_order(self.path) if cmd == Command.SETTLE else None
+            if order is not None:  # silent, and declared down: the one thaw without its verdict
+                return self._thaw(settled=order.declared)
+            if cmd in (Command.ABORT, Command.SETTLE):  # the agent asked and is still there: tell it
                 _emit(Event.IN_DOUBT)
                 cmd = _command()
                 continue
-            backoff.sleep()  # the lease broke and the target is silent: frozen, not lost
+            backoff.sleep(until=self._ordered)  # the lease broke and the target is silent: frozen, not lost
 
-    def _thaw(self) -> None:
+    def _ordered(self) -> bool:
+        return records.settle_order(self.path) is not None
+
+    def _thaw(self, settled: str | None = None) -> None:
         """The tree runs here again. A thaw that did not complete (its lock could not be lifted, say)
         is said at once (THAW_INCOMPLETE, with what is left) and retried here until it completes;
-        only then THAWED. The tree runs meanwhile: it got its SIGCONT whatever failed."""
+        only then THAWED. The tree runs meanwhile: it got its SIGCONT whatever failed. `settled`:
+        the declaration it thaws on (written into the record with the first step)."""
         assert self.frozen is not None
+        if settled is not None and self.rec is not None:
+            self.rec.settled = settled
         thaw, backoff = self.frozen.thaw(), Backoff(timeouts().thaw_retry_max)
         while not thaw.complete:
             if self.rec is not None and self.rec.thaw_left != thaw.line():
@@ -213,7 +228,7 @@ class _Source:
             backoff.sleep()
             thaw = self.frozen.retry_thaw()
         self._advance(SourceState.THAWED, thaw_left=None)
-        _emit(Event.THAWED)
+        _emit(Event.THAWED, settled=settled)
 
     def _commit(self) -> None:
         assert self.frozen is not None

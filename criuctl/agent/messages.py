@@ -135,6 +135,15 @@ class OutgoingRequest(TypedDict):
     target_gpus: NotRequired[list[dict[str, Any]]]  # the target's GPUs (its /v1/info): a GPU job's check
 
 
+class SettleRequest(TypedDict):
+    """POST /v1/outgoing/settle (a person, through `criuctl settle`): the move of `workload` whose
+    target is down for good, as `declared` says (who declared it, and how); the source thaws it if
+    the target stays silent once more."""
+
+    workload: str
+    declared: str
+
+
 class Started(TypedDict):
     """The first line of POST /v1/outgoing's stream: the source's migration id."""
 

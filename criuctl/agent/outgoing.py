@@ -4,6 +4,7 @@ POST   /v1/outgoing              freeze, stream to the target; one JSON event pe
 POST   /v1/outgoing/{id}/commit  the client says the target runs it: the handoff checks, then ends
 GET    /v1/outgoing/{id}         its state
 DELETE /v1/outgoing/{id}         abort: before "sent" the tree thaws; after, only on the target's word
+POST   /v1/outgoing/settle       a person declares the target down: thaw a sent move it stays silent on
 """
 
 from __future__ import annotations
@@ -20,13 +21,25 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from criuctl.agent import conn, pagesession, records, transfer, verdicts
+from criuctl.agent import conn, pagesession, points, records, transfer, verdicts
 from criuctl.agent.handoffleases import Handoff
 from criuctl.agent.httpjson import body_json, error, fail, outcome_response, valid_id
-from criuctl.agent.messages import Failed, OutgoingEvent, OutgoingRequest, OutgoingStatus, Sent, Started
+from criuctl.agent.messages import (
+    Failed,
+    OutgoingEvent,
+    OutgoingRequest,
+    OutgoingStatus,
+    Sent,
+    SettleRequest,
+    Started,
+)
 from criuctl.agent.protocol import (
+    INCOMPLETE,
     SOURCE_FINAL,
     Mode,
+    Outcome,
+    Point,
+    SettleOrder,
     SourceRecord,
     SourceSpec,
     SourceState,
@@ -34,6 +47,7 @@ from criuctl.agent.protocol import (
     UploadAnswer,
     Verdict,
     check_transition,
+    settle_order_path,
     timeouts,
 )
 from criuctl.agent.source import SourceMachine, thaw_until_done
@@ -66,9 +80,12 @@ class Outgoing:
         self.agent = agent
         self.machines: dict[str, SourceMachine] = {}
         self.settling: set[asyncio.Task[None]] = set()
+        # records this agent settled from disk (their handoff dead) and removed: how each ended
+        self.recovered: dict[str, SourceState] = {}
 
     def routes(self, r: web.UrlDispatcher) -> None:
         r.add_post("/v1/outgoing", self.start)
+        r.add_post("/v1/outgoing/settle", self.settle_by_hand)
         r.add_post("/v1/outgoing/{id}/commit", self.commit)
         r.add_get("/v1/outgoing/{id}", self.status)
         r.add_delete("/v1/outgoing/{id}", self.abort)
@@ -216,6 +233,89 @@ class Outgoing:
             self.agent.spawn(self._forget_when_done(m, linger=0.0))
         return outcome_response(out)
 
+    async def settle_by_hand(self, r: web.Request) -> web.Response:
+        """A person's word that the target of a sent move is down for good (`SettleRequest`).
+
+        Refused unless the move waits on its target (SENT) and the target gives no signed answer
+        now: a target that answers settles the move itself, whatever anyone declared. Otherwise the
+        order goes to disk first, then to whoever holds the tree (`SettleOrder`), which asks once
+        more and thaws only on silence."""
+        body: SettleRequest = await body_json(r)
+        try:
+            name = workloads.validate_name(str(body.get("workload", "")))
+        except CriuctlError as exc:
+            return fail(400, exc.what, exc.hint)
+        declared = body.get("declared")
+        if not isinstance(declared, str) or not declared.strip() or len(declared) > 500:
+            return fail(
+                400,
+                "settling a move needs its target declared down",
+                "outside Kubernetes: criuctl settle NAME --node NODE --target-down, once the target "
+                "node is off; on Kubernetes: delete its Node or taint it node.kubernetes.io/out-of-service",
+            )
+        found = await asyncio.to_thread(self._waiting, name)
+        if found is None:
+            return fail(
+                404,
+                f"no move of {name} waits for its target on node {self.agent.name}",
+                f"`criuctl ps --node {self.agent.name}` lists what runs and what is frozen here",
+            )
+        path, rec = found
+        if rec.state != SourceState.SENT:
+            return fail(
+                409,
+                f"the move of {name} is {rec.state}, not waiting for its target",
+                "only a move whose bundle was sent waits for its target; this one settles on its own",
+                state=str(rec.state),
+            )
+        state = await asyncio.to_thread(verdicts.ask_state, rec.ticket)
+        if state is not None:
+            return fail(
+                409,
+                f"node {rec.ticket.node} answers for the move of {name} (its copy is {state}): "
+                "it settles the move itself",
+                "nothing to settle by hand while the target answers; the source acts on its word",
+                state=str(rec.state),
+            )
+        await asyncio.to_thread(records.order_settle, path, SettleOrder(declared.strip(), time.time()))
+        log.warning("settle ordered", extra={"id": rec.migration, "declared": declared})
+        await points.areach(Point.SOURCE_SETTLE_ORDERED)
+        m = self.machines.get(rec.migration)
+        out = await m.settle() if m is not None else await self._settled_on_disk(path, rec.migration)
+        if out.ok:
+            self.agent.metrics.migrations.labels("source", rec.mode, "settled").inc()
+            if m is not None:
+                self.agent.spawn(self._forget_when_done(m, linger=0.0))
+        return outcome_response(out)
+
+    def _waiting(self, name: str) -> tuple[Path, SourceRecord] | None:
+        """The record of the unsettled move of workload `name` on this node, if there is one."""
+        for path, rec in records.scan(self.records, "*.json", SourceRecord.from_json):
+            if isinstance(rec, SourceRecord) and rec.workload == name and rec.state not in SOURCE_FINAL:
+                return path, rec
+        return None
+
+    async def _settled_on_disk(self, path: Path, mid: str) -> Outcome:
+        """A move this agent holds no machine for (its handoff's agent died, or the handoff did): the
+        handoff, or this agent's `settle` of the dead handoff's record, finds the order and acts on
+        it; its record says how it ended."""
+        deadline = time.monotonic() + timeouts().handoff_settle + timeouts().ask_target
+        while time.monotonic() < deadline:
+            rec = await asyncio.to_thread(records.read, path, SourceRecord.from_json)
+            state = rec.state if isinstance(rec, SourceRecord) else self.recovered.get(mid)
+            if state in (SourceState.THAWED, SourceState.THAW_INCOMPLETE):
+                thawed: bool | str = True if state == SourceState.THAWED else INCOMPLETE
+                return Outcome(str(state), True, facts={"thawed": thawed})
+            if state in (SourceState.COMMITTED, SourceState.DONE):
+                return Outcome(str(state), False, "the target answered: the job runs there")
+            await asyncio.sleep(0.2)
+        return Outcome(
+            str(SourceState.SENT),
+            False,
+            "the settle order is on disk, but nothing acted on it yet",
+            f"node {self.agent.name}'s agent or the move's handoff acts on it once it runs; ask again",
+        )
+
     async def _after_failure(self, m: SourceMachine) -> None:
         """Forget a failed migration once its tree runs here whole (an incomplete thaw is retried
         first), unless its handoff died holding a tree the target must settle."""
@@ -253,6 +353,7 @@ class Outgoing:
         """A settled migration: its bundle folder, then its record."""
         shutil.rmtree(self.spool / mid, ignore_errors=True)
         (self.records / f"{mid}.json").unlink(missing_ok=True)
+        settle_order_path(self.records / f"{mid}.json").unlink(missing_ok=True)
 
     # ----------------------------------------------------------------------------------- restart
 
@@ -302,16 +403,22 @@ class Outgoing:
     async def settle(self, rec: SourceRecord) -> None:
         """A record whose handoff died, still unsettled: a frozen tree in SENT asks the target until
         it answers and acts on its verdict; a thaw that did not complete is tried until it does."""
+        path = self.records / f"{rec.migration}.json"
         if rec.state == SourceState.SENT:
             backoff = Backoff(timeouts().ask_backoff_max)
             while (verdict := await asyncio.to_thread(verdicts.ask_abort, rec.ticket)) == Verdict.UNKNOWN:
-                await backoff.asleep()
+                if (order := records.settle_order(path)) is not None:  # silent, and declared down
+                    rec.settled = order.declared
+                    break
+                await backoff.asleep(until=lambda: records.settle_order(path) is not None)
             log.warning("recovered outgoing", extra={"id": rec.migration, "verdict": str(verdict)})
             if verdict == Verdict.RUNNING and (tree := rec.tree()) is not None:
                 await asyncio.to_thread(_end, tree, rec)
+                self.recovered[rec.migration] = SourceState.DONE
                 await asyncio.to_thread(self._remove, rec.migration)
                 return
         await thaw_until_done(lambda: self._thaw_record(rec), timeouts().thaw_retry_max)
+        self.recovered[rec.migration] = SourceState.THAWED
         await asyncio.to_thread(self._remove, rec.migration)
 
     def _thaw_record(self, rec: SourceRecord) -> checkpoint.Thaw:

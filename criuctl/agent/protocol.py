@@ -28,6 +28,7 @@ import hashlib
 import hmac
 import json
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any, NotRequired, TypedDict, TypeVar
 
 import blake3
@@ -190,6 +191,7 @@ class Command(enum.StrEnum):
     SENT = "sent"
     COMMIT = "commit"
     ABORT = "abort"
+    SETTLE = "settle"  # a person declared the target down: read the order beside the record (`SettleOrder`)
 
 
 @dataclass(frozen=True)
@@ -401,6 +403,7 @@ class SourceRecord:
     hold_start: int | None = None
     root_start: int | None = None
     thaw_left: str | None = None  # THAW_INCOMPLETE: what the thaw could not do yet (retried)
+    settled: str | None = None  # thawed on a person's word that the target is down (`SettleOrder.declared`)
 
     def hold(self) -> Identity:
         return Identity(self.hold_pid, self.hold_start, self.boot_id)
@@ -464,6 +467,34 @@ class TargetRecord:
         return rec
 
 
+@dataclass(frozen=True)
+class SettleOrder:
+    """A person's word that a move's target is down for good, so that its frozen source may thaw
+    without the target's verdict: the one way out of SENT the target does not decide.
+
+    It is written beside the source's record before anything acts on it (`settle_order_path`), so
+    whichever process holds the tree then — the handoff, a handoff whose agent died, or a restarted
+    agent settling a dead handoff's record — finds it and acts the same way: ask the target once
+    more (its signed answer wins over any declaration), and thaw only if it stays silent.
+    """
+
+    declared: str  # who declared the target down, and how ("node b deleted", "--target-down by …")
+    at: float
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: object) -> SettleOrder:
+        return cls(**_object(d))
+
+
+def settle_order_path(record: str | Path) -> Path:
+    """Where the settle order of the migration whose source record is `record` lives (not `*.json`:
+    a scan of the records never mistakes it for one)."""
+    return Path(record).with_suffix(".settle")
+
+
 def _object(d: object, **convert: Any) -> dict[str, Any]:
     """A record's JSON object with the named fields converted; ValueError for anything else."""
     if not isinstance(d, dict):
@@ -486,6 +517,8 @@ class Point(enum.StrEnum):
     SOURCE_STREAMING = "source.streaming"  # source agent: FREEZING, CRIU dumping, pages streaming
     SOURCE_FROZEN = "source.frozen"  # source agent: FROZEN, before the rest is streamed
     SOURCE_SENT_RECORDED = "source.sent-recorded"  # source agent: SENT recorded, client not told
+    # source agent: a person's settle order is on disk (the target declared down), the tree still frozen
+    SOURCE_SETTLE_ORDERED = "source.settle-ordered"
     TARGET_PAGES_OPEN = (
         "target.pages-open"  # target agent: its page server waits for the dump; nothing frozen
     )

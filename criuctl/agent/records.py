@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from criuctl.agent.protocol import SettleOrder, settle_order_path
 from criuctl.core import durable
 
 T = TypeVar("T")
@@ -55,3 +56,15 @@ def scan(folder: Path, pattern: str, parse: Callable[[object], T]) -> Iterator[t
         rec = read(path, parse)
         if rec is not None:
             yield path, rec
+
+
+def settle_order(record: str | Path) -> SettleOrder | None:
+    """The settle order beside a source record, if a person gave one (an unreadable one is none:
+    the tree stays frozen, which is never wrong)."""
+    order = read(settle_order_path(record), SettleOrder.from_json)
+    return order if isinstance(order, SettleOrder) else None
+
+
+def order_settle(record: str | Path, order: SettleOrder) -> None:
+    """Write the order durably before anything acts on it: whoever holds the tree finds it."""
+    write(settle_order_path(record), order.to_json())

@@ -309,6 +309,14 @@ class SourceMachine:
 
     async def abort(self) -> Outcome:
         """Abort: before SENT the tree thaws; from SENT on only if the target confirms its copy is dead."""
+        return await self._ask_handoff(Command.ABORT)
+
+    async def settle(self) -> Outcome:
+        """A person declared the target down (the order is on disk beside the record): the handoff
+        asks the target once more — its signed answer wins — and thaws only if it stays silent."""
+        return await self._ask_handoff(Command.SETTLE)
+
+    async def _ask_handoff(self, cmd: Command) -> Outcome:
         async with self.lock:
             if self.state == SourceState.THAW_INCOMPLETE:
                 return self._incomplete_outcome()
@@ -318,7 +326,7 @@ class SourceMachine:
                 return Outcome(self.state, False, f"outgoing migration {self.id} is {self.state}")
             try:
                 ev = await self.handoff.ask(
-                    Command.ABORT,
+                    cmd,
                     {Event.THAWED, Event.THAW_INCOMPLETE, Event.COMMITTED, Event.IN_DOUBT},
                     self.t.handoff_settle,
                 )

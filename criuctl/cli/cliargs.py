@@ -387,6 +387,19 @@ VERBS: dict[str, Verb] = {
             ),
         ),
     ),
+    "settle": Verb(
+        "end a move whose target node is gone for good: its frozen source runs the job again",
+        (
+            opt("name", metavar="NAME"),
+            opt("--node", required=True, metavar="NODE", help="the move's source, where the job is frozen"),
+            opt(
+                "--target-down",
+                action="store_true",
+                help="declare the move's target node off for good (required: were it running the job, "
+                "the job would run twice); the source still asks it once more and obeys an answer",
+            ),
+        ),
+    ),
     "get": Verb(
         "list the PodMigrations: pod, nodes, phase, downtime, age, and why a move failed",
         (

@@ -286,6 +286,36 @@ def _migrate_pod(a: argparse.Namespace, to: str) -> int:
     return 0 if result is None or result.source_confirmed else 6
 
 
+class NotDeclared(CriuctlError):
+    """`settle` without the declaration it rests on: a bad argument (exit 2), nothing done."""
+
+    exit_code = 2
+
+
+def cmd_settle(a: argparse.Namespace) -> int:
+    """`criuctl settle NAME --node N --target-down`: a person's word ends a move whose target is
+    gone for good; the source thaws only if the target stays silent once more."""
+    import getpass
+    import socket
+
+    from criuctl.client import agents
+    from criuctl.client import migrate as agent_migrate
+    from criuctl.core import workloads
+
+    name = workloads.validate_name(a.name)
+    if not a.target_down:
+        raise NotDeclared(
+            f"settling the move of {name} thaws it on {a.node} without its target's word",
+            "add --target-down once the target node is off for good (powered off, deleted): "
+            "were it still running the job, the job would run twice",
+        )
+    source = agents.AgentClient(agents.get_node(a.node))
+    declared = f"--target-down by {getpass.getuser()} on {socket.gethostname()}"
+    state = agent_migrate.settle(source, name, declared)
+    print(f"criuctl: {name} runs on {a.node} again ({state}: its target was declared down)", file=sys.stderr)
+    return 0
+
+
 def cmd_get(a: argparse.Namespace) -> int:
     """`criuctl get [NAME]`: the PodMigrations, as `kubectl get podmigrations` shows them, plus why."""
     from criuctl.cli import render

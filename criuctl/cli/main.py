@@ -418,6 +418,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "agent": _cmd_agent,
     "node": climigrate.cmd_node,
     "migrate": climigrate.cmd_migrate,
+    "settle": climigrate.cmd_settle,
     "thaw": _cmd_thaw,
     "dump": _cmd_dump,
     "restore": _cmd_restore,

@@ -45,6 +45,7 @@ from criuctl.agent.protocol import INCOMPLETE, Mode, Point, Ticket, timeouts
 from criuctl.client.agents import AgentClient, AgentError, Node, NodeUnreachable
 from criuctl.core import env
 from criuctl.core.errors import CriuctlError
+from criuctl.core.workloads import BadName, UnknownWorkload
 
 Progress = Callable[..., None]  # progress(phase, **facts)
 
@@ -496,3 +497,29 @@ def source_ended(source: Node, og_id: str | None, timeout: float = 60.0) -> bool
     """Whether the source's copy of a moved job has ended (its tree is gone), waiting up to
     `timeout`: only then may what holds it (a pod) be removed at once."""
     return _source_done(AgentClient(source, timeout=10), og_id, timeout) is not None
+
+
+class NotSettled(CriuctlError):
+    """`settle` refused, or could not act: the move stays as it was (frozen on its source)."""
+
+    exit_code = 5
+
+
+def settle(source: AgentClient, name: str, declared: str) -> str:
+    """Settle the move of `name` frozen on `source` whose target a person declared down
+    (`declared`): the source asks the target once more, and thaws only if it stays silent. Returns
+    the state it ended in ("thawed"); raises with the agent's line otherwise."""
+    hold = timeouts().handoff_settle + 2 * timeouts().ask_target + 10  # the agent's wait, and more
+    try:
+        answer: StepAnswer = source.post(
+            "/v1/outgoing/settle", {"workload": name, "declared": declared}, timeout=hold
+        )
+    except AgentError as exc:
+        if exc.status == 404:
+            raise UnknownWorkload(exc.what, exc.hint) from None
+        if exc.status == 400:
+            raise BadName(exc.what, exc.hint) from None
+        raise NotSettled(exc.what, exc.hint or f"{name!r} stays frozen on {source.node.name}") from None
+    if answer.get("thawed") == INCOMPLETE:
+        return "thawed, its thaw not complete yet (the agent retries)"
+    return str(answer.get("state", "thawed"))

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+_LOOK = 0.5  # seconds between looks at a wait's `until`
 
 
 @dataclass
@@ -28,8 +31,24 @@ class Backoff:
         wait, self._next = self._next, min(self._next * 2, self.cap)
         return wait
 
-    def sleep(self) -> None:
-        time.sleep(self.next())
+    def sleep(self, until: Callable[[], bool] | None = None) -> None:
+        """Wait the next wait, or less once `until()` holds (looked at twice a second): a loop
+        asking a silent party still hears at once of what ends its asking (a settle order)."""
+        for part in self._parts(until):
+            if until is not None and until():
+                return
+            time.sleep(part)
 
-    async def asleep(self) -> None:
-        await asyncio.sleep(self.next())
+    async def asleep(self, until: Callable[[], bool] | None = None) -> None:
+        for part in self._parts(until):
+            if until is not None and until():
+                return
+            await asyncio.sleep(part)
+
+    def _parts(self, until: Callable[[], bool] | None) -> list[float]:
+        """The next wait, whole, or cut in slices between looks at `until`."""
+        wait = self.next()
+        if until is None:
+            return [wait]
+        whole, rest = divmod(wait, _LOOK)
+        return [_LOOK] * int(whole) + ([rest] if rest else [])
