@@ -700,3 +700,120 @@ def test_the_controller_counts_moves_and_serves_them_behind_its_scrape_token(mon
     finally:
         srv.shutdown()
         controller._Health.metrics_token = None
+
+
+class _FakeCore:
+    """The Node reads of a cluster where `nodes` exist (others: deleted)."""
+
+    def __init__(self, nodes: dict[str, dict]) -> None:
+        self.nodes = nodes
+
+    def read_node(self, name: str) -> dict:
+        if name not in self.nodes:
+            raise cluster.NotFound(f"node {name} not found")
+        return self.nodes[name]
+
+
+class _FakeCluster:
+    def __init__(self, nodes: dict[str, dict]) -> None:
+        self.core = _FakeCore(nodes)
+
+    def serialize(self, obj: dict) -> dict:
+        return obj
+
+
+def _in_doubt(monkeypatch, nodes: dict[str, dict], cancelled: str | None, answers: str | None):
+    """A placeholder move in doubt (b silent), carried once by the controller: what it wrote, and
+    the settle orders it sent to the source's agent."""
+    from criuctl.kube import controller, podmigrate, podmigrations
+
+    writes: list[dict] = []
+    orders: list[tuple[str, str]] = []
+    undone: list[str] = []
+    status = {
+        "phase": "InDoubt",
+        "pod": "train",
+        "newPod": "train-m1",
+        "source": "a",
+        "target": "b",
+        "workload": "k8s-train",
+        "incomingId": "i" * 32,
+        "outgoingId": "o" * 32,
+    }
+    notes = {podmigrations.CANCEL: cancelled} if cancelled else {}
+    obj = {
+        "metadata": {"namespace": "ml", "name": "m1", "generation": 1, "annotations": notes},
+        "status": status,
+    }
+
+    def stored(c, ns, name, st):
+        writes.append(st)
+        return {**obj, "status": {**obj["status"], **st}}
+
+    def settle(src, workload, declared):
+        orders.append((workload, declared))
+        return answers
+
+    monkeypatch.setattr(podmigrations, "read", lambda c, ns, name: obj)
+    monkeypatch.setattr(podmigrations, "patch_status", stored)
+    monkeypatch.setattr(controller.events, "record", lambda *a, **k: None)
+    monkeypatch.setattr(controller, "agent_of", lambda c, n: podmigrate.Node(n, f"https://{n}:7070", "/t"))
+    monkeypatch.setattr(controller, "agent_for", lambda c, node: podmigrate.Node("b", "https://b:7070", "/t"))
+    monkeypatch.setattr(podmigrate, "take_up", lambda *a: None)  # b never answers
+    monkeypatch.setattr(podmigrate, "settle_fenced", lambda src, w, d: settle(src, w, d) and src.name)
+    monkeypatch.setattr(podmigrate, "undo_placing", lambda c, ns, pod, new, source, why: undone.append(new))
+    c = _FakeCluster(nodes)
+    try:
+        controller.carry(c, obj, "me")  # type: ignore[arg-type]
+    except controller.Retry:
+        pass
+    return writes, orders, undone
+
+
+def test_a_cancelled_move_in_doubt_settles_only_once_its_target_is_fenced(monkeypatch) -> None:
+    """Cancelled, b silent: nothing is settled while b's Node is there untainted (it may run the
+    job); once it is deleted or tainted out-of-service, the source's agent is told to settle (it
+    asks b once more), the placeholder goes, and the move ends Failed, Cancelled."""
+    from criuctl.kube import podmigrate
+
+    a = {"metadata": {"name": "a"}, "spec": {}}
+    b = {"metadata": {"name": "b"}, "spec": {}}
+    # not cancelled: in doubt, even with b deleted
+    writes, orders, _ = _in_doubt(monkeypatch, {"a": a}, None, "thawed")
+    assert not orders and writes[-1]["phase"] == "InDoubt"
+    # cancelled, b there: waits, and says what would end it
+    writes, orders, undone = _in_doubt(monkeypatch, {"a": a, "b": b}, "ann@laptop", "thawed")
+    assert not orders and not undone and writes[-1]["phase"] == "InDoubt"
+    assert podmigrate.OUT_OF_SERVICE in writes[-1]["reason"]
+    # cancelled, b tainted out-of-service: settled
+    tainted = {**b, "spec": {"taints": [{"key": podmigrate.OUT_OF_SERVICE, "effect": "NoExecute"}]}}
+    writes, orders, undone = _in_doubt(monkeypatch, {"a": a, "b": tainted}, "ann@laptop", "thawed")
+    assert orders == [
+        (
+            "k8s-train",
+            f"node b is tainted {podmigrate.OUT_OF_SERVICE}; podmigration ml/m1 cancelled by ann@laptop",
+        )
+    ]
+    assert undone == ["train-m1"] and writes[-1]["phase"] == "Failed"
+    (failed,) = [c for c in writes[-1]["conditions"] if c["type"] == "Failed"]
+    assert failed["reason"] == "Cancelled" and "keeps running on a" in writes[-1]["hint"]
+    # cancelled, b deleted, but b answered the source's last question: still in doubt, nothing undone
+    writes, orders, undone = _in_doubt(monkeypatch, {"a": a}, "ann@laptop", None)
+    assert orders and orders[0][1].startswith("node b is deleted") and not undone
+    assert writes[-1]["phase"] == "InDoubt"
+
+
+def test_a_cancel_before_the_move_began_ends_it_with_nothing_changed(monkeypatch) -> None:
+    from criuctl.kube import controller, podmigrations
+
+    writes: list[dict] = []
+    obj = {
+        "metadata": {"namespace": "ml", "name": "m2", "annotations": {podmigrations.CANCEL: "ann"}},
+        "spec": {"pod": "train", "node": "b"},
+    }
+    monkeypatch.setattr(podmigrations, "read", lambda c, ns, name: obj)
+    monkeypatch.setattr(podmigrations, "patch_status", lambda c, ns, n, st: (writes.append(st), obj)[1])
+    monkeypatch.setattr(controller.events, "record", lambda *a, **k: None)
+    controller.carry(None, obj, "me")  # type: ignore[arg-type]
+    assert writes[-1]["phase"] == "Failed" and "nothing was changed" in writes[-1]["reason"]
+    assert [c["reason"] for c in writes[-1]["conditions"]] == ["Cancelled"]

@@ -503,9 +503,11 @@ def test_the_controller_role_is_exactly_what_it_calls(objects: list[Obj]) -> Non
 def test_users_need_podmigrations_only_and_edit_gets_them(objects: list[Obj]) -> None:
     role = one(objects, "ClusterRole", "criuctl-migrator")
     assert _granted(role) == {
-        ("criuctl.io", "podmigrations"): {"get", "list", "watch", "create", "delete"},
+        ("criuctl.io", "podmigrations"): {"get", "list", "watch", "create", "delete", "patch"},
         ("criuctl.io", "podmigrations/status"): {"get"},
     }
+    # patch, for `criuctl cancel`'s annotation (the spec stays immutable: components/immutable-spec)
+    assert _calls("podmigrations:cancel") == {("criuctl.io", "podmigrations", "patch")}
     assert role["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
 
 

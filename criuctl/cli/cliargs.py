@@ -396,8 +396,18 @@ VERBS: dict[str, Verb] = {
                 "--target-down",
                 action="store_true",
                 help="declare the move's target node off for good (required: were it running the job, "
-                "the job would run twice); the source still asks it once more and obeys an answer",
+                "the job would run twice); the source still asks it once more and obeys an answer. "
+                "On Kubernetes: criuctl cancel PODMIGRATION",
             ),
+        ),
+    ),
+    "cancel": Verb(
+        "cancel a PodMigration: one not begun ends, one in doubt whose target node is deleted or "
+        "tainted out-of-service runs on its source again (one under way ends by itself)",
+        (
+            opt("name", metavar="PODMIGRATION"),
+            opt("-n", "--namespace", help="default: the kubeconfig context's"),
+            opt("--kubeconfig", metavar="FILE"),
         ),
     ),
     "get": Verb(

@@ -316,6 +316,32 @@ def cmd_settle(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cancel(a: argparse.Namespace) -> int:
+    """`criuctl cancel PODMIGRATION`: the cancel annotation, which the controller acts on."""
+    import getpass
+    import socket
+
+    from criuctl.kube import cluster, podmigrations, podplan
+
+    for kind, value in (("podmigration", a.name), ("namespace", a.namespace)):
+        if value is not None:
+            podplan.check_name(kind, value)
+    c = cluster.connect(a.kubeconfig)
+    namespace = a.namespace or c.namespace
+    obj = podmigrations.read(c, namespace, a.name)
+    phase = podmigrations.phase_of(obj)
+    if phase.final:
+        print(f"criuctl: podmigration {a.name} already ended ({phase}): nothing to cancel", file=sys.stderr)
+        return 0
+    podmigrations.cancel(c, namespace, a.name, f"{getpass.getuser()}@{socket.gethostname()}")
+    print(
+        f"criuctl: podmigration {a.name} ({phase}) cancelled: the controller ends it "
+        f"(`criuctl get {a.name} -w` follows it)",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def cmd_get(a: argparse.Namespace) -> int:
     """`criuctl get [NAME]`: the PodMigrations, as `kubectl get podmigrations` shows them, plus why."""
     from criuctl.cli import render

@@ -429,6 +429,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "inject": _cmd_inject,
     "controller": _cmd_controller,
     "get": climigrate.cmd_get,
+    "cancel": climigrate.cmd_cancel,
     "demo": _cmd_demo,
 }
 

@@ -46,7 +46,7 @@ from criuctl.client.agents import Node
 from criuctl.core import tokens
 from criuctl.core.errors import CriuctlError
 from criuctl.kube import events, movemetrics, moves, owners, podmigrate, podmigrations, podplan
-from criuctl.kube.cluster import SYSTEM_NS, Cluster, agent_for, agent_of, call, connect
+from criuctl.kube.cluster import SYSTEM_NS, Cluster, NotFound, agent_for, agent_of, call, connect
 from criuctl.kube.movemetrics import METRICS
 from criuctl.kube.podmigrations import COMMITTED, Phase
 
@@ -168,10 +168,13 @@ class Journal:
     def close(self) -> None:
         self.latest.close()
 
-    def ended(self, phase: Phase, reason: str, hint: str = "", code: int = 0, **facts: Any) -> None:
+    def ended(
+        self, phase: Phase, reason: str, hint: str = "", code: int = 0, word: str = "", **facts: Any
+    ) -> None:
+        """`word`: the condition's reason (default: from `code`, `_reason_word`)."""
         self.close()
         kind = podmigrations.SUCCEEDED if phase == Phase.SUCCEEDED else podmigrations.FAILED
-        why = "Moved" if phase == Phase.SUCCEEDED else _reason_word(code)
+        why = "Moved" if phase == Phase.SUCCEEDED else word or _reason_word(code)
         self.write(
             {
                 "phase": str(phase),
@@ -210,7 +213,7 @@ class Journal:
         self.ended(Phase.SUCCEEDED, reason, **facts)
 
     def failed(self, exc: CriuctlError) -> None:
-        self.ended(Phase.FAILED, exc.what, exc.hint, exc.exit_code)
+        self.ended(Phase.FAILED, exc.what, exc.hint, exc.exit_code, getattr(exc, "reason_word", ""))
 
 
 def _reason_word(code: int) -> str:
@@ -358,6 +361,42 @@ def _agent_of(c: Cluster, node: str) -> Node | None:
     return None
 
 
+class Cancelled(agent_migrate.MigrationFailed):
+    """A person cancelled the move, and it ended with the job where it was (Failed, Cancelled)."""
+
+    reason_word = "Cancelled"
+
+
+def _where_it_runs(c: Cluster, j: Journal) -> tuple[str | None, str]:
+    """Where the job of a move taken up mid-way runs (`podmigrate.take_up`), and, for a cancelled
+    one whose target is fenced (deleted, or tainted out-of-service) and silent, why the source
+    settled it. None while nobody can tell yet: a node or agent that cannot be reached is asked
+    again, never taken for a failure (the job may be frozen on the source all that while)."""
+    st = j.status
+    source, target = st["source"], st["target"]
+    ids = (st.get("outgoingId") or None, st["incomingId"])
+    try:
+        src = agent_of(c, source)
+        target_node: dict | None = c.serialize(call(f"node {target}", c.core.read_node, target))
+    except NotFound:
+        target_node = None
+    except CriuctlError as exc:
+        log.warning("in doubt", extra={"podmigration": f"{j.ns}/{j.name}", "error": exc.what})
+        return None, ""
+    where = None
+    if target_node is not None:
+        with contextlib.suppress(CriuctlError):
+            where = podmigrate.take_up(src, agent_for(c, target_node), ids, st.get("workload", ""))
+    who = podmigrations.cancelled(j.obj)
+    fenced = podmigrate.fence(target_node, target)
+    if where is not None or who is None or fenced is None:
+        return where, ""
+    declared = f"{fenced}; podmigration {j.ns}/{j.name} cancelled by {who}"
+    with contextlib.suppress(CriuctlError):
+        where = podmigrate.settle_fenced(src, st.get("workload", ""), declared)
+    return where, fenced if where == source else ""
+
+
 def _resume_placeholder(c: Cluster, j: Journal, phase: Phase) -> None:
     st = j.status
     ns, pod, new, source, target = j.ns, st["pod"], st.get("newPod", ""), st["source"], st["target"]
@@ -368,19 +407,28 @@ def _resume_placeholder(c: Cluster, j: Journal, phase: Phase) -> None:
             why, f"pod {pod} keeps running on {source}; create the PodMigration again"
         )
     if phase in (Phase.MIGRATING, Phase.IN_DOUBT):
-        nodes = [c.serialize(call(f"node {n}", c.core.read_node, n)) for n in (source, target)]
-        src, dst = (agent_for(c, n) for n in nodes)
-        ids = (st.get("outgoingId") or None, st["incomingId"])
-        where = podmigrate.take_up(src, dst, ids, st.get("workload", ""))
+        where, fenced = _where_it_runs(c, j)
         if where is None:
-            j(Phase.IN_DOUBT, reason="the agents have not settled yet where the job runs")
+            why = "the agents have not settled yet where the job runs"
+            if podmigrations.cancelled(j.obj):
+                why = (
+                    f"cancelled, but node {target} neither answers nor is declared down; once it is off "
+                    f"for good, delete its Node or taint it {podmigrate.OUT_OF_SERVICE}:NoExecute and "
+                    f"the job runs on node {source} again"
+                )
+            j(Phase.IN_DOUBT, reason=why)
             raise Retry(f"podmigration {j.ns}/{j.name}: the agents have not settled it yet")
         if where == source:
-            why = "the controller restarted mid-move; the agents settled it"
+            why = (
+                f"cancelled: {fenced}, and node {source} thawed the job on that word"
+                if fenced
+                else "the controller restarted mid-move; the agents settled it"
+            )
             podmigrate.undo_placing(c, ns, pod, new, source, why)
-            raise agent_migrate.MigrationFailed(
+            err = (Cancelled if fenced else agent_migrate.MigrationFailed)(
                 why, f"pod {pod} keeps running on {source}; the placeholder was deleted"
             )
+            raise err
         j(Phase.HANDING_OVER)
     # what the source's agent measured; none if it cannot say (its agent away, the move forgotten):
     # the status then shows no downtime rather than a guess
@@ -412,6 +460,10 @@ def _carry(c: Cluster, j: Journal, phase: Phase, deleting: bool) -> None:
         if phase in (Phase.PENDING, Phase.CHECKING):
             if deleting:
                 j.ended(Phase.FAILED, "deleted before its move began: nothing was changed", code=4)
+                return
+            if who := podmigrations.cancelled(j.obj):
+                said = f"cancelled by {who} before its move began: nothing was changed"
+                j.ended(Phase.FAILED, said, code=4, word=Cancelled.reason_word)
                 return
             _fresh(c, j)
         elif j.status.get("via") == "successor":

@@ -36,8 +36,9 @@ from criuctl.agent import points
 from criuctl.agent.messages import IncomingStatus, OutgoingStatus
 from criuctl.agent.protocol import Point
 from criuctl.client import migrate as agent_migrate
-from criuctl.client.agents import AgentClient, AgentError, Node
+from criuctl.client.agents import AgentClient, AgentError, Node, running_here
 from criuctl.core.errors import CriuctlError
+from criuctl.core.workloads import UnknownWorkload
 from criuctl.kube import events, jobfailures, moves, owners
 from criuctl.kube.cluster import Cluster, NotFound, call, delete_now
 from criuctl.kube.podmigrations import Phase, downtime_text
@@ -146,6 +147,36 @@ def take_up(source: Node, target: Node, ids: tuple[str | None, str], workload: s
     if isinstance(err, agent_migrate.MigrationInDoubt):
         return settle(source, target, ids, timeout=60)
     return source.name
+
+
+OUT_OF_SERVICE = "node.kubernetes.io/out-of-service"  # Kubernetes' "this node is shut down" taint
+
+
+def fence(node: dict | None, name: str) -> str | None:
+    """Why node `name` can no longer run a job, as Kubernetes is told it (the Node deleted, or
+    tainted out-of-service by a person or a shutdown manager); None while it may still run one."""
+    if node is None:
+        return f"node {name} is deleted"
+    for taint in (node.get("spec") or {}).get("taints") or []:
+        if taint.get("key") == OUT_OF_SERVICE:
+            return f"node {name} is tainted {OUT_OF_SERVICE}"
+    return None
+
+
+def settle_fenced(source: Node, workload: str, declared: str) -> str | None:
+    """A move in doubt whose target is fenced (`fence`): the source's agent asks the target once
+    more and thaws on its silence (`criuctl.client.migrate.settle`). The source's node once the job
+    runs there again; None while it cannot be said (the target answered after all: the agents
+    settle it between them)."""
+    src = AgentClient(source, timeout=30)
+    try:
+        agent_migrate.settle(src, workload, declared)
+        return source.name
+    except agent_migrate.NotSettled:
+        return None
+    except UnknownWorkload:  # nothing waits there any more: it settled, one way or the other
+        rows = src.get("/v1/workloads")
+        return source.name if running_here(rows, workload) else None
 
 
 def read_pod(c: Cluster, namespace: str, name: str) -> dict | None:

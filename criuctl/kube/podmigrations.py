@@ -100,6 +100,29 @@ SOURCE_UID = f"{GROUP}/source-uid"  # a preStop's record: the deleted pod's UID
 SOURCE_NODE = f"{GROUP}/source-node"
 SOURCE_IDENTITY = f"{GROUP}/source-identity"  # what its successor shares (criuctl.kube.owners.identity)
 PRESTOP = "prestop"
+# a person's cancel (`criuctl cancel`, or `kubectl annotate`): its value says who asked. A move not
+# begun ends Failed (Cancelled); one in doubt whose target is deleted or tainted out-of-service is
+# settled on the source; one under way is not cut short (it ends by itself, undone if it fails)
+CANCEL = f"{GROUP}/cancel"
+
+
+def cancelled(obj: dict) -> str | None:
+    """Who cancelled the PodMigration, if anyone did."""
+    return ((obj.get("metadata") or {}).get("annotations") or {}).get(CANCEL) or None
+
+
+def cancel(c: Cluster, namespace: str, name: str, who: str) -> dict:
+    """Ask the controller to cancel the move (an annotation: the spec is immutable)."""
+    return call(
+        _what(namespace, name),
+        c.custom.patch_namespaced_custom_object,
+        GROUP,
+        VERSION,
+        namespace,
+        PLURAL,
+        name,
+        {"metadata": {"annotations": {CANCEL: who}}},
+    )
 
 
 def record_drain(
