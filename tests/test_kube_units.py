@@ -3,6 +3,7 @@ NAME means a pod, the PodMigration's body and conditions, the controller's optio
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import subprocess
@@ -763,10 +764,8 @@ def _in_doubt(monkeypatch, nodes: dict[str, dict], cancelled: str | None, answer
     monkeypatch.setattr(podmigrate, "settle_fenced", lambda src, w, d: settle(src, w, d) and src.name)
     monkeypatch.setattr(podmigrate, "undo_placing", lambda c, ns, pod, new, source, why: undone.append(new))
     c = _FakeCluster(nodes)
-    try:
+    with contextlib.suppress(controller.Retry):
         controller.carry(c, obj, "me")  # type: ignore[arg-type]
-    except controller.Retry:
-        pass
     return writes, orders, undone
 
 
