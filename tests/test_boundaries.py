@@ -117,9 +117,7 @@ CASES = (
         (Point.CLIENT_TARGET_COMMITTED, "client", GPU_POST),
         # the settling verb: only where b never ran the job (a target that ran it and died took
         # its steps with it: the source goes on from its freeze, which the step count would flag)
-        (Point.CLIENT_SENT, TARGET_LOST, STOP),
         (Point.CLIENT_RESTORED, TARGET_LOST, STOP),
-        (Point.SOURCE_SENT_RECORDED, TARGET_LOST, STOP),
         (Point.SOURCE_SETTLE_ORDERED, "source-agent", STOP),  # b lost at client.sent, then this
         (Point.CLIENT_RESTORED, SETTLE_REFUSED, STOP),
     ]
