@@ -413,8 +413,8 @@ TRAINING_PODS = {
 }
 
 
-def _wrapped_by_the_webhook(source: Obj) -> Obj:
-    opts = webhook.Options(prestop_port=7071, image=IMAGE)
+def _wrapped_by_the_webhook(source: Obj, on_host: bool = False) -> Obj:
+    opts = webhook.Options(prestop_port=7071, image=IMAGE, prestop_on_host=on_host)
     return apply_patch(source, decoded_patch(webhook.review(admission(source), opts)["response"]))
 
 
@@ -423,8 +423,9 @@ def test_every_pod_the_webhook_wraps_passes_pod_security_baseline(name: str) -> 
     """What the webhook patches into a baseline pod keeps it baseline (the PodSecurity plugin's
     checks, tests/podsecurity.py): criuctl's files come from its image by an init container into an
     emptyDir, not by hostPath, and that container is `restricted` itself. From Kubernetes 1.34 the
-    level also refuses a `host` in a lifecycle hook, which criuctl's preStop hook names (the node
-    agent listens on the node's loopback): a pod that gets the hook fails there, and only there."""
+    level also refuses a `host` in a lifecycle hook: criuctl's preStop hook names none (the agent
+    listens in the pod, criuctl.kube.nodeside.PodHooks), so the pod passes at every version; with
+    --prestop-on-host (the agent's loopback) it fails there, and only there."""
     source = TRAINING_PODS[name]
     assert podsecurity.baseline(source) == []
     wrapped = _wrapped_by_the_webhook(source)
@@ -435,9 +436,13 @@ def test_every_pod_the_webhook_wraps_passes_pod_security_baseline(name: str) -> 
     volume = next(v for v in spec["volumes"] if v["name"] == mutate.VOLUME)
     assert "emptyDir" in volume and "hostPath" not in volume
     assert podsecurity.baseline(wrapped, version=(1, 33)) == []
-    hooked = [i for i, c in enumerate(spec["containers"]) if mutate.has_prestop(c)]
+    assert podsecurity.baseline(wrapped) == []
+    on_host = _wrapped_by_the_webhook(source, on_host=True)
+    assert podsecurity.baseline(on_host, version=(1, 33)) == []
+    hooked = [i for i, c in enumerate(on_host["spec"]["containers"]) if mutate.has_prestop(c)]
+    assert hooked == [i for i, c in enumerate(spec["containers"]) if mutate.has_prestop(c)]
     hosts = [f"spec.containers[{i}].lifecycle.preStop.httpGet.host" for i in hooked]
-    assert podsecurity.baseline(wrapped) == hosts
+    assert podsecurity.baseline(on_host) == hosts
     # criuctl's own init container would pass `restricted` too: non-root, no capability, no escalation
     ctx = inject["securityContext"]
     assert ctx["runAsNonRoot"] and not ctx["allowPrivilegeEscalation"]
@@ -826,7 +831,10 @@ def test_a_named_pod_gets_the_prestop_hook_and_time_for_it() -> None:
     new = mutate.wrap(named(pod(TRAIN, terminationGracePeriodSeconds=30)), prestop_port=7071)
     train = containers_by_name(new)["train"]
     get = train["lifecycle"]["preStop"]["httpGet"]
-    assert (get["host"], get["port"], get["path"]) == ("127.0.0.1", 7071, "/v1/prestop/ml/st-0")
+    # no host: the kubelet calls the pod's IP, where the agent listens (nodeside.PodHooks)
+    assert get == {"port": 7071, "path": "/v1/prestop/ml/st-0"}
+    on_host = mutate.wrap(named(pod(TRAIN)), prestop_port=7071, prestop_on_host=True)
+    assert containers_by_name(on_host)["train"]["lifecycle"]["preStop"]["httpGet"]["host"] == "127.0.0.1"
     assert mutate.has_prestop(train)
     assert new["spec"]["terminationGracePeriodSeconds"] == mutate.PRESTOP_GRACE
     longer = mutate.wrap(named(pod(TRAIN, terminationGracePeriodSeconds=900)), prestop_port=7071)

@@ -158,9 +158,10 @@ VERBS: dict[str, Verb] = {
                 "--prestop-port",
                 type=int,
                 metavar="PORT",
-                help="on Kubernetes: serve criuctl's preStop hook on 127.0.0.1:PORT (the kubelet "
-                "calls it when a migratable pod is deleted) and restore kept bundles into their "
-                "pods' successors; needs in-cluster credentials or --kubeconfig",
+                help="on Kubernetes: serve criuctl's preStop hook on PORT inside each wrapped pod of "
+                "this node and on 127.0.0.1:PORT (the kubelet calls it when a migratable pod is "
+                "deleted) and restore kept bundles into their pods' successors; needs in-cluster "
+                "credentials or --kubeconfig",
             ),
             opt("--kubeconfig", metavar="FILE", help="with --prestop-port, outside a pod"),
         ),
@@ -342,7 +343,14 @@ VERBS: dict[str, Verb] = {
                 "--prestop-port",
                 type=int,
                 metavar="PORT",
-                help="add criuctl's preStop hook, calling the node agents' --prestop-port",
+                help="add criuctl's preStop hook, calling the node agents' --prestop-port in the pod",
+            ),
+            opt(
+                "--prestop-on-host",
+                action="store_true",
+                help="the hook calls the agent on the node's loopback (host: 127.0.0.1) instead: for "
+                "jobs that listen on that port themselves; the Pod Security Standard baseline refuses "
+                "it from Kubernetes v1.34",
             ),
             opt(
                 "--kubeconfig",

@@ -373,7 +373,9 @@ def _cmd_demo(a: argparse.Namespace) -> int:
 def _cmd_webhook(a: argparse.Namespace) -> int:
     from criuctl.kube import webhook
 
-    opts = webhook.Options(prestop_port=a.prestop_port, image=a.inject_image)
+    opts = webhook.Options(
+        prestop_port=a.prestop_port, prestop_on_host=a.prestop_on_host, image=a.inject_image
+    )
     if a.kubeconfig or os.environ.get("KUBERNETES_SERVICE_HOST"):
         opts.pending = webhook.pending_moves(a.kubeconfig)
         opts.leaving = webhook.leaving_pods(a.kubeconfig)

@@ -112,18 +112,23 @@ def identity(pod: Pod) -> str:
     return (pod.get("metadata") or {}).get("name") or ""
 
 
-def prestop_hook(port: int, namespace: str, name: str) -> dict[str, Any]:
+def prestop_hook(port: int, namespace: str, name: str, on_host: bool = False) -> dict[str, Any]:
     """The preStop hook that checkpoints the job when the pod is deleted (drain, eviction, `criuctl
-    migrate` of a controller's pod): an httpGet the kubelet itself makes to its node's agent on
-    127.0.0.1. An exec hook would run a process inside the container, in the job's PID namespace,
-    where CRIU would find a stranger in the tree it must dump. Kubernetes 1.20's kubelet makes a
-    lifecycle httpGet over plain HTTP without headers, whatever `scheme` says: the agent's preStop
-    listener is loopback-only and acts only on a pod the API server says is being deleted."""
-    return {
-        "preStop": {
-            "httpGet": {"host": "127.0.0.1", "port": port, "path": f"{PRESTOP_PATH}/{namespace}/{name}"}
-        }
-    }
+    migrate` of a controller's pod): an httpGet the kubelet itself makes to its node's agent.
+
+    Without `host` (the default) the kubelet calls the pod's own IP: the agent listens on `port`
+    inside each wrapped pod's network namespace (criuctl.kube.nodeside.PodHooks), from a socket it
+    made there, so that no process joins the pod; the Pod Security Standard `baseline` refuses a
+    hook's `host` from Kubernetes v1.34. `on_host`: `host: 127.0.0.1`, the agent's loopback
+    listener (for a job that itself listens on `port`). An exec hook would run a process inside the
+    container, in the job's PID namespace, where CRIU would find a stranger in the tree it must
+    dump. Kubernetes 1.20's kubelet makes a lifecycle httpGet over plain HTTP without headers,
+    whatever `scheme` says: either listener acts only on a pod the API server says is being
+    deleted on its node."""
+    get: dict[str, Any] = {"port": port, "path": f"{PRESTOP_PATH}/{namespace}/{name}"}
+    if on_host:
+        get["host"] = "127.0.0.1"
+    return {"preStop": {"httpGet": get}}
 
 
 def inject_container(image: str) -> dict[str, Any]:
@@ -157,7 +162,11 @@ def inject_container(image: str) -> dict[str, Any]:
 
 
 def wrap(
-    pod: Pod, prestop_port: int | None = None, namespace: str | None = None, image: str | None = None
+    pod: Pod,
+    prestop_port: int | None = None,
+    namespace: str | None = None,
+    image: str | None = None,
+    prestop_on_host: bool = False,
 ) -> Pod:
     """The pod with every container that has a `command` started by criuctl's init, and criuctl's
     files mounted read-only: transparent, because Kubernetes appends `args` to `command`, so the
@@ -206,7 +215,8 @@ def wrap(
         hooked = False
         for c in spec.get("containers", []):
             if is_wrapped(c) and not (c.get("lifecycle") or {}).get("preStop"):
-                c["lifecycle"] = {**(c.get("lifecycle") or {}), **prestop_hook(prestop_port, namespace, name)}
+                hook = prestop_hook(prestop_port, namespace, name, prestop_on_host)
+                c["lifecycle"] = {**(c.get("lifecycle") or {}), **hook}
                 hooked = True
         if hooked:
             grace = spec.get("terminationGracePeriodSeconds")

@@ -1,8 +1,11 @@
 """criuctl's Kubernetes side inside the node agent's process (`criuctl agent --prestop-port`):
 
-- a plain-HTTP listener on 127.0.0.1:PORT for the preStop hook the webhook adds to migratable
-  pods (GET /v1/prestop/NAMESPACE/POD; criuctl.kube.prestop). Loopback only: the kubelet of this
-  node is its one caller (its hooks run in the node's network namespace, like the agent's);
+- plain-HTTP listeners for the preStop hook the webhook adds to migratable pods (GET
+  /v1/prestop/NAMESPACE/POD; criuctl.kube.prestop): on PORT inside each wrapped pod of this node
+  (`PodHooks`: the hook has no `host`, so the kubelet calls the pod's IP; baseline Pod Security
+  refuses a hook's `host` from v1.34), and on 127.0.0.1:PORT for a hook with `host: 127.0.0.1`
+  (the webhook's --prestop-on-host). Either acts only on a pod the API server says is being
+  deleted on this node: a caller can ask for nothing the deletion would not do;
 - the loop that restores kept bundles into their pods' successors (criuctl.kube.successors), and
   puts a Job's tracking finalizer back on a pod of this node untracked for a deletion that did not
   come (criuctl.kube.jobfailures.retrack_stale).
@@ -21,8 +24,10 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from criuctl.container import containers
 from criuctl.core.errors import CriuctlError
-from criuctl.kube import cluster, jobfailures, prestop, successors
+from criuctl.kube import cluster, jobfailures, mutate, prestop, successors
+from criuctl.net import netns
 
 if TYPE_CHECKING:
     from criuctl.agent.server import Agent
@@ -32,6 +37,7 @@ log = logging.getLogger("criuctl.kube")
 TICK = 2.0  # one list of the move records per node per tick: cheap on a cluster of many nodes
 TICK_BUSY = 0.2  # while this node is to restore a move: only the holder's (or target's) agent
 RETRACK_EVERY = 10.0  # s between two looks for pods untracked for a deletion that did not come
+HOOKS_EVERY = 3.0  # s between two looks for this node's wrapped pods (one list of its pods)
 
 
 def extension(port: int, kubeconfig: str | None) -> Callable[[Agent, web.Application], None]:
@@ -52,6 +58,8 @@ def extension(port: int, kubeconfig: str | None) -> Callable[[Agent, web.Applica
                 hook.router.add_get(prefix + "v1/prestop/{namespace}/{pod}", handle)
             r = web.AppRunner(hook, access_log=None)
             await r.setup()
+            hooks = PodHooks(c, agent, r, port)
+            agent.spawn(hooks.forever())
             try:
                 await web.TCPSite(r, "127.0.0.1", port).start()
             except OSError as exc:
@@ -71,6 +79,73 @@ def extension(port: int, kubeconfig: str | None) -> Callable[[Agent, web.Applica
         app.on_cleanup.append(stop)
 
     return attach
+
+
+class PodHooks:
+    """The hook's listeners inside this node's wrapped pods: one socket each, made in the pod's
+    network namespace (`netns.listen_in`) and served from here, so that the kubelet's httpGet to
+    the pod's IP reaches this agent, and no process joins the pod (CRIU would find it in the tree
+    it dumps). Looked for every HOOKS_EVERY: a pod deleted in its first seconds, before its
+    listener, ends with its pod (the kubelet's call fails), as when the agent is down."""
+
+    def __init__(self, c: cluster.Cluster, agent: Agent, runner: web.AppRunner, port: int) -> None:
+        self.c, self.agent, self.runner, self.port = c, agent, runner, port
+        self.sites: dict[str, web.SockSite] = {}  # pod UID → its listener
+        self.refused: set[str] = set()  # pods whose port is taken (said once)
+
+    async def forever(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except CriuctlError as exc:
+                log.warning("pod hooks not refreshed", extra={"why": exc.line()})
+            except Exception:  # a bug here must not take the agent down
+                log.exception("pod hooks")
+            await asyncio.sleep(HOOKS_EVERY)
+
+    async def refresh(self) -> None:
+        pods = await asyncio.to_thread(hooked_pods, self.c, self.agent.name)
+        for uid in set(self.sites) - set(pods):
+            await self.sites.pop(uid).stop()
+        self.refused &= set(pods)
+        for uid, (who, cid) in pods.items():
+            if uid in self.sites or uid in self.refused:
+                continue
+            try:
+                w = await asyncio.to_thread(self.agent.runtimes.resolve, containers.name_of(cid))
+                sock = await asyncio.to_thread(netns.listen_in, w.root_pid, self.port)
+            except netns.NetnsError as exc:
+                self.refused.add(uid)
+                log.warning("no preStop listener in the pod", extra={"pod": who, "why": exc.line()})
+                continue
+            except CriuctlError:  # not a workload yet (its container starting): next time
+                continue
+            site = web.SockSite(self.runner, sock)
+            await site.start()
+            self.sites[uid] = site
+            log.info("preStop listener", extra={"pod": who, "port": self.port})
+
+
+def hooked_pods(c: cluster.Cluster, node: str) -> dict[str, tuple[str, str]]:
+    """The pods on `node` whose preStop hook calls the pod's own IP (`mutate.prestop_hook` without
+    `host`) and whose wrapped container runs: UID → (NAMESPACE/NAME, container ID)."""
+    out: dict[str, tuple[str, str]] = {}
+    listed = cluster.call(
+        f"the pods of node {node}", c.core.list_pod_for_all_namespaces, field_selector=f"spec.nodeName={node}"
+    )
+    for item in listed.items:
+        pod = c.serialize(item)
+        spec, meta = pod["spec"], pod["metadata"]
+        if spec.get("hostNetwork") or (pod.get("status") or {}).get("phase") != "Running":
+            continue
+        for ctr in spec["containers"]:
+            hook = ((ctr.get("lifecycle") or {}).get("preStop") or {}).get("httpGet") or {}
+            if mutate.has_prestop(ctr) and not hook.get("host"):
+                cid = cluster.container_id(pod, ctr["name"])
+                if cid:
+                    out[meta["uid"]] = (f"{meta['namespace']}/{meta['name']}", cid)
+                break
+    return out
 
 
 async def _prestop(r: web.Request, c: cluster.Cluster, node: str) -> web.Response:

@@ -54,6 +54,7 @@ class Options:
     placeholder (None: no credentials, no pending moves seen; docs/kubernetes.md)."""
 
     prestop_port: int | None = None
+    prestop_on_host: bool = False  # the hook calls the agent's loopback (`host`), not the pod's IP
     image: str | None = None  # criuctl's image, for the wrapped pods' init container (mutate.wrap)
     pending: Callable[[str, str], moves.Move | None] | None = None
     # the name of a pod of this identity being deleted whose preStop may be checkpointing its job
@@ -103,7 +104,7 @@ def _admit(body: Any, opts: Options) -> tuple[dict[str, Any], str]:
         if move is None and (held := _hold(uid, who, pod, opts, namespace, name)) is not None:
             return held
         try:
-            new = mutate.wrap(pod, opts.prestop_port, namespace, opts.image)
+            new = mutate.wrap(pod, opts.prestop_port, namespace, opts.image, opts.prestop_on_host)
             if move is not None:
                 node = move.holder or move.target
                 new = mutate.successor(new, node, f"{namespace}/{name}@{move.source}")

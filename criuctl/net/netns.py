@@ -11,11 +11,13 @@ never change namespace. Below `netcut`; imports only `errors`.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ipaddress
 import itertools
 import json
 import os
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -105,3 +107,69 @@ def run_in(pid: int, fn: Callable[..., Any], *args: Any) -> Any:
     if "result" not in answer:
         raise NetnsError(answer["what"], answer["hint"])
     return answer["result"]
+
+
+def listen_in(pid: int, port: int) -> socket.socket:
+    """A TCP socket listening on `port`, every address, in process `pid`'s network namespace: made
+    by a child that enters the namespace and hands it back over a socket pair (SCM_RIGHTS), so
+    that no thread of the caller changes namespace. A socket keeps the namespace it was made in:
+    the caller serves a pod's port from its node's namespace. NetnsError when the port is taken
+    there (the pod's own process listens on it) or the namespace is gone."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        ours.close()
+        theirs.close()
+        raise NetnsError(f"process {pid}'s network namespace cannot be opened ({exc.strerror})", "") from exc
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the forked child
+        ours.close()
+        try:
+            if ctypes.CDLL(None, use_errno=True).setns(fd, _CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+            sock = _listener(port)
+            socket.send_fds(theirs, [b"ok"], [sock.fileno()])
+        except BaseException as exc:  # said to the parent, never raised in the child
+            with contextlib.suppress(OSError):
+                theirs.sendall(f"{type(exc).__name__}: {exc}".encode()[:1000])
+        finally:
+            os._exit(0)
+    theirs.close()
+    os.close(fd)
+    try:
+        msg, fds, _, _ = socket.recv_fds(ours, 1024, 1)
+    finally:
+        ours.close()
+        os.waitpid(child, 0)
+    if not fds:
+        raise NetnsError(
+            f"cannot listen on port {port} in process {pid}'s network namespace "
+            f"({msg.decode(errors='replace') or 'its helper died'})",
+            "a process of the pod listens on that port already: give the webhook and the agents "
+            "another --prestop-port",
+        )
+    return socket.socket(fileno=fds[0])
+
+
+def _listener(port: int) -> socket.socket:
+    """Listening on `port` at every address: IPv6 and IPv4 at once where the namespace has IPv6."""
+    try:
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        addr: tuple[str, int] = ("::", port)
+    except OSError:
+        sock, addr = socket.socket(socket.AF_INET, socket.SOCK_STREAM), ("0.0.0.0", port)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError:
+        if sock.family != socket.AF_INET6:
+            raise
+        sock.close()  # IPv6 is there but has no address (disabled in the pod): IPv4 alone
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("0.0.0.0", port))
+    sock.listen(64)
+    sock.setblocking(False)
+    return sock
