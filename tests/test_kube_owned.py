@@ -162,28 +162,40 @@ def ref(reference):
     return reference(os.path.basename(JOB), "--steps", str(STEPS), "--workers", "2", "--log", "/dev/null")
 
 
-def _moved_mid_training(k: Kubectl, name: str, ref, move) -> dict:
-    """Pod `name` (its controller just created) trains past step 40; `move()` moves it and returns
-    the node it should come back on; the successor runs there under the same name, and the job's
-    log over both pods is the uninterrupted run's."""
-    first = k.wait_running(name, timeout=120)
+def _moved_mid_training(k: Kubectl, name: str, ref, *moves) -> dict:
+    """Pod `name` (its controller just created) trains past step 40; each of `moves()` moves it
+    (the next one 20 steps after the last) and returns the node it should come back on; the
+    successor runs there under the same name, and the job's log over all the pods is the
+    uninterrupted run's."""
+    new = k.wait_running(name, timeout=120)
     follow = [LogFollower(k, name)]
     follow[0].start()
     wait_step(k, name, 40)
-    new = _successor(k, name, first["metadata"]["uid"], move())
-    follow.append(LogFollower(k, name))
-    follow[-1].start()
+    for move in moves:
+        if len(follow) > 1:
+            wait_step(k, name, max(steps(follow[-1].text) or [40]) + 20)
+        new = _successor(k, name, new["metadata"]["uid"], move())
+        follow.append(LogFollower(k, name))
+        follow[-1].start()
     _follow_to_the_end(k, follow, ref, name)
     return new
 
 
 def test_statefulset_pod_moves_keeping_its_name(local_cluster, ref) -> None:
     """`criuctl migrate st-0 b`: the StatefulSet controller (the real one) recreates st-0, the
-    webhook pins it to b as the placeholder, b's agent restores the bundle its preStop kept."""
+    webhook pins it to b as the placeholder, b's agent restores the bundle its preStop kept. Then
+    back to a: the restored pod's preStop reaches b's agent in the pod too (its listener is made
+    from the placeholder's container, whose job was restored into it)."""
     lay, k = local_cluster
     k.apply(_statefulset("st", "a"))
     try:
-        _moved_mid_training(k, "st-0", ref, lambda: _move_with_cli(lay, k, "st-0", "b")["target"])
+        _moved_mid_training(
+            k,
+            "st-0",
+            ref,
+            lambda: _move_with_cli(lay, k, "st-0", "b")["target"],
+            lambda: _move_with_cli(lay, k, "st-0", "a")["target"],
+        )
     finally:
         k("delete", "statefulset", "st", "--wait=false")
 

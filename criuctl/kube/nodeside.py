@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from criuctl.container import containers
+from criuctl.container import runtime
 from criuctl.core.errors import CriuctlError
 from criuctl.kube import cluster, jobfailures, mutate, prestop, successors
 from criuctl.net import netns
@@ -93,6 +93,14 @@ class PodHooks:
         self.sites: dict[str, web.SockSite] = {}  # pod UID → its listener
         self.refused: set[str] = set()  # pods whose port is taken (said once)
 
+    def _pid(self, cid: str) -> int:
+        """A process of the pod (its container's, as the runtime says: a job restored into a
+        placeholder is no workload of that container's name), for its network namespace."""
+        pid = self.agent.runtimes.connect().container(cid).pid
+        if pid <= 0:
+            raise runtime.UnknownContainer(f"container {cid[:12]} has no process yet")
+        return pid
+
     async def forever(self) -> None:
         while True:
             try:
@@ -112,13 +120,13 @@ class PodHooks:
             if uid in self.sites or uid in self.refused:
                 continue
             try:
-                w = await asyncio.to_thread(self.agent.runtimes.resolve, containers.name_of(cid))
-                sock = await asyncio.to_thread(netns.listen_in, w.root_pid, self.port)
+                pid = await asyncio.to_thread(self._pid, cid)
+                sock = await asyncio.to_thread(netns.listen_in, pid, self.port)
             except netns.NetnsError as exc:
                 self.refused.add(uid)
                 log.warning("no preStop listener in the pod", extra={"pod": who, "why": exc.line()})
                 continue
-            except CriuctlError:  # not a workload yet (its container starting): next time
+            except CriuctlError:  # the runtime does not answer, or the container is not there: next time
                 continue
             site = web.SockSite(self.runner, sock)
             await site.start()
