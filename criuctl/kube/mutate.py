@@ -53,7 +53,7 @@ PATCHED = (
     ("spec", "nodeSelector"),
     ("spec", "affinity"),
 )
-PRESTOP_PATH = "/v1/prestop"  # + /NAMESPACE/POD: criuctl.kube.prestop, on the node agent's loopback port
+PRESTOP_PATH = "/v1/prestop"  # + /NAMESPACE/POD: criuctl.kube.prestop, the agent's listener in the pod
 # a preStop checkpoint (freeze, dump, copy to another node) must fit in the pod's grace period
 PRESTOP_GRACE = 300
 

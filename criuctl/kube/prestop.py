@@ -1,8 +1,9 @@
 """A migratable pod is being deleted: checkpoint its job and keep the bundle where its successor
 will run (drain, eviction, and `criuctl migrate` of a controller's pod all come through here).
 
-The kubelet calls this from the pod's preStop hook (criuctl.kube.mutate.prestop_hook) on the node
-agent's loopback port, before it sends the container SIGTERM. The call carries no credentials
+The kubelet calls this from the pod's preStop hook (criuctl.kube.mutate.prestop_hook) at the pod's
+IP, where the node agent listens (criuctl.kube.nodeside.PodHooks), or on the agent's loopback
+port, before it sends the container SIGTERM. The call carries no credentials
 (Kubernetes 1.20's kubelet sends none), so it is authorised by the API server's own word: the pod
 exists, on this node, and is being deleted. Checkpointing it then does nothing its deletion would
 not do, except keep the job.
