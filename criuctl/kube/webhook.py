@@ -50,7 +50,8 @@ class MovesUnknown(Exception):
 @dataclass
 class Options:
     """What the webhook adds beyond the wrap: criuctl's preStop hook (the node agents' hook port),
-    and the pending moves it reads to make a controller's new pod its predecessor's placeholder (None: no credentials, no pending moves seen; docs/kubernetes.md)."""
+    and the pending moves it reads to make a controller's new pod its predecessor's placeholder
+    (None: no credentials, no pending moves seen; docs/kubernetes.md)."""
 
     prestop_port: int | None = None
     prestop_on_host: bool = False  # the hook calls the agent's loopback (`host`), not the pod's IP
