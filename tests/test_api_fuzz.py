@@ -37,6 +37,7 @@ ROUTES = [
     ("GET", "/v1/outgoing/{x}"),
     ("DELETE", "/v1/outgoing/{x}"),
     ("POST", "/v1/outgoing"),
+    ("POST", "/v1/outgoing/settle"),  # the body names the workload; {x} has no place in it
     ("POST", "/v1/incoming"),
     ("DELETE", "/v1/incoming/{x}/cut"),
     ("POST", "/v1/redirects"),
@@ -230,3 +231,43 @@ def test_agent_starts_over_torn_and_hostile_records(agent_app, state_dir, caplog
         assert asyncio.run(go()) == 200
     unreadable = [r for r in caplog.records if "unreadable" in r.getMessage()]
     assert len(unreadable) == 6, [r.getMessage() for r in caplog.records]
+
+
+def test_settle_is_refused_in_one_line_unless_a_sent_move_waits_on_a_silent_target(
+    agent_app, monkeypatch
+) -> None:
+    """`POST /v1/outgoing/settle` (criuctl settle): no declaration, no such move, a move not
+    waiting on its target, a target that answers — each refused with its line, nothing ordered."""
+    from criuctl.agent import outgoing as outgoing_mod
+    from criuctl.agent.protocol import SourceRecord, SourceState, Ticket, settle_order_path
+    from criuctl.core import procinfo, statedir
+
+    agent, token, _ = agent_app
+    ticket = Ticket("https://10.0.0.9:7070", "i" * 32, "s" * 32, "b")
+    records = statedir.OUTGOING.ensure()
+    me = procinfo.Identity.of(os.getpid())  # a live "handoff": the agent's start leaves its record be
+    rec = SourceRecord("m" * 32, "job", "stop-and-copy", SourceState.FROZEN, ticket, me.pid, me.boot)
+    rec.hold_start = me.start
+    path = records / f"{rec.migration}.json"
+    answers = iter(["restored"])
+    monkeypatch.setattr(outgoing_mod.verdicts, "ask_state", lambda _t: next(answers))
+
+    async def settle(body: object) -> tuple[int, dict]:
+        async with TestClient(TestServer(agent.app())) as client:
+            resp = await client.post(
+                "/v1/outgoing/settle", json=body, headers={"Authorization": f"Bearer {token}"}
+            )
+            return resp.status, await resp.json()
+
+    said = asyncio.run(settle({"workload": "job"}))
+    assert said[0] == 400 and "declared down" in said[1]["what"], said
+    said = asyncio.run(settle({"workload": "job", "declared": "b is off"}))
+    assert said[0] == 404 and "no move of job waits" in said[1]["what"], said
+    outgoing_mod.records.write(path, rec.to_json())
+    said = asyncio.run(settle({"workload": "job", "declared": "b is off"}))
+    assert said[0] == 409 and "is frozen, not waiting" in said[1]["what"], said
+    rec.state = SourceState.SENT
+    outgoing_mod.records.write(path, rec.to_json())
+    said = asyncio.run(settle({"workload": "job", "declared": "b is off"}))
+    assert said[0] == 409 and said[1]["what"].startswith("node b answers for the move of job"), said
+    assert not settle_order_path(path).exists(), "an order was written for a move its target settles"
