@@ -249,8 +249,8 @@ def test_settle_is_refused_in_one_line_unless_a_sent_move_waits_on_a_silent_targ
     rec = SourceRecord("m" * 32, "job", "stop-and-copy", SourceState.FROZEN, ticket, me.pid, me.boot)
     rec.hold_start = me.start
     path = records / f"{rec.migration}.json"
-    answers = iter(["restored"])
-    monkeypatch.setattr(outgoing_mod.verdicts, "ask_state", lambda _t: next(answers))
+    answers = iter(["its address refuses connections: the node is up, its agent is not"])
+    monkeypatch.setattr(outgoing_mod.verdicts, "heard", lambda _t: next(answers))
 
     async def settle(body: object) -> tuple[int, dict]:
         async with TestClient(TestServer(agent.app())) as client:
@@ -270,4 +270,5 @@ def test_settle_is_refused_in_one_line_unless_a_sent_move_waits_on_a_silent_targ
     outgoing_mod.records.write(path, rec.to_json())
     said = asyncio.run(settle({"workload": "job", "declared": "b is off"}))
     assert said[0] == 409 and said[1]["what"].startswith("node b answers for the move of job"), said
+    assert "the node is up" in said[1]["what"], said
     assert not settle_order_path(path).exists(), "an order was written for a move its target settles"

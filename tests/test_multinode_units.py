@@ -364,3 +364,37 @@ def test_a_pods_addresses_are_read_from_its_own_namespace():
         p.kill()
         p.wait()
     assert netns.addresses(p.pid) == []
+
+
+@needs("util-linux")
+def test_a_socket_made_in_a_pods_namespace_listens_there_and_a_taken_port_is_said():
+    """The preStop hook's listener in a pod (criuctl.kube.nodeside.PodHooks): made in the pod's
+    namespace by a forked child, served from here; reachable in the pod, not in the caller's
+    namespace; a port a process of the pod holds is PortTaken, in one line."""
+    import socket
+
+    from criuctl.net import netns
+
+    script = "ip link set lo up && echo up && sleep 60"
+    p = subprocess.Popen(["unshare", "--net", "sh", "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "up"
+        sock = netns.listen_in(p.pid, 7391)
+        try:
+            inside = ["nsenter", f"--net=/proc/{p.pid}/ns/net", sys.executable, "-c"]
+            probe = "import socket; socket.create_connection(('127.0.0.1', 7391), 2); print('ok')"
+            got = subprocess.run([*inside, probe], capture_output=True, text=True, timeout=30)
+            assert got.stdout.strip() == "ok", got.stderr
+            conn, _ = (sock.setblocking(True), sock.accept())[1]
+            conn.close()
+            with pytest.raises(OSError), socket.create_connection(("127.0.0.1", 7391), 1):
+                pass  # the caller's own namespace has no such listener
+            with pytest.raises(netns.PortTaken, match=r"port 7391 .* is taken"):
+                netns.listen_in(p.pid, 7391)
+        finally:
+            sock.close()
+    finally:
+        p.kill()
+        p.wait()
+    with pytest.raises(netns.NetnsError, match="cannot be opened"):
+        netns.listen_in(p.pid, 7391)

@@ -468,6 +468,7 @@ def _sent_source(
     monkeypatch.setattr(handoff_mod, "_command", lambda: commands.pop(0))
     monkeypatch.setattr(handoff_mod.verdicts, "ask_abort", lambda _t: verdicts.pop(0))
     monkeypatch.setattr(handoff_mod.verdicts, "ask_state", lambda _t: (states or []).pop(0))
+    monkeypatch.setattr(handoff_mod.verdicts, "heard", lambda _t: None)  # the target's address: silent
     monkeypatch.setattr(handoff_mod.time, "sleep", lambda _s: None)
     events: list[str] = []
     monkeypatch.setattr(handoff_mod, "_emit", lambda ev, **_f: events.append(str(ev)))
@@ -611,6 +612,32 @@ def test_handoff_whose_lease_broke_finds_a_settle_order_while_it_waits(tmp_path,
     assert len(asked) == 4  # it asked once more after it found the order: silence, then the thaw
     assert src.frozen.fate == ["thaw"] and events == ["thawed"]
     assert records.read(Path(src.spec.record), SourceRecord.from_json).settled == "node b deleted"
+
+
+def test_a_settle_order_never_thaws_while_anything_answers_at_the_targets_address(tmp_path, monkeypatch):
+    """Declared down, but its address answers (unsigned, or a refused connection: the node is up):
+    frozen still, said as in doubt; once the address is silent, the order stands."""
+    from criuctl.agent.protocol import SettleOrder
+
+    src, events = _sent_source(
+        tmp_path, monkeypatch, ["settle", "settle"], [Verdict.UNKNOWN, Verdict.UNKNOWN]
+    )
+    records.order_settle(src.spec.record, SettleOrder("--target-down", 1.0))
+    said = iter(["its address refuses connections: the node is up, its agent is not", None])
+    monkeypatch.setattr(handoff_mod.verdicts, "heard", lambda _t: next(said))
+    src._settle(handoff_mod._command())
+    assert events == ["in-doubt", "thawed"] and src.frozen.fate == ["thaw"]
+
+
+def test_a_commit_is_never_turned_into_a_settle(tmp_path, monkeypatch):
+    """An order on disk, then the client commits (the target answered it): the commit asks the
+    target's state as ever; the order does not make it thaw."""
+    from criuctl.agent.protocol import SettleOrder
+
+    src, events = _sent_source(tmp_path, monkeypatch, ["commit"], [], states=["running"])
+    records.order_settle(src.spec.record, SettleOrder("--target-down", 1.0))
+    src._settle(handoff_mod._command())
+    assert src.frozen.fate == ["end"] and events == ["committed", "done"]
 
 
 def test_no_settle_order_no_thaw_whatever_the_agent_says(tmp_path, monkeypatch):

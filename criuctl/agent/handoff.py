@@ -186,7 +186,7 @@ class _Source:
         finds the order beside its record while it waits). Returns once settled."""
         backoff = Backoff(timeouts().ask_backoff_max)
         while True:
-            if self._ordered():
+            if cmd != Command.COMMIT and self._ordered():  # (a commit: the target answered the client)
                 cmd = Command.SETTLE
             if cmd == Command.COMMIT:
                 state = verdicts.ask_state(self.spec.ticket)
@@ -201,8 +201,8 @@ class _Source:
             if verdict == Verdict.ABORTED:
                 return self._thaw()
             order = records.settle_order(self.path) if cmd == Command.SETTLE else None
-            if order is not None:  # silent, and declared down: the one thaw without its verdict
-                return self._thaw(settled=order.declared)
+            if order is not None and verdicts.heard(self.spec.ticket) is None:
+                return self._thaw(settled=order.declared)  # silent, declared down: thawed without a verdict
             if cmd in (Command.ABORT, Command.SETTLE):  # the agent asked and is still there: tell it
                 _emit(Event.IN_DOUBT)
                 cmd = _command()

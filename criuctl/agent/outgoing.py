@@ -268,32 +268,43 @@ class Outgoing:
                 "only a move whose bundle was sent waits for its target; this one settles on its own",
                 state=str(rec.state),
             )
-        state = await asyncio.to_thread(verdicts.ask_state, rec.ticket)
-        if state is not None:
+        if (answer := await asyncio.to_thread(verdicts.heard, rec.ticket)) is not None:
             return fail(
                 409,
-                f"node {rec.ticket.node} answers for the move of {name} (its copy is {state}): "
-                "it settles the move itself",
-                "nothing to settle by hand while the target answers; the source acts on its word",
+                f"node {rec.ticket.node} answers for the move of {name} ({answer})",
+                "a target that answers is not down: nothing to settle by hand; the source acts on "
+                "its signed word once it gives one",
                 state=str(rec.state),
             )
         await asyncio.to_thread(records.order_settle, path, SettleOrder(declared.strip(), time.time()))
         log.warning("settle ordered", extra={"id": rec.migration, "declared": declared})
         await points.areach(Point.SOURCE_SETTLE_ORDERED)
         m = self.machines.get(rec.migration)
+        if m is not None and (m.handoff is None or not m.handoff.alive) and m.state == SourceState.SENT:
+            self.machines.pop(rec.migration, None)  # its handoff died: this agent settles the record
+            self.agent.spawn(self.settle(rec))
+            m = None
         out = await m.settle() if m is not None else await self._settled_on_disk(path, rec.migration)
+        if out.state in (SourceState.COMMITTED, SourceState.DONE):  # the target's word came first
+            out = Outcome(out.state, False, f"node {rec.ticket.node} answered: the job runs there")
         if out.ok:
             self.agent.metrics.migrations.labels("source", rec.mode, "settled").inc()
             if m is not None:
                 self.agent.spawn(self._forget_when_done(m, linger=0.0))
+        if not path.exists():  # settled and forgotten meanwhile: no order outlives its record
+            settle_order_path(path).unlink(missing_ok=True)
         return outcome_response(out)
 
     def _waiting(self, name: str) -> tuple[Path, SourceRecord] | None:
-        """The record of the unsettled move of workload `name` on this node, if there is one."""
-        for path, rec in records.scan(self.records, "*.json", SourceRecord.from_json):
-            if isinstance(rec, SourceRecord) and rec.workload == name and rec.state not in SOURCE_FINAL:
-                return path, rec
-        return None
+        """The record of the unsettled move of workload `name` on this node, if there is one (the
+        one waiting on its target first: an older move's incomplete thaw never hides it)."""
+        found = [
+            (path, rec)
+            for path, rec in records.scan(self.records, "*.json", SourceRecord.from_json)
+            if isinstance(rec, SourceRecord) and rec.workload == name and rec.state not in SOURCE_FINAL
+        ]
+        found.sort(key=lambda pr: pr[1].state != SourceState.SENT)
+        return found[0] if found else None
 
     async def _settled_on_disk(self, path: Path, mid: str) -> Outcome:
         """A move this agent holds no machine for (its handoff's agent died, or the handoff did): the
@@ -303,6 +314,13 @@ class Outgoing:
         while time.monotonic() < deadline:
             rec = await asyncio.to_thread(records.read, path, SourceRecord.from_json)
             state = rec.state if isinstance(rec, SourceRecord) else self.recovered.get(mid)
+            if rec is None and state is None:
+                return Outcome(
+                    "gone",
+                    False,
+                    "the move settled meanwhile, its record is gone",
+                    f"`criuctl ps --node {self.agent.name}` says whether the job runs here",
+                )
             if state in (SourceState.THAWED, SourceState.THAW_INCOMPLETE):
                 thawed: bool | str = True if state == SourceState.THAWED else INCOMPLETE
                 return Outcome(str(state), True, facts={"thawed": thawed})
@@ -407,8 +425,9 @@ class Outgoing:
         if rec.state == SourceState.SENT:
             backoff = Backoff(timeouts().ask_backoff_max)
             while (verdict := await asyncio.to_thread(verdicts.ask_abort, rec.ticket)) == Verdict.UNKNOWN:
-                if (order := records.settle_order(path)) is not None:  # silent, and declared down
-                    rec.settled = order.declared
+                order = records.settle_order(path)
+                if order is not None and await asyncio.to_thread(verdicts.heard, rec.ticket) is None:
+                    rec.settled = order.declared  # silent, and declared down
                     break
                 await backoff.asleep(until=lambda: records.settle_order(path) is not None)
             log.warning("recovered outgoing", extra={"id": rec.migration, "verdict": str(verdict)})

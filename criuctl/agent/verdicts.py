@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import ssl
 from urllib.parse import urlsplit
 
 from criuctl.agent.conn import connect
@@ -48,3 +49,30 @@ def ask_abort(ticket: Ticket) -> Verdict:
 def ask_state(ticket: Ticket) -> str | None:
     """The target's state of the migration, or None when it does not answer, signed, clearly."""
     return _signed_state("GET", ticket)
+
+
+def heard(ticket: Ticket) -> str | None:
+    """What answers at the target's address, in words; None when nothing does (no route to it, no
+    reply in time): the one case where a person's word that the target is down may stand in for
+    its verdict (`protocol.SettleOrder`). An unsigned answer, a refused connection (the node is
+    up, its agent is not) or a stranger's TLS server all mean the node may still run the job."""
+    c = connect(ticket.base(), ticket.ca, timeouts().ask_target)
+    try:
+        c.request("GET", urlsplit(ticket.base()).path, headers={"Authorization": f"Bearer {ticket.secret}"})
+        resp = c.getresponse()
+        raw = resp.read(_MAX_ANSWER)
+        try:
+            state = checked_state(ticket, json.loads(raw))
+        except ValueError:
+            state = None
+        return f"its copy is {state}" if state else f"something answers there (HTTP {resp.status}, unsigned)"
+    except ConnectionRefusedError:
+        return "its address refuses connections: the node is up, its agent is not"
+    except ssl.SSLError as exc:
+        return f"a TLS server answers there that is not its agent ({exc.__class__.__name__})"
+    except (ConnectionResetError, http.client.HTTPException) as exc:
+        return f"something answers there ({exc.__class__.__name__})"
+    except OSError:  # no route, no reply in time: silent
+        return None
+    finally:
+        c.close()

@@ -334,9 +334,20 @@ def cmd_cancel(a: argparse.Namespace) -> int:
         print(f"criuctl: podmigration {a.name} already ended ({phase}): nothing to cancel", file=sys.stderr)
         return 0
     podmigrations.cancel(c, namespace, a.name, f"{getpass.getuser()}@{socket.gethostname()}")
+    if phase in (podmigrations.Phase.PENDING, podmigrations.Phase.CHECKING):
+        what = "the controller ends it before it begins"
+    elif phase == podmigrations.Phase.IN_DOUBT:
+        what = (
+            "the controller settles it on the source once the target's Node is deleted or "
+            "tainted out-of-service"
+        )
+    else:
+        what = (
+            "a move under way is not cut short: it ends by itself; should it end in doubt, "
+            "the cancel acts then"
+        )
     print(
-        f"criuctl: podmigration {a.name} ({phase}) cancelled: the controller ends it "
-        f"(`criuctl get {a.name} -w` follows it)",
+        f"criuctl: podmigration {a.name} ({phase}) cancelled: {what} (`criuctl get {a.name} -w` follows it)",
         file=sys.stderr,
     )
     return 0

@@ -509,7 +509,8 @@ def settle(source: AgentClient, name: str, declared: str) -> str:
     """Settle the move of `name` frozen on `source` whose target a person declared down
     (`declared`): the source asks the target once more, and thaws only if it stays silent. Returns
     the state it ended in ("thawed"); raises with the agent's line otherwise."""
-    hold = timeouts().handoff_settle + 2 * timeouts().ask_target + 10  # the agent's wait, and more
+    t = timeouts()
+    hold = 2 * t.handoff_settle + 3 * t.ask_target + 10  # the agent's longest wait, and more
     try:
         answer: StepAnswer = source.post(
             "/v1/outgoing/settle", {"workload": name, "declared": declared}, timeout=hold

@@ -377,16 +377,19 @@ def _where_it_runs(c: Cluster, j: Journal) -> tuple[str | None, str]:
     ids = (st.get("outgoingId") or None, st["incomingId"])
     try:
         src = agent_of(c, source)
-        target_node: dict | None = c.serialize(call(f"node {target}", c.core.read_node, target))
-    except NotFound:
-        target_node = None
-    except CriuctlError as exc:
+        try:
+            target_node: dict | None = c.serialize(call(f"node {target}", c.core.read_node, target))
+        except NotFound:
+            target_node = None
+    except CriuctlError as exc:  # the source's Node or agent away: its job may be frozen there
         log.warning("in doubt", extra={"podmigration": f"{j.ns}/{j.name}", "error": exc.what})
         return None, ""
     where = None
-    if target_node is not None:
-        with contextlib.suppress(CriuctlError):
+    with contextlib.suppress(CriuctlError):
+        if target_node is not None:
             where = podmigrate.take_up(src, agent_for(c, target_node), ids, st.get("workload", ""))
+        else:  # no target to ask: the source may have settled it with the target before it went
+            where = podmigrate.source_settled(src, ids[0])
     who = podmigrations.cancelled(j.obj)
     fenced = podmigrate.fence(target_node, target)
     if where is not None or who is None or fenced is None:
@@ -420,7 +423,7 @@ def _resume_placeholder(c: Cluster, j: Journal, phase: Phase) -> None:
             raise Retry(f"podmigration {j.ns}/{j.name}: the agents have not settled it yet")
         if where == source:
             why = (
-                f"cancelled: {fenced}, and node {source} thawed the job on that word"
+                f"cancelled: {fenced}, and the job runs on node {source} again"
                 if fenced
                 else "the controller restarted mid-move; the agents settled it"
             )

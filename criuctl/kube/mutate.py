@@ -215,7 +215,10 @@ def wrap(
         hooked = False
         for c in spec.get("containers", []):
             if is_wrapped(c) and not (c.get("lifecycle") or {}).get("preStop"):
-                hook = prestop_hook(prestop_port, namespace, name, prestop_on_host)
+                # a pod on the host's network has the node's IP: only the loopback listener is there
+                hook = prestop_hook(
+                    prestop_port, namespace, name, prestop_on_host or bool(spec.get("hostNetwork"))
+                )
                 c["lifecycle"] = {**(c.get("lifecycle") or {}), **hook}
                 hooked = True
         if hooked:

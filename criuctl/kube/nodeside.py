@@ -37,7 +37,7 @@ log = logging.getLogger("criuctl.kube")
 TICK = 2.0  # one list of the move records per node per tick: cheap on a cluster of many nodes
 TICK_BUSY = 0.2  # while this node is to restore a move: only the holder's (or target's) agent
 RETRACK_EVERY = 10.0  # s between two looks for pods untracked for a deletion that did not come
-HOOKS_EVERY = 3.0  # s between two looks for this node's wrapped pods (one list of its pods)
+HOOKS_EVERY = 5.0  # s between two looks for this node's wrapped pods (one cached list of its pods)
 
 
 def extension(port: int, kubeconfig: str | None) -> Callable[[Agent, web.Application], None]:
@@ -90,8 +90,10 @@ class PodHooks:
 
     def __init__(self, c: cluster.Cluster, agent: Agent, runner: web.AppRunner, port: int) -> None:
         self.c, self.agent, self.runner, self.port = c, agent, runner, port
-        self.sites: dict[str, web.SockSite] = {}  # pod UID → its listener
-        self.refused: set[str] = set()  # pods whose port is taken (said once)
+        # (pod UID, container ID) → its listener: a container the kubelet started anew (a new ID)
+        # may be in a new sandbox, whose namespace the old socket would keep alive
+        self.sites: dict[tuple[str, str], web.SockSite] = {}
+        self.refused: set[tuple[str, str]] = set()  # pods whose port a process of theirs holds
 
     def _pid(self, cid: str) -> int:
         """A process of the pod (its container's, as the runtime says: a job restored into a
@@ -113,33 +115,38 @@ class PodHooks:
 
     async def refresh(self) -> None:
         pods = await asyncio.to_thread(hooked_pods, self.c, self.agent.name)
-        for uid in set(self.sites) - set(pods):
-            await self.sites.pop(uid).stop()
+        for key in set(self.sites) - set(pods):
+            await self.sites.pop(key).stop()
         self.refused &= set(pods)
-        for uid, (who, cid) in pods.items():
-            if uid in self.sites or uid in self.refused:
+        for key, who in pods.items():
+            if key in self.sites or key in self.refused:
                 continue
             try:
-                pid = await asyncio.to_thread(self._pid, cid)
+                pid = await asyncio.to_thread(self._pid, key[1])
                 sock = await asyncio.to_thread(netns.listen_in, pid, self.port)
-            except netns.NetnsError as exc:
-                self.refused.add(uid)
+            except netns.PortTaken as exc:  # for the pod's life: said once
+                self.refused.add(key)
                 log.warning("no preStop listener in the pod", extra={"pod": who, "why": exc.line()})
                 continue
-            except CriuctlError:  # the runtime does not answer, or the container is not there: next time
+            except CriuctlError as exc:  # the runtime, the container or its namespace: next time
+                log.info("preStop listener not made yet", extra={"pod": who, "why": exc.line()})
                 continue
             site = web.SockSite(self.runner, sock)
             await site.start()
-            self.sites[uid] = site
+            self.sites[key] = site
             log.info("preStop listener", extra={"pod": who, "port": self.port})
 
 
-def hooked_pods(c: cluster.Cluster, node: str) -> dict[str, tuple[str, str]]:
+def hooked_pods(c: cluster.Cluster, node: str) -> dict[tuple[str, str], str]:
     """The pods on `node` whose preStop hook calls the pod's own IP (`mutate.prestop_hook` without
-    `host`) and whose wrapped container runs: UID → (NAMESPACE/NAME, container ID)."""
-    out: dict[str, tuple[str, str]] = {}
+    `host`) and whose wrapped container runs: (UID, container ID) → NAMESPACE/NAME. Read from the
+    API server's cache (resourceVersion 0), as the kubelet's own list is: cheap for it at any size."""
+    out: dict[tuple[str, str], str] = {}
     listed = cluster.call(
-        f"the pods of node {node}", c.core.list_pod_for_all_namespaces, field_selector=f"spec.nodeName={node}"
+        f"the pods of node {node}",
+        c.core.list_pod_for_all_namespaces,
+        field_selector=f"spec.nodeName={node}",
+        resource_version="0",
     )
     for item in listed.items:
         pod = c.serialize(item)
@@ -151,7 +158,7 @@ def hooked_pods(c: cluster.Cluster, node: str) -> dict[str, tuple[str, str]]:
             if mutate.has_prestop(ctr) and not hook.get("host"):
                 cid = cluster.container_id(pod, ctr["name"])
                 if cid:
-                    out[meta["uid"]] = (f"{meta['namespace']}/{meta['name']}", cid)
+                    out[(meta["uid"], cid)] = f"{meta['namespace']}/{meta['name']}"
                 break
     return out
 

@@ -179,6 +179,18 @@ def settle_fenced(source: Node, workload: str, declared: str) -> str | None:
         return source.name if running_here(rows, workload) else None
 
 
+def source_settled(source: Node, outgoing: str | None) -> str | None:
+    """The source's node if its agent thawed the move (it heard the target before the target's
+    Node went); None while it holds the job frozen, or cannot say."""
+    if outgoing is None:
+        return None
+    with contextlib.suppress(CriuctlError, KeyError, TypeError):
+        status: OutgoingStatus = AgentClient(source, timeout=10).get(f"/v1/outgoing/{outgoing}", timeout=10)
+        if status["state"] == "thawed":
+            return source.name
+    return None
+
+
 def read_pod(c: Cluster, namespace: str, name: str) -> dict | None:
     try:
         return c.serialize(call(f"pod {namespace}/{name}", c.core.read_namespaced_pod, name, namespace))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import ipaddress
 import itertools
 import json
@@ -25,10 +26,18 @@ from typing import Any
 from criuctl.core.errors import CriuctlError
 
 _CLONE_NEWNET = 0x40000000
+# setns, looked up once here: a child forked from the agent's threads calls it and nothing more
+# (a dlopen in the child could wait on a lock another thread held at the fork)
+_SETNS = ctypes.CDLL(None, use_errno=True).setns
+LISTEN_TIMEOUT = 10.0  # s for the child of `listen_in` to hand its socket back
 
 
 class NetnsError(CriuctlError):
     """The namespace could not be entered (its process is gone), or the function failed in it."""
+
+
+class PortTaken(NetnsError):
+    """The port is taken in the pod's namespace: a process of the pod listens on it."""
 
 
 def addresses(pid: int) -> list[str]:
@@ -81,7 +90,7 @@ def run_in(pid: int, fn: Callable[..., Any], *args: Any) -> Any:
         os.close(read)
         answer: dict[str, Any]
         try:
-            if ctypes.CDLL(None, use_errno=True).setns(fd, _CLONE_NEWNET) != 0:
+            if _SETNS(fd, _CLONE_NEWNET) != 0:
                 err = ctypes.get_errno()
                 raise NetnsError(f"cannot enter process {pid}'s network namespace: {os.strerror(err)}", "")
             answer = {"result": fn(*args)}
@@ -113,43 +122,53 @@ def listen_in(pid: int, port: int) -> socket.socket:
     """A TCP socket listening on `port`, every address, in process `pid`'s network namespace: made
     by a child that enters the namespace and hands it back over a socket pair (SCM_RIGHTS), so
     that no thread of the caller changes namespace. A socket keeps the namespace it was made in:
-    the caller serves a pod's port from its node's namespace. NetnsError when the port is taken
-    there (the pod's own process listens on it) or the namespace is gone."""
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    the caller serves a pod's port from its node's namespace. PortTaken when a process there
+    listens on it; NetnsError when the namespace is gone or the child did not answer in time."""
     try:
         fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     except OSError as exc:
-        ours.close()
-        theirs.close()
         raise NetnsError(f"process {pid}'s network namespace cannot be opened ({exc.strerror})", "") from exc
-    child = os.fork()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        child = os.fork()
+    except OSError:
+        for end in (ours, theirs):
+            end.close()
+        os.close(fd)
+        raise
     if child == 0:  # pragma: no cover - the forked child
-        ours.close()
         try:
-            if ctypes.CDLL(None, use_errno=True).setns(fd, _CLONE_NEWNET) != 0:
+            if _SETNS(fd, _CLONE_NEWNET) != 0:
                 raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
             sock = _listener(port)
             socket.send_fds(theirs, [b"ok"], [sock.fileno()])
-        except BaseException as exc:  # said to the parent, never raised in the child
+        except OSError as exc:  # said to the parent, never raised in the child
             with contextlib.suppress(OSError):
-                theirs.sendall(f"{type(exc).__name__}: {exc}".encode()[:1000])
+                theirs.sendall(f"{exc.errno}:{exc.strerror or exc}".encode()[:1000])
         finally:
             os._exit(0)
     theirs.close()
     os.close(fd)
+    ours.settimeout(LISTEN_TIMEOUT)
     try:
         msg, fds, _, _ = socket.recv_fds(ours, 1024, 1)
+    except OSError:  # (a timeout is one)
+        msg, fds = b":its helper did not answer", []
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, 9)
     finally:
         ours.close()
         os.waitpid(child, 0)
-    if not fds:
-        raise NetnsError(
-            f"cannot listen on port {port} in process {pid}'s network namespace "
-            f"({msg.decode(errors='replace') or 'its helper died'})",
-            "a process of the pod listens on that port already: give the webhook and the agents "
-            "another --prestop-port",
+    if fds:
+        return socket.socket(fileno=fds[0])
+    code, _, why = msg.decode(errors="replace").partition(":")
+    where = f"port {port} in process {pid}'s network namespace"
+    if code == str(errno.EADDRINUSE):
+        raise PortTaken(
+            f"{where} is taken",
+            "a process of the pod listens on it: give the webhook and the agents another --prestop-port",
         )
-    return socket.socket(fileno=fds[0])
+    raise NetnsError(f"cannot listen on {where} ({why or 'its helper died'})", "")
 
 
 def _listener(port: int) -> socket.socket:
