@@ -186,9 +186,7 @@ class _Source:
         finds the order beside its record while it waits). Returns once settled."""
         backoff = Backoff(timeouts().ask_backoff_max)
         while True:
-            if cmd != Command.COMMIT and self._ordered():  # (a commit: the target answered the client)
-                cmd = Command.SETTLE
-            if cmd == Command.COMMIT:
+            if cmd == Command.COMMIT:  # (never a settle: the target answered the client)
                 state = verdicts.ask_state(self.spec.ticket)
                 if state == TargetState.RUNNING:
                     return self._commit()
@@ -200,14 +198,15 @@ class _Source:
                 return self._commit()
             if verdict == Verdict.ABORTED:
                 return self._thaw()
-            order = records.settle_order(self.path) if cmd == Command.SETTLE else None
+            order = records.settle_order(self.path)  # whatever the command: its agent may be dead
             if order is not None and verdicts.heard(self.spec.ticket) is None:
                 return self._thaw(settled=order.declared)  # silent, declared down: thawed without a verdict
             if cmd in (Command.ABORT, Command.SETTLE):  # the agent asked and is still there: tell it
                 _emit(Event.IN_DOUBT)
                 cmd = _command()
                 continue
-            backoff.sleep(until=self._ordered)  # the lease broke and the target is silent: frozen, not lost
+            # the lease broke and the target is silent: frozen, not lost; a new order ends the wait
+            backoff.sleep(until=None if order is not None else self._ordered)
 
     def _ordered(self) -> bool:
         return records.settle_order(self.path) is not None

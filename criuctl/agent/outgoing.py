@@ -429,7 +429,8 @@ class Outgoing:
                 if order is not None and await asyncio.to_thread(verdicts.heard, rec.ticket) is None:
                     rec.settled = order.declared  # silent, and declared down
                     break
-                await backoff.asleep(until=lambda: records.settle_order(path) is not None)
+                # a new order ends the wait; one that did not stand (the address answers) does not
+                await backoff.asleep(until=None if order else lambda: records.settle_order(path) is not None)
             log.warning("recovered outgoing", extra={"id": rec.migration, "verdict": str(verdict)})
             if verdict == Verdict.RUNNING and (tree := rec.tree()) is not None:
                 await asyncio.to_thread(_end, tree, rec)
