@@ -761,6 +761,7 @@ def _in_doubt(monkeypatch, nodes: dict[str, dict], cancelled: str | None, answer
     monkeypatch.setattr(controller, "agent_of", lambda c, n: podmigrate.Node(n, f"https://{n}:7070", "/t"))
     monkeypatch.setattr(controller, "agent_for", lambda c, node: podmigrate.Node("b", "https://b:7070", "/t"))
     monkeypatch.setattr(podmigrate, "take_up", lambda *a: None)  # b never answers
+    monkeypatch.setattr(podmigrate, "source_settled", lambda src, og: None)  # a holds the job frozen
     monkeypatch.setattr(podmigrate, "settle_fenced", lambda src, w, d: settle(src, w, d) and src.name)
     monkeypatch.setattr(podmigrate, "undo_placing", lambda c, ns, pod, new, source, why: undone.append(new))
     c = _FakeCluster(nodes)

@@ -384,20 +384,18 @@ def _where_it_runs(c: Cluster, j: Journal) -> tuple[str | None, str]:
     except CriuctlError as exc:  # the source's Node or agent away: its job may be frozen there
         log.warning("in doubt", extra={"podmigration": f"{j.ns}/{j.name}", "error": exc.what})
         return None, ""
-    where = None
+    who, fenced = podmigrations.cancelled(j.obj), podmigrate.fence(target_node, target)
+    if who is not None and fenced is not None:  # first: the source asks the target once more itself
+        declared = f"{fenced}; podmigration {j.ns}/{j.name} cancelled by {who}"
+        with contextlib.suppress(CriuctlError):
+            if podmigrate.settle_fenced(src, st.get("workload", ""), declared) == source:
+                return source, fenced
     with contextlib.suppress(CriuctlError):
         if target_node is not None:
-            where = podmigrate.take_up(src, agent_for(c, target_node), ids, st.get("workload", ""))
-        else:  # no target to ask: the source may have settled it with the target before it went
-            where = podmigrate.source_settled(src, ids[0])
-    who = podmigrations.cancelled(j.obj)
-    fenced = podmigrate.fence(target_node, target)
-    if where is not None or who is None or fenced is None:
-        return where, ""
-    declared = f"{fenced}; podmigration {j.ns}/{j.name} cancelled by {who}"
-    with contextlib.suppress(CriuctlError):
-        where = podmigrate.settle_fenced(src, st.get("workload", ""), declared)
-    return where, fenced if where == source else ""
+            return podmigrate.take_up(src, agent_for(c, target_node), ids, st.get("workload", "")), ""
+        # no target to ask: the source may have settled it with the target before it went
+        return podmigrate.source_settled(src, ids[0]), ""
+    return None, ""
 
 
 def _resume_placeholder(c: Cluster, j: Journal, phase: Phase) -> None:
