@@ -155,6 +155,65 @@ def test_a_podmigration_deleted_mid_move_is_settled_before_it_goes(local_cluster
     k("delete", "pod", moved, "--grace-period=1", "--wait=false", check=False)
 
 
+def _silence(lay, node: str, up: bool) -> None:
+    """Node `node`'s agent as a powered-off node's: nothing answers on its port (dropped in the
+    node's namespace, so no refusal says the node is up); the kubelet and the API stay."""
+    ns = ["ip", "netns", "exec", lay.node(node).ns, "nft"]
+    if up:
+        subprocess.run([*ns, "delete", "table", "inet", "criuctl-test-silence"], capture_output=True)
+        return
+    for rule in (
+        ["add", "table", "inet", "criuctl-test-silence"],
+        ["add", "chain", "inet", "criuctl-test-silence", "in", "{ type filter hook input priority -10 ; }"],
+        ["add", "rule", "inet", "criuctl-test-silence", "in", "tcp", "dport", "7070", "drop"],
+    ):
+        subprocess.run([*ns, *rule], check=True, capture_output=True)
+
+
+def test_a_cancelled_move_whose_target_is_lost_runs_on_its_source_again(local_cluster, ref) -> None:
+    """Frozen on a, restored on b, when b goes silent and the controller dies: the new leader can
+    settle it with nobody (in doubt). `criuctl cancel` alone does not thaw it (b may still run the
+    job); once b is tainted node.kubernetes.io/out-of-service, the source's agent asks b once more,
+    hears nothing and thaws: Failed, Cancelled, the placeholder gone, the job on a whole."""
+    lay, k = local_cluster
+    name = "lost"
+    follows = [_start(k, name)]
+    ctl = Controller(lay, k)
+    ctl.arm("client.restored")
+    taint = "node.kubernetes.io/out-of-service=nodeshutdown:NoExecute"
+    try:
+        r = criuctl(lay, "migrate", name, "b", "--detach", "--as", "pm-lost")
+        assert r.returncode == 0, r.stderr
+        ctl.reached("client.restored")
+        _silence(lay, "b", up=False)
+        old = ctl.kill_leader()
+        r = criuctl(lay, "cancel", "pm-lost")
+        assert r.returncode == 0 and "cancelled" in r.stderr, r.stderr
+        ctl.wait_leader(old)
+        deadline = time.monotonic() + 240
+        while "neither answers nor is declared down" not in (k.get("podmigration", "pm-lost") or {}).get(
+            "status", {}
+        ).get("reason", ""):
+            assert time.monotonic() < deadline, k.get("podmigration", "pm-lost")
+            time.sleep(1)
+        frozen_at = max(steps(k.logs(name)))
+        time.sleep(3)
+        assert max(steps(k.logs(name))) == frozen_at, "a cancel alone thawed the job: b may run it"
+        k("taint", "node", "b", taint)
+        obj = wait_podmigration(k, "pm-lost", timeout=300)
+        st = obj["status"]
+        assert st["phase"] == "Failed" and "keeps running on a" in st["hint"], st
+        assert [c["reason"] for c in st["conditions"] if c["type"] == "Failed"] == ["Cancelled"], st
+        k.wait_gone("pod", f"{name}-m1")  # the placeholder
+        assert k.get("pod", name)["status"]["containerStatuses"][0]["restartCount"] == 0
+    finally:
+        ctl.disarm()
+        _silence(lay, "b", up=True)
+        k("taint", "node", "b", f"{taint}-", check=False)
+    _to_the_end(k, [name], follows, ref)
+    k("delete", "pod", name, "--grace-period=1", "--wait=false", check=False)
+
+
 # ------------------------------------------------------------- a user with podmigrations only
 
 
