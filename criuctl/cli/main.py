@@ -420,7 +420,6 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "agent": _cmd_agent,
     "node": climigrate.cmd_node,
     "migrate": climigrate.cmd_migrate,
-    "settle": climigrate.cmd_settle,
     "thaw": _cmd_thaw,
     "dump": _cmd_dump,
     "restore": _cmd_restore,
@@ -430,8 +429,9 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "webhook": _cmd_webhook,
     "inject": _cmd_inject,
     "controller": _cmd_controller,
-    "get": climigrate.cmd_get,
+    "settle": climigrate.cmd_settle,
     "cancel": climigrate.cmd_cancel,
+    "get": climigrate.cmd_get,
     "demo": _cmd_demo,
 }
 
