@@ -292,12 +292,17 @@ class NotDeclared(CriuctlError):
     exit_code = 2
 
 
-def cmd_settle(a: argparse.Namespace) -> int:
-    """`criuctl settle NAME --node N --target-down`: a person's word ends a move whose target is
-    gone for good; the source thaws only if the target stays silent once more."""
+def _who() -> str:
+    """Who gives a person's word (a settle, a cancel), as records and statuses name them."""
     import getpass
     import socket
 
+    return f"{getpass.getuser()}@{socket.gethostname()}"
+
+
+def cmd_settle(a: argparse.Namespace) -> int:
+    """`criuctl settle NAME --node N --target-down`: a person's word ends a move whose target is
+    gone for good; the source thaws only if the target stays silent once more."""
     from criuctl.client import agents
     from criuctl.client import migrate as agent_migrate
     from criuctl.core import workloads
@@ -310,7 +315,7 @@ def cmd_settle(a: argparse.Namespace) -> int:
             "were it still running the job, the job would run twice",
         )
     source = agents.AgentClient(agents.get_node(a.node))
-    declared = f"--target-down by {getpass.getuser()} on {socket.gethostname()}"
+    declared = f"--target-down by {_who()}"
     state = agent_migrate.settle(source, name, declared)
     print(f"criuctl: {name} runs on {a.node} again ({state}: its target was declared down)", file=sys.stderr)
     return 0
@@ -318,9 +323,6 @@ def cmd_settle(a: argparse.Namespace) -> int:
 
 def cmd_cancel(a: argparse.Namespace) -> int:
     """`criuctl cancel PODMIGRATION`: the cancel annotation, which the controller acts on."""
-    import getpass
-    import socket
-
     from criuctl.kube import cluster, podmigrations, podplan
 
     for kind, value in (("podmigration", a.name), ("namespace", a.namespace)):
@@ -333,7 +335,7 @@ def cmd_cancel(a: argparse.Namespace) -> int:
     if phase.final:
         print(f"criuctl: podmigration {a.name} already ended ({phase}): nothing to cancel", file=sys.stderr)
         return 0
-    podmigrations.cancel(c, namespace, a.name, f"{getpass.getuser()}@{socket.gethostname()}")
+    podmigrations.cancel(c, namespace, a.name, _who())
     if phase in (podmigrations.Phase.PENDING, podmigrations.Phase.CHECKING):
         what = "the controller ends it before it begins"
     elif phase == podmigrations.Phase.IN_DOUBT:
