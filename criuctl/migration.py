@@ -35,9 +35,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from criuctl.core import durable, env, migsignal
+from criuctl.core import env, migsignal
 from criuctl.core.errors import CriuctlError
 from criuctl.core.migsignal import INIT, RESUME, SAVE
+from criuctl_hook import durable
 
 
 class MigrationCheckpointError(CriuctlError):

@@ -24,10 +24,13 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import psutil
 import requests
 
+from criuctl.agent import tickets
+from criuctl.agent.protocol import Ticket
 from criuctl.core import env
 from tests.jobs import CRIUCTL, Job, workload_cmd
 
@@ -64,6 +67,18 @@ def agent_cert(pki: Path, node: str, *addresses: str) -> tuple[Path, Path, Path]
     r = sh(str(AGENT_CERT), "--dir", str(pki), "--days", "2", node, *addresses, check=False)
     assert r.returncode == 0, r.stderr
     return pki / node / "tls.crt", pki / node / "tls.key", pki / "ca.crt"
+
+
+class TicketAuth(requests.auth.AuthBase):
+    """A `POST /v1/incoming` answer's ticket as the source agent uses it: a fresh proof per request,
+    never the secret (`criuctl.agent.tickets`)."""
+
+    def __init__(self, inc: dict) -> None:
+        self.ticket = Ticket("http://unused", inc["id"], inc["ticket"], "b", verify=inc["verify"])
+
+    def __call__(self, r: requests.PreparedRequest) -> requests.PreparedRequest:
+        r.headers["Authorization"] = tickets.proof(self.ticket, str(r.method), urlsplit(str(r.url)).path)[0]
+        return r
 
 
 @dataclass

@@ -20,7 +20,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from criuctl.agent import livesend, messages, protocol, receiver, transfer, wire
+from criuctl.agent import livesend, messages, receiver, tickets, transfer, wire
 from criuctl.agent.server import Agent, AgentOptions
 from criuctl.client import agents, migrate
 from criuctl.core import workloads
@@ -138,7 +138,7 @@ async def _put_to(take: str, dest, source, counter: transfer.Counter) -> tuple[t
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
     try:
-        return await transfer.send(source, f"http://127.0.0.1:{port}/b", "t", None, counter, "b"), seen
+        return await transfer.send(source, f"http://127.0.0.1:{port}/b", "Bearer t", None, counter, "b"), seen
     except transfer.TransferError as exc:
         return exc, seen
     finally:
@@ -439,7 +439,7 @@ def test_the_agents_answers_have_the_fields_their_types_name(tmp_path, state_dir
             made = await call("POST", "/v1/incoming", 200, messages.IncomingAnswer, {"workload": "w"})
             await call("GET", f"/v1/incoming/{made['id']}", 200, messages.IncomingStatus)
             await call("POST", f"/v1/incoming/{made['id']}/commit", 409, messages.ErrorAnswer)
-            await call("DELETE", f"/v1/incoming/{made['id']}", 200, protocol.SignedState)
+            await call("DELETE", f"/v1/incoming/{made['id']}", 200, tickets.SignedState)
             await call("DELETE", f"/v1/incoming/{made['id']}/cut", 200, messages.StateAnswer)
             await call("GET", f"/v1/outgoing/{'0' * 32}", 404, messages.ErrorAnswer)
 

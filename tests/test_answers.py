@@ -11,26 +11,34 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import contextlib
+import http.client
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import psutil
 import pytest
 
 from criuctl.agent import outgoing as outgoing_mod
-from criuctl.agent import verdicts
-from criuctl.agent.protocol import SourceRecord, SourceState, Ticket, Verdict, signed_state, verdict_key
-from criuctl.core import durable, faults, procinfo, workloads
+from criuctl.agent import tickets, verdicts
+from criuctl.agent.protocol import SourceRecord, SourceState, Ticket, Verdict
+from criuctl.core import faults, procinfo, workloads
 from criuctl.core.env import FAULT_DIR, SPOOL_DIR
 from criuctl.local import checkpoint
 from criuctl.net import netlock
+from criuctl_hook import durable
+from tests import impostor
+from tests.cluster import agent_cert
 from tests.jobs import criuctl
 from tests.requirements import needs
 
@@ -290,55 +298,186 @@ def test_concurrent_node_adds_each_keep_their_node(tmp_path):
     assert r.returncode == 0 and "n3" not in json.loads((tmp_path / "state" / "nodes.json").read_text())
 
 
+def _renames(tree: ast.AST) -> list[ast.Call]:
+    """Calls that replace or rename a file by hand: `os.rename/replace/renames`, `Path.rename/replace`
+    (one argument: `str.replace` takes two), a hand-made temp file. (`shutil.move` is left alone:
+    it carries a failed dump's log across file systems, where no rename can.)"""
+    found = []
+    for call in ast.walk(tree):
+        if not isinstance(call, ast.Call):
+            continue
+        f = call.func
+        name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+        owner = f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else ""
+        if owner in ("durable", "dataclasses"):
+            continue
+        if (
+            (owner == "os" and name in ("rename", "replace", "renames"))
+            or name in ("mkstemp", "NamedTemporaryFile")
+            or (name in ("rename", "replace") and len(call.args) == 1 and not call.keywords)
+        ):
+            found.append(call)
+    return found
+
+
 def test_every_atomic_write_goes_through_durable():
-    """One home for "write a file durably": no module of the package renames a temp file itself."""
-    package = Path(checkpoint.__file__).parent
+    """One home for "write a file durably" (`criuctl_hook.durable`): no module of the package or of
+    the in-process hook renames or replaces a file itself. Before: it scanned `criuctl/local/` for
+    `os.replace` and `mkstemp` only, and the hook renamed its own files without syncing the folder."""
+    homes = [Path(checkpoint.__file__).parents[1], Path(durable.__file__).parent]
     offenders = []
-    for path in package.rglob("*.py"):
-        text = path.read_text()
-        if path.name != "durable.py" and ("os.replace(" in text or "tempfile.mkstemp(" in text):
-            offenders.append(str(path.relative_to(package)))
-    assert offenders == [], offenders
+    for home in homes:
+        for path in home.rglob("*.py"):
+            if path == Path(durable.__file__):
+                continue
+            lines = path.read_text().splitlines()
+            for call in _renames(ast.parse("\n".join(lines))):
+                offenders.append(
+                    f"{path.relative_to(home.parent)}:{call.lineno}: {lines[call.lineno - 1].strip()}"
+                )
+    assert offenders == [], "\n".join(offenders)
+    assert (  # the guard sees what it looks for: durable's own os.replace, os.rename and mkstemp
+        len(_renames(ast.parse(Path(durable.__file__).read_text()))) == 3
+    )
 
 
-def _answers(status: int, body: object) -> tuple[Verdict, str | None]:
-    """What a source makes of (status, body) from the target's address."""
-    import threading
+SECRET, MID = "the-ticket-secret", "a" * 32
+SIGN, VERIFY = tickets.new_signer()  # the target's key pair for this migration
 
-    from tests.impostor import server
 
-    srv = server(0, status, json.dumps(body).encode())
+def _genuine(state: str, status: int = 200) -> impostor.Respond:
+    """The target itself: checks the proof, signs its state over the question's nonce."""
+
+    def respond(method: str, path: str, headers) -> tuple[int, bytes]:
+        auth = headers.get("Authorization", "")
+        nonce = tickets.checked_proof(auth, tickets.proof_key(SECRET), method, path)
+        if nonce is None:
+            return 401, b'{"what": "refused"}'
+        return status, json.dumps(tickets.signed_state(SIGN, MID, state, "boot-1", nonce)).encode()
+
+    return respond
+
+
+def _edited(respond: impostor.Respond, **change: str) -> impostor.Respond:
+    """`respond`'s answer with fields changed on the way (a man in the middle)."""
+
+    def edit(method: str, path: str, headers) -> tuple[int, bytes]:
+        status, body = respond(method, path, headers)
+        return status, json.dumps({**json.loads(body), **change}).encode()
+
+    return edit
+
+
+def _replayed(respond: impostor.Respond) -> impostor.Respond:
+    """The answer `respond` gave to an earlier question, sent again to this one."""
+    earlier = _genuine_answer(respond)
+    return impostor.fixed(200, earlier)
+
+
+def _genuine_answer(respond: impostor.Respond) -> bytes:
+    path = f"/v1/incoming/{MID}"
+    header, _ = tickets.proof(_ticket("http://x"), "GET", path)
+    return respond("GET", path, {"Authorization": header})[1]
+
+
+def _ticket(url: str, ca: str | None = None) -> Ticket:
+    return Ticket(url, MID, SECRET, "b", ca, verify=VERIFY)
+
+
+@contextlib.contextmanager
+def _serving(respond: impostor.Respond, cert: str | None = None, key: str | None = None):
+    srv = impostor.server(0, respond, cert, key)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
-        ticket = Ticket(f"http://127.0.0.1:{srv.server_address[1]}", "a" * 32, "the-ticket-secret", "b")
-        return verdicts.ask_abort(ticket), verdicts.ask_state(ticket)
+        yield srv
     finally:
         srv.shutdown()
 
 
-def _signed(state: str, migration: str = "a" * 32, secret: str = "the-ticket-secret") -> dict:
-    return signed_state(verdict_key(secret), migration, state, "boot-1")
+def _answers(respond: impostor.Respond) -> tuple[Verdict, str | None]:
+    """What a source makes of what `respond` answers at the target's address."""
+    with _serving(respond) as srv:
+        ticket = _ticket(f"http://127.0.0.1:{srv.server_address[1]}")
+        return verdicts.ask_abort(ticket), verdicts.ask_state(ticket)
 
 
 @pytest.mark.parametrize(
-    ("status", "body", "verdict"),
+    ("respond", "verdict"),
     [
-        (200, _signed("aborted"), Verdict.ABORTED),
-        (409, _signed("running"), Verdict.RUNNING),
+        (_genuine("aborted"), Verdict.ABORTED),
+        (_genuine("running", 409), Verdict.RUNNING),
         # anything but the target's own signed word is no answer: the source stays frozen
-        (404, {"what": "not found"}, Verdict.UNKNOWN),  # whatever else listens at that address
-        (200, {"state": "aborted"}, Verdict.UNKNOWN),  # unsigned
-        (200, {**_signed("running"), "state": "aborted"}, Verdict.UNKNOWN),  # a signed answer, edited
-        (200, _signed("aborted", secret="another-ticket"), Verdict.UNKNOWN),  # signed with another key
-        (200, _signed("aborted", migration="b" * 32), Verdict.UNKNOWN),  # about another migration
-        (503, {"what": "could not end its copy yet"}, Verdict.UNKNOWN),
+        (impostor.fixed(404, b'{"what": "not found"}'), Verdict.UNKNOWN),  # whatever else listens there
+        (impostor.fixed(200, b'{"state": "aborted"}'), Verdict.UNKNOWN),  # unsigned
+        (_edited(_genuine("running"), state="aborted"), Verdict.UNKNOWN),  # a signed answer, edited
+        (_edited(_genuine("aborted"), migration="b" * 32), Verdict.UNKNOWN),  # about another migration
+        (_replayed(_genuine("aborted")), Verdict.UNKNOWN),  # the target's answer to an earlier question
+        (impostor.forged, Verdict.UNKNOWN),  # all it can make of the question, the right id included
+        (impostor.fixed(503, b'{"what": "could not end its copy yet"}'), Verdict.UNKNOWN),
     ],
 )
-def test_a_verdict_is_the_targets_signed_word_never_an_inference(status, body, verdict):
+def test_a_verdict_is_the_targets_signed_word_never_an_inference(respond, verdict):
     """Before: a 404 read as "aborted", and any 200 saying aborted was believed."""
-    got, state = _answers(status, body)
+    got, state = _answers(respond)
     assert got == verdict
-    assert state == (body["state"] if verdict != Verdict.UNKNOWN else None)
+    assert (state is None) == (verdict == Verdict.UNKNOWN)
+
+
+def _relay(to: str, change: dict[str, str] | None = None) -> impostor.Respond:
+    """A man in the middle under `--insecure`: passes each request on to `to` and its answer back,
+    reading both, and with `change`, rewriting the answer (keeping the genuine signature, adding
+    its own under every key it could have learnt: `impostor.forged`)."""
+
+    def respond(method: str, path: str, headers) -> tuple[int, bytes]:
+        c = http.client.HTTPConnection(urlsplit(to).netloc, timeout=10)
+        try:
+            c.request(method, path, headers={"Authorization": headers.get("Authorization", "")})
+            resp = c.getresponse()
+            status, body = resp.status, resp.read()
+        finally:
+            c.close()
+        if change is None:
+            return status, body
+        forged = json.loads(impostor.forged(method, path, headers)[1])
+        return 200, json.dumps({**json.loads(body), **forged, **change}).encode()
+
+    return respond
+
+
+def test_no_impostor_the_model_admits_makes_a_source_thaw(tmp_path):
+    """Issue 42: before, the source sent the ticket's secret to whoever answered at the target's
+    address, and the verdict key was derived from it: each case below made a source thaw while the
+    real target ran the job. Every impostor has the right migration id; none has the target's key."""
+    # 1. a process on the target's address (its agent dead), forging from every byte it was sent
+    with _serving(impostor.forged) as srv:
+        ticket = _ticket(f"http://127.0.0.1:{srv.server_address[1]}")
+        assert verdicts.ask_abort(ticket) == Verdict.UNKNOWN and verdicts.ask_state(ticket) is None
+        assert verdicts.heard(ticket) == "something answers there (HTTP 200, unsigned)"
+        sent = json.dumps(srv.seen)
+        assert srv.seen and MID in sent and SECRET not in sent, "the secret left the source"
+    # 2. another node with its own valid certificate: one from the ticket's CA that names the
+    # target's address (the cluster-wide certificate, or one issued by mistake)
+    cert, key, ca = agent_cert(tmp_path / "pki", "c", "127.0.0.1")
+    with _serving(impostor.forged, str(cert), str(key)) as srv:
+        ticket = _ticket(f"https://127.0.0.1:{srv.server_address[1]}", ca.read_text())
+        assert verdicts.ask_abort(ticket) == Verdict.UNKNOWN and verdicts.ask_state(ticket) is None
+        assert srv.seen, "TLS refused it: this case did not reach the signature"
+    # ... and with a certificate that names only its own address, TLS refuses it before that
+    cert, key, _ = agent_cert(tmp_path / "pki", "d", "10.255.0.4")
+    with _serving(impostor.forged, str(cert), str(key)) as srv:
+        ticket = _ticket(f"https://127.0.0.1:{srv.server_address[1]}", ca.read_text())
+        assert verdicts.ask_abort(ticket) == Verdict.UNKNOWN and not srv.seen
+        assert "TLS server" in str(verdicts.heard(ticket))
+    # 3. a man in the middle under --insecure, in front of the real target, which runs the job
+    with _serving(_genuine("running", 409)) as target:
+        real = f"http://127.0.0.1:{target.server_address[1]}"
+        with _serving(_relay(real)) as honest:
+            passed = _ticket(f"http://127.0.0.1:{honest.server_address[1]}")
+            assert verdicts.ask_abort(passed) == Verdict.RUNNING
+        with _serving(_relay(real, {"state": "aborted"})) as mitm:
+            ticket = _ticket(f"http://127.0.0.1:{mitm.server_address[1]}")
+            assert verdicts.ask_abort(ticket) == Verdict.UNKNOWN and verdicts.ask_state(ticket) is None
+            assert SECRET not in json.dumps(mitm.seen)
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ import pytest
 import requests
 
 from criuctl.core.env import TIMEOUTS
-from tests.cluster import Cluster
+from tests.cluster import Cluster, TicketAuth
 from tests.conftest import needs_criu
 from tests.jobs import CRIUCTL, Ref
 from tests.requirements import needs
@@ -157,11 +157,11 @@ def test_a_page_session_opens_once_for_its_own_stop_and_copy_ticket_only(cluster
             timeout=30,
             verify=b.verify,
         ).json()
-        return inc["id"], {"Authorization": f"Bearer {inc['ticket']}"}
+        return inc["id"], TicketAuth(inc)
 
-    def pages(mid: str, headers: dict[str, str], cert: object) -> requests.Response:
+    def pages(mid: str, auth: TicketAuth | None, cert: object) -> requests.Response:
         url = f"{b.url}/v1/incoming/{mid}/pages"
-        return requests.post(url, json={"cert": cert}, headers=headers, timeout=30, verify=b.verify)
+        return requests.post(url, json={"cert": cert}, auth=auth, timeout=30, verify=b.verify)
 
     from criuctl.net import pagetls
 
@@ -169,7 +169,7 @@ def test_a_page_session_opens_once_for_its_own_stop_and_copy_ticket_only(cluster
     mid, ticket = incoming("stop-and-copy")
     _, other_ticket = incoming("stop-and-copy")
     assert pages(mid, other_ticket, pem).status_code == 401
-    assert pages(mid, {}, pem).status_code == 401
+    assert pages(mid, None, pem).status_code == 401
     for bad in (None, "garbage", pem + pem, "x" * 20000):
         r = pages(mid, ticket, bad)
         assert r.status_code == 400 and "certificate" in r.json()["what"], (bad, r.text)
@@ -180,7 +180,7 @@ def test_a_page_session_opens_once_for_its_own_stop_and_copy_ticket_only(cluster
     post, post_ticket = incoming("post-copy")
     assert pages(post, post_ticket, pem).status_code == 409  # post-copy's pages come the other way
     # an abort ends the page server that waited for a dump that never came
-    assert requests.delete(f"{b.url}/v1/incoming/{mid}", headers=ticket, timeout=30, verify=b.verify).ok
+    assert requests.delete(f"{b.url}/v1/incoming/{mid}", auth=ticket, timeout=30, verify=b.verify).ok
     port = r.json()["port"]
     deadline = time.monotonic() + 10
     while _listening(b, port) and time.monotonic() < deadline:
@@ -461,15 +461,16 @@ def test_agent_refuses_missing_wrong_and_other_nodes_tokens(cluster):
     inc = requests.post(
         f"{b.url}/v1/incoming", json={"workload": "x"}, headers=b.auth(), timeout=30, verify=b.verify
     ).json()
-    ticket = {"Authorization": f"Bearer {inc['ticket']}"}
-    assert (
-        requests.get(f"{b.url}/v1/workloads", headers=ticket, timeout=5, verify=b.verify).status_code == 401
-    )
-    restore = requests.post(
-        f"{b.url}/v1/incoming/{inc['id']}/restore", headers=ticket, timeout=5, verify=b.verify
-    )
+    ticket = TicketAuth(inc)
+    assert requests.get(f"{b.url}/v1/workloads", auth=ticket, timeout=5, verify=b.verify).status_code == 401
+    url = f"{b.url}/v1/incoming/{inc['id']}"
+    restore = requests.post(f"{url}/restore", auth=ticket, timeout=5, verify=b.verify)
     assert restore.status_code == 401
-    assert requests.get(f"{b.url}/v1/incoming/{inc['id']}", headers=ticket, timeout=5, verify=b.verify).ok
+    assert requests.get(url, auth=ticket, timeout=5, verify=b.verify).ok
+    # the secret itself opens nothing: it never leaves the source, so whoever holds it stole it
+    bearer = {"Authorization": f"Bearer {inc['ticket']}"}
+    status = requests.get(url, headers=bearer, timeout=5, verify=b.verify)
+    assert status.status_code == 401
 
 
 def test_agent_refuses_a_token_file_others_can_read(tmp_path):

@@ -98,16 +98,8 @@ def _kill_agent(node: Node) -> None:
 class Impostor:
     """tests/impostor.py at `node`'s agent address (its agent killed), answering one thing."""
 
-    def __init__(self, node: Node, status: int, body: dict) -> None:
-        argv = [
-            *node.inside(),
-            sys.executable,
-            "-m",
-            "tests.impostor",
-            str(PORT),
-            str(status),
-            json.dumps(body),
-        ]
+    def __init__(self, node: Node, *answer: str) -> None:
+        argv = [*node.inside(), sys.executable, "-m", "tests.impostor", str(PORT), *answer]
         if node.tls:
             argv += [str(node.tls[0]), str(node.tls[1])]
         self.job = Job(argv)
@@ -124,9 +116,12 @@ class Impostor:
 
 
 IMPOSTORS = [
-    (404, {"what": "no such thing"}),  # anything else at that address
-    (200, {"state": "aborted"}),  # what a source used to believe
-    (200, {"state": "aborted", "migration": "x", "boot": "y", "mac": "0" * 64}),  # forged
+    ("404", json.dumps({"what": "no such thing"})),  # anything else at that address
+    ("200", json.dumps({"state": "aborted"})),  # what a source used to believe
+    # forged from what the source's question gave it: the right migration id and nonce, its own
+    # key, and the key the verdicts had when the source sent its secret (tests/impostor.py, `forged`);
+    # with the node's own certificate, so that only the signature can tell
+    ("forge",),
 ]
 
 
@@ -154,15 +149,16 @@ def _stopped_at(c: Cluster, ref, pause: Path, point: Point) -> Iterator[None]:
 
 def test_a_source_acts_only_on_the_targets_signed_word(tmp_path, ref):
     """The target runs the job (committed), the client and the target's agent die, and something
-    else answers at the target's address: a 404, then an unsigned "aborted", then a forged one.
+    else answers at the target's address: a 404, then an unsigned "aborted", then an "aborted"
+    forged for this migration from everything the source's question carried.
     Before: the first of these thawed the source, and the job ran on both nodes. Now the source stays
     frozen through all of them, and ends its copy once the real target answers."""
     pause = tmp_path / "pause"
     _arm(pause, Point.CLIENT_TARGET_COMMITTED)
     with Cluster(tmp_path / "c", lease=LEASE) as c, _stopped_at(c, ref, pause, Point.CLIENT_TARGET_COMMITTED):
         _kill_agent(c.nodes["b"])  # its handoff supervises the job on b, unaffected
-        for status, body in IMPOSTORS:
-            impostor = Impostor(c.nodes["b"], status, body)
+        for answer in IMPOSTORS:
+            impostor = Impostor(c.nodes["b"], *answer)
             try:
                 deadline = time.monotonic() + 90
                 while impostor.answered() < 1:  # the source's lease asked it
@@ -170,7 +166,7 @@ def test_a_source_acts_only_on_the_targets_signed_word(tmp_path, ref):
                     time.sleep(0.2)
                 time.sleep(0.5)  # what it does with the answer
                 rec = _source_record(c.nodes["a"])
-                assert rec["state"] == "sent", f"the source settled on {status} {body}: {rec}"
+                assert rec["state"] == "sent", f"the source settled on {answer}: {rec}"
                 assert _frozen_on(c.nodes["a"], "job") and c.running("job") == ["b"]
             finally:
                 impostor.stop()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from criuctl.agent import handoff as handoff_mod
-from criuctl.agent import livesend, records
+from criuctl.agent import livesend, records, tickets
 from criuctl.agent.handoffleases import HandoffFailed
 from criuctl.agent.protocol import (
     SOURCE_FINAL,
@@ -34,7 +34,6 @@ from criuctl.agent.protocol import (
     Timeouts,
     Verdict,
     check_transition,
-    secret_digest,
 )
 from criuctl.agent.source import SourceMachine
 from criuctl.agent.target import TargetMachine
@@ -321,7 +320,7 @@ def _target(tmp_path: Path, h: ScriptedHandoff) -> TargetMachine:
     records_dir = tmp_path / "records"
     records_dir.mkdir(exist_ok=True)
     return TargetMachine.create(
-        "c" * 32, "w", Mode.STOP_AND_COPY, secret_digest("s"), tmp_path, records_dir, spawn, FAST
+        "c" * 32, "w", Mode.STOP_AND_COPY, tickets.proof_key("s"), tmp_path, records_dir, spawn, FAST
     )
 
 

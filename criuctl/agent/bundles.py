@@ -48,12 +48,13 @@ from criuctl.agent.messages import (
     PagesServed,
 )
 from criuctl.agent.protocol import Command, Event, TargetSpec, timeouts
-from criuctl.core import durable, statedir, workloads
+from criuctl.core import statedir, workloads
 from criuctl.core.errors import CriuctlError
 from criuctl.engine import criu
 from criuctl.format import bundle
 from criuctl.local import checkpoint
 from criuctl.net import readdress
+from criuctl_hook import durable
 
 if TYPE_CHECKING:
     from criuctl.agent.server import Agent

@@ -63,6 +63,7 @@ from criuctl.format import bundle
 from criuctl.gpu import gpus
 from criuctl.local import checkpoint, exitwrites, restoring
 from criuctl.net import readdress
+from criuctl_hook import durable
 
 
 class _Events:
@@ -444,7 +445,7 @@ def _serve(spec: dict[str, Any]) -> int:
         _error(exc)
         return 1
     try:
-        os.rename(frozen.bundle_dir, out)
+        durable.move(frozen.bundle_dir, out)
     except OSError as exc:
         frozen.thaw()
         pageserving.forget(bid)

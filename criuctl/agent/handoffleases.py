@@ -20,8 +20,9 @@ from typing import IO, Any, Protocol
 
 from criuctl.agent import warmstart
 from criuctl.agent.protocol import Command, Event
-from criuctl.core import durable, env
+from criuctl.core import env
 from criuctl.core.errors import CriuctlError
+from criuctl_hook import durable
 
 # one line of a handoff's stdout: {"event": Event, ...that event's fields} (`criuctl.agent.handoff`)
 HandoffEvent = dict[str, Any]

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
-import secrets
 import time
 import uuid
 from pathlib import Path
@@ -25,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from criuctl.agent import records, wire
+from criuctl.agent import records, tickets, wire
 from criuctl.agent.handoffleases import Handoff
 from criuctl.agent.httpjson import BadInto, body_json, container_id, error, fail, outcome_response, valid_id
 from criuctl.agent.messages import (
@@ -46,9 +44,7 @@ from criuctl.agent.protocol import (
     Ticket,
     UploadAnswer,
     Verdict,
-    secret_digest,
     timeouts,
-    verdict_key,
 )
 from criuctl.agent.target import TargetMachine
 from criuctl.core import statedir, workloads
@@ -116,19 +112,20 @@ class Incoming:
         self.machines[mid] = m
         return m
 
-    def ticket_opens(self, request: web.Request, secret: str) -> bool:
-        """An upload ticket opens only its own migration's upload, status and verdict."""
+    def ticket_opens(self, request: web.Request, header: str) -> str | None:
+        """The nonce of a ticket's proof (`tickets.proof`) that opens this request: a ticket opens only
+        its own migration's upload, status and verdict. None for anything else."""
         path = request.path
-        if not path.startswith("/v1/incoming/"):
-            return False
+        if not header.startswith(tickets.SCHEME) or not path.startswith("/v1/incoming/"):
+            return None
         if not (
             request.method in ("GET", "DELETE")
             or (request.method == "PUT" and path.endswith("/bundle"))
             or (request.method == "POST" and path.endswith("/pages"))
         ):
-            return False
+            return None
         m = self.lookup(request.match_info.get("id", ""))
-        return m is not None and hmac.compare_digest(secret_digest(secret), m.rec.secret_sha256)
+        return None if m is None else tickets.checked_proof(header, m.rec.proof_key, request.method, path)
 
     def _get(self, r: web.Request) -> TargetMachine:
         m = self.lookup(r.match_info["id"])
@@ -167,19 +164,20 @@ class Incoming:
             return fail(
                 409, f"a workload named {name!r} already runs on node {self.agent.name}", "rename one"
             )
-        secret = secrets.token_urlsafe(32)
+        secret = tickets.new_secret()
+        sign_key, verify = tickets.new_signer()
         m = await asyncio.to_thread(
             TargetMachine.create,
             uuid.uuid4().hex,
             name,
             mode,
-            secret_digest(secret),
+            tickets.proof_key(secret),
             self.spool,
             self.records,
             spawn_target,
             placeholder=into,
             runtime=self.agent.runtimes.endpoint,
-            verdict_key=verdict_key(secret),
+            sign_key=sign_key,
         )
         self.machines[m.id] = m
         if follow is not None:
@@ -195,7 +193,7 @@ class Incoming:
                 )
             await asyncio.to_thread(records.write, m.record_path, m.rec.to_json())
         log.info("incoming", extra={"id": m.id, "workload": name, "mode": str(mode)})
-        return web.json_response(IncomingAnswer(id=m.id, ticket=secret))
+        return web.json_response(IncomingAnswer(id=m.id, ticket=secret, verify=verify))
 
     async def pages(self, r: web.Request) -> web.Response:
         """The source's dump will send its memory pages straight here: a page server for it alone
@@ -245,7 +243,8 @@ class Incoming:
 
     async def status(self, r: web.Request) -> web.Response:
         m = self._get(r)
-        return web.json_response(IncomingStatus(**m.answer(), workload=m.rec.workload))
+        answer = m.answer(r.get(tickets.NONCE, ""))
+        return web.json_response(IncomingStatus(**answer, workload=m.rec.workload))
 
     async def abort(self, r: web.Request) -> web.Response:
         m = self._get(r)
@@ -254,7 +253,7 @@ class Incoming:
             return fail(
                 409,
                 f"migration {m.id} already runs on node {self.agent.name}; it cannot be aborted",
-                **m.answer(),
+                **m.answer(r.get(tickets.NONCE, "")),
             )
         if verdict == Verdict.UNKNOWN:
             return fail(
@@ -265,7 +264,7 @@ class Incoming:
             )
         self.agent.metrics.migrations.labels("target", m.rec.mode, "aborted").inc()
         self.machines.pop(m.id, None)
-        return web.json_response(m.answer())
+        return web.json_response(m.answer(r.get(tickets.NONCE, "")))
 
     async def lift_cut(self, r: web.Request) -> web.Response:
         m = self._get(r)

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Literal, NotRequired, Required, TypedDict
 
-from criuctl.agent.protocol import Facts, SignedState, TicketJson, UploadAnswer
+from criuctl.agent.protocol import Facts, TicketJson, UploadAnswer
+from criuctl.agent.tickets import SignedState
 
 # rows of addresses and ports as they travel: [[address, port, ...], ...] (`criuctl.net.netcut.parse`)
 Rows = list[list[str | int]]
@@ -78,10 +79,12 @@ class IncomingRequest(TypedDict):
 
 
 class IncomingAnswer(TypedDict):
-    """POST /v1/incoming: the migration's id, and the secret of the ticket the source uploads with."""
+    """POST /v1/incoming: the migration's id, the secret of the ticket the source proves itself
+    with, and the public key that checks what the target says about it (`criuctl.agent.tickets`)."""
 
     id: str
     ticket: str
+    verify: str
 
 
 class PagesRequest(TypedDict):

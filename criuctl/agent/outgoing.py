@@ -18,10 +18,11 @@ import time
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from criuctl.agent import conn, pagesession, points, records, transfer, verdicts
+from criuctl.agent import conn, pagesession, points, records, tickets, transfer, verdicts
 from criuctl.agent.handoffleases import Handoff
 from criuctl.agent.httpjson import body_json, error, fail, outcome_response, valid_id
 from criuctl.agent.messages import (
@@ -163,7 +164,8 @@ class Outgoing:
 
         async def send(source: Path | transfer.Source, counter: transfer.Counter) -> UploadAnswer:
             url = f"{ticket.base()}/bundle"
-            return await transfer.send(source, url, ticket.secret, ticket.ca, counter, ticket.node)
+            auth, _ = tickets.proof(ticket, "PUT", urlsplit(url).path)
+            return await transfer.send(source, url, auth, ticket.ca, counter, ticket.node)
 
         m = SourceMachine(spec, spawn_source, send, self._thaw_record)
         self.machines[mid] = m

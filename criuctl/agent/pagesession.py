@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 from criuctl.agent.conn import connect
 from criuctl.agent.protocol import Ticket, timeouts
+from criuctl.agent.tickets import proof
 from criuctl.core.errors import CriuctlError
 from criuctl.engine import criu
 from criuctl.net import pagetls
@@ -29,12 +30,13 @@ def open_at_target(ticket: Ticket, folder: Path) -> criu.PagesTo:
     mine = pagetls.make_identity(folder, "source")
     where = f"node {ticket.node}"
     c = connect(ticket.base(), ticket.ca, timeouts().ask_target)
+    path = urlsplit(ticket.base()).path + "/pages"
     try:
         c.request(
             "POST",
-            urlsplit(ticket.base()).path + "/pages",
+            path,
             body=json.dumps({"cert": mine.pem}),
-            headers={"Authorization": f"Bearer {ticket.secret}", "Content-Type": "application/json"},
+            headers={"Authorization": proof(ticket, "POST", path)[0], "Content-Type": "application/json"},
         )
         resp = c.getresponse()
         raw = resp.read(_MAX_ANSWER)

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 from criuctl.agent.protocol import Point
-from criuctl.core import durable, env
+from criuctl.core import env
+from criuctl_hook import durable
 
 ARMED = "armed"
 

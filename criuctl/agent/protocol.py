@@ -24,14 +24,10 @@ target that aborted.
 from __future__ import annotations
 
 import enum
-import hashlib
-import hmac
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, NotRequired, TypedDict, TypeVar
-
-import blake3
 
 from criuctl.core import env
 from criuctl.core.procinfo import Identity
@@ -229,6 +225,7 @@ class TicketJson(TypedDict):
     secret: str
     node: str
     ca: NotRequired[str | None]
+    verify: NotRequired[str | None]
 
 
 @dataclass(frozen=True)
@@ -240,6 +237,9 @@ class Ticket:
     secret: str  # opens only this migration's upload, status and abort
     node: str  # the target's name, for messages
     ca: str | None = None  # PEM of the CA of the target's TLS certificate
+    # the target's public key for this migration (hex Ed25519): checks its verdicts, makes none
+    # (`criuctl.agent.tickets`); None in a ticket from before verdicts were signed so
+    verify: str | None = None
 
     @classmethod
     def from_json(cls, raw: object) -> Ticket:
@@ -258,67 +258,11 @@ class Ticket:
             "secret": self.secret,
             "node": self.node,
             "ca": self.ca,
+            "verify": self.verify,
         }
 
     def base(self) -> str:
         return f"{self.url.rstrip('/')}/v1/incoming/{self.incoming}"
-
-
-def secret_digest(secret: str) -> str:
-    """What the target keeps on disk of a ticket: enough to check one, useless to forge one."""
-    return hashlib.sha256(secret.encode()).hexdigest()
-
-
-_VERDICT_CONTEXT = "criuctl 2026-12 migration verdict"
-
-
-def verdict_key(secret: str) -> str:
-    """The key the target signs its answers about one migration with, derived from the ticket's
-    secret: the source, which holds the ticket, can check them; nothing else at the target's
-    address can make one (the target keeps the key, not the secret, in its record)."""
-    return blake3.blake3(secret.encode(), derive_key_context=_VERDICT_CONTEXT).hexdigest()
-
-
-def verdict_mac(key: str, migration: str, state: str, boot: str) -> str:
-    """The MAC over (migration, state, target boot): an answer a source may act on carries it."""
-    return blake3.blake3(f"{migration}\n{state}\n{boot}".encode(), key=bytes.fromhex(key)).hexdigest()
-
-
-class SignedState(TypedDict):
-    """The target's answer about one migration (`GET`/`DELETE /v1/incoming/ID`), which a source may
-    act on once `checked_state` finds it signed."""
-
-    state: str
-    migration: str
-    boot: str
-    mac: NotRequired[str]  # absent for a record made before verdicts were signed
-
-
-def signed_state(key: str, migration: str, state: str, boot: str) -> SignedState:
-    """What the target answers about a migration: its state, signed (unsigned, hence worth nothing
-    to a source, for a record made before verdicts were signed)."""
-    if not key:
-        return {"state": state, "migration": migration, "boot": boot}
-    return {
-        "state": state,
-        "migration": migration,
-        "boot": boot,
-        "mac": verdict_mac(key, migration, state, boot),
-    }
-
-
-def checked_state(ticket: Ticket, answer: object) -> str | None:
-    """The state in a target's answer about the ticket's migration if the answer is signed with the
-    ticket's key; None for anything else (no answer, another migration, a 404 page, a forgery)."""
-    if not isinstance(answer, dict):
-        return None
-    state, migration, boot, mac = (answer.get(k) for k in ("state", "migration", "boot", "mac"))
-    if not (isinstance(state, str) and isinstance(migration, str) and isinstance(boot, str)):
-        return None
-    if not isinstance(mac, str) or migration != ticket.incoming:
-        return None
-    want = verdict_mac(verdict_key(ticket.secret), migration, state, boot)
-    return state if hmac.compare_digest(want, mac) else None
 
 
 @dataclass
@@ -427,7 +371,7 @@ class TargetRecord:
     workload: str
     mode: str
     state: TargetState
-    secret_sha256: str  # the ticket's digest: a restarted agent still recognises the source
+    proof_key: str  # `tickets.proof_key` of the ticket's secret: checks the source's proofs
     boot_id: str
     handoff_pid: int | None = None
     root_pid: int | None = None
@@ -444,7 +388,7 @@ class TargetRecord:
     handoff_start: int | None = None
     root_start: int | None = None
     placeholder_start: int | None = None
-    verdict_key: str = ""  # `verdict_key(secret)`: signs every answer about this migration
+    sign_key: str = ""  # the private half of `Ticket.verify`: signs every answer about this migration
 
     def handoff(self) -> Identity | None:
         return Identity(self.handoff_pid, self.handoff_start, self.boot_id) if self.handoff_pid else None
@@ -461,7 +405,12 @@ class TargetRecord:
 
     @classmethod
     def from_json(cls, d: object) -> TargetRecord:
-        rec = cls(**_object(d, state=TargetState))
+        fields_ = _object(d, state=TargetState)
+        if "secret_sha256" in fields_:  # made before tickets proved themselves: its keys open nothing
+            fields_.pop("secret_sha256")
+            fields_.pop("verdict_key", None)
+            fields_["proof_key"] = ""
+        rec = cls(**fields_)
         if isinstance(rec.follow, dict):
             rec.follow = Ticket.from_json(rec.follow)
         return rec

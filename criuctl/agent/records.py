@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from criuctl.agent.protocol import SettleOrder, settle_order_path
-from criuctl.core import durable
+from criuctl_hook import durable
 
 T = TypeVar("T")
 

@@ -44,7 +44,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from criuctl.agent import handoffleases, pageserving, receiver, transfer, wire
+from criuctl.agent import handoffleases, pageserving, receiver, tickets, transfer, wire
 from criuctl.agent.bundles import Bundles
 from criuctl.agent.httpjson import fail
 from criuctl.agent.incoming import Incoming
@@ -204,13 +204,15 @@ class Agent:
         if request.path == "/healthz":
             return await handler(request)
         given = request.headers.get("Authorization", "")
+        nonce = self.incoming.ticket_opens(request, given)
+        if nonce is not None:  # a ticket's proof, for its own migration's routes only
+            request[tickets.NONCE] = nonce
+            return await handler(request)
         token = given.removeprefix("Bearer ").strip() if given.startswith("Bearer ") else ""
         if token and hmac.compare_digest(token.encode(), self.token.encode()):
             return await handler(request)
         scrape = request.method == "GET" and request.path == "/metrics" and self.metrics_token
         if token and scrape and hmac.compare_digest(token.encode(), str(self.metrics_token).encode()):
-            return await handler(request)
-        if token and self.incoming.ticket_opens(request, token):
             return await handler(request)
         log.warning(
             "refused", extra={"path": request.path, "reason": "no token" if not token else "bad token"}

@@ -29,20 +29,20 @@ from criuctl.agent.protocol import (
     Mode,
     Outcome,
     Point,
-    SignedState,
     TargetRecord,
     TargetSpec,
     TargetState,
     Timeouts,
     Verdict,
     check_transition,
-    signed_state,
 )
+from criuctl.agent.tickets import SignedState, signed_state
 from criuctl.container import placeholder
-from criuctl.core import durable, procinfo
+from criuctl.core import procinfo
 from criuctl.core.errors import CriuctlError
 from criuctl.format import bundle
 from criuctl.net import directpages
+from criuctl_hook import durable
 
 log = logging.getLogger("criuctl.agent")
 
@@ -86,10 +86,11 @@ class TargetMachine:
     def bundle_dir(self) -> Path:
         return self.dir / "bundle"
 
-    def answer(self) -> SignedState:
-        """This migration's state as the source may act on it: signed with the ticket's key, with
-        this node's boot (a source's question is answered by what is true now, on this boot)."""
-        return signed_state(self.rec.verdict_key, self.id, str(self.state), procinfo.boot_id())
+    def answer(self, nonce: str = "") -> SignedState:
+        """This migration's state as the source may act on it: signed with this migration's key over
+        the question's nonce, with this node's boot (a source's question is answered by what is true
+        now, on this boot)."""
+        return signed_state(self.rec.sign_key, self.id, str(self.state), procinfo.boot_id(), nonce)
 
     def _write(self, state: TargetState) -> None:
         self.rec.state = check_transition(self.rec.state, state)
@@ -110,27 +111,27 @@ class TargetMachine:
         migration: str,
         workload: str,
         mode: Mode,
-        secret_sha256: str,
+        proof_key: str,
         spool: Path,
         records_dir: Path,
         spawn: Spawn,
         timeouts: Timeouts | None = None,
         placeholder: str | None = None,
         runtime: str | None = None,
-        verdict_key: str = "",
+        sign_key: str = "",
     ) -> TargetMachine:
         rec = TargetRecord(
             migration,
             workload,
             str(mode),
             TargetState.NEW,
-            secret_sha256,
+            proof_key,
             procinfo.boot_id(),
             updated=time.time(),
             history=[f"new@{time.time():.3f}"],
             placeholder=placeholder,
             runtime=runtime,
-            verdict_key=verdict_key,
+            sign_key=sign_key,
         )
         m = cls(rec, spool / migration, records_dir / f"{migration}.json", spawn, timeouts)
         m.dir.mkdir(mode=0o700)

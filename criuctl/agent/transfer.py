@@ -157,8 +157,8 @@ class _Put:
     (`socket.sendfile` does that for an SSL socket by itself).
     """
 
-    def __init__(self, source: Source, url: str, token: str, ca_pem: str | None, counter: Counter) -> None:
-        self.source, self.url, self.token, self.ca_pem, self.counter = source, url, token, ca_pem, counter
+    def __init__(self, source: Source, url: str, auth: str, ca_pem: str | None, counter: Counter) -> None:
+        self.source, self.url, self.auth, self.ca_pem, self.counter = source, url, auth, ca_pem, counter
         self.conn: http.client.HTTPConnection | None = None
 
     def run(self) -> tuple[int, Any]:
@@ -169,7 +169,7 @@ class _Put:
             conn.sock.settimeout(timeouts().stall)  # a send or the answer that stalls this long fails
             u = urlsplit(self.url)
             conn.putrequest("PUT", u.path + (f"?{u.query}" if u.query else ""), skip_accept_encoding=True)
-            conn.putheader("Authorization", f"Bearer {self.token}")
+            conn.putheader("Authorization", self.auth)
             plain = not isinstance(conn.sock, ssl.SSLSocket)
             if plain:  # the target takes the socket for `splice` only if the body waits for its word
                 conn.putheader("Expect", "100-continue")
@@ -196,11 +196,11 @@ class _Put:
 
 
 async def send(
-    source: Path | Source, url: str, token: str, ca_pem: str | None, counter: Counter, node: str
+    source: Path | Source, url: str, auth: str, ca_pem: str | None, counter: Counter, node: str
 ) -> UploadAnswer:
-    """PUT a bundle (a sealed folder, or a `livesend.Live` one) to another agent; its JSON answer,
-    or TransferError."""
-    put = _Put(Sealed(source) if isinstance(source, Path) else source, url, token, ca_pem, counter)
+    """PUT a bundle (a sealed folder, or a `livesend.Live` one) to another agent, `auth` its
+    Authorization header (a ticket's proof); its JSON answer, or TransferError."""
+    put = _Put(Sealed(source) if isinstance(source, Path) else source, url, auth, ca_pem, counter)
     job = asyncio.ensure_future(asyncio.to_thread(put.run))
     dog = asyncio.ensure_future(watchdog(counter, job, f"sending the bundle to node {node}"))
     try:

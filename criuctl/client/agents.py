@@ -20,9 +20,10 @@ from urllib.parse import urlparse
 import requests
 
 from criuctl.agent.messages import BundleKept, ErrorAnswer, LogChunk
-from criuctl.core import durable, statedir, tokens, workloads, worklogs
+from criuctl.core import statedir, tokens, workloads, worklogs
 from criuctl.core.errors import CriuctlError
 from criuctl.core.workloads import WorkloadRow
+from criuctl_hook import durable
 
 
 class UnknownNode(CriuctlError):

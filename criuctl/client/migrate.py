@@ -216,7 +216,12 @@ class Move:
         if self.on_ids is not None:
             self.on_ids(None, self.inc_id)
         self.ticket = Ticket(
-            self.target.url, inc["id"], inc["ticket"], self.target.name, self.target.ca_pem()
+            self.target.url,
+            inc["id"],
+            inc["ticket"],
+            self.target.name,
+            self.target.ca_pem(),
+            verify=inc.get("verify"),
         )
 
     def send(self) -> None:

@@ -21,10 +21,11 @@ import psutil
 from criuctl.container import mounts, volumes
 from criuctl.container.nodeview import NodeView, NodeViewError
 from criuctl.container.runtime import Container, Runtime
-from criuctl.core import durable, nsinit, procinfo, workloads
+from criuctl.core import nsinit, procinfo, workloads
 from criuctl.core.errors import CriuctlError
 from criuctl.format.bundle import ContainerFacts
 from criuctl.net import netns, peers
+from criuctl_hook import durable
 
 NAME_PREFIX = "ctr-"
 # Devices a checkpoint can hold open: CRIU reopens them by path on the target.
@@ -372,8 +373,8 @@ def write_inject_dir(dest: Path = INJECT_DIR) -> Path:
             swaps = [(staging / n, dest / n) for n in ("hooks", "nsinit.py", ".criuctl-files")]
             for new, live in swaps if in_place else [(staging, dest)]:
                 if live.exists():
-                    os.rename(live, old / live.name)
-                os.rename(new, live)
+                    durable.move(live, old / live.name)
+                durable.move(new, live)
         except OSError:
             if not _stamped(stamp, digest):
                 raise

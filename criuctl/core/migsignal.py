@@ -12,7 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from criuctl.core import durable, env
+from criuctl.core import env
+from criuctl_hook import durable
 
 INIT, SAVE, RESUME = "init", "save", "resume"
 SIGNALS = (INIT, SAVE, RESUME)

@@ -17,9 +17,10 @@ from typing import Any, NotRequired, TypedDict, cast
 
 import psutil
 
-from criuctl.core import durable, procinfo, statedir
+from criuctl.core import procinfo, statedir
 from criuctl.core.errors import CriuctlError
 from criuctl.core.statedir import state_dir
+from criuctl_hook import durable
 
 RUNNING, CHECKPOINTED, MIGRATED, EXITED = "running", "checkpointed", "migrated", "exited"
 # `Workload.pages`: post-copy's pull on the way, done, or moot (the job ended before it, on this

@@ -26,7 +26,6 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from criuctl.core.durable import fsync_dir
 from criuctl.core.procinfo import ProcessInfo as ProcessInfo
 from criuctl.format.manifest import _UNSIGNED
 from criuctl.format.manifest import DIRECT_PAGE_FILES as DIRECT_PAGE_FILES
@@ -49,6 +48,7 @@ from criuctl.format.signing import file_digest as file_digest
 from criuctl.format.signing import hasher as hasher
 from criuctl.format.signing import load_key as load_key
 from criuctl.format.signing import sign as _sign
+from criuctl_hook.durable import fsync_dir
 
 IMAGES_DIR = "images"
 DUMP_LOG = "dump.log"

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import blake3
 
-from criuctl.core import durable
 from criuctl.format.manifest import FORMAT_VERSION, BundleError
+from criuctl_hook import durable
 
 
 def load_key(path: Path, create: bool = True) -> bytes:

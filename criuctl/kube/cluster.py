@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from criuctl.client.agents import Node
-from criuctl.core import durable, statedir, workloads
+from criuctl.core import statedir, workloads
 from criuctl.core.errors import CriuctlError
 from criuctl.kube import api
+from criuctl_hook import durable
 
 SYSTEM_NS = "criuctl-system"
 AGENT_LABEL = "app.kubernetes.io/name=criuctl-agent"

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import shutil
 import signal
 import tempfile
@@ -37,13 +36,14 @@ from pathlib import Path
 import psutil
 
 from criuctl.container import containers, rootfsdiff
-from criuctl.core import durable, procinfo, statedir, workloads
+from criuctl.core import procinfo, statedir, workloads
 from criuctl.core.errors import CriuctlError, WorkloadEnded
 from criuctl.engine import criu
 from criuctl.format import bundle, criuimages, imagetail
 from criuctl.gpu import gpus, gpustate, nccl
 from criuctl.local import exitwrites, locks, stepboundary
 from criuctl.net import netlock, pagetls, peers, readdress, tcprepair
+from criuctl_hook import durable
 
 Progress = Callable[[str], None]
 
@@ -638,8 +638,7 @@ def dump(
     try:
         if out.exists():
             out.rmdir()
-        os.rename(frozen.bundle_dir, out)
-        durable.fsync_dir(out.parent)  # the rename itself on disk before the tree dies
+        durable.move(frozen.bundle_dir, out)  # the rename itself on disk before the tree dies
     except OSError as exc:
         thawed = frozen.thaw()
         raise CriuctlError(

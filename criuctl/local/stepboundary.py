@@ -36,9 +36,9 @@ from pathlib import Path
 
 import psutil
 
-from criuctl.core import durable, env, procinfo, statedir, workloads
+from criuctl.core import env, procinfo, statedir, workloads
 from criuctl.format import bundle
-from criuctl_hook import contract
+from criuctl_hook import contract, durable
 
 PEER_GRACE = 2.0  # once one trainer stopped, seconds for the others
 

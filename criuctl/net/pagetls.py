@@ -17,9 +17,9 @@ import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
-from criuctl.core import durable
 from criuctl.core.errors import CriuctlError
 from criuctl.engine.criu import PageTls
+from criuctl_hook import durable
 
 MAX_PEM = 16 << 10  # one certificate; anything longer is not what the other agent sends
 VALID = datetime.timedelta(days=1)

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from criuctl.core import durable
 from criuctl.core.errors import CriuctlError
+from criuctl_hook import durable
 
 Endpoint = tuple[str, int]  # (address, port): IPv4 spelled as IPv4, v4-mapped IPv6 too
 

@@ -28,19 +28,19 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from criuctl_hook import contract
+from criuctl_hook import contract, durable
 
 _CHECK_EVERY = 0.05  # seconds between looks at the control directory while training
 _HOLD_POLL = 0.005
 
 
-def _write_json(path: str, data: dict) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
+def _write_json(path: str, data: dict, sync: bool = True) -> None:
+    """Whole or not at all (`durable`); `sync=False` for what a power cut makes moot anyway (a
+    registration, the word "held" just before the freeze: the process it speaks of dies with it)."""
+    durable.replace(Path(path), json.dumps(data).encode(), 0o644, sync=sync)
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -157,7 +157,9 @@ class Boundary:
         try:
             os.makedirs(self._path(contract.TRAINERS), exist_ok=True)
             _write_json(
-                self._path(contract.TRAINERS, str(os.getpid())), {"rank": rank(), "steps": self.steps}
+                self._path(contract.TRAINERS, str(os.getpid())),
+                {"rank": rank(), "steps": self.steps},
+                sync=False,
             )
             self._registered = True
         except OSError:
@@ -228,7 +230,7 @@ class Boundary:
         held_on = self._request_file() if req is not None and req["id"] == request_id else None
         os.makedirs(self._path(contract.HELD), exist_ok=True)
         mine = self._path(contract.HELD, str(os.getpid()))
-        _write_json(mine, held)
+        _write_json(mine, held, sync=False)
         released = self._path(contract.RELEASED, request_id)
         # held while the same request file stays (by inode: a beat changes only its mtime); never
         # opened here, since the freeze comes now (see _request_file)

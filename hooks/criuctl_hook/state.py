@@ -22,9 +22,12 @@ import sys
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from criuctl_hook import durable
 
 MODULE, OPTIMIZER, SCHEDULER, SCALER = "module", "optimizer", "scheduler", "scaler"
 
@@ -149,14 +152,10 @@ def capture(step: int, rng: dict[str, Any] | None = None, **extra: Any) -> tuple
 
 
 def write(saved: Saved, path: str) -> int:
-    """torch.save to a temporary name, fsync, rename: a reader finds the whole file or none."""
-    tmp = f"{path}.partial"
+    """torch.save, durably (`durable.replace_with`): a reader finds the whole file or none, after a
+    power cut too."""
     payload = {"step": saved.step, "objects": saved.objects, "rng": saved.rng, **saved.extra}
-    with open(tmp, "wb") as f:
-        torch.save(payload, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    durable.replace_with(Path(path), lambda f: torch.save(payload, f))
     return os.path.getsize(path)
 
 

@@ -55,8 +55,8 @@ from criuctl.container.runtime.archive_records import (
     read_small,
     scan_diff,
 )
-from criuctl.core import durable
 from criuctl.format import bundle, criuimages
+from criuctl_hook import durable
 
 __all__ = [
     "CHECKPOINT_DIR",
@@ -244,8 +244,7 @@ def import_archive(path: Path, out: Path, key: bytes, max_bytes: int | None = No
         if host:
             manifest.host, manifest.kernel = host, kernel
         bundle.seal(stage, manifest, key)
-        os.rename(stage, out)
-        durable.fsync_dir(out.parent)
+        durable.move(stage, out)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
