@@ -9,6 +9,7 @@ called by the API server, wraps it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 from localcluster.layout import BUSYBOX, HOST_PYTHON, REPO, Layout
 
 from tests.jobs import CRIUCTL
@@ -360,6 +362,7 @@ class Controller(Points):
     def __init__(self, lay: Layout, k: Kubectl) -> None:
         super().__init__(lay.dir / "pause")
         self.k = k
+        self.restarts = 0  # the paused replica's container restarts when it was paused
 
     def leader(self) -> str:
         lease = self.k.get("lease", "criuctl-controller", "criuctl-system") or {}
@@ -373,6 +376,35 @@ class Controller(Points):
         assert old, "no controller holds the Lease"
         self.k("-n", "criuctl-system", "delete", "pod", old, "--grace-period=0", "--force")
         return old
+
+    def _restarts(self, pod: str) -> int:
+        got = self.k.get("pod", pod, "criuctl-system") or {}
+        return sum(s.get("restartCount", 0) for s in got.get("status", {}).get("containerStatuses", []))
+
+    def pause(self, pod: str) -> list[int]:
+        """SIGSTOP every process of replica `pod` (found by the HOSTNAME its container gives them):
+        a stopped VM, a long GC. Returns their host PIDs for `resume`."""
+        self.restarts = self._restarts(pod)
+        pids = []
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            with contextlib.suppress(psutil.Error):
+                if "controller" in " ".join(p.info["cmdline"] or []) and p.environ().get("HOSTNAME") == pod:
+                    p.suspend()
+                    pids.append(p.pid)
+        assert pids, f"no process of {pod} on this host"
+        return pids
+
+    def resume(self, pids: list[int]) -> None:
+        for pid in pids:
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).resume()
+
+    def wait_restarted(self, pod: str, timeout: float = 60) -> None:
+        """Until replica `pod`'s container ended and was started again (it stopped by itself)."""
+        deadline = time.monotonic() + timeout
+        while self._restarts(pod) <= self.restarts:
+            assert time.monotonic() < deadline, f"{pod} did not stop after it was deposed"
+            time.sleep(0.5)
 
     def wait_leader(self, not_: str = "", timeout: float = 120) -> str:
         deadline = time.monotonic() + timeout

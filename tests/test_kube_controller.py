@@ -77,7 +77,9 @@ def _to_the_end(k: Kubectl, pods: list[str], follows: list[LogFollower], ref) ->
 @pytest.mark.parametrize(
     ("point", "ends"),
     [
-        ("controller.placed", "Failed"),  # Placing: the placeholder goes, nothing moved
+        # Placing: the placeholder goes, nothing moved; the leader is paused past its Lease rather
+        # than killed, and the fenced write that it tries once it wakes is refused (it stops)
+        ("controller.placed", "Failed"),
         ("client.sent", "Failed"),  # Migrating, frozen, bundle sent: undone, target first
         ("client.target-committed", "Succeeded"),  # runs on the target: handed over
         ("client.source-committed", "Succeeded"),  # HandingOver recorded, the source pod deleted
@@ -91,18 +93,31 @@ def test_the_leader_killed_at_a_phase_ends_the_move_exactly_once(
     follows = [_start(k, name)]
     ctl = Controller(lay, k)
     ctl.arm(point)
+    paused: list[int] = []
     try:
         r = criuctl(lay, "migrate", name, "b", "--detach", "--as", f"pm-{name}")
         assert r.returncode == 0, r.stderr
         ctl.reached(point)
-        old = ctl.kill_leader()
+        if point == "controller.placed":
+            old = ctl.leader()
+            paused = ctl.pause(old)
+        else:
+            old = ctl.kill_leader()
     finally:
         ctl.disarm()
-    new_leader = ctl.wait_leader(old)
-    obj = wait_podmigration(k, f"pm-{name}")
+    try:
+        new_leader = ctl.wait_leader(old)
+        obj = wait_podmigration(k, f"pm-{name}")
+    finally:
+        ctl.go(point)
+        ctl.resume(paused)
     st = obj["status"]
     assert st["phase"] == ends, st
     assert st["controller"].startswith(new_leader), f"{st['controller']} ended it, not {new_leader}"
+    if paused:  # awake, mid-move, it writes once more: refused (the object changed, the Lease is not
+        # its own), and it stops; before, it wrote over its successor's status and moved on
+        ctl.wait_restarted(old)
+        assert k.get("podmigration", f"pm-{name}")["status"] == st
     if ends == "Succeeded":
         # the downtime as the source's agent measured it when the dead leader's commit reached it;
         # none where the source's lease committed (it knows only an upper bound): never a guess

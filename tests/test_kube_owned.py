@@ -273,7 +273,9 @@ def test_killed_mid_move_loses_nothing(local_cluster, ref, victim: str) -> None:
       from the PodMigration's status to its end (the agents carry it meanwhile); `criuctl migrate`,
       which only follows the object, sees it end.
 
-    Either way the job resumes once, bit-identical, and no move record is left."""
+    The job resumes once, bit-identical, and no move record is left: on b, except that b's agent
+    dying may leave it on a (said as the failure it is); a's agent or the controller dying never
+    costs the move."""
     lay, k = local_cluster
     name = {"target agent": "ka", "controller": "kc", "source agent": "ks"}[victim]
     pod = f"{name}-0"
@@ -301,13 +303,16 @@ def test_killed_mid_move_loses_nothing(local_cluster, ref, victim: str) -> None:
             (agent,) = [p["metadata"]["name"] for p in agents if p["spec"]["nodeName"] == node]
             k("-n", SYSTEM_NS, "delete", "pod", agent, "--grace-period=0", "--force")
         out, err = cli.communicate(timeout=900)
-        if cli.returncode == 4:  # the copy to b failed: whole on a, and said as the failure it is
+        # only b's agent dying may end the move on a; the other two must not cost the move
+        if cli.returncode == 4 and victim == "target agent":  # whole on a, said as the failure it is
             (line,) = err.strip().splitlines()[-1:]
             assert line.startswith("criuctl: error: ") and "not moved to node b" in line, err[-3000:]
             assert "on node a" in line and "Traceback" not in err, err[-3000:]
             return "a"
-        assert cli.returncode == 0, err[-3000:]
-        return json.loads(out.strip().splitlines()[-1])["target"]
+        assert cli.returncode == 0, f"{victim} killed: the move did not go on\n{err[-3000:]}"
+        target = json.loads(out.strip().splitlines()[-1])["target"]
+        assert target == "b", out
+        return target
 
     try:
         _moved_mid_training(k, pod, ref, move_and_kill)

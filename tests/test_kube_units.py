@@ -133,7 +133,7 @@ def test_an_ended_move_has_kubernetes_style_conditions_with_the_generation(monke
 
     writes: list[dict] = []
 
-    def stored(c, ns, name, status):
+    def stored(c, ns, name, status, version=None):
         writes.append(status)
         old = writes[-2] if len(writes) > 1 else {}
         return {"metadata": {"namespace": ns, "name": name, "generation": 1}, "status": {**old, **status}}
@@ -141,7 +141,7 @@ def test_an_ended_move_has_kubernetes_style_conditions_with_the_generation(monke
     monkeypatch.setattr(podmigrations, "patch_status", stored)
     monkeypatch.setattr(controller.events, "record", lambda *a, **k: None)
     obj = {"metadata": {"namespace": "ml", "name": "m1", "generation": 1}}
-    j = controller.Journal(None, obj, "me")  # type: ignore[arg-type]
+    j = controller.Journal(None, obj, controller.Fence("me"))  # type: ignore[arg-type]
     j(Phase.CHECKING)
     assert writes[-1]["observedGeneration"] == 1
     j.ended(Phase.FAILED, "node b is cordoned", "pick another", code=2)
@@ -149,9 +149,67 @@ def test_an_ended_move_has_kubernetes_style_conditions_with_the_generation(monke
     assert failed["status"] == "True" and failed["reason"] == "NotMigratable"
     assert failed["observedGeneration"] == 1 and failed["message"] == "node b is cordoned"
     assert writes[-1]["observedGeneration"] == 1 and writes[-1]["phase"] == "Failed"
-    j2 = controller.Journal(None, dict(obj), "me")  # type: ignore[arg-type]
+    j2 = controller.Journal(None, dict(obj), controller.Fence("me"))  # type: ignore[arg-type]
     j2.succeeded(None, "moved", downtime=0.5)
     assert [c["reason"] for c in writes[-1]["conditions"] if c["type"] == "Succeeded"] == ["Moved"]
+
+
+def test_a_status_write_is_fenced_by_the_version_it_read_and_a_deposed_leader_stops(monkeypatch) -> None:
+    """Issue 42: a leader paused past its Lease ran on and wrote a phase over its successor's.
+    Every write is conditional on the resourceVersion read; a conflict is retried on a fresh read
+    only while this replica holds an unexpired Lease, and is otherwise `Deposed`, nothing written."""
+    import copy
+    import datetime
+    from types import SimpleNamespace
+
+    from criuctl.kube import controller, podmigrations
+    from criuctl.kube.cluster import Conflict
+    from criuctl.kube.podmigrations import Phase
+
+    server = {"metadata": {"namespace": "ml", "name": "m1", "resourceVersion": "1"}, "status": {}}
+    landed: list[dict] = []
+
+    def patch(c, ns, name, status, version=None):
+        if version != server["metadata"]["resourceVersion"]:
+            raise Conflict("changed meanwhile (HTTP 409)", "try again")
+        server["status"] = {**server["status"], **status}
+        server["metadata"]["resourceVersion"] = str(int(version) + 1)
+        landed.append(status)
+        return copy.deepcopy(server)
+
+    def someone_else_writes(**status: str) -> None:
+        server["status"] = {**server["status"], **status}
+        server["metadata"]["resourceVersion"] = str(int(server["metadata"]["resourceVersion"]) + 1)
+
+    lease = SimpleNamespace(holder_identity="me", renew_time=None, lease_duration_seconds=6)
+    c = SimpleNamespace(
+        coordination=SimpleNamespace(read_namespaced_lease=lambda n, ns: SimpleNamespace(spec=lease))
+    )
+    monkeypatch.setattr(podmigrations, "patch_status", patch)
+    monkeypatch.setattr(podmigrations, "read", lambda c, ns, name: copy.deepcopy(server))
+    monkeypatch.setattr(controller.events, "record", lambda *a, **k: None)
+    j = controller.Journal(c, copy.deepcopy(server), controller.Fence("me", "lease", "sys", 6))  # type: ignore[arg-type]
+    lease.renew_time = datetime.datetime.now(datetime.UTC)
+    j(Phase.CHECKING)
+    assert landed[-1]["phase"] == "Checking"
+    # a cancel's annotation meanwhile, the Lease still ours: written on a fresh read
+    someone_else_writes()
+    j.latest.write({"step": "dump"})  # the progress thread's write: the same fenced path
+    assert landed[-1].get("step") == "dump", landed
+    # paused past the Lease: another replica took it over and ended the move
+    lease.holder_identity = "other"
+    someone_else_writes(phase="Failed", controller="other")
+    with pytest.raises(controller.Deposed):
+        j(Phase.MIGRATING)
+    assert server["status"]["phase"] == "Failed" and server["status"]["controller"] == "other"
+    # ... or nobody renewed it: ours, but run out, is not leading either
+    lease.holder_identity, lease.renew_time = (
+        "me",
+        datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=7),
+    )
+    with pytest.raises(controller.Deposed):
+        j(Phase.MIGRATING)
+    assert server["status"]["phase"] == "Failed"
 
 
 def test_get_watch_prints_each_change_and_ends_with_the_one_it_watches(capsys, monkeypatch) -> None:
@@ -671,14 +729,14 @@ def test_the_controller_counts_moves_and_serves_them_behind_its_scrape_token(mon
     from criuctl.kube import controller, movemetrics, podmigrations
     from criuctl.kube.podmigrations import Phase
 
-    def stored(c, ns, name, status):
+    def stored(c, ns, name, status, version=None):
         return {"metadata": {"namespace": ns, "name": name}, "status": status}
 
     monkeypatch.setattr(podmigrations, "patch_status", stored)
     monkeypatch.setattr(controller.events, "record", lambda *a, **k: None)
     fresh = movemetrics.MoveMetrics()
     monkeypatch.setattr(controller, "METRICS", fresh)
-    j = controller.Journal(None, {"metadata": {"namespace": "ml", "name": "m1"}}, "me")  # type: ignore[arg-type]
+    j = controller.Journal(None, {"metadata": {"namespace": "ml", "name": "m1"}}, controller.Fence("me"))  # type: ignore[arg-type]
     j(Phase.CHECKING)
     j(Phase.CHECKING, target="b")  # the same phase again: entered once
     j.succeeded(None, "moved", downtime=1.5)
@@ -747,7 +805,7 @@ def _in_doubt(monkeypatch, nodes: dict[str, dict], cancelled: str | None, answer
         "status": status,
     }
 
-    def stored(c, ns, name, st):
+    def stored(c, ns, name, st, version=None):
         writes.append(st)
         return {**obj, "status": {**obj["status"], **st}}
 
@@ -766,7 +824,7 @@ def _in_doubt(monkeypatch, nodes: dict[str, dict], cancelled: str | None, answer
     monkeypatch.setattr(podmigrate, "undo_placing", lambda c, ns, pod, new, source, why: undone.append(new))
     c = _FakeCluster(nodes)
     with contextlib.suppress(controller.Retry):
-        controller.carry(c, obj, "me")  # type: ignore[arg-type]
+        controller.carry(c, obj, controller.Fence("me"))  # type: ignore[arg-type]
     return writes, orders, undone
 
 
@@ -812,8 +870,10 @@ def test_a_cancel_before_the_move_began_ends_it_with_nothing_changed(monkeypatch
         "spec": {"pod": "train", "node": "b"},
     }
     monkeypatch.setattr(podmigrations, "read", lambda c, ns, name: obj)
-    monkeypatch.setattr(podmigrations, "patch_status", lambda c, ns, n, st: (writes.append(st), obj)[1])
+    monkeypatch.setattr(
+        podmigrations, "patch_status", lambda c, ns, n, st, version=None: (writes.append(st), obj)[1]
+    )
     monkeypatch.setattr(controller.events, "record", lambda *a, **k: None)
-    controller.carry(None, obj, "me")  # type: ignore[arg-type]
+    controller.carry(None, obj, controller.Fence("me"))  # type: ignore[arg-type]
     assert writes[-1]["phase"] == "Failed" and "nothing was changed" in writes[-1]["reason"]
     assert [c["reason"] for c in writes[-1]["conditions"]] == ["Cancelled"]

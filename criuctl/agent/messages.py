@@ -27,7 +27,8 @@ class Refusal(Facts, total=False):
     state: str
     migration: str
     boot: str
-    mac: str
+    nonce: str
+    sig: str
 
 
 class ErrorAnswer(Refusal, total=False):

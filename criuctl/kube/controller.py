@@ -29,6 +29,7 @@ table); a controller that starts takes each unfinished object up where its statu
 from __future__ import annotations
 
 import contextlib
+import datetime
 import http.server
 import logging
 import os
@@ -46,7 +47,7 @@ from criuctl.client.agents import Node
 from criuctl.core import tokens
 from criuctl.core.errors import CriuctlError
 from criuctl.kube import events, movemetrics, moves, owners, podmigrate, podmigrations, podplan
-from criuctl.kube.cluster import SYSTEM_NS, Cluster, NotFound, agent_for, agent_of, call, connect
+from criuctl.kube.cluster import SYSTEM_NS, Cluster, Conflict, NotFound, agent_for, agent_of, call, connect
 from criuctl.kube.movemetrics import METRICS
 from criuctl.kube.podmigrations import COMMITTED, Phase
 
@@ -96,7 +97,7 @@ class _Latest(threading.Thread):
                 if self.closed:
                     return
                 facts, self.pending = self.pending, None
-            with contextlib.suppress(CriuctlError):  # progress is a courtesy; the phase is the record
+            with contextlib.suppress(CriuctlError, Deposed):  # a courtesy; the phase is the record
                 self.write(facts)
             time.sleep(PROGRESS_EVERY)
 
@@ -121,20 +122,75 @@ def progress_text(step: str, done: int | None, total: int | None) -> str:
 TTL_EVERY = 10.0  # s between the leader's sweeps for finished PodMigrations past their TTL
 
 
+class Deposed(Exception):
+    """This replica's status write found the object changed by another and the Lease held by
+    another (or run out): it no longer leads, and stops before it acts again."""
+
+
+@dataclass(frozen=True)
+class Fence:
+    """Who this replica is, and the Lease that makes it the leader. Leader election alone does not
+    keep a deposed leader from writing: a replica paused (a stopped VM, a long GC, SIGSTOP) past its
+    Lease runs on, for a moment, as if it still led. So every status write is conditional on the
+    resourceVersion its writer read (`Journal.write`); one that finds the object changed asks the
+    Lease: held by another or run out, the write is dropped and the replica stops (`Deposed`)."""
+
+    me: str
+    lease: str = ""  # "" (the unit tests): no Lease to ask, the writer leads
+    namespace: str = SYSTEM_NS
+    seconds: int = 15
+
+    def holds(self, c: Cluster) -> bool:
+        if not self.lease:
+            return True
+        got = call(
+            f"lease {self.namespace}/{self.lease}",
+            c.coordination.read_namespaced_lease,
+            self.lease,
+            self.namespace,
+        )
+        spec = got.spec
+        if spec is None or spec.holder_identity != self.me or spec.renew_time is None:
+            return False
+        age = (datetime.datetime.now(datetime.UTC) - spec.renew_time).total_seconds()
+        return age < (spec.lease_duration_seconds or self.seconds)
+
+
 class Journal:
     """A PodMigration's status, written before each step: the phase, with the facts known by then."""
 
-    def __init__(self, c: Cluster, obj: dict, me: str) -> None:
-        self.c, self.obj, self.me = c, obj, me
+    def __init__(self, c: Cluster, obj: dict, fence: Fence) -> None:
+        self.c, self.obj, self.fence = c, obj, fence
         self.ns, self.name = obj["metadata"]["namespace"], obj["metadata"]["name"]
-        self.latest = _Latest(lambda facts: podmigrations.patch_status(c, self.ns, self.name, facts))
+        self.lock = threading.Lock()  # the progress thread's writes and the phases', one at a time
+        self.latest = _Latest(self.write)
+
+    @property
+    def me(self) -> str:
+        return self.fence.me
 
     @property
     def status(self) -> dict[str, Any]:
         return self.obj.get("status") or {}
 
     def write(self, status: dict[str, Any]) -> None:
-        self.obj = podmigrations.patch_status(self.c, self.ns, self.name, status)
+        """Merge `status`, conditional on the object as last read or written here (`Fence`). A
+        conflict while this replica holds the Lease is another writer's annotation (a cancel,
+        kopf's bookkeeping): read again and write on what is there."""
+        with self.lock:
+            for _ in range(3):
+                version = (self.obj.get("metadata") or {}).get("resourceVersion")
+                try:
+                    self.obj = podmigrations.patch_status(self.c, self.ns, self.name, status, version=version)
+                    return
+                except Conflict:
+                    if not self.fence.holds(self.c):
+                        raise Deposed(
+                            f"podmigration {self.ns}/{self.name} changed and the Lease is not {self.me}'s: "
+                            "another replica leads"
+                        ) from None
+                    self.obj = podmigrations.read(self.c, self.ns, self.name)
+            raise Conflict(f"podmigration {self.ns}/{self.name} kept changing under its writes", "retried")
 
     def seen(self) -> dict[str, Any]:
         """`observedGeneration`: the spec this status is about (one generation per PodMigration:
@@ -442,14 +498,14 @@ def _resume_placeholder(c: Cluster, j: Journal, phase: Phase) -> None:
     j.succeeded(None, reason, downtime)
 
 
-def carry(c: Cluster, obj: dict, me: str, deleting: bool = False) -> None:
+def carry(c: Cluster, obj: dict, fence: Fence, deleting: bool = False) -> None:
     """Carry PodMigration `obj` to its end from the phase its status records. Raises Retry while
     the agents have not settled a move in doubt; every other outcome ends in the status."""
     obj = podmigrations.read(c, obj["metadata"]["namespace"], obj["metadata"]["name"])  # its latest status
     phase = podmigrations.phase_of(obj)
     if phase.final:
         return
-    j = Journal(c, obj, me)
+    j = Journal(c, obj, fence)
     try:
         _carry(c, j, phase, deleting)
     finally:
@@ -491,7 +547,7 @@ def _carry(c: Cluster, j: Journal, phase: Phase, deleting: bool) -> None:
 # ---- kopf and the Lease
 
 
-def _handlers(c: Cluster, me: str) -> Any:
+def _handlers(c: Cluster, fence: Fence) -> Any:
     """The kopf registry of this controller's handlers."""
     import kopf
 
@@ -500,9 +556,12 @@ def _handlers(c: Cluster, me: str) -> Any:
 
     def handle(body: Any, deleting: bool = False) -> None:
         try:
-            carry(c, dict(body), me, deleting)
+            carry(c, dict(body), fence, deleting)
         except Retry as exc:
             raise kopf.TemporaryError(str(exc), delay=exc.delay) from exc
+        except Deposed as exc:
+            log.error("deposed: stopping", extra={"why": str(exc)})
+            os._exit(1)  # as on a lost Lease (`_elect`): nothing more of this replica may act
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -667,4 +726,5 @@ def run(o: Options) -> None:
     leading.wait()
     log.info("leading", extra={"identity": o.identity})
     threading.Thread(target=_expire_forever, args=(c,), daemon=True, name="ttl").start()
-    asyncio.run(kopf.operator(registry=_handlers(c, o.identity), standalone=True, clusterwide=True))
+    fence = Fence(o.identity, o.lease, o.lease_namespace, o.lease_seconds)
+    asyncio.run(kopf.operator(registry=_handlers(c, fence), standalone=True, clusterwide=True))

@@ -198,10 +198,17 @@ def delete(c: Cluster, namespace: str, name: str) -> None:
         )
 
 
-def patch_status(c: Cluster, namespace: str, name: str, status: dict[str, Any]) -> dict:
+def patch_status(
+    c: Cluster, namespace: str, name: str, status: dict[str, Any], version: str | None = None
+) -> dict:
     """Merge `status` into the object's status (the status subresource): returns the object. An
-    empty string is left out: the client sends it as null, which a string field refuses."""
+    empty string is left out: the client sends it as null, which a string field refuses. With
+    `version` (the resourceVersion the writer read), only if nobody wrote the object since:
+    Conflict otherwise (the API server checks a resourceVersion in a patch as a precondition)."""
     status = {k: v for k, v in status.items() if v != ""}
+    body: dict[str, Any] = {"status": status}
+    if version:
+        body["metadata"] = {"resourceVersion": version}
     return call(
         _what(namespace, name),
         c.custom.patch_namespaced_custom_object_status,
@@ -210,7 +217,7 @@ def patch_status(c: Cluster, namespace: str, name: str, status: dict[str, Any]) 
         namespace,
         PLURAL,
         name,
-        {"status": status},
+        body,
     )
 
 
