@@ -77,7 +77,9 @@ class TicketAuth(requests.auth.AuthBase):
         self.ticket = Ticket("http://unused", inc["id"], inc["ticket"], "b", verify=inc["verify"])
 
     def __call__(self, r: requests.PreparedRequest) -> requests.PreparedRequest:
-        r.headers["Authorization"] = tickets.proof(self.ticket, str(r.method), urlsplit(str(r.url)).path)[0]
+        body = r.body.encode() if isinstance(r.body, str) else r.body  # covered, where there is one
+        path = urlsplit(str(r.url)).path
+        r.headers["Authorization"], self.nonce = tickets.proof(self.ticket, str(r.method), path, body)
         return r
 
 

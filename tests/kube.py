@@ -381,9 +381,9 @@ class Controller(Points):
         got = self.k.get("pod", pod, "criuctl-system") or {}
         return sum(s.get("restartCount", 0) for s in got.get("status", {}).get("containerStatuses", []))
 
-    def pause(self, pod: str) -> list[int]:
+    def stop_replica(self, pod: str) -> list[int]:
         """SIGSTOP every process of replica `pod` (found by the HOSTNAME its container gives them):
-        a stopped VM, a long GC. Returns their host PIDs for `resume`."""
+        a stopped VM, a long GC. Returns their host PIDs for `cont_replica`."""
         self.restarts = self._restarts(pod)
         pids = []
         for p in psutil.process_iter(["pid", "cmdline"]):
@@ -394,7 +394,7 @@ class Controller(Points):
         assert pids, f"no process of {pod} on this host"
         return pids
 
-    def resume(self, pids: list[int]) -> None:
+    def cont_replica(self, pids: list[int]) -> None:
         for pid in pids:
             with contextlib.suppress(psutil.Error):
                 psutil.Process(pid).resume()

@@ -350,10 +350,10 @@ def _genuine(state: str, status: int = 200) -> impostor.Respond:
 
     def respond(method: str, path: str, headers) -> tuple[int, bytes]:
         auth = headers.get("Authorization", "")
-        nonce = tickets.checked_proof(auth, tickets.proof_key(SECRET), method, path)
-        if nonce is None:
+        proven = tickets.checked_proof(auth, tickets.proof_key(SECRET), method, path)
+        if proven is None:
             return 401, b'{"what": "refused"}'
-        return status, json.dumps(tickets.signed_state(SIGN, MID, state, "boot-1", nonce)).encode()
+        return status, json.dumps(tickets.signed_state(SIGN, MID, state, "boot-1", proven.nonce)).encode()
 
     return respond
 

@@ -100,7 +100,7 @@ def test_the_leader_killed_at_a_phase_ends_the_move_exactly_once(
         ctl.reached(point)
         if point == "controller.placed":
             old = ctl.leader()
-            paused = ctl.pause(old)
+            paused = ctl.stop_replica(old)
         else:
             old = ctl.kill_leader()
     finally:
@@ -110,7 +110,7 @@ def test_the_leader_killed_at_a_phase_ends_the_move_exactly_once(
         obj = wait_podmigration(k, f"pm-{name}")
     finally:
         ctl.go(point)
-        ctl.resume(paused)
+        ctl.cont_replica(paused)
     st = obj["status"]
     assert st["phase"] == ends, st
     assert st["controller"].startswith(new_leader), f"{st['controller']} ended it, not {new_leader}"

@@ -19,6 +19,7 @@ import psutil
 import pytest
 import requests
 
+from criuctl.agent import tickets
 from criuctl.core.env import TIMEOUTS
 from tests.cluster import Cluster, TicketAuth
 from tests.conftest import needs_criu
@@ -173,12 +174,26 @@ def test_a_page_session_opens_once_for_its_own_stop_and_copy_ticket_only(cluster
     for bad in (None, "garbage", pem + pem, "x" * 20000):
         r = pages(mid, ticket, bad)
         assert r.status_code == 400 and "certificate" in r.json()["what"], (bad, r.text)
+    # a certificate swapped on the way (the proof covers the body): refused
+    url = f"{b.url}/v1/incoming/{mid}/pages"
+    swapped = requests.Request("POST", url, json={"cert": pem}, auth=ticket).prepare()
+    swapped.body = json.dumps({"cert": pagetls.make_identity(cluster.root / "pem2", "mitm").pem}).encode()
+    swapped.headers["Content-Length"] = str(len(swapped.body))
+    with requests.Session() as s:
+        assert s.send(swapped, timeout=30, verify=b.verify).status_code == 401
     r = pages(mid, ticket, pem)
     assert r.ok, r.text
     assert 0 < r.json()["port"] < 65536 and r.json()["cert"].startswith("-----BEGIN CERTIFICATE-----")
+    # the answer's certificate is the target's own word: signed over this question's nonce
+    assert tickets.checked_cert(ticket.ticket, ticket.nonce, r.json()["cert"], r.json()["sig"])
+    assert not tickets.checked_cert(other_ticket.ticket, ticket.nonce, r.json()["cert"], r.json()["sig"])
     assert pages(mid, ticket, pem).status_code == 409  # once
+    # post-copy: no page server here (its pages come the other way), this end's certificate for
+    # the lazy-pages daemon that pulls them, once
     post, post_ticket = incoming("post-copy")
-    assert pages(post, post_ticket, pem).status_code == 409  # post-copy's pages come the other way
+    pr = pages(post, post_ticket, pem)
+    assert pr.ok and pr.json()["port"] == 0 and pr.json()["cert"].startswith("-----BEGIN CERTIFICATE-----")
+    assert pages(post, post_ticket, pem).status_code == 409
     # an abort ends the page server that waited for a dump that never came
     assert requests.delete(f"{b.url}/v1/incoming/{mid}", auth=ticket, timeout=30, verify=b.verify).ok
     port = r.json()["port"]

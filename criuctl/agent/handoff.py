@@ -154,6 +154,9 @@ class _Source:
                 durable=False,
                 on_dumping=lambda folder: _emit(Event.DUMPING, bundle=str(folder)),
                 pages_to=pages_to,
+                lazy_tls=criu.PageTls(**{k: Path(v) for k, v in spec.lazy_tls.items()})
+                if spec.lazy_tls
+                else None,
                 target_gpus=None
                 if spec.target_gpus is None
                 else [gpus.GpuInfo.from_dict(g) for g in spec.target_gpus],

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 import uuid
@@ -58,6 +59,12 @@ if TYPE_CHECKING:
     from criuctl.agent.server import Agent
 
 log = logging.getLogger("criuctl.agent")
+
+
+def _nonce(r: web.Request) -> str:
+    """The nonce of the ticket's proof this request came with ("" with the node's token)."""
+    proven = r.get(tickets.PROVEN)
+    return proven.nonce if proven is not None else ""
 
 
 async def spawn_target(spec: TargetSpec, folder: Path) -> Handoff:
@@ -112,9 +119,9 @@ class Incoming:
         self.machines[mid] = m
         return m
 
-    def ticket_opens(self, request: web.Request, header: str) -> str | None:
-        """The nonce of a ticket's proof (`tickets.proof`) that opens this request: a ticket opens only
-        its own migration's upload, status and verdict. None for anything else."""
+    def ticket_opens(self, request: web.Request, header: str) -> tickets.Proven | None:
+        """What a ticket's proof (`tickets.proof`) that opens this request vouches for: a ticket opens
+        only its own migration's upload, page session, status and verdict. None for anything else."""
         path = request.path
         if not header.startswith(tickets.SCHEME) or not path.startswith("/v1/incoming/"):
             return None
@@ -196,16 +203,26 @@ class Incoming:
         return web.json_response(IncomingAnswer(id=m.id, ticket=secret, verify=verify))
 
     async def pages(self, r: web.Request) -> web.Response:
-        """The source's dump will send its memory pages straight here: a page server for it alone
-        (its certificate pinned), on a port of this node; answered with that port and this end's
-        certificate, which the source pins in turn."""
+        """A page session with this migration's source, before anything is frozen (`TargetMachine.
+        open_pages`): the source's certificate in, this end's out. The proof must cover the body
+        and the answer is signed with the migration's key, so that a man in the middle (under
+        `--insecure`) can swap neither certificate."""
         m = self._get(r)
-        body: PagesRequest = await body_json(r)
+        raw = await r.read()
+        proven = r.get(tickets.PROVEN)
+        if proven is None or not proven.covers(raw):
+            return fail(
+                401, "a page session's certificate must come with the ticket's proof of it", "use criuctl"
+            )
         try:
-            session = await m.open_pages(body.get("cert"))
+            body: PagesRequest = json.loads(raw)
+            port, pem = await m.open_pages(body.get("cert") if isinstance(body, dict) else None)
+        except ValueError:
+            return fail(400, "the body is not JSON", 'send {"cert": PEM}')
         except CriuctlError as exc:
             return fail(400 if isinstance(exc, PeerCertError) else 409, exc.what, exc.hint)
-        return web.json_response(PagesAnswer(port=session.port, cert=session.identity.pem))
+        sig = tickets.signed_cert(m.rec.sign_key, m.id, proven.nonce, pem) if m.rec.sign_key else ""
+        return web.json_response(PagesAnswer(port=port, cert=pem, sig=sig))
 
     async def upload(self, r: web.Request) -> web.Response:
         m = self._get(r)
@@ -243,7 +260,7 @@ class Incoming:
 
     async def status(self, r: web.Request) -> web.Response:
         m = self._get(r)
-        answer = m.answer(r.get(tickets.NONCE, ""))
+        answer = m.answer(_nonce(r))
         return web.json_response(IncomingStatus(**answer, workload=m.rec.workload))
 
     async def abort(self, r: web.Request) -> web.Response:
@@ -253,7 +270,7 @@ class Incoming:
             return fail(
                 409,
                 f"migration {m.id} already runs on node {self.agent.name}; it cannot be aborted",
-                **m.answer(r.get(tickets.NONCE, "")),
+                **m.answer(_nonce(r)),
             )
         if verdict == Verdict.UNKNOWN:
             return fail(
@@ -264,7 +281,7 @@ class Incoming:
             )
         self.agent.metrics.migrations.labels("target", m.rec.mode, "aborted").inc()
         self.machines.pop(m.id, None)
-        return web.json_response(m.answer(r.get(tickets.NONCE, "")))
+        return web.json_response(m.answer(_nonce(r)))
 
     async def lift_cut(self, r: web.Request) -> web.Response:
         m = self._get(r)

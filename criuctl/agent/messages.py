@@ -95,10 +95,13 @@ class PagesRequest(TypedDict):
 
 
 class PagesAnswer(TypedDict):
-    """Where the target's page server waits for this migration's dump, and the certificate it shows."""
+    """Where the target's page server waits for this migration's dump (0: post-copy, whose pages
+    the target pulls), the certificate this end shows, signed with the migration's key over the
+    question's nonce (`tickets.signed_cert`)."""
 
     port: int
     cert: str  # PEM
+    sig: str
 
 
 class IncomingStatus(SignedState):

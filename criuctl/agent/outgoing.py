@@ -16,6 +16,7 @@ import logging
 import shutil
 import time
 import uuid
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
@@ -139,13 +140,17 @@ class Outgoing:
         mid = uuid.uuid4().hex
         folder = self.spool / mid
         folder.mkdir(mode=0o700)
-        pages_to = None
-        if direct:
-            try:
+        pages_to, lazy_tls = None, None
+        try:
+            if direct:
                 pages_to = await asyncio.to_thread(pagesession.open_at_target, ticket, folder / "pages")
-            except CriuctlError as exc:
-                await asyncio.to_thread(shutil.rmtree, folder, True)
-                return fail(502, exc.what, exc.hint)
+            elif (
+                mode == Mode.POST_COPY and urlsplit(ticket.url).scheme == "https"
+            ):  # clear only under --insecure
+                lazy_tls = await asyncio.to_thread(pagesession.pull_tls, ticket, folder / "pages")
+        except CriuctlError as exc:
+            await asyncio.to_thread(shutil.rmtree, folder, True)
+            return fail(502, exc.what, exc.hint)
         spec = SourceSpec(
             mid,
             w.name,
@@ -160,6 +165,7 @@ class Outgoing:
             live,
             pages_to.to_json() if pages_to else None,
             target_gpus,
+            lazy_tls={k: str(v) for k, v in asdict(lazy_tls).items()} if lazy_tls else None,
         )
 
         async def send(source: Path | transfer.Source, counter: transfer.Counter) -> UploadAnswer:

@@ -287,6 +287,8 @@ class SourceSpec:
     pages_to: dict[str, Any] | None = None
     # a GPU job: the GPUs the target agent listed (`gpus.GpuInfo` as dicts), checked before the freeze
     target_gpus: list[dict[str, Any]] | None = None
+    # post-copy over CRIU's TLS (`criu.PageTls`'s paths): the page server takes the target alone
+    lazy_tls: dict[str, str] | None = None
 
     def to_json(self) -> str:
         d = asdict(self)

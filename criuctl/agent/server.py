@@ -204,9 +204,9 @@ class Agent:
         if request.path == "/healthz":
             return await handler(request)
         given = request.headers.get("Authorization", "")
-        nonce = self.incoming.ticket_opens(request, given)
-        if nonce is not None:  # a ticket's proof, for its own migration's routes only
-            request[tickets.NONCE] = nonce
+        proven = self.incoming.ticket_opens(request, given)
+        if proven is not None:  # a ticket's proof, for its own migration's routes only
+            request[tickets.PROVEN] = proven
             return await handler(request)
         token = given.removeprefix("Bearer ").strip() if given.startswith("Bearer ") else ""
         if token and hmac.compare_digest(token.encode(), self.token.encode()):

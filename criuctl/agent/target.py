@@ -41,7 +41,7 @@ from criuctl.container import placeholder
 from criuctl.core import procinfo
 from criuctl.core.errors import CriuctlError
 from criuctl.format import bundle
-from criuctl.net import directpages
+from criuctl.net import directpages, pagetls
 from criuctl_hook import durable
 
 log = logging.getLogger("criuctl.agent")
@@ -140,11 +140,17 @@ class TargetMachine:
 
     # ----------------------------------------------------------------------------------- steps
 
-    async def open_pages(self, source_cert: object) -> directpages.Session:
-        """Stop-and-copy straight to this node: a page server, for this migration's source only,
-        waits for the dump's pages (`criuctl.net.directpages`); before anything is frozen."""
+    async def open_pages(self, source_cert: object) -> tuple[int, str]:
+        """A page session with this migration's source, before anything is frozen: (the port of
+        this node's page server, 0 for post-copy; this end's certificate). Stop-and-copy straight
+        to this node: a page server for the source alone waits for the dump's pages
+        (`criuctl.net.directpages`). Post-copy: this node's lazy-pages daemon will pull them from
+        the source's page server over CRIU's TLS, each end pinning the other's certificate
+        (`_pull_tls`, which the restore hands its handoff)."""
+        if self.rec.mode == Mode.POST_COPY:
+            return 0, await self._pull_identity(source_cert)
         async with self.lock:
-            if self.state != TargetState.NEW or self.rec.mode != Mode.STOP_AND_COPY or self.pages is not None:
+            if self.state != TargetState.NEW or self.pages is not None:
                 raise CriuctlError(
                     f"migration {self.id} ({self.rec.mode}, {self.state}) takes no page session now",
                     "a page session is opened once, before a stop-and-copy's bundle comes",
@@ -159,7 +165,32 @@ class TargetMachine:
             session.start(self.t.freeze + self.t.stall)
             self.pages = session
         await points.areach(Point.TARGET_PAGES_OPEN)
-        return session
+        return session.port, session.identity.pem
+
+    async def _pull_identity(self, source_cert: object) -> str:
+        async with self.lock:
+            folder = self.dir / "pages"
+            if self.state != TargetState.NEW or (folder / "source.crt").exists():
+                raise CriuctlError(
+                    f"migration {self.id} ({self.rec.mode}, {self.state}) takes no page session now",
+                    "a page session is opened once, before anything is frozen",
+                )
+            mine = await asyncio.to_thread(pagetls.make_identity, folder, "target")
+            await asyncio.to_thread(pagetls.pin, folder, "source", source_cert)
+        return mine.pem
+
+    def _pull_tls(self) -> dict[str, str] | None:
+        """Post-copy's TLS for the restore's lazy-pages daemon: this end's pair and the source's
+        certificate; None where the source opened no page session (agents under `--insecure`)."""
+        folder = self.dir / "pages"
+        paths = {
+            "peer_cert": folder / "source.crt",
+            "cert": folder / "target.crt",
+            "key": folder / "target.key",
+        }
+        if self.rec.mode != Mode.POST_COPY or not all(p.exists() for p in paths.values()):
+            return None
+        return {k: str(v) for k, v in paths.items()}
 
     async def _vouch(self) -> bundle.Vouched | None:
         """The page server's word for the pages it wrote, which the bundle's verification asks
@@ -217,6 +248,7 @@ class TargetMachine:
                 self.rec.runtime,
                 follow,
                 vouched=vouched,
+                page_tls=self._pull_tls(),
             )
             t0 = time.monotonic()
             try:

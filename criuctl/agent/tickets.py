@@ -28,6 +28,7 @@ from __future__ import annotations
 import hmac
 import secrets
 import time
+from dataclasses import dataclass
 from typing import NotRequired, TypedDict
 
 import blake3
@@ -37,7 +38,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from criuctl.agent.protocol import Ticket
 
 SCHEME = "Criuctl-Ticket"
-NONCE = "criuctl.ticket-nonce"  # where the agent's request keeps the nonce of the proof it checked
+PROVEN = "criuctl.ticket-proven"  # where the agent's request keeps what the checked proof vouches for
 WINDOW = 600.0  # seconds a proof is good for either side of the target's clock (nodes' clocks differ)
 _PROOF_CONTEXT = "criuctl 2026-12 ticket proof"
 _VERDICT_DOMAIN = b"criuctl 2026-12 migration verdict\n"
@@ -53,28 +54,54 @@ def proof_key(secret: str) -> str:
     return blake3.blake3(secret.encode(), derive_key_context=_PROOF_CONTEXT).hexdigest()
 
 
-def _mac(key: str, method: str, path: str, ts: int, nonce: str) -> str:
-    return blake3.blake3(f"{method}\n{path}\n{ts}\n{nonce}".encode(), key=bytes.fromhex(key)).hexdigest()
+def _mac(key: str, method: str, path: str, ts: int, nonce: str, body: str) -> str:
+    said = f"{method}\n{path}\n{ts}\n{nonce}\n{body}".encode()
+    return blake3.blake3(said, key=bytes.fromhex(key)).hexdigest()
 
 
-def proof(ticket: Ticket, method: str, path: str) -> tuple[str, str]:
-    """(the Authorization header's value, its nonce) for one request `method path` the ticket opens."""
+def digest(body: bytes) -> str:
+    return blake3.blake3(body).hexdigest()
+
+
+@dataclass(frozen=True)
+class Proven:
+    """What a checked proof vouches for: its nonce, and the digest of the body it was made with
+    ("" when it covers none: an upload, whose bytes the bundle's signature vouches for)."""
+
+    nonce: str
+    body: str
+
+    def covers(self, raw: bytes) -> bool:
+        """Whether the request's body is the one the ticket's holder sent (a man in the middle
+        under `--insecure` cannot swap a certificate in it)."""
+        return bool(self.body) and hmac.compare_digest(self.body, digest(raw))
+
+
+def proof(ticket: Ticket, method: str, path: str, body: bytes | None = None) -> tuple[str, str]:
+    """(the Authorization header's value, its nonce) for one request `method path` the ticket
+    opens; with `body`, the proof covers it too."""
     ts, nonce = int(time.time()), secrets.token_hex(16)
-    mac = _mac(proof_key(ticket.secret), method, path, ts, nonce)
-    return f"{SCHEME} ts={ts},nonce={nonce},mac={mac}", nonce
+    covered = "" if body is None else digest(body)
+    mac = _mac(proof_key(ticket.secret), method, path, ts, nonce, covered)
+    return f"{SCHEME} ts={ts},nonce={nonce},body={covered},mac={mac}", nonce
 
 
-def checked_proof(header: str, key: str, method: str, path: str, now: float | None = None) -> str | None:
-    """The nonce of a proof that `key` made for exactly this request within `WINDOW`; None otherwise."""
+def checked_proof(header: str, key: str, method: str, path: str, now: float | None = None) -> Proven | None:
+    """What a proof that `key` made for exactly this request within `WINDOW` vouches for; None
+    for anything else."""
     if not key or not header.startswith(SCHEME + " "):
         return None
     parts = dict(p.partition("=")[::2] for p in header[len(SCHEME) + 1 :].split(","))
-    ts, nonce, mac = parts.get("ts", ""), parts.get("nonce", ""), parts.get("mac", "")
+    ts, nonce, body, mac = (parts.get(k, "") for k in ("ts", "nonce", "body", "mac"))
     if not (ts.isdigit() and len(ts) < 12 and 16 <= len(nonce) <= 64 and nonce.isalnum() and len(mac) == 64):
+        return None
+    if body and not (len(body) == 64 and body.isalnum()):
         return None
     if abs((time.time() if now is None else now) - int(ts)) > WINDOW:
         return None
-    return nonce if hmac.compare_digest(_mac(key, method, path, int(ts), nonce), mac) else None
+    if not hmac.compare_digest(_mac(key, method, path, int(ts), nonce, body), mac):
+        return None
+    return Proven(nonce, body)
 
 
 def new_signer() -> tuple[str, str]:
@@ -108,6 +135,29 @@ def signed_state(key: str, migration: str, state: str, boot: str, nonce: str = "
         )
         out["sig"] = sig.hex()
     return out
+
+
+def _cert_said(migration: str, nonce: str, pem: str) -> bytes:
+    return _VERDICT_DOMAIN + f"page-server certificate\n{migration}\n{nonce}\n{digest(pem.encode())}".encode()
+
+
+def signed_cert(key: str, migration: str, nonce: str, pem: str) -> str:
+    """The target's signature over the certificate its page session shows, for the question with
+    `nonce`: the source pins only a certificate the target itself vouched for."""
+    return (
+        Ed25519PrivateKey.from_private_bytes(bytes.fromhex(key)).sign(_cert_said(migration, nonce, pem)).hex()
+    )
+
+
+def checked_cert(ticket: Ticket, nonce: str, pem: str, sig: object) -> bool:
+    if not ticket.verify or not isinstance(sig, str):
+        return False
+    try:
+        public = Ed25519PublicKey.from_public_bytes(bytes.fromhex(ticket.verify))
+        public.verify(bytes.fromhex(sig), _cert_said(ticket.incoming, nonce, pem))
+    except (ValueError, InvalidSignature):
+        return False
+    return True
 
 
 def checked_state(ticket: Ticket, answer: object, nonce: str) -> str | None:
