@@ -92,6 +92,8 @@ CASES = (
         (Point.CLIENT_RESTORED, "source-agent", "post-copy"),
         (Point.CLIENT_TARGET_COMMITTED, "source-agent", "post-copy"),
         (Point.CLIENT_TARGET_COMMITTED, "client", "post-copy"),
+        # its page session's certificates exchanged (HTTPS agents: the pages go over CRIU's TLS)
+        (Point.TARGET_PAGES_OPEN, "target-agent", "post-copy"),
     ]
     + [  # stop-and-copy with its pages straight into the target's page server (CRIUCTL_STREAM=direct)
         *((Point.TARGET_PAGES_OPEN, f, DIRECT) for f in FAULTS),

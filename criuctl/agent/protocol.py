@@ -470,9 +470,9 @@ class Point(enum.StrEnum):
     SOURCE_SENT_RECORDED = "source.sent-recorded"  # source agent: SENT recorded, client not told
     # source agent: a person's settle order is on disk (the target declared down), the tree still frozen
     SOURCE_SETTLE_ORDERED = "source.settle-ordered"
-    TARGET_PAGES_OPEN = (
-        "target.pages-open"  # target agent: its page server waits for the dump; nothing frozen
-    )
+    # target agent: a page session opened (direct: its page server waits for the dump; post-copy:
+    # the certificates exchanged, for the pull); nothing frozen
+    TARGET_PAGES_OPEN = "target.pages-open"
     TARGET_RECEIVED = "target.received"  # target agent: RECEIVED recorded, source not answered
     TARGET_RUNNING = "target.running"  # target agent: RUNNING, client not answered
     SUCCESSOR_REDIRECTED = "successor.redirected"  # holder agent: a rank's peers redirected, not restored

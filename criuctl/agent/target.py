@@ -177,6 +177,7 @@ class TargetMachine:
                 )
             mine = await asyncio.to_thread(pagetls.make_identity, folder, "target")
             await asyncio.to_thread(pagetls.pin, folder, "source", source_cert)
+        await points.areach(Point.TARGET_PAGES_OPEN)
         return mine.pem
 
     def _pull_tls(self) -> dict[str, str] | None:

@@ -265,6 +265,14 @@ def _lazy(c: Cluster, m: moves.Move, pod: dict, src: Node, dst: Node) -> LazyReq
         return None
 
 
+def _answers(node: Node) -> bool:
+    try:
+        AgentClient(node, timeout=INFO_TIMEOUT).get("/healthz")
+    except CriuctlError:
+        return False
+    return True
+
+
 def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -334,6 +342,13 @@ def _checkpoint(
         m.size = source.copy_bundle(m.bundle, AgentClient(dst, timeout=CHECKPOINT_TIMEOUT))
         m.holder = target
     except CriuctlError as exc:
+        if not _answers(src):  # this node's agent went away under the copy (a restart, a rollout):
+            # the record stays `dumping`, and the restarted agent's loop carries the bundle on
+            # (criuctl.kube.successors); keeping it here would give up a move nothing stops
+            log.warning(
+                "copy cut by the agent's end", extra={"pod": f"{namespace}/{name}", "why": exc.line()}
+            )
+            raise
         m.holder = m.source
         m.note = f"not copied to node {target} ({exc.what}): restored on node {m.source}"
         events.record(c, pod, events.Reason.FAILED, m.note)
