@@ -30,6 +30,7 @@ from tests.kube import (
     ddp_job,
     drain,
     final,
+    grant_migrator,
     steps,
     training_pod,
     until,
@@ -39,6 +40,13 @@ from tests.kube import (
 pytestmark = [needs_criu, pytest.mark.slow]
 
 SYSTEM_NS = "criuctl-system"
+
+
+@pytest.fixture(autouse=True)
+def _migrator(local_cluster) -> None:
+    """The user `migrator` may move (and list) the pods of namespace default, nothing else: what
+    `_jobs` runs `criuctl ps --jobs` as."""
+    grant_migrator(local_cluster[1])
 
 
 def _restarts(k: Kubectl, job: str) -> dict[str, tuple[str, int]]:
@@ -63,15 +71,30 @@ def _wait_steps(k: Kubectl, pod: str, n: int, timeout: float = 240) -> str:
     raise AssertionError(f"{pod} did not reach step {n}: {k.logs(pod)[-1500:]}")
 
 
-def _jobs(lay, name: str) -> list[tuple[str, str, str]]:
-    """`criuctl ps --jobs` on the cluster: (rank, node, connected to) of job `name`."""
-    r = criuctl(lay, "ps", "--jobs", "--kubeconfig", str(lay.kubeconfig))
-    assert r.returncode == 0, r.stderr
-    return sorted(
-        (row[1], row[2], " ".join(row[3:]))
-        for line in r.stdout.splitlines()
-        if (row := line.split()) and row[0] == name
-    )
+def _jobs(
+    lay, name: str, pods: list[str] | None = None, on: tuple[str, str] | None = None
+) -> list[tuple[str, str, str]]:
+    """`criuctl ps --jobs` on the cluster as the user `migrator` (criuctl-migrator in namespace
+    default, nothing else: the agents publish each rank on its pod, criuctl.kube.jobs): (rank,
+    node, connected to) of job `name`. With `pods`, asked again (the agents look every 10 s) until
+    those are its ranks, each connected to all the others, and `on` = (pod, node) is one of them."""
+    deadline = time.monotonic() + 90
+    while True:
+        r = criuctl(lay, "ps", "--jobs", "--kubeconfig", str(lay.dir / "migrator.kubeconfig"))
+        assert r.returncode == 0, r.stderr
+        rows = sorted(
+            (row[1], row[2], " ".join(row[3:]))
+            for line in r.stdout.splitlines()
+            if (row := line.split()) and row[0] == name
+        )
+        whole = pods is None or (
+            sorted(x[0] for x in rows) == sorted(pods)
+            and all(f"{p}@" in peers for rank, _, peers in rows for p in pods if p != rank)
+            and (on is None or on in [(x[0], x[1]) for x in rows])
+        )
+        if whole or time.monotonic() > deadline:
+            return rows
+        time.sleep(2)
 
 
 def _all_connected(rows: list[tuple[str, str, str]], pods: list[str]) -> None:
@@ -145,7 +168,7 @@ def test_a_pytorchjob_pod_moves_with_its_connections_and_the_job_never_stops(
         _wait_steps(k, pods[0], 15)
         before = _restarts(k, job)
         assert sorted(before) == pods and all(n == 0 for _, n in before.values()), before
-        rows = _jobs(lay, job)
+        rows = _jobs(lay, job, pods)
         assert [(r[0], r[1]) for r in rows] == [(pods[0], "a"), (pods[1], "b"), (pods[2], "b")], rows
         _all_connected(rows, pods)
 
@@ -164,7 +187,7 @@ def test_a_pytorchjob_pod_moves_with_its_connections_and_the_job_never_stops(
         assert all(f"{step} " in said for step in ("checkpoint", "deleted", "kept", "running")), said
         assert re.search(r"; [1-9][0-9]* of the staying ranks' connections to it retransmitted", said), said
         # still one job, the moved rank on its new node, every connection seen whole through the redirects
-        rows = _jobs(lay, job)
+        rows = _jobs(lay, job, pods, on=(moved, to))
         assert (moved, to) in [(r[0], r[1]) for r in rows], rows
         _all_connected(rows, pods)
 
@@ -203,7 +226,7 @@ def test_a_drain_moves_the_workers_on_the_node_one_after_another(local_cluster) 
                 assert time.monotonic() < deadline, f"{w} was not restored: {new}"
                 time.sleep(1)
             assert new["spec"]["nodeName"] == "a"
-        rows = _jobs(lay, "dw")
+        rows = _jobs(lay, "dw", ["dw-master-0", *workers])
         _all_connected(rows, ["dw-master-0", *workers])
         _finishes_as_the_reference(k, "dw", 3)
         after = _restarts(k, "dw")
@@ -264,7 +287,7 @@ def test_an_agent_killed_between_the_redirects_and_the_restore_loses_nothing(
         _agents_back(lay)  # b's lists worker-1 again: through its redirect
         # each peer's redirect kept, once: a restarted step found them by the move
         assert sorted(_redirects(lay)) == [("a", "kept"), ("b", "kept")], _redirects(lay)
-        _all_connected(_jobs(lay, job), pods)
+        _all_connected(_jobs(lay, job, pods), pods)
         _finishes_as_the_reference(k, job, 3)
         after = _restarts(k, job)
         assert all(after[p] == before[p] for p in pods if p != pods[1]), (before, after)
@@ -420,8 +443,9 @@ def test_a_trainjob_pod_moves_by_index_and_the_job_never_stops(local_cluster, ho
             i: (p["metadata"]["uid"], p["status"]["containerStatuses"][0]["restartCount"])
             for i, p in pods.items()
         }
-        rows = _jobs(lay, f"{job}-node-0")  # a job is named by its pods' common prefix
-        _all_connected(rows, [p["metadata"]["name"] for p in pods.values()])
+        names = [p["metadata"]["name"] for p in pods.values()]
+        rows = _jobs(lay, f"{job}-node-0", names)  # a job is named by its pods' common prefix
+        _all_connected(rows, names)
         first0 = LogFollower(k, rank0)  # a moved rank 0's log goes on in its successor
         first0.start()
 
@@ -449,9 +473,10 @@ def test_a_trainjob_pod_moves_by_index_and_the_job_never_stops(local_cluster, ho
             assert new["spec"]["nodeName"] == to and new["spec"]["hostname"] == f"{job}-node-0-{i}"
             assert new["metadata"]["annotations"]["criuctl.io/migrated-from"] == f"default/{old}@{source}"
         now = _trainjob_pods(k, job)
-        rows = _jobs(lay, f"{job}-node-0")
+        names = [p["metadata"]["name"] for p in now.values()]
+        rows = _jobs(lay, f"{job}-node-0", names, on=(now[index]["metadata"]["name"], to))
         assert (now[index]["metadata"]["name"], to) in [(r[0], r[1]) for r in rows], rows
-        _all_connected(rows, [p["metadata"]["name"] for p in now.values()])
+        _all_connected(rows, names)
 
         from tests.test_multinode import reference
 

@@ -505,7 +505,10 @@ def test_users_need_podmigrations_only_and_edit_gets_them(objects: list[Obj]) ->
     assert _granted(role) == {
         ("criuctl.io", "podmigrations"): {"get", "list", "watch", "create", "delete", "patch"},
         ("criuctl.io", "podmigrations/status"): {"get"},
+        ("", "pods"): {"get", "list"},  # `criuctl ps --jobs`: the ranks the agents publish on pods
     }
+    # what `ps --jobs` calls as the user is in the role: no Secret, no agent (before: the token Secret)
+    assert _calls("jobs:cluster_survey") <= {("", "pods", v) for v in ("get", "list")}
     # patch, for `criuctl cancel`'s annotation (the spec stays immutable: components/immutable-spec)
     assert _calls("podmigrations:cancel") == {("criuctl.io", "podmigrations", "patch")}
     assert role["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
@@ -531,6 +534,7 @@ CALLERS = {
     ],
     "criuctl-agent": [
         "podmigrations:record_drain,create",
+        "jobs:publish",
         "prestop",
         "successors",
         "nodeside",

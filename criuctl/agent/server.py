@@ -292,9 +292,9 @@ class Agent:
 
     async def list_workloads(self, _r: web.Request) -> web.Response:
         others = await asyncio.to_thread(self.runtimes.register_all)  # containers become workloads here
-        return web.json_response(await asyncio.to_thread(self._rows) + others)
+        return web.json_response(await asyncio.to_thread(self.workload_rows) + others)
 
-    def _rows(self) -> list[workloads.WorkloadRow]:
+    def workload_rows(self) -> list[workloads.WorkloadRow]:
         """Every workload here; a running one with its TCP endpoints (what joins ranks into jobs)."""
         out = workloads.rows()
         kept = self.redirects.kept()  # read once for the whole listing

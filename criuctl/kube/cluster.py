@@ -26,6 +26,10 @@ class NotFound(CriuctlError):
     exit_code = 3
 
 
+class Forbidden(CriuctlError):
+    """The API server refused the user (HTTP 401/403): RBAC, not the object."""
+
+
 class Conflict(CriuctlError):
     """Another writer changed the object first (a resourceVersion precondition failed)."""
 
@@ -93,7 +97,7 @@ def api_error(exc: Exception, what: str) -> CriuctlError:
                 said = exc.reason
             return CriuctlError(f"the API server refused {what}: {said}", "see the fields it names")
         if exc.status in (401, 403):
-            return CriuctlError(
+            return Forbidden(
                 f"the API server refused access to {what} (HTTP {exc.status})",
                 "use a kubeconfig whose user may do this: moving a pod needs the criuctl-migrator "
                 "role (docs/deploy.md, Users)",

@@ -8,7 +8,9 @@
   deleted on this node: a caller can ask for nothing the deletion would not do;
 - the loop that restores kept bundles into their pods' successors (criuctl.kube.successors), and
   puts a Job's tracking finalizer back on a pod of this node untracked for a deletion that did not
-  come (criuctl.kube.jobfailures.retrack_stale).
+  come (criuctl.kube.jobfailures.retrack_stale);
+- the ranks of this node's jobs, published on their pods for `criuctl ps --jobs` (`Ranks`,
+  criuctl.kube.jobs): what a user may see, through the API server alone.
 
 The agent's layer knows nothing of Kubernetes: the CLI hands it `extension(...)`, which it calls
 with itself and its application at start-up.
@@ -26,7 +28,7 @@ from aiohttp import web
 
 from criuctl.container import runtime
 from criuctl.core.errors import CriuctlError
-from criuctl.kube import cluster, jobfailures, mutate, prestop, successors
+from criuctl.kube import cluster, jobfailures, jobs, mutate, prestop, successors
 from criuctl.net import netns
 
 if TYPE_CHECKING:
@@ -38,6 +40,7 @@ TICK = 2.0  # one list of the move records per node per tick: cheap on a cluster
 TICK_BUSY = 0.2  # while this node is to restore a move: only the holder's (or target's) agent
 RETRACK_EVERY = 10.0  # s between two looks for pods untracked for a deletion that did not come
 HOOKS_EVERY = 5.0  # s between two looks for this node's wrapped pods (one cached list of its pods)
+RANKS_EVERY = 10.0  # s between two looks at this node's jobs' connections (a patch only on a change)
 
 
 def extension(port: int, kubeconfig: str | None) -> Callable[[Agent, web.Application], None]:
@@ -69,6 +72,7 @@ def extension(port: int, kubeconfig: str | None) -> Callable[[Agent, web.Applica
                 ) from exc
             runner.append(r)
             agent.spawn(_loop(c, agent.name))
+            agent.spawn(Ranks(c, agent).forever())
             log.info("kubernetes side", extra={"prestop": f"127.0.0.1:{port}", "node": agent.name})
 
         async def stop(_app: web.Application) -> None:
@@ -135,6 +139,40 @@ class PodHooks:
             await site.start()
             self.sites[key] = site
             log.info("preStop listener", extra={"pod": who, "port": self.port})
+
+
+class Ranks:
+    """Each running container workload of this node, as a rank of a job, on its pod's annotation
+    (`jobs.note`): patched when its connections change, not every look."""
+
+    def __init__(self, c: cluster.Cluster, agent: Agent) -> None:
+        self.c, self.agent = c, agent
+        self.said: dict[tuple[str, str], str] = {}  # (namespace, pod) → the value published
+
+    def look(self) -> None:
+        now: dict[tuple[str, str], str] = {}
+        self.agent.runtimes.register_all()  # containers become workloads, as for `/v1/workloads`
+        for row in self.agent.workload_rows():
+            if (n := jobs.note(row, self.agent.name)) is not None:
+                now[(n[0], n[1])] = n[2]
+        for (ns, pod), value in now.items():
+            if self.said.get((ns, pod)) != value:
+                try:
+                    jobs.publish(self.c, ns, pod, value)
+                except cluster.NotFound:  # gone meanwhile
+                    continue
+                self.said[(ns, pod)] = value
+        self.said = {k: v for k, v in self.said.items() if k in now}
+
+    async def forever(self) -> None:
+        while True:
+            try:
+                await asyncio.to_thread(self.look)
+            except CriuctlError as exc:
+                log.warning("ranks not published", extra={"why": exc.line()})
+            except Exception:  # a bug here must not take the agent down
+                log.exception("ranks")
+            await asyncio.sleep(RANKS_EVERY)
 
 
 def hooked_pods(c: cluster.Cluster, node: str) -> dict[tuple[str, str], str]:
