@@ -23,7 +23,6 @@ and each number is the median of the repetitions. Run as root: `.venv/bin/python
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -42,6 +41,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import migrate as procbench  # noqa: E402 - the process-migration contenders, as bench/migrate.py runs them
+from rounds import arguments  # noqa: E402
 
 from criuctl.container import containers  # noqa: E402
 from tests import test_cri_archive as cri2  # noqa: E402 - containerd 2.x started as its tests start it
@@ -117,11 +117,8 @@ def bench_checkpoint(gib: float, work: Path, reps: int) -> dict[str, list[float]
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = arguments("containers", reps=2)
     ap.add_argument("--sizes", type=float, nargs="+", default=[0.5, 2])
-    ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--dir", default="/var/tmp/criuctl-bench-containers")
-    ap.add_argument("--json", default=str(HERE / "results" / "containers.json"))
     a = ap.parse_args()
     work = Path(a.dir)
     shutil.rmtree(work, ignore_errors=True)

@@ -16,7 +16,6 @@ bench/results/pagetls.json, the table in docs/benchmarks.md.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import statistics
@@ -32,6 +31,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "tools"))  # tests.requirements reads the local cluster's layout
 
 from bench.migrate import bench_criuctl, bench_tcp, machine, touch_memory  # noqa: E402 - one harness
+from bench.rounds import arguments  # noqa: E402
 from tests.cluster import Cluster  # noqa: E402 - the same nodes the tests use
 
 console = Console(stderr=True)
@@ -39,11 +39,8 @@ CONTENDERS = {"tls": True, "plain": False}
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = arguments("pagetls", reps=3)
     ap.add_argument("--gib", type=float, default=1.0)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--dir", default="/var/tmp/criuctl-bench-pagetls")
-    ap.add_argument("--json", default=str(HERE / "results" / "pagetls.json"))
     a = ap.parse_args()
     work = Path(a.dir)
     shutil.rmtree(work, ignore_errors=True)

@@ -19,7 +19,6 @@ Usage: python bench/restore_limits.py [--gib 2] [--reps 5] [--dir /var/tmp/criuc
 
 from __future__ import annotations
 
-import argparse
 import json
 import mmap
 import os
@@ -29,6 +28,8 @@ import statistics
 import threading
 import time
 from pathlib import Path
+
+from rounds import arguments  # bench/, the script's own folder, is on the path
 
 HERE = Path(__file__).resolve().parent
 CHUNK = 64 << 20  # bytes per preadv: CRIU caps one preadv too (preadv_limited)
@@ -71,11 +72,8 @@ CONTENDERS = {
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = arguments("restore_limits", reps=5)
     ap.add_argument("--gib", type=float, default=2.0)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--dir", default="/var/tmp/criuctl-bench")
-    ap.add_argument("--json", default=str(HERE / "results" / "restore_limits.json"))
     a = ap.parse_args()
     work = Path(a.dir)
     work.mkdir(parents=True, exist_ok=True)

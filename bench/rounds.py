@@ -11,8 +11,10 @@ median of the per-round ratios, their min–max, and how many rounds it took.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from collections.abc import Callable
+from pathlib import Path
 
 Round = dict
 Ratio = Callable[[Round], float]
@@ -50,3 +52,13 @@ def paired(runs: list[Round], ratio: Ratio) -> str:
     """Median of the per-round ratios, (min–max), and the rounds: `1.23 (1.10–1.40; 5 rounds)`."""
     vals = [ratio(r) for r in runs]
     return f"{statistics.median(vals):.2f} ({min(vals):.2f}–{max(vals):.2f}; {len(vals)} rounds)"
+
+
+def arguments(name: str, reps: int) -> argparse.ArgumentParser:
+    """The options every benchmark here takes: rounds at least, its work folder, its raw results
+    (bench/results/NAME.json); a script adds its own sizes."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=reps, help="rounds at least")
+    ap.add_argument("--dir", default=f"/var/tmp/criuctl-bench-{name}")
+    ap.add_argument("--json", default=str(Path(__file__).parent / "results" / f"{name}.json"))
+    return ap
