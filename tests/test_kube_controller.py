@@ -118,6 +118,8 @@ def test_the_leader_killed_at_a_phase_ends_the_move_exactly_once(
         # its own), and it stops; before, it wrote over its successor's status and moved on
         ctl.wait_restarted(old)
         assert k.get("podmigration", f"pm-{name}")["status"] == st
+        said = k("-n", "criuctl-system", "logs", old, "--previous").stdout
+        assert "deposed: stopping" in said, said[-2000:]  # its write refused, not its Lease thread
     if ends == "Succeeded":
         # the downtime as the source's agent measured it when the dead leader's commit reached it;
         # none where the source's lease committed (it knows only an upper bound): never a guess

@@ -152,7 +152,10 @@ class Fence:
         spec = got.spec
         if spec is None or spec.holder_identity != self.me or spec.renew_time is None:
             return False
-        age = (datetime.datetime.now(datetime.UTC) - spec.renew_time).total_seconds()
+        renewed = spec.renew_time
+        if renewed.tzinfo is None:  # a MicroTime is UTC; a client that parsed it naive still means UTC
+            renewed = renewed.replace(tzinfo=datetime.UTC)
+        age = (datetime.datetime.now(datetime.UTC) - renewed).total_seconds()
         return age < (spec.lease_duration_seconds or self.seconds)
 
 
