@@ -285,9 +285,27 @@ def test_a_user_with_only_podmigrations_moves_a_pod_from_a_network_that_reaches_
                     prefix=netns,
                 )
                 assert probe.returncode != 0, f"node {ip} reachable from the user's network"
-            # and the user may not read pods, nodes or secrets
-            denied = _as(lay, "migrator", "kubectl", "get", "pods", prefix=netns)
-            assert denied.returncode != 0 and "forbidden" in denied.stderr, denied.stderr
+            # and the user may not read nodes or secrets, nor change a pod (reading pods is
+            # `criuctl ps --jobs`'s: the ranks the agents publish on them)
+            for verb in (
+                ("get", "nodes"),
+                ("-n", "criuctl-system", "get", "secrets"),
+                ("delete", "pod", name),
+            ):
+                denied = _as(lay, "migrator", "kubectl", *verb, prefix=netns)
+                assert denied.returncode != 0 and "forbidden" in denied.stderr, (verb, denied.stderr)
+            # `ps --jobs` as the user, no node reached: the ranks the agents publish (every 10 s)
+            kubeconfig = str(lay.dir / "migrator.kubeconfig")
+            deadline = time.monotonic() + 60
+            while True:
+                listed = _as(
+                    lay, "migrator", *CRIUCTL, "ps", "--jobs", "--kubeconfig", kubeconfig, prefix=netns
+                )
+                assert listed.returncode == 0, listed.stderr
+                if f" {name} " in f" {listed.stdout} " or time.monotonic() > deadline:
+                    break
+                time.sleep(2)
+            assert f" {name} " in f" {listed.stdout} ", listed.stdout
             r = _as(lay, "migrator", *CRIUCTL, "migrate", name, "b", "-o", "json", prefix=netns)
             assert r.returncode == 0, r.stderr[-2000:]
             out = json.loads(r.stdout.strip().splitlines()[-1])
