@@ -149,31 +149,30 @@ def signed_cert(key: str, migration: str, nonce: str, pem: str) -> str:
     )
 
 
-def checked_cert(ticket: Ticket, nonce: str, pem: str, sig: object) -> bool:
+def _verified(ticket: Ticket, sig: object, said: bytes) -> bool:
+    """Whether `sig` is the target's signature over `said`, by the key in the ticket."""
     if not ticket.verify or not isinstance(sig, str):
         return False
     try:
-        public = Ed25519PublicKey.from_public_bytes(bytes.fromhex(ticket.verify))
-        public.verify(bytes.fromhex(sig), _cert_said(ticket.incoming, nonce, pem))
+        Ed25519PublicKey.from_public_bytes(bytes.fromhex(ticket.verify)).verify(bytes.fromhex(sig), said)
     except (ValueError, InvalidSignature):
         return False
     return True
+
+
+def checked_cert(ticket: Ticket, nonce: str, pem: str, sig: object) -> bool:
+    return _verified(ticket, sig, _cert_said(ticket.incoming, nonce, pem))
 
 
 def checked_state(ticket: Ticket, answer: object, nonce: str) -> str | None:
     """The state in a target's answer to the question with `nonce` about the ticket's migration if
     the target's key signed it; None for anything else (no answer, another migration or question,
     a 404 page, a forgery, a ticket with no key to check it by)."""
-    if not isinstance(answer, dict) or not ticket.verify:
+    if not isinstance(answer, dict):
         return None
     state, migration, boot, sig = (answer.get(k) for k in ("state", "migration", "boot", "sig"))
     if not (isinstance(state, str) and isinstance(migration, str) and isinstance(boot, str)):
         return None
-    if not isinstance(sig, str) or migration != ticket.incoming:
-        return None
-    try:
-        public = Ed25519PublicKey.from_public_bytes(bytes.fromhex(ticket.verify))
-        public.verify(bytes.fromhex(sig), _said(migration, state, boot, nonce))
-    except (ValueError, InvalidSignature):
+    if migration != ticket.incoming or not _verified(ticket, sig, _said(migration, state, boot, nonce)):
         return None
     return state
