@@ -218,6 +218,18 @@ def _live_pods(k: Kubectl) -> tuple[set[str], set[str]]:
     return {n for n, going in pods.items() if not going}, set(pods)
 
 
+def _wait_gone_or_say_why(lay, k: Kubectl, pod: str) -> None:
+    """A pod deleted with a short grace; the node's kubelet lines about it if it stays (CI once saw
+    one stay 60 s with its status never past PodInitializing, and kept no kubelet log)."""
+    try:
+        k.wait_gone("pod", pod, timeout=180)
+    except AssertionError as exc:
+        node = ((k.get("pod", pod) or {}).get("spec") or {}).get("nodeName", "a")
+        log = lay.dir / "logs" / f"node-{node}.log"
+        about = [line for line in log.read_text(errors="replace").splitlines() if pod in line]
+        raise AssertionError(f"{exc}\nkubelet on {node}:\n" + "\n".join(about[-40:])) from None
+
+
 def _refused(lay, k: Kubectl, *args: str) -> str:
     standing, present = _live_pods(k)
     r = criuctl(lay, "migrate", *args)
@@ -371,7 +383,7 @@ def test_refuses_pods_whose_controller_would_not_bring_them_back(running) -> Non
         assert "the PyTorchJob has finished" in _refused(lay, k, "ddp-worker-0", "b")
     finally:
         k("delete", "pod", "ddp-worker-0", "--grace-period=1", "--wait=false")
-    k.wait_gone("pod", "ddp-worker-0")  # else it may go during the next refusal, which checks the pods
+    _wait_gone_or_say_why(lay, k, "ddp-worker-0")  # else it may go during the next refusal
     trainer = training_pod("x", steps=100000, node="a")  # migratable: only the owner is refused
     dep = {
         "apiVersion": "apps/v1",

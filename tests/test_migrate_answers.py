@@ -42,12 +42,19 @@ from tests.test_boundaries import Sampler, _wait_paused, assert_exactly_once
 pytestmark = [needs_criu, pytest.mark.slow]
 
 JOB = ("train_mlp.py", "--steps", "60", "--step-time", "0.15")
+# outlasts a round of impostors on a slow CI host (each started, asked, looked at): 60 steps did not
+LONG_JOB = ("train_mlp.py", "--steps", "250", "--step-time", "0.15")
 LEASE = 3.0
 
 
 @pytest.fixture
 def ref(reference):
     return reference(JOB[0], *JOB[1:3], "--step-time", "0")
+
+
+@pytest.fixture
+def long_ref(reference):
+    return reference(LONG_JOB[0], *LONG_JOB[1:3], "--step-time", "0")
 
 
 def _migrate(c: Cluster, name: str, pause: Path, *flags: str) -> subprocess.Popen:
@@ -126,10 +133,10 @@ IMPOSTORS = [
 
 
 @contextlib.contextmanager
-def _stopped_at(c: Cluster, ref, pause: Path, point: Point) -> Iterator[None]:
+def _stopped_at(c: Cluster, ref, pause: Path, point: Point, job: tuple[str, ...] = JOB) -> Iterator[None]:
     """A job on a, moving to b, stopped at `point` with the client killed there; the body breaks
     something more, and the job must then run exactly once (sampled throughout)."""
-    c.run("a", "job", *JOB)
+    c.run("a", "job", *job)
     c.wait_step("job", 5)
     sampler = Sampler(c, "job")
     sampler.start()
@@ -147,7 +154,7 @@ def _stopped_at(c: Cluster, ref, pause: Path, point: Point) -> Iterator[None]:
     assert_exactly_once(c, "job", ref, sampler)
 
 
-def test_a_source_acts_only_on_the_targets_signed_word(tmp_path, ref):
+def test_a_source_acts_only_on_the_targets_signed_word(tmp_path, long_ref):
     """The target runs the job (committed), the client and the target's agent die, and something
     else answers at the target's address: a 404, then an unsigned "aborted", then an "aborted"
     forged for this migration from everything the source's question carried.
@@ -155,7 +162,8 @@ def test_a_source_acts_only_on_the_targets_signed_word(tmp_path, ref):
     frozen through all of them, and ends its copy once the real target answers."""
     pause = tmp_path / "pause"
     _arm(pause, Point.CLIENT_TARGET_COMMITTED)
-    with Cluster(tmp_path / "c", lease=LEASE) as c, _stopped_at(c, ref, pause, Point.CLIENT_TARGET_COMMITTED):
+    at = Point.CLIENT_TARGET_COMMITTED
+    with Cluster(tmp_path / "c", lease=LEASE) as c, _stopped_at(c, long_ref, pause, at, job=LONG_JOB):
         _kill_agent(c.nodes["b"])  # its handoff supervises the job on b, unaffected
         for answer in IMPOSTORS:
             impostor = Impostor(c.nodes["b"], *answer)
