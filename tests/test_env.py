@@ -114,7 +114,7 @@ def test_the_layout_keeps_the_names_an_upgraded_node_finds(state_dir: Path, monk
     """The names every earlier version used: a node upgraded in place finds its records there."""
     monkeypatch.delenv(env.SPOOL_DIR, raising=False)
     names = "workloads logs handoffs restores locks control bundles imports outgoing incoming redirects pages"
-    more = "bundle.key nodes.json .nodes.lock kube"
+    more = "bundle.key identity.pem nodes.json .nodes.lock kube"
     found = {p.path().relative_to(state_dir).as_posix() for p in statedir.LAYOUT}
     assert found == set(names.split()) | set(more.split())
     monkeypatch.setenv(env.SPOOL_DIR, str(state_dir / "spool"))

@@ -29,7 +29,9 @@ from criuctl.cli import main
 from criuctl.container import containers, runtime
 from criuctl.core import statedir, tokens
 from criuctl.core.env import BUNDLE_KEY, STATE_DIR
+from criuctl.core.errors import CriuctlError
 from criuctl.format import bundle
+from criuctl.kube import identity
 from tests.requirements import needs, require
 
 try:
@@ -195,6 +197,7 @@ def test_every_manifest_file_validates_strictly(version: str) -> None:
 def test_what_kubectl_apply_k_sends_validates_strictly(objects: list[Obj], version: str) -> None:
     kinds = sorted(o["kind"] for o in objects)
     expected = ["Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Secret", "Secret"]
+    expected += ["Secret"]  # criuctl-ca: the agents' CA, mounted by the controller alone
     expected += ["Role", "RoleBinding"]  # the agent's, in criuctl-system: move records, its Secrets
     expected += ["DaemonSet", "Deployment", "Service", "MutatingWebhookConfiguration"]  # agent, webhook
     expected += ["ServiceAccount", "Role", "RoleBinding"]  # the webhook's: reads move records
@@ -262,10 +265,11 @@ def test_the_agent_listens_on_its_default_port_and_the_pod_declares_it(objects: 
 
 
 def test_both_probes_ask_healthz_the_way_the_agent_serves_it(objects: list[Obj]) -> None:
-    """With --tls-cert the agent serves HTTPS only, so the probes use HTTPS (the kubelet does not
-    verify a probe's certificate)."""
+    """With a certificate (--tls-cert, or --tls-from-cluster) the agent serves HTTPS only, so the
+    probes use HTTPS (the kubelet does not verify a probe's certificate)."""
     c = agent_container(objects)
-    scheme = "HTTPS" if agent_options(objects).tls_cert else "HTTP"
+    a = agent_options(objects)
+    scheme = "HTTPS" if a.tls_cert or a.tls_from_cluster else "HTTP"
     for probe in ("readinessProbe", "livenessProbe"):
         get = c[probe]["httpGet"]
         assert (get["path"], get["port"], get["scheme"]) == ("/healthz", default_port(), scheme), probe
@@ -300,18 +304,13 @@ def test_requests_and_a_memory_limit_are_set(objects: list[Obj]) -> None:
     assert "memory" in res["limits"]
 
 
-def test_the_token_and_tls_files_come_from_secrets_the_agent_accepts(objects: list[Obj]) -> None:
+def test_the_token_file_comes_from_the_secret_the_agent_accepts(objects: list[Obj]) -> None:
     a = agent_options(objects)
-    for path, key, secret_name in (
-        (a.token_file, "token", "criuctl-agent"),
-        (a.tls_cert, "tls.crt", "criuctl-agent-tls"),
-        (a.tls_key, "tls.key", "criuctl-agent-tls"),
-    ):
-        secret, got_key, volume = secret_file(objects, path)
-        assert (secret["metadata"]["name"], got_key) == (secret_name, key), path
-        # the agent refuses a token file that group or others can read
-        assert volume["defaultMode"] & 0o077 == 0, f"{secret_name} files are readable by others"
-    assert one(objects, "Secret", "criuctl-agent-tls")["type"] == "kubernetes.io/tls"
+    secret, got_key, volume = secret_file(objects, a.token_file)
+    assert (secret["metadata"]["name"], got_key) == ("criuctl-agent", "token")
+    # the agent refuses a token file that group or others can read
+    assert volume["defaultMode"] & 0o077 == 0, "criuctl-agent's files are readable by others"
+    assert one(objects, "Secret", "criuctl-ca")["type"] == "kubernetes.io/tls"
 
 
 def test_the_signing_key_comes_from_the_secret_through_the_env_the_code_reads(objects: list[Obj]) -> None:
@@ -339,11 +338,13 @@ def test_the_secret_templates_hold_placeholders_the_agent_refuses(objects: list[
     key.write_text(secret_value(auth, "bundle.key"))
     with pytest.raises(bundle.BundleError):
         bundle.load_key(key, create=True)
+    ca = one(objects, "Secret", "criuctl-ca")
     crt, pem = tmp_path / "tls.crt", tmp_path / "tls.key"
-    crt.write_text(secret_value(tls, "tls.crt"))
-    pem.write_text(secret_value(tls, "tls.key"))
-    with pytest.raises(preflight.BadOption):
-        preflight.check_tls(crt, pem)
+    crt.write_text(secret_value(ca, "tls.crt"))
+    pem.write_text(secret_value(ca, "tls.key"))
+    with pytest.raises(CriuctlError):
+        identity.CA.load(crt, pem)
+    assert "BEGIN CERTIFICATE" not in secret_value(tls, "ca.crt")
 
 
 # the host paths the agent works in, each mounted at the same path inside (a path the runtime or the
@@ -408,6 +409,8 @@ AGENT_RULES = {
     ("jobset.x-k8s.io", "jobsets"): {"get"},
     # a drain's move is recorded as a PodMigration (criuctl.kube.prestop)
     ("criuctl.io", "podmigrations"): {"create"},
+    # its own key's certificate, asked of the controller (criuctl.kube.identity)
+    ("certificates.k8s.io", "certificatesigningrequests"): {"create", "get"},
 }
 # in criuctl-system only: the move records, and criuctl's own two Secrets by name
 AGENT_NS_RULES = {("", "configmaps"): {"get", "list", "create", "update", "delete"}, ("", "secrets"): {"get"}}
@@ -480,6 +483,11 @@ CONTROLLER_RULES = {
     ("jobset.x-k8s.io", "jobsets"): {"get"},
     ("", "persistentvolumeclaims"): {"get"},
     ("", "persistentvolumes"): {"get"},
+    # the agents' certificate requests, judged and signed (criuctl.kube.identity)
+    ("certificates.k8s.io", "certificatesigningrequests"): {"get", "list"},
+    ("certificates.k8s.io", "certificatesigningrequests/approval"): {"update"},
+    ("certificates.k8s.io", "certificatesigningrequests/status"): {"update"},
+    ("certificates.k8s.io", "signers"): {"approve", "sign"},
 }
 CONTROLLER_NS_RULES = {
     ("", "secrets"): {"get"},
@@ -498,6 +506,40 @@ def test_the_controller_role_is_exactly_what_it_calls(objects: list[Obj]) -> Non
     assert pod["serviceAccountName"] == "criuctl-controller"
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert not any("hostPath" in v for v in pod.get("volumes", [])), "the controller needs no host path"
+    (signers,) = [
+        r for r in one(objects, "ClusterRole", "criuctl-controller")["rules"] if "signers" in r["resources"]
+    ]
+    assert signers["resourceNames"] == [identity.SIGNER], "it may approve and sign for criuctl's signer alone"
+
+
+def test_each_agent_gets_its_own_certificate_and_only_the_controller_holds_the_ca(objects: list[Obj]) -> None:
+    """No Secret holds an agent's key: each agent asks for its own certificate with a token bound to
+    its pod, and the CA's key is mounted in the controller's pod alone, readable by its user only."""
+    a = agent_options(objects)
+    assert a.tls_from_cluster and a.tls_cert is None and a.tls_key is None
+    ds = one(objects, "DaemonSet")["spec"]["template"]["spec"]
+    mounts = {m["mountPath"]: m["name"] for m in agent_container(objects)["volumeMounts"]}
+    vols = {v["name"]: v for v in ds["volumes"]}
+    projected = vols[mounts[str(identity.BOUND_TOKEN.parent)]]["projected"]
+    assert projected["defaultMode"] & 0o077 == 0
+    (source,) = projected["sources"]
+    assert source["serviceAccountToken"]["path"] == identity.BOUND_TOKEN.name
+    holders = [
+        o["metadata"]["name"]
+        for o in objects
+        if o["kind"] in ("DaemonSet", "Deployment")
+        for v in o["spec"]["template"]["spec"].get("volumes", [])
+        if (v.get("secret") or {}).get("secretName") == "criuctl-ca"
+    ]
+    assert holders == ["criuctl-controller"]
+    pod = one(objects, "Deployment", "criuctl-controller")["spec"]["template"]["spec"]
+    (ca,) = [v for v in pod["volumes"] if (v.get("secret") or {}).get("secretName") == "criuctl-ca"]
+    assert ca["secret"]["defaultMode"] & 0o007 == 0, "the CA key is readable by others"
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == ca["name"]]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--agent-ca-cert") + 1] == f"{mount['mountPath']}/tls.crt"
+    assert args[args.index("--agent-ca-key") + 1] == f"{mount['mountPath']}/tls.key"
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsUser"]
 
 
 def test_users_need_podmigrations_only_and_edit_gets_them(objects: list[Obj]) -> None:
@@ -517,6 +559,7 @@ def test_users_need_podmigrations_only_and_edit_gets_them(objects: list[Obj]) ->
 # what each API method of the official client asks of RBAC: (group, resource, verb)
 _VERB = {"read": "get", "get": "get", "list": "list", "create": "create", "delete": "delete"}
 _VERB |= {"patch": "patch", "replace": "update"}
+_SUBRESOURCES = ("_status", "_approval")  # replace_certificate_signing_request_approval: .../approval
 # the modules whose calls each identity makes: the controller's move, the agents' preStop and
 # successors loop (criuctl.kube.nodeside), and what both share; of podmigrations, the controller
 # makes the calls of these functions (the others are the CLI's, as the user: criuctl-migrator)
@@ -531,8 +574,10 @@ CALLERS = {
         "cluster",
         "owners",
         "podvolumes",
+        "identity:judge,sweep,node_addresses",
     ],
     "criuctl-agent": [
+        "identity:issue,obtain,node_addresses",
         "podmigrations:record_drain,create",
         "jobs:publish",
         "prestop",
@@ -555,6 +600,7 @@ _RESOURCE = {
     "stateful_set": ("apps", "statefulsets"),
     "persistent_volume_claim": ("", "persistentvolumeclaims"),
     "persistent_volume": ("", "persistentvolumes"),
+    "certificate_signing_request": ("certificates.k8s.io", "certificatesigningrequests"),
 }
 # the custom objects a module reads or writes: by the group its calls name
 _CUSTOM = {
@@ -578,7 +624,7 @@ def _calls(where: str) -> set[tuple[str, str, str]]:
         assert len(defs) == len(only.split(",")), f"{where}: a function is missing"
         text = "\n".join(ast.get_source_segment(text, d) or "" for d in defs)
     out: set[tuple[str, str, str]] = set()
-    for api, method in re.findall(r"\bc\.(core|apps|custom)\.([a-z_]+)\b", text):
+    for api, method in re.findall(r"\bc\.(core|apps|custom|certificates)\.([a-z_]+)\b", text):
         if method in ("api_client", "timeouts", "get_api_resources"):
             continue
         verb_word, _, rest = method.partition("_")
@@ -588,7 +634,9 @@ def _calls(where: str) -> set[tuple[str, str, str]]:
             status = "/status" if rest.endswith("_status") else ""
             out |= {(group, resource + status, verb) for group, resource in _CUSTOM[module]}
         else:
-            out.add((*_RESOURCE[rest], verb))
+            sub = next((x for x in _SUBRESOURCES if rest.endswith(x)), "")
+            group, resource = _RESOURCE[rest.removesuffix(sub)]
+            out.add((group, resource + sub.replace("_", "/"), verb))
     return out
 
 
@@ -656,6 +704,7 @@ def test_an_overlay_replaces_the_secret_templates_as_docs_deploy_says(tmp_path: 
     values = {
         "token": secrets.token_hex(32),
         "bundle.key": secrets.token_hex(32),
+        "ca.crt": "-----BEGIN CERTIFICATE-----\nnot-checked-here\n-----END CERTIFICATE-----\n",
         "tls.crt": "-----BEGIN CERTIFICATE-----\nnot-checked-here\n-----END CERTIFICATE-----\n",
         "tls.key": "-----BEGIN PRIVATE KEY-----\nnot-checked-here\n-----END PRIVATE KEY-----\n",
     }
@@ -674,6 +723,10 @@ def test_an_overlay_replaces_the_secret_templates_as_docs_deploy_says(tmp_path: 
         "  - name: criuctl-agent-tls\n"
         "    namespace: criuctl-system\n"
         "    behavior: replace\n"
+        "    files: [ca.crt]\n"
+        "  - name: criuctl-ca\n"
+        "    namespace: criuctl-system\n"
+        "    behavior: replace\n"
         "    type: kubernetes.io/tls\n"
         "    files: [tls.crt, tls.key]\n"
     )
@@ -683,15 +736,15 @@ def test_an_overlay_replaces_the_secret_templates_as_docs_deploy_says(tmp_path: 
             validate(obj, version)
     auth = one(objs, "Secret", "criuctl-agent")
     tls = one(objs, "Secret", "criuctl-agent-tls")
-    assert "stringData" not in auth and "stringData" not in tls
-    for secret in (auth, tls):
+    ca = one(objs, "Secret", "criuctl-ca")
+    for secret in (auth, tls, ca):
+        assert "stringData" not in secret
         for key in secret["data"]:
             assert secret_value(secret, key) == values[key]
     pod = one(objs, "DaemonSet")["spec"]["template"]["spec"]
-    assert {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v} == {
-        "criuctl-agent",
-        "criuctl-agent-tls",
-    }
+    assert {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v} == {"criuctl-agent"}
+    pod = one(objs, "Deployment", "criuctl-controller")["spec"]["template"]["spec"]
+    assert {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v} == {"criuctl-ca"}
 
 
 # ------------------------------------------------------------------- CRIUCTL_BUNDLE_KEY (code)

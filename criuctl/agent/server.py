@@ -122,6 +122,9 @@ class Agent:
         self.runtimes = Runtimes(self)
         self.redirects = Redirects(self)
         self.tasks: set[asyncio.Task[None]] = set()
+        # what it serves HTTPS with, set by `serve`: an extension renewing the node's certificate
+        # loads the new one into it (criuctl.kube.identity)
+        self.tls: ssl.SSLContext | None = None
 
     @property
     def name(self) -> str:
@@ -353,5 +356,6 @@ def serve(opts: AgentOptions) -> None:
     if opts.tls_cert:
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         ctx.load_cert_chain(opts.tls_cert, opts.tls_key)
+    agent.tls = ctx
     log.info("listening", extra={"node": opts.name, "host": opts.host, "port": opts.port, "tls": bool(ctx)})
     web.run_app(agent.app(), host=opts.host, port=opts.port, ssl_context=ctx, print=None, access_log=None)

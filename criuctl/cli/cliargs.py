@@ -117,6 +117,12 @@ VERBS: dict[str, Verb] = {
             ),
             opt("--tls-key", metavar="FILE", help="its private key, PEM, unencrypted, mode 0600"),
             opt(
+                "--tls-from-cluster",
+                action="store_true",
+                help="on Kubernetes: a key of this node's own and a certificate naming it, issued through "
+                "the CSR API by criuctl's controller and renewed before it ends (manifests/daemonset.yaml)",
+            ),
+            opt(
                 "--metrics-token-file",
                 metavar="FILE",
                 help="a scrape credential (mode 0600, at least 16 characters) that opens /metrics and "
@@ -388,6 +394,20 @@ VERBS: dict[str, Verb] = {
             ),
             opt("--retry-seconds", type=int, default=2, metavar="S"),
             opt("--health", default="0.0.0.0:8081", metavar="HOST:PORT", help="serves /healthz and /metrics"),
+            opt(
+                "--agent-ca-cert",
+                metavar="FILE",
+                help="the agents' CA certificate: with --agent-ca-key, the leader signs each agent's "
+                "certificate request for its own node (criuctl.kube.identity)",
+            ),
+            opt("--agent-ca-key", metavar="FILE", help="that CA's private key (the Secret criuctl-ca)"),
+            opt(
+                "--agent-cert-seconds",
+                type=int,
+                default=7 * 24 * 3600,
+                metavar="S",
+                help="how long an agent's certificate lasts (renewed after two thirds)",
+            ),
             opt(
                 "--metrics-token-file",
                 metavar="FILE",

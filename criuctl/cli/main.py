@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -156,6 +157,15 @@ def _cmd_agent(a: argparse.Namespace) -> int:
 
     protocol.timeouts()  # a name in $CRIUCTL_TIMEOUTS that is no wait fails the start, not a migration
     host, port = preflight.parse_listen(a.listen)
+    if a.tls_from_cluster:
+        if a.tls_cert or a.insecure:
+            raise preflight.BadOption(
+                "--tls-from-cluster replaces --tls-cert/--tls-key and --insecure", "pass one of them"
+            )
+        from criuctl.kube import identity
+
+        ident = identity.obtain(a.kubeconfig, a.name or socket.gethostname(), statedir.IDENTITY.path())
+        a.tls_cert = a.tls_key = str(ident.path)
     preflight.check_transport(a.tls_cert, a.tls_key, a.insecure)
     tokens.read_token(Path(a.token_file))
     if a.metrics_token_file:
@@ -188,6 +198,8 @@ def _cmd_agent(a: argparse.Namespace) -> int:
         if a.tls_cert
         else [preflight.INSECURE_WARNING]
     )
+    if a.tls_from_cluster:
+        opts.extensions.append(identity.renewal(ident, a.kubeconfig))
     if a.prestop_port:
         from criuctl.kube import nodeside
 
@@ -406,6 +418,8 @@ def _cmd_controller(a: argparse.Namespace) -> int:
         retry_seconds=a.retry_seconds,
         health=a.health,
         metrics_token_file=a.metrics_token_file and Path(a.metrics_token_file),
+        agent_ca=(Path(a.agent_ca_cert), Path(a.agent_ca_key)) if a.agent_ca_cert else None,
+        agent_cert_seconds=a.agent_cert_seconds,
     )
     controller.check(o)
     controller.run(o)

@@ -174,6 +174,12 @@ BUNDLE_KEY = Place(
     "created on first use (criuctl.format.bundle.load_key)",
     folder=False,
 )
+IDENTITY = Place(
+    "identity.pem",
+    "on Kubernetes, the node's TLS certificate and its key (one file, 0600), issued by criuctl's controller",
+    "the agent with --tls-from-cluster (criuctl.kube.identity)",
+    folder=False,
+)
 NODES = Place(
     "nodes.json",
     "the client's node list: each agent's URL, token file, CA (`criuctl node add`)",

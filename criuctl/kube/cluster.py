@@ -55,6 +55,7 @@ class Cluster:
     namespace: str  # the context's namespace, for a pod named without -n
     credentials: tuple[str, str | None] | None = None  # the agents' token file and CA file, once read
     coordination: api.Bounded | None = None  # kubernetes.client.CoordinationV1Api: the controller's Lease
+    certificates: api.Bounded | None = None  # kubernetes.client.CertificatesV1Api: the agents' certificates
 
     def serialize(self, obj: Any) -> dict:
         """A client model as the API's JSON (camelCase): what the webhook's pure functions take."""
@@ -74,6 +75,7 @@ def connect(kubeconfig: str | None = None, timeouts: api.KubeTimeouts | None = N
         api.bounded(client.AppsV1Api, api_client, t),
         namespace,
         coordination=api.bounded(client.CoordinationV1Api, api_client, t),
+        certificates=api.bounded(client.CertificatesV1Api, api_client, t),
     )
 
 

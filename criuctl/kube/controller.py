@@ -46,8 +46,9 @@ from criuctl.client import migrate as agent_migrate
 from criuctl.client.agents import Node
 from criuctl.core import tokens
 from criuctl.core.errors import CriuctlError
-from criuctl.kube import events, movemetrics, moves, owners, podmigrate, podmigrations, podplan
+from criuctl.kube import events, identity, movemetrics, moves, owners, podmigrate, podmigrations, podplan
 from criuctl.kube.cluster import SYSTEM_NS, Cluster, Conflict, NotFound, agent_for, agent_of, call, connect
+from criuctl.kube.identity import DEFAULT_SECONDS as AGENT_CERT_SECONDS
 from criuctl.kube.movemetrics import METRICS
 from criuctl.kube.podmigrations import COMMITTED, Phase
 
@@ -70,6 +71,8 @@ class Options:
     retry_seconds: int = 2
     health: str = "0.0.0.0:8081"  # /healthz: "leading" or "standby"; /metrics
     metrics_token_file: Path | None = None  # the scrape credential /metrics asks for (None: open)
+    agent_ca: tuple[Path, Path] | None = None  # the agents' CA certificate and key: sign their requests
+    agent_cert_seconds: int = AGENT_CERT_SECONDS
 
 
 class _Latest(threading.Thread):
@@ -705,6 +708,10 @@ def check(o: Options) -> None:
         raise CriuctlError(f"--health {o.health!r} is not HOST:PORT", "e.g. --health 0.0.0.0:8081")
     if o.metrics_token_file:
         tokens.read_token(o.metrics_token_file)
+    if o.agent_ca is not None:
+        identity.CA.load(*o.agent_ca)
+    if o.agent_cert_seconds < 60:
+        raise CriuctlError(f"--agent-cert-seconds {o.agent_cert_seconds} is too short", "at least 60")
 
 
 def run(o: Options) -> None:
@@ -728,6 +735,9 @@ def run(o: Options) -> None:
     )
     leading.wait()
     log.info("leading", extra={"identity": o.identity})
+    if o.agent_ca is not None:  # only the leader signs: one certificate per request
+        signer = identity.Signer(c, identity.CA.load(*o.agent_ca), o.agent_cert_seconds)
+        threading.Thread(target=signer.forever, daemon=True, name="signer").start()
     threading.Thread(target=_expire_forever, args=(c,), daemon=True, name="ttl").start()
     fence = Fence(o.identity, o.lease, o.lease_namespace, o.lease_seconds)
     asyncio.run(kopf.operator(registry=_handlers(c, fence), standalone=True, clusterwide=True))

@@ -57,11 +57,14 @@ def overlay(lay: Layout) -> Path:
             "kind": "Secret",
             "metadata": {"name": "criuctl-agent-tls", "namespace": "criuctl-system"},
             "stringData": None,
-            "data": {
-                "tls.crt": _b64(pki / "agent.crt"),
-                "tls.key": _b64(pki / "agent.key"),
-                "ca.crt": _b64(pki / "ca.crt"),
-            },
+            "data": {"ca.crt": _b64(pki / "criuctl-ca.crt")},
+        },
+        {  # the agents' own CA (not the cluster's): the controller signs their certificates with it
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "criuctl-ca", "namespace": "criuctl-system"},
+            "stringData": None,
+            "data": {"tls.crt": _b64(pki / "criuctl-ca.crt"), "tls.key": _b64(pki / "criuctl-ca.key")},
         },
     ]
     # a short lease: a frozen source whose client died asks the target after 20 s, not 120 s (the
@@ -92,6 +95,12 @@ def overlay(lay: Layout) -> Path:
     election = [
         {"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": v}
         for v in ("--lease-seconds", "6", "--renew-seconds", "4", "--retry-seconds", "1")
+    ]
+    # the agents' certificates short-lived: each is renewed every 10 minutes, under the moves the
+    # tests make (a rotation must not fail one)
+    election += [
+        {"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": v}
+        for v in ("--agent-cert-seconds", "900")
     ]
     # the tests stop the controller at a named instant (criuctl.agent.points): they arm the points in
     # DIR/pause/armed, which every replica reads (a test-only setting: docs/kubernetes.md)

@@ -75,8 +75,24 @@ def make(lay: Layout) -> dict[str, str]:
     ips = [lay.host_ip, "127.0.0.1", SERVICE_IP]
     names = ["kubernetes", "kubernetes.default", "kubernetes.default.svc", "localhost"]
     _cert(pki, "apiserver", "kube-apiserver", [f"IP:{i}" for i in ips] + [f"DNS:{n}" for n in names])
-    node_ips = [lay.node(n).ip for n in lay.nodes]
-    _cert(pki, "agent", "criuctl-agent", [f"IP:{i}" for i in [*node_ips, "127.0.0.1"]])
+    # criuctl's agents have a CA of their own, whose key goes to criuctl's controller: never the
+    # cluster's, which would make the controller the API server
+    sh(
+        "openssl",
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        str(pki / "criuctl-ca.key"),
+        "-out",
+        str(pki / "criuctl-ca.crt"),
+        "-days",
+        "365",
+        "-subj",
+        "/CN=criuctl-agents-ca",
+    )
     sh("openssl", "genrsa", "-out", str(pki / "sa.key"), "2048")
     sh("openssl", "rsa", "-in", str(pki / "sa.key"), "-pubout", "-out", str(pki / "sa.pub"))
     users = {

@@ -1,0 +1,167 @@
+"""Each node's agent its own identity on the real local cluster (criuctl.kube.identity): a key made
+on the node, a certificate naming that node alone signed by the controller from a CA only it mounts,
+issued through the API server's CertificateSigningRequest API to the agent pod of that node and to
+nothing else, renewed under a running cluster without a client noticing."""
+
+from __future__ import annotations
+
+import base64
+import ipaddress
+import json
+import signal
+import socket
+import ssl
+import time
+import uuid
+
+import psutil
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, padding
+from cryptography.x509.oid import NameOID
+
+from criuctl.kube import identity
+from criuctl.kube.cluster import AGENT_PORT, SYSTEM_NS
+from tests.conftest import needs_criu
+from tests.kube import Kubectl
+
+pytestmark = [needs_criu, pytest.mark.slow]
+
+
+def _served(ip: str) -> x509.Certificate:
+    return x509.load_pem_x509_certificate(ssl.get_server_certificate((ip, AGENT_PORT)).encode())
+
+
+def _public(cert: x509.Certificate) -> bytes:
+    return cert.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+
+
+def _handshake(ca: str, ip: str, expect: str) -> None:
+    """A TLS handshake with the agent at `ip`, by a client that wants the node at address `expect`."""
+    ctx = ssl.create_default_context(cafile=ca)
+    with (
+        socket.create_connection((ip, AGENT_PORT), timeout=10) as s,
+        ctx.wrap_socket(s, server_hostname=expect),
+    ):
+        pass
+
+
+def _ask(k: Kubectl, node: str, ip: str, *token: str) -> str:
+    """A certificate request to criuctl's signer for `node`, made as the admin or with `token`;
+    the Denied condition's message once the controller has judged it (or a failure if approved)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    san = x509.SubjectAlternativeName([x509.DNSName(node), x509.IPAddress(ipaddress.ip_address(ip))])
+    req = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node)]))
+        .add_extension(san, critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    name = f"impostor-{uuid.uuid4().hex[:8]}"
+    csr = {
+        "apiVersion": "certificates.k8s.io/v1",
+        "kind": "CertificateSigningRequest",
+        "metadata": {"name": name},
+        "spec": {
+            "request": base64.b64encode(req.public_bytes(serialization.Encoding.PEM)).decode(),
+            "signerName": identity.SIGNER,
+            "usages": ["digital signature", "key encipherment", "server auth", "client auth"],
+        },
+    }
+    k(*(("--token", token[0]) if token else ()), "create", "-f", "-", input=json.dumps(csr))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        status = (k.get("csr", name) or {}).get("status") or {}
+        assert not status.get("certificate"), f"the controller signed {name} for node {node}"
+        for cond in status.get("conditions") or []:
+            assert cond["type"] == "Denied", f"the controller approved {name}: {cond}"
+            return cond["message"]
+        time.sleep(0.5)
+    pytest.fail(f"the controller never judged {name}")
+
+
+def _agent_pod(k: Kubectl, node: str) -> dict:
+    (pod,) = [
+        p for p in k.pods(SYSTEM_NS, "app.kubernetes.io/name=criuctl-agent") if p["spec"]["nodeName"] == node
+    ]
+    return pod
+
+
+def _agent_process(node: str) -> psutil.Process:
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "--tls-from-cluster" in cmd:
+            try:
+                if p.environ().get("NODE_NAME") == node:
+                    return p
+            except psutil.Error:
+                continue
+    pytest.fail(f"no agent process of node {node}")
+
+
+def test_each_agent_serves_its_own_nodes_certificate_and_no_one_else_gets_one(local_cluster) -> None:
+    lay, k = local_cluster
+    ca_path = str(lay.pki / "criuctl-ca.crt")
+    ca = x509.load_pem_x509_certificate((lay.pki / "criuctl-ca.crt").read_bytes())
+    ips = {n: lay.node(n).ip for n in lay.nodes}
+    served = {}
+    for node, ip in ips.items():
+        cert = _served(ip)
+        assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == node
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert [str(a) for a in san.get_values_for_type(x509.IPAddress)] == [ip], f"{node}'s names: {san}"
+        assert san.get_values_for_type(x509.DNSName) == [node]
+        assert cert.issuer == ca.subject
+        ca.public_key().verify(
+            cert.signature, cert.tbs_certificate_bytes, padding.PKCS1v15(), cert.signature_hash_algorithm
+        )
+        served[node] = cert
+    assert len({_public(c) for c in served.values()}) == len(served), "two nodes share a key"
+    # every client reaches an agent at its node's address and checks the certificate against it:
+    # a's certificate opens no connection meant for b (before: one certificate named every node)
+    a, b = sorted(ips)
+    _handshake(ca_path, ips[a], ips[a])
+    with pytest.raises(ssl.SSLCertVerificationError):
+        _handshake(ca_path, ips[a], ips[b])
+
+    # a request for a's name by anyone else is denied, with why: the admin (no pod) ...
+    said = _ask(k, a, ips[a])
+    assert "not criuctl's agent" in said, said
+    # ... and b's own agent pod, with a token bound to it as its own is, asking for a's name
+    pod = _agent_pod(k, b)
+    bound = {
+        "apiVersion": "authentication.k8s.io/v1",
+        "kind": "TokenRequest",
+        "spec": {
+            "boundObjectRef": {
+                "kind": "Pod",
+                "apiVersion": "v1",
+                "name": pod["metadata"]["name"],
+                "uid": pod["metadata"]["uid"],
+            },
+            "expirationSeconds": 600,
+        },
+    }
+    path = f"/api/v1/namespaces/{SYSTEM_NS}/serviceaccounts/criuctl-agent/token"
+    r = k("create", "--raw", path, "-f", "-", input=json.dumps(bound))
+    token = json.loads(r.stdout)["status"]["token"]
+    said = _ask(k, a, ips[a], token)
+    assert f"runs on node '{b}'" in said, said
+
+    # rotation: SIGHUP asks for a new key now; the agent serves it, for the same node, and goes on
+    before, restarts = served[a], _restarts(k, a)
+    _agent_process(a).send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 60
+    while _public(now := _served(ips[a])) == _public(before):
+        assert time.monotonic() < deadline, "the agent did not renew its certificate on SIGHUP"
+        time.sleep(0.5)
+    assert now.subject == before.subject and now.serial_number != before.serial_number
+    _handshake(ca_path, ips[a], ips[a])
+    assert _restarts(k, a) == restarts, "the agent restarted to renew"
+
+
+def _restarts(k: Kubectl, node: str) -> int:
+    return _agent_pod(k, node)["status"]["containerStatuses"][0]["restartCount"]
