@@ -47,11 +47,7 @@ def main() -> None:
         {
             "architecture": "amd64",
             "os": "linux",
-            "config": {
-                "Cmd": a.cmd,
-                **({"Entrypoint": a.entrypoint} if a.entrypoint else {}),
-                "Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
-            },
+            "config": {"Cmd": a.cmd, **({"Entrypoint": a.entrypoint} if a.entrypoint else {}), "Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]},
             "rootfs": {"type": "layers", "diff_ids": [f"sha256:{diff}"]},
         }
     ).encode()
