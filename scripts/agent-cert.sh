@@ -61,5 +61,5 @@ if [ ! -e "$dir/ca.crt" ]; then
   log "made a CA: $dir/ca.crt (give it to clients), $dir/ca.key (keep it private)"
 fi
 [ -r "$dir/ca.key" ] || die "$dir/ca.crt has no $dir/ca.key beside it: sign with the CA's key, or move ca.crt away"
-serving_cert "$node" "$san" "$dir/ca.crt" "$dir/ca.key" "$dir/ca.srl" "$days" "$dir/$node/tls"
+serving_cert "$node" "$san" "$dir/ca.crt" "$dir/ca.key" "$dir/ca.srl" "$days" "$dir/$node/tls" serverAuth,clientAuth
 log "node $node ($san): criuctl agent --tls-cert $dir/$node/tls.crt --tls-key $dir/$node/tls.key ..."

@@ -31,9 +31,10 @@ debian_uri() {
 
 # A serving certificate: an EC P-256 key and a certificate for CN with subjectAltName SAN, signed by
 # CA_CRT/CA_KEY (serial numbers kept in SERIAL), valid DAYS days, with the extensions Python's ssl
-# wants under VERIFY_X509_STRICT; written to OUT.key and OUT.crt only once it verifies.
+# wants under VERIFY_X509_STRICT; written to OUT.key and OUT.crt only once it verifies. USAGE: the
+# extended key usage (an agent's also authenticates it to other agents: serverAuth,clientAuth).
 serving_cert() {
-  local cn=$1 san=$2 ca_crt=$3 ca_key=$4 serial=$5 days=$6 out=$7 tmp
+  local cn=$1 san=$2 ca_crt=$3 ca_key=$4 serial=$5 days=$6 out=$7 usage=${8:-serverAuth} tmp
   tmp=$(mktemp -d)
   openssl req -new -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj "/CN=$cn" \
     -keyout "$tmp/tls.key" -out "$tmp/tls.csr" 2>/dev/null
@@ -41,7 +42,7 @@ serving_cert() {
 subjectAltName=$san
 basicConstraints=critical,CA:FALSE
 keyUsage=critical,digitalSignature
-extendedKeyUsage=serverAuth
+extendedKeyUsage=$usage
 subjectKeyIdentifier=hash
 authorityKeyIdentifier=keyid
 EXT

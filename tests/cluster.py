@@ -139,7 +139,9 @@ class Node:
         if spool or self.spool:
             argv += ["--spool-dir", str(spool or self.spool)]
         argv += (
-            ["--tls-cert", str(self.tls[0]), "--tls-key", str(self.tls[1])] if self.tls else ["--insecure"]
+            ["--tls-cert", str(self.tls[0]), "--tls-key", str(self.tls[1]), "--peer-ca", str(self.tls[2])]
+            if self.tls
+            else ["--insecure"]
         )
         argv += self.extra
         log = (self.state.parent / "agent.log").open("ab")

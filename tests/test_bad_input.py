@@ -459,6 +459,11 @@ def test_agent_without_a_certificate_or_insecure_refuses(tmp_path):
     r = _agent(*listen, "--insecure", "--tls-cert", str(cert), "--tls-key", str(key), state=tmp_path / "s")
     assert_error_line(r, "--insecure contradicts --tls-cert/--tls-key", "drop --insecure")
     assert r.returncode == 2
+    r = _agent(*listen, "--tls-from-cluster", "--insecure", state=tmp_path / "s")
+    assert_error_line(
+        r, "--tls-from-cluster replaces --tls-cert/--tls-key and --insecure", "pass one of them"
+    )
+    assert r.returncode == 2
 
 
 @needs_root

@@ -255,6 +255,8 @@ def test_a_condition_keeps_when_it_became_true() -> None:
         (["--retry-seconds", "0"], "do not fit"),
         (["--lease", "Bad_Name"], "not a valid lease name"),
         (["--health", "nowhere"], "is not HOST:PORT"),
+        (["--agent-ca-cert", "/nonexistent/tls.crt", "--agent-ca-key", "/nonexistent/tls.key"], "agents' CA"),
+        (["--agent-cert-seconds", "5"], "too short"),
     ],
 )
 def test_bad_controller_options_are_one_line(args: list[str], says: str, tmp_path: Path) -> None:
@@ -877,3 +879,53 @@ def test_a_cancel_before_the_move_began_ends_it_with_nothing_changed(monkeypatch
     controller.carry(None, obj, controller.Fence("me"))  # type: ignore[arg-type]
     assert writes[-1]["phase"] == "Failed" and "nothing was changed" in writes[-1]["reason"]
     assert [c["reason"] for c in writes[-1]["conditions"]] == ["Cancelled"]
+
+
+def _certificate(
+    path: Path, node: str, ips: list[str], life: datetime.timedelta, age: datetime.timedelta
+) -> None:
+    """A key and a certificate for `node` in one PEM, as the agent keeps its identity."""
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node)])
+    start = datetime.datetime.now(datetime.UTC) - age
+    san = [x509.DNSName(node), *(x509.IPAddress(ipaddress.ip_address(i)) for i in ips)]
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(1)
+        .not_valid_before(start)
+        .not_valid_after(start + life)
+        .add_extension(x509.SubjectAlternativeName(san), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    secret = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM) + secret)
+
+
+def test_an_agents_identity_is_renewed_after_two_thirds_and_only_for_its_own_names(tmp_path: Path) -> None:
+    """What the agent keeps across restarts: its certificate while it names this node as the API
+    server has it and less than two thirds of its life are gone; else it asks for another."""
+    from criuctl.kube import identity
+
+    pem = tmp_path / "identity.pem"
+    hour = datetime.timedelta(hours=1)
+    _certificate(pem, "a", ["10.0.0.2"], life=3 * hour, age=hour)
+    ident = identity.Identity(pem)
+    assert not ident.due() and ident.names("a", ["10.0.0.2"])
+    assert not ident.names("b", ["10.0.0.2"]) and not ident.names("a", ["10.0.0.3"])
+    assert not ident.names("a", ["10.0.0.2", "10.0.0.3"])  # the node has an address it does not name
+    _certificate(pem, "a", ["10.0.0.2"], life=3 * hour, age=2 * hour + datetime.timedelta(minutes=1))
+    assert ident.due()
+    pem.write_text("garbage")
+    assert ident.due() and not ident.names("a", ["10.0.0.2"])

@@ -517,6 +517,8 @@ def test_each_agent_gets_its_own_certificate_and_only_the_controller_holds_the_c
     its pod, and the CA's key is mounted in the controller's pod alone, readable by its user only."""
     a = agent_options(objects)
     assert a.tls_from_cluster and a.tls_cert is None and a.tls_key is None
+    secret, key, _ = secret_file(objects, a.peer_ca)  # callers checked against the agents' CA
+    assert (secret["metadata"]["name"], key) == ("criuctl-agent-tls", "ca.crt")
     ds = one(objects, "DaemonSet")["spec"]["template"]["spec"]
     mounts = {m["mountPath"]: m["name"] for m in agent_container(objects)["volumeMounts"]}
     vols = {v["name"]: v for v in ds["volumes"]}
@@ -742,7 +744,10 @@ def test_an_overlay_replaces_the_secret_templates_as_docs_deploy_says(tmp_path: 
         for key in secret["data"]:
             assert secret_value(secret, key) == values[key]
     pod = one(objs, "DaemonSet")["spec"]["template"]["spec"]
-    assert {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v} == {"criuctl-agent"}
+    assert {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v} == {
+        "criuctl-agent",
+        "criuctl-agent-tls",
+    }
     pod = one(objs, "Deployment", "criuctl-controller")["spec"]["template"]["spec"]
     assert {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v} == {"criuctl-ca"}
 

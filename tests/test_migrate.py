@@ -21,7 +21,7 @@ import requests
 
 from criuctl.agent import tickets
 from criuctl.core.env import TIMEOUTS
-from tests.cluster import Cluster, TicketAuth
+from tests.cluster import Cluster, TicketAuth, agent_cert
 from tests.conftest import needs_criu
 from tests.jobs import CRIUCTL, Ref
 from tests.requirements import needs
@@ -136,6 +136,43 @@ def test_stop_and_copy_a_to_b_to_a_with_dataloader_workers(tmp_path, monkeypatch
         assert "cnn" in r.stdout, r.stdout
         r = c.client("logs", "cnn", "--node", "b", "--tail", "3")
         assert r.returncode == 0 and r.stdout.strip(), r.stderr
+
+
+def test_a_ticket_opens_its_routes_to_the_moves_source_node_alone(cluster, tmp_path):
+    """Mutual TLS: the client names the source's address when it asks the target for a ticket, and
+    the target takes the ticket's proofs only from a caller whose certificate (from the agents' CA)
+    names that address. Another node's valid certificate, none, or one naming the source from
+    another CA: refused, although the proof itself is good."""
+    a, b = cluster.nodes["a"], cluster.nodes["b"]
+    inc = requests.post(
+        f"{b.url}/v1/incoming",
+        json={"workload": "x", "mode": "stop-and-copy", "source": a.addr},
+        headers=b.auth(),
+        timeout=30,
+        verify=b.verify,
+    ).json()
+    ticket = TicketAuth(inc)
+    url = f"{b.url}/v1/incoming/{inc['id']}"
+
+    def get(cert: tuple[str, str] | None) -> requests.Response:
+        return requests.get(url, auth=ticket, timeout=30, verify=b.verify, cert=cert)
+
+    r = get(None)
+    assert r.status_code == 403 and "presented no certificate" in r.json()["what"], r.text
+    r = get((str(b.tls[0]), str(b.tls[1])))  # a node of the cluster, but not this move's source
+    assert r.status_code == 403 and f"not migration {inc['id']}'s source {a.addr}" in r.json()["what"], r.text
+    stranger = agent_cert(tmp_path / "other-ca", "a", a.addr)  # a's name, from a CA no agent trusts
+    with pytest.raises(
+        requests.exceptions.ConnectionError
+    ):  # the handshake fails (TLS 1.3: after it, seen as a reset)
+        get((str(stranger[0]), str(stranger[1])))
+    r = get((str(a.tls[0]), str(a.tls[1])))
+    assert r.ok and r.json()["state"] == "new", r.text
+    # the client's own calls (the node's token, no certificate) are not a ticket's: unaffected
+    assert requests.get(url, headers=b.auth(), timeout=30, verify=b.verify).ok
+    assert requests.delete(
+        url, auth=ticket, timeout=30, verify=b.verify, cert=(str(a.tls[0]), str(a.tls[1]))
+    ).ok
 
 
 def test_a_page_session_opens_once_for_its_own_stop_and_copy_ticket_only(cluster):

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from criuctl.agent import records, tickets, wire
+from criuctl.agent import callers, records, tickets, wire
 from criuctl.agent.handoffleases import Handoff
 from criuctl.agent.httpjson import BadInto, body_json, container_id, error, fail, outcome_response, valid_id
 from criuctl.agent.messages import (
@@ -134,6 +134,19 @@ class Incoming:
         m = self.lookup(request.match_info.get("id", ""))
         return None if m is None else tickets.checked_proof(header, m.rec.proof_key, request.method, path)
 
+    def peer_refusal(self, request: web.Request) -> str | None:
+        """Why the caller of a ticket's route is not the move's source (None: it is, or this agent
+        checks no peers): mutual TLS, the caller's certificate checked against the agents' CA
+        (`--peer-ca`) and the source's address the client named when it asked for the ticket."""
+        m = self.lookup(request.match_info.get("id", ""))
+        if m is None or m.rec.source is None or not self.agent.checks_peers:
+            return None
+        names = callers.names(request.transport.get_extra_info("peercert") if request.transport else None)
+        if m.rec.source in names:
+            return None
+        said = f"its certificate names {', '.join(sorted(names))}" if names else "it presented no certificate"
+        return f"the caller is not migration {m.id}'s source {m.rec.source}: {said}"
+
     def _get(self, r: web.Request) -> TargetMachine:
         m = self.lookup(r.match_info["id"])
         if m is None:
@@ -157,6 +170,7 @@ class Incoming:
         try:
             cut = netcut.parse(body.get("cut") or [], "apap")
             follow = Ticket.from_json(body["follow"]) if body.get("follow") is not None else None
+            source = callers.address(body["source"]) if body.get("source") else None
         except (ValueError, TypeError) as exc:
             return fail(400, f"bad job move: {exc}", "use `criuctl migrate`")
         try:
@@ -185,6 +199,7 @@ class Incoming:
             placeholder=into,
             runtime=self.agent.runtimes.endpoint,
             sign_key=sign_key,
+            source=source,
         )
         self.machines[m.id] = m
         if follow is not None:

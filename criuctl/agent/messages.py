@@ -77,6 +77,9 @@ class IncomingRequest(TypedDict):
     into: str | None  # the placeholder container to restore into (None: the target's choice)
     cut: NotRequired[Rows]  # a job's rank: its connections in their new form, dropped until it runs
     follow: NotRequired[TicketJson]  # a job's later rank: the first moved rank's migration decides
+    # the source agent's address as the client dials it: a ticket's proofs are taken only from a
+    # caller whose certificate names it (mutual TLS, `Incoming.peer_refusal`)
+    source: NotRequired[str]
 
 
 class IncomingAnswer(TypedDict):

@@ -391,6 +391,7 @@ class TargetRecord:
     root_start: int | None = None
     placeholder_start: int | None = None
     sign_key: str = ""  # the private half of `Ticket.verify`: signs every answer about this migration
+    source: str | None = None  # the source agent's address: the name its certificate must carry
 
     def handoff(self) -> Identity | None:
         return Identity(self.handoff_pid, self.handoff_start, self.boot_id) if self.handoff_pid else None

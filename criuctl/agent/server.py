@@ -74,6 +74,9 @@ class AgentOptions:
     metrics_token_file: Path | None = None  # a scrape credential that opens GET /metrics only
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    # the agents' CA: a caller's certificate is checked against it, and a ticket's routes open only
+    # to the move's source (mutual TLS); None: no caller is asked for one
+    peer_ca: Path | None = None
     lease_seconds: float = 120.0  # a frozen source waits this long for a commit before asking the target
     runtime_endpoint: str | None = None  # the container runtime's CRI socket (default: runtime.endpoint())
     inject_dir: Path | None = None  # where containers find criuctl's init (default containers.INJECT_DIR)
@@ -125,6 +128,10 @@ class Agent:
         # what it serves HTTPS with, set by `serve`: an extension renewing the node's certificate
         # loads the new one into it (criuctl.kube.identity)
         self.tls: ssl.SSLContext | None = None
+
+    @property
+    def checks_peers(self) -> bool:
+        return self.tls is not None and self.opts.peer_ca is not None
 
     @property
     def name(self) -> str:
@@ -209,6 +216,14 @@ class Agent:
         given = request.headers.get("Authorization", "")
         proven = self.incoming.ticket_opens(request, given)
         if proven is not None:  # a ticket's proof, for its own migration's routes only
+            if (why := self.incoming.peer_refusal(request)) is not None:
+                log.warning("refused", extra={"path": request.path, "reason": why})
+                return fail(
+                    403,
+                    f"node {self.name} refused the call: {why}",
+                    "a ticket works from its move's source agent alone, which presents its node's "
+                    "certificate (docs/deploy.md, TLS)",
+                )
             request[tickets.PROVEN] = proven
             return await handler(request)
         token = given.removeprefix("Bearer ").strip() if given.startswith("Bearer ") else ""
@@ -356,6 +371,9 @@ def serve(opts: AgentOptions) -> None:
     if opts.tls_cert:
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         ctx.load_cert_chain(opts.tls_cert, opts.tls_key)
+        if opts.peer_ca is not None:  # asked of every caller, required on a ticket's routes only
+            ctx.load_verify_locations(cafile=str(opts.peer_ca))
+            ctx.verify_mode = ssl.CERT_OPTIONAL
     agent.tls = ctx
     log.info("listening", extra={"node": opts.name, "host": opts.host, "port": opts.port, "tls": bool(ctx)})
     web.run_app(agent.app(), host=opts.host, port=opts.port, ssl_context=ctx, print=None, access_log=None)

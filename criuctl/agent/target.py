@@ -119,6 +119,7 @@ class TargetMachine:
         placeholder: str | None = None,
         runtime: str | None = None,
         sign_key: str = "",
+        source: str | None = None,
     ) -> TargetMachine:
         rec = TargetRecord(
             migration,
@@ -132,6 +133,7 @@ class TargetMachine:
             placeholder=placeholder,
             runtime=runtime,
             sign_key=sign_key,
+            source=source,
         )
         m = cls(rec, spool / migration, records_dir / f"{migration}.json", spawn, timeouts)
         m.dir.mkdir(mode=0o700)

@@ -117,6 +117,12 @@ VERBS: dict[str, Verb] = {
             ),
             opt("--tls-key", metavar="FILE", help="its private key, PEM, unencrypted, mode 0600"),
             opt(
+                "--peer-ca",
+                metavar="FILE",
+                help="the agents' CA: the agents calling this one for a move present their node's "
+                "certificate, and a move's ticket opens its routes only to the move's source",
+            ),
+            opt(
                 "--tls-from-cluster",
                 action="store_true",
                 help="on Kubernetes: a key of this node's own and a certificate naming it, issued through "

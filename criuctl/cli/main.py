@@ -186,6 +186,7 @@ def _cmd_agent(a: argparse.Namespace) -> int:
         metrics_token_file=a.metrics_token_file and Path(a.metrics_token_file),
         tls_cert=a.tls_cert and Path(a.tls_cert),
         tls_key=a.tls_key and Path(a.tls_key),
+        peer_ca=a.peer_ca and Path(a.peer_ca),
         lease_seconds=a.lease,
         runtime_endpoint=a.runtime_endpoint,
         inject_dir=a.inject_dir and Path(a.inject_dir),
@@ -206,6 +207,8 @@ def _cmd_agent(a: argparse.Namespace) -> int:
         opts.extensions.append(nodeside.extension(a.prestop_port, a.kubeconfig))
     if a.spool_dir:
         env.SPOOL_DIR.export(str(Path(a.spool_dir).absolute()))  # handoff processes inherit it
+    if a.tls_cert:  # what it and its handoffs present to the agents they call (criuctl.agent.conn)
+        env.AGENT_IDENTITY.export(f"{Path(a.tls_cert).absolute()}:{Path(a.tls_key).absolute()}")
     try:
         server.serve(opts)
     except OSError as exc:  # the port taken between our check and the server's bind, say

@@ -202,6 +202,7 @@ class Move:
             self.mode = choose_mode(self.mode, src_info, dst_info)
             self.target_gpus = dst_info.get("gpus")  # an older agent says nothing: the restore checks
             body = IncomingRequest(workload=self.name, mode=self.mode, into=self.into)
+            body["source"] = self.source.host  # whose certificate the ticket opens its routes for
             if self.cut:
                 body["cut"] = self.cut
             if self.follow is not None:

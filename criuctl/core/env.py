@@ -200,6 +200,15 @@ SPOOL_DIR: Var[Path | None] = Var(
     expect="a folder",
     readers="criuctl.core.statedir: the agent and its handoffs",
 )
+AGENT_IDENTITY: Var[tuple[Path, Path] | None] = Var(
+    "CRIUCTL_AGENT_IDENTITY",
+    "the agent's certificate and key (CERT:KEY), which it and its handoffs present to the agents "
+    "they call for a move (mutual TLS: the target checks it names the move's source); the agent sets it",
+    parse=lambda raw: (Path(raw.partition(":")[0]), Path(raw.partition(":")[2] or raw.partition(":")[0])),
+    default=None,
+    expect="CERT:KEY, two PEM files (or one holding both)",
+    readers="criuctl.agent.conn: the agent and its handoffs",
+)
 BUNDLE_KEY: Var[Path | None] = Var(
     "CRIUCTL_BUNDLE_KEY",
     "the file holding the signing key (the DaemonSet points it at its Secret)",
