@@ -51,48 +51,39 @@ def _cert(pki: Path, name: str, cn: str, sans: list[str]) -> None:
     key.chmod(0o600)
 
 
+def _ca(pki: Path, name: str, cn: str) -> None:
+    """A self-signed CA: PKI/NAME.key and PKI/NAME.crt."""
+    key, crt = str(pki / f"{name}.key"), str(pki / f"{name}.crt")
+    sh(
+        "openssl",
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        key,
+        "-out",
+        crt,
+        "-days",
+        "365",
+        "-subj",
+        f"/CN={cn}",
+    )
+
+
 def make(lay: Layout) -> dict[str, str]:
     """Every key, certificate and token the cluster needs; returns the tokens by user."""
     pki = lay.pki
     pki.mkdir(parents=True, exist_ok=True)
     pki.chmod(0o700)
-    sh(
-        "openssl",
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        str(pki / "ca.key"),
-        "-out",
-        str(pki / "ca.crt"),
-        "-days",
-        "365",
-        "-subj",
-        "/CN=criuctl-local-cluster-ca",
-    )
+    _ca(pki, "ca", "criuctl-local-cluster-ca")
     ips = [lay.host_ip, "127.0.0.1", SERVICE_IP]
     names = ["kubernetes", "kubernetes.default", "kubernetes.default.svc", "localhost"]
     _cert(pki, "apiserver", "kube-apiserver", [f"IP:{i}" for i in ips] + [f"DNS:{n}" for n in names])
     # criuctl's agents have a CA of their own, whose key goes to criuctl's controller: never the
     # cluster's, which would make the controller the API server
-    sh(
-        "openssl",
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        str(pki / "criuctl-ca.key"),
-        "-out",
-        str(pki / "criuctl-ca.crt"),
-        "-days",
-        "365",
-        "-subj",
-        "/CN=criuctl-agents-ca",
-    )
+    _ca(pki, "criuctl-ca", "criuctl-agents-ca")
     sh("openssl", "genrsa", "-out", str(pki / "sa.key"), "2048")
     sh("openssl", "rsa", "-in", str(pki / "sa.key"), "-pubout", "-out", str(pki / "sa.pub"))
     users = {
