@@ -185,21 +185,30 @@ def issue(kubeconfig: str | None, node: str, path: Path, wait: float = ISSUE_WAI
                 "is the controller running with --agent-ca-cert (manifests/controller.yaml)?",
             )
         time.sleep(0.5)
-    pem = base64.b64decode(status["certificate"])
+    try:
+        pem = base64.b64decode(status["certificate"])
+        cert = x509.load_pem_x509_certificate(pem)
+    except ValueError as exc:
+        raise CriuctlError(
+            f"request {name} was answered with no certificate: {exc}", "see the controller's log"
+        ) from exc
+    mine = serialization.PublicFormat.SubjectPublicKeyInfo
+    if _names_of(cert.subject, cert.extensions) != (
+        node,
+        _sans(node, addresses),
+    ) or cert.public_key().public_bytes(serialization.Encoding.DER, mine) != key.public_key().public_bytes(
+        serialization.Encoding.DER, mine
+    ):
+        raise CriuctlError(
+            f"the certificate issued for node {node} is not for its key and names", "see the controller's log"
+        )
     secret = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    durable.replace(path, pem + secret, 0o600)
-    ident = Identity(path)
-    if not ident.names(node, addresses):
-        raise CriuctlError(
-            f"the certificate issued for node {node} names another", "see the controller's log"
-        )
-    log.info(
-        "certificate issued", extra={"request": name, "serial": f"{ident.certificate().serial_number:x}"}
-    )
-    return ident
+    durable.replace(path, pem + secret, 0o600)  # checked first: what is on disk is always a pair
+    log.info("certificate issued", extra={"request": name, "serial": f"{cert.serial_number:x}"})
+    return Identity(path)
 
 
 def obtain(kubeconfig: str | None, node: str, path: Path) -> Identity:
@@ -229,6 +238,8 @@ def renewal(ident: Identity, kubeconfig: str | None) -> Callable[[Agent, web.App
                             agent.tls.load_cert_chain(ident.path)
                     except CriuctlError as exc:
                         log.warning("cannot renew the node's certificate yet", extra={"error": exc.line()})
+                    except Exception:  # this loop must outlive any one try: the certificate ends otherwise
+                        log.exception("cannot renew the node's certificate yet")
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(now.wait(), RETRY)
 
@@ -294,6 +305,8 @@ class Signer:
         ):
             return None, f"asked by pod {SYSTEM_NS}/{pod_name}, not a live criuctl agent pod"
         node = (pod.get("spec") or {}).get("nodeName") or ""
+        if not node:
+            return None, f"asked by pod {SYSTEM_NS}/{pod_name}, which runs on no node yet"
         try:
             req = x509.load_pem_x509_csr(base64.b64decode(spec.get("request", "")))
         except ValueError as exc:
@@ -343,35 +356,30 @@ class Signer:
             if done & {"Denied", "Failed"}:
                 continue
             name = csr["metadata"]["name"]
-            req, why = self.judge(csr)
-            verdict = "Approved" if req is not None else "Denied"
-            if verdict not in done:
-                status.setdefault("conditions", []).append(
-                    {"type": verdict, "status": "True", "reason": f"Criuctl{verdict}", "message": why}
+            try:
+                self.settle(name, csr, done)
+            except CriuctlError as exc:  # the next request is not held up by this one
+                log.warning(
+                    "cannot settle a certificate request now", extra={"request": name, "error": exc.line()}
                 )
-                csr["status"] = status
-                call(
-                    f"certificate request {name}",
-                    self.c.certificates.replace_certificate_signing_request_approval,
-                    name,
-                    csr,
-                )
-                log.info(f"certificate request {verdict.lower()}", extra={"request": name, "why": why})
-            if req is not None:
-                csr = self.c.serialize(
-                    call(
-                        f"certificate request {name}",
-                        self.c.certificates.read_certificate_signing_request,
-                        name,
-                    )
-                )
-                csr.setdefault("status", {})["certificate"] = base64.b64encode(self.sign(req)).decode()
-                call(
-                    f"certificate request {name}",
-                    self.c.certificates.replace_certificate_signing_request_status,
-                    name,
-                    csr,
-                )
+
+    def settle(self, name: str, csr: dict[str, Any], done: set[str]) -> None:
+        """Approve and sign one request, or deny it; an approval written before is not written again."""
+        req, why = self.judge(csr)
+        verdict = "Approved" if req is not None else "Denied"
+        what = f"certificate request {name}"
+        if verdict not in done:
+            status = csr.setdefault("status", {}) or {}
+            status.setdefault("conditions", []).append(
+                {"type": verdict, "status": "True", "reason": f"Criuctl{verdict}", "message": why}
+            )
+            csr["status"] = status
+            call(what, self.c.certificates.replace_certificate_signing_request_approval, name, csr)
+            log.info(f"certificate request {verdict.lower()}", extra={"request": name, "why": why})
+        if req is not None:
+            csr = self.c.serialize(call(what, self.c.certificates.read_certificate_signing_request, name))
+            csr.setdefault("status", {})["certificate"] = base64.b64encode(self.sign(req)).decode()
+            call(what, self.c.certificates.replace_certificate_signing_request_status, name, csr)
 
     def forever(self, every: float = 1.0) -> None:
         while True:
