@@ -140,9 +140,10 @@ def test_stop_and_copy_a_to_b_to_a_with_dataloader_workers(tmp_path, monkeypatch
 
 def test_a_ticket_opens_its_routes_to_the_moves_source_node_alone(cluster, tmp_path):
     """Mutual TLS: the client names the source's address when it asks the target for a ticket, and
-    the target takes the ticket's proofs only from a caller whose certificate (from the agents' CA)
-    names that address. Another node's valid certificate, none, or one naming the source from
-    another CA: refused, although the proof itself is good."""
+    the target takes the ticket's proofs for what feeds or ends the move (upload, page session,
+    abort) only from a caller whose certificate (from the agents' CA) names that address. Another
+    node's valid certificate, none, or one naming the source from another CA: refused, although
+    the proof itself is good."""
     a, b = cluster.nodes["a"], cluster.nodes["b"]
     inc = requests.post(
         f"{b.url}/v1/incoming",
@@ -154,25 +155,23 @@ def test_a_ticket_opens_its_routes_to_the_moves_source_node_alone(cluster, tmp_p
     ticket = TicketAuth(inc)
     url = f"{b.url}/v1/incoming/{inc['id']}"
 
-    def get(cert: tuple[str, str] | None) -> requests.Response:
-        return requests.get(url, auth=ticket, timeout=30, verify=b.verify, cert=cert)
+    def abort(cert: tuple[str, str] | None) -> requests.Response:
+        return requests.delete(url, auth=ticket, timeout=30, verify=b.verify, cert=cert)
 
-    r = get(None)
+    r = abort(None)
     assert r.status_code == 403 and "presented no certificate" in r.json()["what"], r.text
-    r = get((str(b.tls[0]), str(b.tls[1])))  # a node of the cluster, but not this move's source
+    r = abort((str(b.tls[0]), str(b.tls[1])))  # a node of the cluster, but not this move's source
     assert r.status_code == 403 and f"not migration {inc['id']}'s source {a.addr}" in r.json()["what"], r.text
     stranger = agent_cert(tmp_path / "other-ca", "a", a.addr)  # a's name, from a CA no agent trusts
-    with pytest.raises(
-        requests.exceptions.ConnectionError
-    ):  # the handshake fails (TLS 1.3: after it, seen as a reset)
-        get((str(stranger[0]), str(stranger[1])))
-    r = get((str(a.tls[0]), str(a.tls[1])))
+    with pytest.raises(requests.exceptions.ConnectionError):  # the handshake fails (TLS 1.3: seen as a reset)
+        abort((str(stranger[0]), str(stranger[1])))
+    # its signed state is for any holder of the ticket to read (a job's later ranks' targets ask it)
+    r = requests.get(url, auth=ticket, timeout=30, verify=b.verify)
     assert r.ok and r.json()["state"] == "new", r.text
     # the client's own calls (the node's token, no certificate) are not a ticket's: unaffected
     assert requests.get(url, headers=b.auth(), timeout=30, verify=b.verify).ok
-    assert requests.delete(
-        url, auth=ticket, timeout=30, verify=b.verify, cert=(str(a.tls[0]), str(a.tls[1]))
-    ).ok
+    r = abort((str(a.tls[0]), str(a.tls[1])))
+    assert r.ok and r.json()["state"] == "aborted", r.text
 
 
 def test_a_page_session_opens_once_for_its_own_stop_and_copy_ticket_only(cluster):

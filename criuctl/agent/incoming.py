@@ -135,9 +135,12 @@ class Incoming:
         return None if m is None else tickets.checked_proof(header, m.rec.proof_key, request.method, path)
 
     def peer_refusal(self, request: web.Request) -> str | None:
-        """Why the caller of a ticket's route is not the move's source (None: it is, or this agent
-        checks no peers): mutual TLS, the caller's certificate checked against the agents' CA
-        (`--peer-ca`) and the source's address the client named when it asked for the ticket."""
+        """Why the caller of a ticket's route that feeds or ends the move (its upload, page session,
+        abort) is not the move's source (None: it is, or this agent checks no peers): mutual TLS,
+        the caller's certificate checked against the agents' CA (`--peer-ca`) and the source's
+        address the client named when it asked for the ticket."""
+        if request.method == "GET":  # a read of the signed state: a job's other ranks' targets ask it too
+            return None  # (`TargetRecord.follow`), and it changes nothing
         m = self.lookup(request.match_info.get("id", ""))
         if m is None or m.rec.source is None or not self.agent.checks_peers:
             return None
