@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 import requests
 
 from criuctl.agent.messages import BundleKept, ErrorAnswer, LogChunk
-from criuctl.core import statedir, tokens, workloads, worklogs
+from criuctl.core import env, statedir, tokens, workloads, worklogs
 from criuctl.core.errors import CriuctlError
 from criuctl.core.workloads import WorkloadRow
 from criuctl_hook import durable
@@ -235,6 +235,10 @@ class AgentClient:
         self.s.headers["Authorization"] = f"Bearer {node.token()}"
         # per request, not on the session: requests lets REQUESTS_CA_BUNDLE override Session.verify
         self.verify: str | bool = node.ca_file or True
+        # an agent calling another (a kept bundle carried on Kubernetes) presents its node's
+        # certificate, as it does for a move (criuctl.agent.conn); a person's CLI has none
+        mine = env.AGENT_IDENTITY.get()
+        self.s.cert = (str(mine[0]), str(mine[1])) if mine is not None and node.tls else None
 
     def _call(
         self, method: str, path: str, body: Any = None, timeout: float | None = None, **kw: Any
