@@ -6,6 +6,7 @@ nothing else, renewed under a running cluster without a client noticing."""
 from __future__ import annotations
 
 import base64
+import datetime
 import ipaddress
 import json
 import signal
@@ -27,6 +28,8 @@ from tests.conftest import needs_criu
 from tests.kube import Kubectl
 
 pytestmark = [needs_criu, pytest.mark.slow]
+
+RENEWED_EVERY = datetime.timedelta(minutes=10)  # two thirds of --agent-cert-seconds 900
 
 
 def _served(ip: str) -> x509.Certificate:
@@ -115,6 +118,9 @@ def test_each_agent_serves_its_own_nodes_certificate_and_no_one_else_gets_one(lo
         assert [str(a) for a in san.get_values_for_type(x509.IPAddress)] == [ip], f"{node}'s names: {san}"
         assert san.get_values_for_type(x509.DNSName) == [node]
         assert cert.issuer == ca.subject
+        # the test cluster's certificates last 15 minutes (tools/localcluster/addons.py): renewed
+        # every 10, under the moves of the tests around this one
+        assert cert.not_valid_after_utc - cert.not_valid_before_utc == RENEWED_EVERY * 1.5 + identity.BACKDATE
         ca.public_key().verify(
             cert.signature, cert.tbs_certificate_bytes, padding.PKCS1v15(), cert.signature_hash_algorithm
         )
