@@ -1,3 +1,5 @@
+import ast
+import gc
 import subprocess
 
 import pytest
@@ -12,6 +14,19 @@ pytest_sessionstart = requirements.pytest_sessionstart
 pytest_runtest_setup = requirements.pytest_runtest_setup
 
 needs_criu = needs("criu")
+
+
+def parse_python(source: str) -> ast.Module:
+    """`ast.parse`, with the garbage collector held off: CPython 3.11.7 raises "SystemError: AST
+    constructor recursion depth mismatch" when a finalizer runs Python code while the tree is
+    built (CI, 2026-12-06: an asyncio future's __del__ logging in the middle of a parse)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return ast.parse(source)
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @pytest.fixture(scope="session")

@@ -39,6 +39,7 @@ from criuctl.net import netlock
 from criuctl_hook import durable
 from tests import impostor
 from tests.cluster import agent_cert
+from tests.conftest import parse_python
 from tests.jobs import criuctl
 from tests.requirements import needs
 
@@ -331,13 +332,13 @@ def test_every_atomic_write_goes_through_durable():
             if path == Path(durable.__file__):
                 continue
             lines = path.read_text().splitlines()
-            for call in _renames(ast.parse("\n".join(lines))):
+            for call in _renames(parse_python("\n".join(lines))):
                 offenders.append(
                     f"{path.relative_to(home.parent)}:{call.lineno}: {lines[call.lineno - 1].strip()}"
                 )
     assert offenders == [], "\n".join(offenders)
     assert (  # the guard sees what it looks for: durable's own os.replace, os.rename and mkstemp
-        len(_renames(ast.parse(Path(durable.__file__).read_text()))) == 3
+        len(_renames(parse_python(Path(durable.__file__).read_text()))) == 3
     )
 
 

@@ -20,6 +20,7 @@ from criuctl.agent import protocol
 from criuctl.core import env, nsinit, statedir
 from criuctl.kube import api
 from criuctl_hook import contract
+from tests.conftest import parse_python
 from tests.jobs import criuctl
 from tests.test_errors import assert_error_line
 
@@ -152,7 +153,7 @@ def test_criuctl_reads_its_variables_only_through_env() -> None:
     for path in sorted((REPO / "criuctl").rglob("*.py")):
         if path in OWN_READS:
             continue
-        tree = ast.parse(path.read_text())
+        tree = parse_python(path.read_text())
         docs = _docstrings(tree)
         for node in ast.walk(tree):
             where = f"{path.relative_to(REPO)}:{getattr(node, 'lineno', '?')}"

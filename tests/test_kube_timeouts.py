@@ -29,6 +29,7 @@ from localcluster import pytorchjob, trainjob
 from criuctl.core.env import KUBE_TIMEOUTS
 from criuctl.core.errors import CriuctlError
 from criuctl.kube import api, cluster, events, moves, mutate, owners, prestop, successors
+from tests.conftest import parse_python
 from tests.jobs import CRIUCTL, criuctl
 from tests.test_webhook import (
     ROOT,
@@ -362,12 +363,12 @@ def test_no_code_makes_an_api_object_of_its_own() -> None:
         if path == ROOT / "criuctl" / "kube" / "api.py":
             continue
         where = path.relative_to(ROOT)
-        found += [f"{where}:{line} {name}" for line, name in _makers(ast.parse(path.read_text()))]
+        found += [f"{where}:{line} {name}" for line, name in _makers(parse_python(path.read_text()))]
     assert not found, "these bypass criuctl.kube.api's timeouts: " + "; ".join(found)
-    here = ast.parse((ROOT / "criuctl" / "kube" / "api.py").read_text())
+    here = parse_python((ROOT / "criuctl" / "kube" / "api.py").read_text())
     assert {name for _, name in _makers(here)} >= {"ApiClient", "load_kube_config"}, "the scan finds nothing"
 
 
 def test_the_scan_finds_a_bypass() -> None:
     bypass = "from kubernetes import client\nclient.CoreV1Api(x).list_node()\nconfig.load_kube_config()\n"
-    assert sorted(name for _, name in _makers(ast.parse(bypass))) == ["CoreV1Api", "load_kube_config"]
+    assert sorted(name for _, name in _makers(parse_python(bypass))) == ["CoreV1Api", "load_kube_config"]

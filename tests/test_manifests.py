@@ -32,6 +32,7 @@ from criuctl.core.env import BUNDLE_KEY, STATE_DIR
 from criuctl.core.errors import CriuctlError
 from criuctl.format import bundle
 from criuctl.kube import identity
+from tests.conftest import parse_python
 from tests.requirements import needs, require
 
 try:
@@ -621,7 +622,7 @@ def _calls(where: str) -> set[tuple[str, str, str]]:
     module, _, only = where.partition(":")
     text = (MANIFESTS.parent / "criuctl" / "kube" / f"{module}.py").read_text()
     if only:
-        tree = ast.parse(text)
+        tree = parse_python(text)
         defs = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name in only.split(",")]
         assert len(defs) == len(only.split(",")), f"{where}: a function is missing"
         text = "\n".join(ast.get_source_segment(text, d) or "" for d in defs)
