@@ -442,6 +442,12 @@ def test_agent_with_missing_or_bad_tls_files(tmp_path):
     assert_error_line(
         agent("--tls-cert", str(key), "--tls-key", str(cert)), "are not a PEM certificate and its key"
     )
+    # the agents' CA that callers are checked against: missing, or not a certificate
+    pair = ("--tls-cert", str(cert), "--tls-key", str(key))
+    r = agent(*pair, "--peer-ca", str(tmp_path / "nowhere.crt"))
+    assert_error_line(r, f"cannot load --peer-ca {tmp_path / 'nowhere.crt'}", "the PEM certificate of the CA")
+    r = agent(*pair, "--peer-ca", str(tmp_path / "other.pem"))
+    assert_error_line(r, f"cannot load --peer-ca {tmp_path / 'other.pem'}")
 
 
 @needs_root
@@ -458,6 +464,9 @@ def test_agent_without_a_certificate_or_insecure_refuses(tmp_path):
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     r = _agent(*listen, "--insecure", "--tls-cert", str(cert), "--tls-key", str(key), state=tmp_path / "s")
     assert_error_line(r, "--insecure contradicts --tls-cert/--tls-key", "drop --insecure")
+    assert r.returncode == 2
+    r = _agent(*listen, "--insecure", "--peer-ca", str(cert), state=tmp_path / "s")
+    assert_error_line(r, "--peer-ca asks callers for a certificate, which needs HTTPS", "drop --peer-ca")
     assert r.returncode == 2
     r = _agent(*listen, "--tls-from-cluster", "--insecure", state=tmp_path / "s")
     assert_error_line(

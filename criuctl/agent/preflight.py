@@ -105,6 +105,21 @@ def check_transport(cert: str | None, key: str | None, insecure: bool) -> None:
         )
 
 
+def check_peer_ca(ca: Path, served: bool) -> None:
+    """The agents' CA loads as the server will load it; it is for checking callers of an HTTPS agent."""
+    if not served:
+        raise BadOption(
+            "--peer-ca asks callers for a certificate, which needs HTTPS", "drop --peer-ca or --insecure"
+        )
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_verify_locations(cafile=str(ca))
+    except (OSError, ssl.SSLError) as exc:
+        raise BadOption(
+            f"cannot load --peer-ca {ca} ({getattr(exc, 'strerror', None) or exc.__class__.__name__})",
+            "pass the PEM certificate of the CA that signs the agents' certificates",
+        ) from exc
+
+
 def check_tls(cert: Path, key: Path) -> None:
     """The certificate and key load as the server will load them (PEM, matching, unencrypted)."""
     for flag, path in (("--tls-cert", cert), ("--tls-key", key)):

@@ -176,6 +176,8 @@ def _cmd_agent(a: argparse.Namespace) -> int:
         runtime.connect(a.runtime_endpoint)  # its form checked now; the runtime may start later
     if a.tls_cert:
         preflight.check_tls(Path(a.tls_cert), Path(a.tls_key))
+    if a.peer_ca:
+        preflight.check_peer_ca(Path(a.peer_ca), served=bool(a.tls_cert))
     preflight.check_bind(host, port)
     from criuctl.agent import server
 
