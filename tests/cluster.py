@@ -18,7 +18,6 @@ import json
 import os
 import re
 import secrets
-import shutil
 import signal
 import subprocess
 import time
@@ -225,8 +224,6 @@ class Cluster:
         sh("ip", "addr", "add", f"{self.net}.1/24", "dev", self.bridge)
         sh("ip", "link", "set", self.bridge, "up")
         self.root.mkdir(parents=True, exist_ok=True)
-        key = self.root / "cluster.key"
-        key.write_text(secrets.token_bytes(32).hex() + "\n")
         for i, name in enumerate(self._names, 2):
             ns, veth = f"cr{self.tag}{name}", f"cr{self.tag}{name}h"
             sh("ip", "netns", "add", ns)
@@ -247,8 +244,6 @@ class Cluster:
                     "none",
                     str(d / "state"),
                 )
-            shutil.copy(key, d / "state" / "bundle.key")  # every node signs with the cluster key
-            os.chmod(d / "state" / "bundle.key", 0o600)
             token = d / "token"
             token.write_text(secrets.token_urlsafe(24) + "\n")
             os.chmod(token, 0o600)

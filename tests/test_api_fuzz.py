@@ -25,6 +25,7 @@ ROUTES = [
     ("POST", "/v1/workloads/{x}/checkpoint"),
     ("POST", "/v1/workloads/{x}/brace"),
     ("GET", "/v1/bundles/{x}"),
+    ("POST", "/v1/bundles/{x}/expect"),
     ("PUT", "/v1/bundles/{x}"),
     ("POST", "/v1/bundles/{x}/restore"),
     ("DELETE", "/v1/bundles/{x}"),

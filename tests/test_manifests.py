@@ -1,8 +1,8 @@
 """The Kubernetes manifests (manifests/): schema-valid, in kubernetes-validate's strict mode, for
 Kubernetes 1.30 and for the newest schema the installed kubernetes-validate ships; and shaped the
 way the agent needs them (host PID namespace, privileged, probes on the route that needs no token,
-the port, files and env the agent reads, least-privilege RBAC). Also the one code change the
-DaemonSet needs: the signing key taken from the file $CRIUCTL_BUNDLE_KEY names.
+the port, files and env the agent reads, least-privilege RBAC; no bundle key shared through a
+Secret). Also $CRIUCTL_BUNDLE_KEY, the file a node's own signing key may live in instead.
 
 Offline: no cluster. With `kubectl` on PATH the kustomization is rendered and the rendered objects
 are what is checked; without it, the files one by one.
@@ -314,11 +314,12 @@ def test_the_token_file_comes_from_the_secret_the_agent_accepts(objects: list[Ob
     assert one(objects, "Secret", "criuctl-ca")["type"] == "kubernetes.io/tls"
 
 
-def test_the_signing_key_comes_from_the_secret_through_the_env_the_code_reads(objects: list[Obj]) -> None:
+def test_each_agent_signs_with_a_key_of_its_own_in_its_nodes_state_dir(objects: list[Obj]) -> None:
+    """No Secret gives the agents a bundle key: one node's key must open no other node's bundles."""
     env = {e["name"]: e.get("value") for e in agent_container(objects)["env"]}
-    key_file = env[BUNDLE_KEY]
-    secret, key, _ = secret_file(objects, key_file)
-    assert (secret["metadata"]["name"], key) == ("criuctl-agent", "bundle.key")
+    assert BUNDLE_KEY not in env
+    for secret in (o for o in objects if o["kind"] == "Secret"):
+        assert not any("key" in k and k != "tls.key" for k in secret.get("stringData") or {}), secret
     # the same state dir as `criuctl run` on the host, mounted from the host at the same path
     assert env[STATE_DIR] == str(statedir.DEFAULT_STATE_DIR)
     mounts = {path: hp for path, _, hp in host_mounts(objects)}
@@ -335,10 +336,6 @@ def test_the_secret_templates_hold_placeholders_the_agent_refuses(objects: list[
     token.chmod(0o600)
     with pytest.raises(tokens.BadTokenFile):
         tokens.read_token(token)
-    key = tmp_path / "bundle.key"
-    key.write_text(secret_value(auth, "bundle.key"))
-    with pytest.raises(bundle.BundleError):
-        bundle.load_key(key, create=True)
     ca = one(objects, "Secret", "criuctl-ca")
     crt, pem = tmp_path / "tls.crt", tmp_path / "tls.key"
     crt.write_text(secret_value(ca, "tls.crt"))
@@ -706,7 +703,6 @@ def test_an_overlay_replaces_the_secret_templates_as_docs_deploy_says(tmp_path: 
     overlay.mkdir()
     values = {
         "token": secrets.token_hex(32),
-        "bundle.key": secrets.token_hex(32),
         "ca.crt": "-----BEGIN CERTIFICATE-----\nnot-checked-here\n-----END CERTIFICATE-----\n",
         "tls.crt": "-----BEGIN CERTIFICATE-----\nnot-checked-here\n-----END CERTIFICATE-----\n",
         "tls.key": "-----BEGIN PRIVATE KEY-----\nnot-checked-here\n-----END PRIVATE KEY-----\n",
@@ -722,7 +718,7 @@ def test_an_overlay_replaces_the_secret_templates_as_docs_deploy_says(tmp_path: 
         "  - name: criuctl-agent\n"
         "    namespace: criuctl-system\n"
         "    behavior: replace\n"
-        "    files: [token, bundle.key]\n"
+        "    files: [token]\n"
         "  - name: criuctl-agent-tls\n"
         "    namespace: criuctl-system\n"
         "    behavior: replace\n"

@@ -642,7 +642,9 @@ class _CorruptingProxy:
 
 
 def test_checkpoint_api_then_bundle_carried_by_hand_and_restored(cluster, mlp_ref):
-    """The kept-bundle API: checkpoint on a (through a dump handoff), carry the tar to b, restore there."""
+    """The kept-bundle API: checkpoint on a (through a dump handoff), carry the tar to b, restore
+    there. Each node signs with a key of its own: b takes a's bundle only as the one copy it asked
+    for, signed by a with the key b gave for it; a's own signature, or a key b gave before, opens nothing."""
     c = cluster
     a, b = c.nodes["a"], c.nodes["b"]
     on_a = {"headers": a.auth(), "verify": a.verify}
@@ -654,11 +656,38 @@ def test_checkpoint_api_then_bundle_carried_by_hand_and_restored(cluster, mlp_re
     assert (
         r.json()["bytes"] > 1 << 20 and c.running("mlp") == []
     )  # dumped and stopped: it lives in the bundle
-    tar = requests.get(f"{a.url}/v1/bundles/{bid}", timeout=300, **on_a)
-    assert tar.ok and len(tar.content) > 1 << 20
-    up = requests.put(f"{b.url}/v1/bundles/{bid}", data=tar.content, timeout=300, **on_b)
+
+    def expect() -> str:
+        got = requests.post(f"{b.url}/v1/bundles/{bid}/expect", timeout=30, **on_b)
+        assert got.ok, got.text
+        return got.json()["seal"]
+
+    def put(body: bytes) -> requests.Response:
+        return requests.put(f"{b.url}/v1/bundles/{bid}", data=body, timeout=300, **on_b)
+
+    as_kept = requests.get(f"{a.url}/v1/bundles/{bid}", timeout=300, **on_a)
+    assert as_kept.ok and len(as_kept.content) > 1 << 20
+    unasked = put(as_kept.content)
+    assert unasked.status_code == 409 and "expects no copy" in unasked.json()["what"], unasked.text
+    expect()
+    own_signature = put(as_kept.content)  # signed with a's own key: it verifies on a alone
+    assert own_signature.status_code == 422, own_signature.text
+    assert "signature does not verify" in own_signature.json()["what"]
+
+    def sealed(seal: str) -> bytes:
+        auth = {"headers": {**a.auth(), "Criuctl-Seal": seal}, "verify": a.verify}
+        tar = requests.get(f"{a.url}/v1/bundles/{bid}", timeout=300, **auth)
+        assert tar.ok and len(tar.content) == len(as_kept.content) and tar.content != as_kept.content
+        return tar.content
+
+    stale = sealed(expect())
+    expect()  # b asks for a copy anew: the key it gave before opens nothing now
+    assert put(stale).status_code == 422
+    tar = sealed(expect())
+    up = put(tar)
     assert up.ok, up.text
-    again = requests.put(f"{b.url}/v1/bundles/{bid}", data=tar.content, timeout=300, **on_b)
+    assert (a.state / "bundle.key").read_text() != (b.state / "bundle.key").read_text()
+    again = put(tar)
     assert again.status_code == 409
     r = requests.post(f"{b.url}/v1/bundles/{bid}/restore", json={}, timeout=300, **on_b)
     assert r.ok, f"{r.text}\n{b.agent_log()[-3000:]}"  # the agent's log holds CRIU's, should it fail

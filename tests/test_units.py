@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
+import io
 import os
 import stat
+import tarfile
 from pathlib import Path
 
 import blake3
 import pytest
 
+from criuctl.agent import transfer
 from criuctl.cli import cliargs, main
 from criuctl.engine import criu
 from criuctl.format import bundle
@@ -156,6 +160,40 @@ def test_seal_then_verify_and_what_is_refused(tmp_path):
         bundle.verify(root, key)
     with pytest.raises(bundle.BundleError, match="signature does not verify"):
         bundle.verify(root, bundle.load_key(tmp_path / "other-key"))
+
+
+def test_a_bundle_crosses_nodes_with_the_key_of_its_one_copy_and_is_then_the_receivers(tmp_path):
+    """Node a's bundle goes to b signed with a key b gave for that copy (`signed_for`, streamed by
+    `transfer.tar_pieces`); b checks it with that key and signs it with its own (`adopt`). Neither
+    node's own key opens the other's bundles."""
+    a_key, b_key, copy_key = (bundle.load_key(tmp_path / f"{n}.key") for n in ("a", "b", "copy"))
+    root = tmp_path / "on-a"
+    (root / "images").mkdir(parents=True)
+    (root / "images" / "pages-1.img").write_bytes(os.urandom(8192))
+    bundle.seal(root, _manifest(), a_key)
+    raw, sig = bundle.signed_for(root, a_key, copy_key)
+    assert raw == (root / bundle.MANIFEST).read_bytes() and sig != (root / bundle.SIGNATURE).read_bytes()
+
+    async def stream() -> bytes:
+        given = {bundle.MANIFEST: raw, bundle.SIGNATURE: sig}
+        out = b"".join([p async for p in transfer.tar_pieces(root, given=given)])
+        assert len(out) == transfer.stream_size(root, given)
+        return out
+
+    on_b = tmp_path / "on-b"
+    with tarfile.open(fileobj=io.BytesIO(asyncio.run(stream()))) as tar:
+        tar.extractall(on_b, filter="data")
+    for wrong in (a_key, b_key):  # a's own signature, or b's, is not what the copy carries
+        with pytest.raises(bundle.BundleError, match="signature does not verify"):
+            bundle.verify(on_b, wrong)
+    bundle.adopt(on_b, copy_key, b_key)
+    assert bundle.verify(on_b, b_key).workload == "w"
+    with pytest.raises(bundle.BundleError, match="signature does not verify"):
+        bundle.verify(on_b, a_key)
+    # a manifest altered on a after its seal goes nowhere: a checks its own signature first
+    (root / bundle.MANIFEST).write_bytes(raw.replace(b'"w"', b'"x"'))
+    with pytest.raises(bundle.BundleError, match="signature does not verify"):
+        bundle.signed_for(root, a_key, copy_key)
 
 
 def _format_1_bundle(root: Path, key: bytes) -> None:

@@ -8,14 +8,25 @@
                                              answer's `pages`: port, certificate; pageserving)
     POST   /v1/bundles/{id}/page-client      this node's page-client certificate for a post-copy bundle
     GET    /v1/bundles/{id}/pages            where this node serves a post-copy bundle's pages
-    GET    /v1/bundles/{id}                  stream a bundle out (tar)
+    GET    /v1/bundles/{id}                  stream a bundle out (tar); with the header
+                                             Criuctl-Seal: KEY, its manifest signed with that key
+                                             for the one node that gave it (see below)
     GET    /v1/bundles/{id}/manifest         its manifest: whether it is kept here, unused
-    PUT    /v1/bundles/{id}                  receive a bundle (verified before it is kept)
+    POST   /v1/bundles/{id}/expect           a key for one copy of the bundle to come here
+    PUT    /v1/bundles/{id}                  receive that copy (verified with that key, then
+                                             signed with this node's own, before it is kept)
     POST   /v1/bundles/{id}/restore          restore a kept bundle, supervised by a handoff;
                                              {"into": CONTAINER} restores into a placeholder container.
                                              The bundle is used up: marked before the restored job
                                              may run, removed once it runs (it never restores twice)
     DELETE /v1/bundles/{id}                  delete a kept bundle (and stop serving its pages)
+
+Every node signs its bundles with a key of its own (`bundle.key`, which never leaves it), so a
+node's key opens no other node's bundles. A kept bundle crosses to another node only as a copy
+that node asked for: it mints a key for that one copy (`expect`), the caller hands it to the
+sender, which checks its own signature and signs the manifest with that key as it streams
+(`bundle.signed_for`); the receiver checks it with the key, used once, and signs it anew with its
+own (`bundle.adopt`).
 
 A checkpoint freezes in a handoff process, like a migration, never in the agent: CRIU's ptrace
 and a multi-second freeze have no place on the event loop, and an agent killed mid-dump must not
@@ -27,7 +38,9 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import secrets
 import shutil
+import time
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,7 +51,9 @@ from criuctl.agent import conn, pageserving, transfer, wire
 from criuctl.agent.handoffleases import Handoff, HandoffFailed
 from criuctl.agent.httpjson import BadInto, body_json, container_id, error, fail, valid_id
 from criuctl.agent.messages import (
+    SEAL_HEADER,
     BundleDeleted,
+    BundleExpected,
     BundleKept,
     BundleRestored,
     BundleRestoreRequest,
@@ -61,6 +76,7 @@ if TYPE_CHECKING:
 
 
 USED = ".restored"  # in a bundle's folder: a restore of it reached the commit (see `restore`)
+EXPECT_SECONDS = 3600.0  # a copy's key is good this long (client.agents.copy_bundle's own bound)
 
 
 def _mark_used(path: Path) -> None:
@@ -70,6 +86,7 @@ def _mark_used(path: Path) -> None:
 class Bundles:
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
+        self.expected: dict[str, tuple[bytes, float]] = {}  # bundle id: (its copy's key, until)
 
     @property
     def root(self) -> Path:
@@ -79,6 +96,7 @@ class Bundles:
         r.add_post("/v1/workloads/{name}/checkpoint", self.checkpoint)
         r.add_get("/v1/bundles/{id}", self.send)
         r.add_get("/v1/bundles/{id}/manifest", self.manifest)
+        r.add_post("/v1/bundles/{id}/expect", self.expect)
         r.add_put("/v1/bundles/{id}", self.receive, expect_handler=wire.defer_continue)
         r.add_post("/v1/bundles/{id}/restore", self.restore)
         r.add_post("/v1/bundles/{id}/page-client", self.page_client)
@@ -179,21 +197,52 @@ class Bundles:
 
     async def send(self, r: web.Request) -> web.StreamResponse:
         path = self._kept(r)
+        given: dict[str, bytes] = {}
+        if seal := r.headers.get(SEAL_HEADER):
+            try:
+                key = bytes.fromhex(seal)
+            except ValueError:
+                key = b""
+            if len(key) != 32:
+                return fail(400, f"bad {SEAL_HEADER} header", "send the key the receiving node gave (expect)")
+            try:
+                raw, sig = await asyncio.to_thread(bundle.signed_for, path, self.agent.bundle_key(), key)
+            except bundle.BundleError as exc:
+                return self.agent.error_response(exc)
+            given = {bundle.MANIFEST: raw, bundle.SIGNATURE: sig}
         resp = web.StreamResponse(headers={"Content-Type": "application/x-tar"})
-        resp.content_length = await asyncio.to_thread(transfer.stream_size, path)
+        resp.content_length = await asyncio.to_thread(transfer.stream_size, path, given)
         await resp.prepare(r)
-        async for piece in transfer.tar_pieces(path):
+        async for piece in transfer.tar_pieces(path, given=given):
             await resp.write(piece)
         await resp.write_eof()
         self.agent.metrics.bytes.labels("sent").inc(resp.content_length)
         return resp
 
+    async def expect(self, r: web.Request) -> web.Response:
+        path = self._path(r)
+        if path.exists():
+            return fail(409, f"bundle {path.name} already exists on node {self.agent.name}")
+        now = time.monotonic()
+        self.expected = {b: e for b, e in self.expected.items() if e[1] > now}
+        key = secrets.token_bytes(32)
+        self.expected[path.name] = (key, now + EXPECT_SECONDS)
+        return web.json_response(BundleExpected(seal=key.hex(), seconds=EXPECT_SECONDS))
+
     async def receive(self, r: web.Request) -> web.Response:
         path = self._path(r)
         if path.exists():
             return fail(409, f"bundle {path.name} already exists on node {self.agent.name}")
+        key, until = self.expected.pop(path.name, (b"", 0.0))
+        if until <= time.monotonic():
+            return fail(
+                409,
+                f"node {self.agent.name} expects no copy of bundle {path.name}",
+                f"ask it first (POST /v1/bundles/{path.name}/expect) and have the sender sign with "
+                f"its key ({SEAL_HEADER}): criuctl's copy does",
+            )
         try:
-            await self.agent.receive(r, path)
+            await self.agent.receive(r, path, seal=key)
         except (CriuctlError, OSError) as exc:
             await asyncio.to_thread(shutil.rmtree, path, True)
             return self.agent.error_response(exc)

@@ -37,7 +37,7 @@ import traceback
 from pathlib import Path
 from typing import IO, Any
 
-from criuctl.agent import pageserving, points, records, verdicts, warmstart
+from criuctl.agent import pageserving, points, records, tickets, verdicts, warmstart
 from criuctl.agent.protocol import (
     BadTransition,
     Command,
@@ -160,6 +160,7 @@ class _Source:
                 target_gpus=None
                 if spec.target_gpus is None
                 else [gpus.GpuInfo.from_dict(g) for g in spec.target_gpus],
+                key=tickets.seal_key(spec.ticket.secret),
             )
         except CriuctlError as exc:
             self._advance(SourceState.FAILED)

@@ -180,7 +180,7 @@ class Incoming:
             await asyncio.to_thread(criu.require_version)
             if mode == Mode.POST_COPY:
                 await asyncio.to_thread(criu.ensure_lazy_pages)
-            bundle.load_key(statedir.key_path(), create=False)
+            await asyncio.to_thread(self.agent.bundle_key)
         except CriuctlError as exc:
             return fail(503, f"node {self.agent.name} cannot restore: {exc.what}", exc.hint)
         w = await asyncio.to_thread(workloads.load, name)
@@ -203,6 +203,7 @@ class Incoming:
             runtime=self.agent.runtimes.endpoint,
             sign_key=sign_key,
             source=source,
+            seal_key=tickets.seal_key(secret).hex(),
         )
         self.machines[m.id] = m
         if follow is not None:
@@ -246,7 +247,8 @@ class Incoming:
         m = self._get(r)
         started = time.monotonic()
         try:
-            out = await m.receive(lambda dest, vouch: self.agent.receive(r, dest, vouch))
+            seal = bytes.fromhex(m.rec.seal_key) if m.rec.seal_key else None
+            out = await m.receive(lambda dest, vouch: self.agent.receive(r, dest, vouch, seal))
         except (CriuctlError, OSError) as exc:
             self.agent.metrics.migrations.labels("target", m.rec.mode, "failed").inc()
             log.warning("receive failed", extra={"id": m.id, "error": str(exc)})

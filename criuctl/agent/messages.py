@@ -286,6 +286,17 @@ class PageClient(TypedDict):
     cert: str
 
 
+SEAL_HEADER = "Criuctl-Seal"  # GET /v1/bundles/ID: sign the manifest with this key (hex) for its receiver
+
+
+class BundleExpected(TypedDict):
+    """POST /v1/bundles/ID/expect: the key this node checks that one copy of bundle ID with (its
+    sender signs the manifest with it: `SEAL_HEADER`); good for one PUT, for `seconds`."""
+
+    seal: str
+    seconds: float
+
+
 class BundleKept(TypedDict):
     """PUT /v1/bundles/ID: verified and kept."""
 

@@ -392,6 +392,7 @@ class TargetRecord:
     placeholder_start: int | None = None
     sign_key: str = ""  # the private half of `Ticket.verify`: signs every answer about this migration
     source: str | None = None  # the source agent's address: the name its certificate must carry
+    seal_key: str = ""  # `tickets.seal_key` of the ticket's secret (hex): the bundle must carry its signature
 
     def handoff(self) -> Identity | None:
         return Identity(self.handoff_pid, self.handoff_start, self.boot_id) if self.handoff_pid else None

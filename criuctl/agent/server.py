@@ -262,9 +262,19 @@ class Agent:
             return fail(500, exc.what, exc.hint)
         return fail(500, f"{exc.__class__.__name__}: {exc}", f"see the agent log on node {self.name}")
 
-    async def receive(self, r: web.Request, dest: Path, vouch: Vouch | None = None) -> dict[str, str]:
+    def bundle_key(self) -> bytes:
+        """This node's own bundle key (made on first use): it signs what is kept here, and leaves
+        no node (`criuctl.agent.bundles`)."""
+        return bundle.load_key(statedir.key_path())
+
+    async def receive(
+        self, r: web.Request, dest: Path, vouch: Vouch | None = None, seal: bytes | None = None
+    ) -> dict[str, str]:
         """Stream the request body into `dest`, hashing as it comes; verify (with what this node's
-        page server says of pages that came straight from the dump, `vouch`); return the digests."""
+        page server says of pages that came straight from the dump, `vouch`); return the digests.
+        `seal`: the key of the one move or copy that brought it, whose signature it must carry;
+        it is then signed with this node's own key (`bundle.adopt`). None: signed with this
+        node's key already (a move recorded before moves had keys of their own)."""
         counter = transfer.Counter(started=time.monotonic())
         async with wire.taken(r) as body:
             job = asyncio.ensure_future(receiver.receive(body, dest, counter))
@@ -280,9 +290,12 @@ class Agent:
                 with contextlib.suppress(asyncio.CancelledError, transfer.TransferError):
                     await dog
         self.metrics.bytes.labels("received").inc(counter.done)
-        key = bundle.load_key(statedir.key_path(), create=False)
+        own = await asyncio.to_thread(self.bundle_key)
         vouched = await vouch() if vouch is not None else None
-        await asyncio.to_thread(bundle.verify, dest, key, digests, vouched)
+        if seal is None:
+            await asyncio.to_thread(bundle.verify, dest, own, digests, vouched)
+        else:
+            await asyncio.to_thread(bundle.adopt, dest, seal, own, digests, vouched)
         return digests
 
     # ------------------------------------------------------------------------------- node

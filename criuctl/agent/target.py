@@ -120,6 +120,7 @@ class TargetMachine:
         runtime: str | None = None,
         sign_key: str = "",
         source: str | None = None,
+        seal_key: str = "",
     ) -> TargetMachine:
         rec = TargetRecord(
             migration,
@@ -134,6 +135,7 @@ class TargetMachine:
             runtime=runtime,
             sign_key=sign_key,
             source=source,
+            seal_key=seal_key,
         )
         m = cls(rec, spool / migration, records_dir / f"{migration}.json", spawn, timeouts)
         m.dir.mkdir(mode=0o700)

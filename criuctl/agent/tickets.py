@@ -41,6 +41,7 @@ SCHEME = "Criuctl-Ticket"
 PROVEN = "criuctl.ticket-proven"  # where the agent's request keeps what the checked proof vouches for
 WINDOW = 600.0  # seconds a proof is good for either side of the target's clock (nodes' clocks differ)
 _PROOF_CONTEXT = "criuctl 2026-12 ticket proof"
+_SEAL_CONTEXT = "criuctl 2026-12 move bundle seal"
 _VERDICT_DOMAIN = b"criuctl 2026-12 migration verdict\n"
 
 
@@ -52,6 +53,12 @@ def new_secret() -> str:
 def proof_key(secret: str) -> str:
     """What the target keeps of a ticket's secret: it checks proofs, and signs nothing."""
     return blake3.blake3(secret.encode(), derive_key_context=_PROOF_CONTEXT).hexdigest()
+
+
+def seal_key(secret: str) -> bytes:
+    """The key the source seals this one move's bundle with, and the target checks it by: no
+    node's own bundle key crosses to another node, and this one opens no other move's bundle."""
+    return blake3.blake3(secret.encode(), derive_key_context=_SEAL_CONTEXT).digest()
 
 
 def _mac(key: str, method: str, path: str, ts: int, nonce: str, body: str) -> str:

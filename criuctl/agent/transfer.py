@@ -56,9 +56,9 @@ def _order(root: Path) -> list[Path]:
     return [p for p in first if p.exists()] + rest
 
 
-def _header(root: Path, path: Path) -> bytes:
+def _header(root: Path, path: Path, size: int) -> bytes:
     info = tarfile.TarInfo(path.relative_to(root).as_posix())
-    info.size, info.mode = path.stat().st_size, 0o600
+    info.size, info.mode = size, 0o600
     return info.tobuf(format=tarfile.USTAR_FORMAT)
 
 
@@ -66,15 +66,35 @@ def _pad(size: int) -> int:
     return -size % _BLOCK
 
 
-def stream_size(root: Path) -> int:
+def _given(root: Path, path: Path, given: dict[str, bytes]) -> bytes | None:
+    return given.get(path.name) if path.parent == root else None
+
+
+def _size(root: Path, path: Path, given: dict[str, bytes]) -> int:
+    held = _given(root, path, given)
+    return len(held) if held is not None else path.stat().st_size
+
+
+def stream_size(root: Path, given: dict[str, bytes] | None = None) -> int:
     """Exact length of the stream for `root`: it goes out as Content-Length."""
-    return 2 * _BLOCK + sum(_BLOCK + p.stat().st_size + _pad(p.stat().st_size) for p in _order(root))
+    given = given or {}
+    return 2 * _BLOCK + sum(_BLOCK + (n := _size(root, p, given)) + _pad(n) for p in _order(root))
 
 
-async def tar_pieces(root: Path, counter: Counter | None = None) -> AsyncIterator[bytes]:
-    """The bundle at `root` as a tar stream; the next piece is read while this one is sent."""
+async def tar_pieces(
+    root: Path, counter: Counter | None = None, given: dict[str, bytes] | None = None
+) -> AsyncIterator[bytes]:
+    """The bundle at `root` as a tar stream; the next piece is read while this one is sent.
+    `given`: the bytes to send for top-level files (manifest.json as checked, its signature for
+    the one node that takes it: `bundle.signed_for`) instead of what is on disk."""
+    given = given or {}
     for path in _order(root):
-        yield _header(root, path)
+        held = _given(root, path, given)
+        if held is not None:
+            yield _header(root, path, len(held))
+            yield held + bytes(_pad(len(held)))
+            continue
+        yield _header(root, path, path.stat().st_size)
         with path.open("rb", buffering=0) as f:
             nxt = asyncio.ensure_future(asyncio.to_thread(f.read, PIECE))
             size = 0
@@ -120,7 +140,7 @@ class Sealed:
 
     def body(self, sock: socket.socket, counter: Counter) -> None:
         for path in _order(self.root):
-            sock.sendall(_header(self.root, path))
+            sock.sendall(_header(self.root, path, path.stat().st_size))
             with path.open("rb") as f:
                 size, offset = os.fstat(f.fileno()).st_size, 0
                 while offset < size:

@@ -19,7 +19,7 @@ from urllib.parse import urlparse
 
 import requests
 
-from criuctl.agent.messages import BundleKept, ErrorAnswer, LogChunk
+from criuctl.agent.messages import SEAL_HEADER, BundleExpected, BundleKept, ErrorAnswer, LogChunk
 from criuctl.core import env, statedir, tokens, workloads, worklogs
 from criuctl.core.errors import CriuctlError
 from criuctl.core.workloads import WorkloadRow
@@ -292,8 +292,11 @@ class AgentClient:
 
     def copy_bundle(self, bid: str, to: AgentClient, timeout: float = 3600) -> int:
         """Stream kept bundle `bid` from this agent to agent `to`, which verifies it before keeping
-        it (its signature with the cluster's key, every checksum); the bytes kept there."""
-        src = self._call("GET", f"/v1/bundles/{bid}", timeout=timeout, stream=True)
+        it (every checksum, and its signature with the key `to` gave for this one copy, which this
+        agent signs its manifest with as it sends: no node's own key leaves it); the bytes kept there."""
+        expected: BundleExpected = to.post(f"/v1/bundles/{bid}/expect")
+        sealed = {SEAL_HEADER: expected["seal"]}
+        src = self._call("GET", f"/v1/bundles/{bid}", timeout=timeout, stream=True, headers=sealed)
         try:
             headers = {"Content-Type": "application/x-tar"}  # sent chunked: a generator has no length
             pieces = src.iter_content(1 << 20)

@@ -297,19 +297,58 @@ def check(
 def verify(
     root: Path, key: bytes, digests: dict[str, str] | None = None, vouched: Vouched | None = None
 ) -> Manifest:
-    """The manifest of a bundle that verifies; BundleError naming the first bad file otherwise.
+    """The manifest of a bundle that verifies; BundleError naming the first bad file otherwise."""
+    return _verified(root, key, digests, vouched)[1]
 
-    manifest.json is read once: the signature is checked on those bytes, and only then are the same
-    bytes parsed — a file swapped between the check and a second read cannot slip through.
+
+def adopt(
+    root: Path,
+    key: bytes,
+    own: bytes,
+    digests: dict[str, str] | None = None,
+    vouched: Vouched | None = None,
+) -> Manifest:
+    """A bundle another node sent, checked with the key of the one move or copy that brought it
+    (`key`), then signed again with this node's own key (`own`) over the same manifest bytes.
+
+    From then on it restores here, checked like a bundle of this node's. No node's own key leaves
+    it: a node's key opens no other node's bundles, and a move's key no other move's.
     """
+    raw, manifest = _verified(root, key, digests, vouched)
+    _write(root / SIGNATURE, (_sign(own, raw, manifest.format_version) + "\n").encode(), durable=True)
+    return manifest
+
+
+def signed_for(root: Path, own: bytes, key: bytes) -> tuple[bytes, bytes]:
+    """(manifest.json's bytes, a signature of them with `key`) for a kept bundle of this node's
+    that goes to another node with a key that node gave for this one copy (`adopt` there). The
+    signature is checked with this node's key first: an altered manifest goes nowhere; the
+    receiver checks every file against it."""
+    raw = _read_raw(root)
+    signed = _signed_version(root, own, raw)
+    if signed is None or _parse(root, raw).format_version != signed:
+        raise _unsigned(root)
+    return raw, (_sign(key, raw, signed) + "\n").encode()
+
+
+def _unsigned(root: Path) -> BundleError:
+    return BundleError(
+        f"{root / SIGNATURE}: signature does not verify",
+        "the bundle was altered, or signed with another node's key (a node restores only its own "
+        "bundles and those a move brought it); refusing to restore it",
+    )
+
+
+def _verified(
+    root: Path, key: bytes, digests: dict[str, str] | None, vouched: Vouched | None
+) -> tuple[bytes, Manifest]:
+    """manifest.json is read once: the signature is checked on those bytes, and only then are the
+    same bytes parsed — a file swapped between the check and a second read cannot slip through."""
     raw = _read_raw(root)
     signed = _signed_version(root, key, raw)
     if signed is None or (manifest := _parse(root, raw)).format_version != signed:
-        raise BundleError(
-            f"{root / SIGNATURE}: signature does not verify",
-            "the bundle was altered or signed with another node's key; refusing to restore it",
-        )
+        raise _unsigned(root)
     bad = _bad_files(root, manifest, digests) + _bad_direct(root, manifest, vouched)
     if bad:
         raise BundleError(f"{root}/{bad[0]}", "the bundle was altered or damaged; refusing to restore it")
-    return manifest
+    return raw, manifest

@@ -378,6 +378,7 @@ def freeze(
     pages_to: criu.PagesTo | None = None,
     target_gpus: list[gpus.GpuInfo] | None = None,
     lazy_tls: criu.PageTls | None = None,
+    key: bytes | None = None,
 ) -> Frozen:
     """Freeze workload `target` (name or PID) and seal its bundle in a new directory under `parent`.
 
@@ -396,12 +397,14 @@ def freeze(
     rank whose restore re-addresses them, criuctl.kube.jobmoves). `pages_to`: memory pages go to
     the target's page server, never to this disk; the manifest signs how many went, and over which
     TLS session (`criuctl.net.directpages`). `target_gpus`: the GPUs of the node a GPU job moves to;
-    one that cannot take the job is refused before anything is held or frozen.
+    one that cannot take the job is refused before anything is held or frozen. `key`: what the
+    bundle is signed with (a move's own key, `tickets.seal_key`: the target checks it by that,
+    never by a key of this node's); this node's key by default.
     """
     started = time.monotonic()
     criu.require_version()
     w = workloads.resolve(target)
-    key = bundle.load_key(statedir.key_path())
+    key = key or bundle.load_key(statedir.key_path())
     lock = locks.lock_workload(w.name, _purpose())
     try:
         return _freeze_locked(

@@ -50,7 +50,7 @@ def overlay(lay: Layout) -> Path:
             "kind": "Secret",
             "metadata": {"name": "criuctl-agent", "namespace": "criuctl-system"},
             "stringData": None,
-            "data": {"token": _b64(pki / "agent-token"), "bundle.key": _b64(pki / "bundle.key")},
+            "data": {"token": _b64(pki / "agent-token")},
         },
         {
             "apiVersion": "v1",

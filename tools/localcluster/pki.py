@@ -102,9 +102,7 @@ def make(lay: Layout) -> dict[str, str]:
     (pki / "tokens.csv").write_text("\n".join(lines) + "\n")
     (pki / "tokens.csv").chmod(0o600)
     (pki / "agent-token").write_text(secrets.token_hex(32) + "\n")
-    (pki / "bundle.key").write_text(secrets.token_hex(32) + "\n")
-    for f in ("agent-token", "bundle.key"):
-        (pki / f).chmod(0o400)
+    (pki / "agent-token").chmod(0o400)
     return tokens
 
 
