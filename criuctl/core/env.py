@@ -211,7 +211,7 @@ AGENT_IDENTITY: Var[tuple[Path, Path] | None] = Var(
 )
 BUNDLE_KEY: Var[Path | None] = Var(
     "CRIUCTL_BUNDLE_KEY",
-    "the file holding the signing key (the DaemonSet points it at its Secret)",
+    "the file holding the node's own signing key, if not the state dir's",
     parse=Path,
     default=None,
     shown="`bundle.key` in the state dir",

@@ -202,6 +202,6 @@ LAYOUT: tuple[Place, ...] = tuple(p for p in list(globals().values()) if isinsta
 
 
 def key_path() -> Path:
-    """The cluster signing key: the file $CRIUCTL_BUNDLE_KEY names (the DaemonSet points it at its
-    Secret), else `bundle.key` in the state dir."""
+    """This node's own signing key: the file $CRIUCTL_BUNDLE_KEY names, else `bundle.key` in the
+    state dir. It never leaves the node: bundles cross nodes with a key of their one move or copy."""
     return env.BUNDLE_KEY.get() or BUNDLE_KEY.path()
