@@ -530,6 +530,8 @@ def test_agent_with_a_token_file_it_would_refuse(tmp_path):
     assert_error_line(r, "is too short (3 characters)", "at least 16")
     r = _agent(*listen, "--token-file", str(tmp_path / "missing"), state=state)
     assert_error_line(r, "cannot read token file", "No such file or directory")
+    r = _agent(*listen, state=state)  # no token, and no CA whose certificates callers could show
+    assert_error_line(r, "needs --token-file, or --peer-ca", "pass --token-file FILE")
 
 
 # ---------------------------------------------------------------------------- nodes and migration

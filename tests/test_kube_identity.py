@@ -17,6 +17,7 @@ import uuid
 
 import psutil
 import pytest
+import requests
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, padding
@@ -171,3 +172,33 @@ def test_each_agent_serves_its_own_nodes_certificate_and_no_one_else_gets_one(lo
 
 def _restarts(k: Kubectl, node: str) -> int:
     return _agent_pod(k, node)["status"]["containerStatuses"][0]["restartCount"]
+
+
+def test_no_token_is_shared_a_nodes_certificate_opens_on_another_only_what_a_move_needs(
+    local_cluster, tmp_path
+) -> None:
+    """No Secret holds a token: the agents take certificates of their CA. The controller's opens
+    everything; a node's, on another node, what runs there and what a pending move that names both
+    needs (criuctl.kube.peerrules): not a checkpoint, not a bundle no move names."""
+    lay, k = local_cluster
+    ips = {n: lay.node(n).ip for n in lay.nodes}
+    a, b = sorted(ips)
+    ca = str(lay.pki / "criuctl-ca.crt")
+    mine = str(lay.node_dir(a) / "var-lib-criuctl" / "identity.pem")
+    ctl = identity.controller_identity(
+        identity.CA.load(lay.pki / "criuctl-ca.crt", lay.pki / "criuctl-ca.key"), tmp_path / "ctl.pem"
+    )
+
+    def call(method: str, path: str, cert: str | None) -> requests.Response:
+        url = f"https://{ips[b]}:{AGENT_PORT}{path}"
+        return requests.request(method, url, verify=ca, cert=cert and (cert, cert), timeout=30)
+
+    r = call("GET", "/v1/workloads", None)
+    assert r.status_code == 401 and "takes no token" in r.json()["what"], r.text
+    assert call("GET", "/v1/workloads", mine).ok
+    r = call("POST", "/v1/workloads/x/checkpoint", mine)
+    assert r.status_code == 403 and "the controller's, or this node's own" in r.json()["what"], r.text
+    r = call("GET", "/v1/bundles/" + "0" * 32, mine)
+    assert r.status_code == 403 and "no pending move of bundle" in r.json()["what"], r.text
+    assert call("GET", "/v1/workloads", str(ctl.path)).ok
+    assert k.get("secret", "criuctl-agent", SYSTEM_NS) is None, "a token Secret is still installed"

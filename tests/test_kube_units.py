@@ -929,3 +929,48 @@ def test_an_agents_identity_is_renewed_after_two_thirds_and_only_for_its_own_nam
     assert ident.due()
     pem.write_text("garbage")
     assert ident.due() and not ident.names("a", ["10.0.0.2"])
+
+
+def test_a_nodes_certificate_opens_on_another_what_a_pending_move_names(monkeypatch) -> None:
+    """criuctl.kube.peerrules: on node b, a's certificate opens what runs there, and the bundle
+    routes of a move whose record names both a and b; nothing the controller or b alone does."""
+    import asyncio
+
+    from criuctl.kube import moves, peerrules
+
+    bid, other = "1" * 32, "2" * 32
+    m = moves.Move("ns", "p", "u", "a", "c", moves.Phase.KEPT, target="b", holder="b", bundle=bid)
+    far = moves.Move("ns", "q", "v", "c", "c", moves.Phase.KEPT, target="d", holder="d", bundle=other)
+    records = [m, far]
+    monkeypatch.setattr(moves, "every", lambda c: records)
+    on_b = peerrules.PeerRules(None, "b")  # type: ignore[arg-type]
+
+    def why(names: set[str], method: str, path: str) -> str | None:
+        return asyncio.run(on_b(frozenset(names), method, path))
+
+    a = {"a", "10.0.0.2"}
+    assert why(a, "GET", "/v1/info") is None and why(a, "GET", "/v1/workloads") is None
+    assert why({"e"}, "POST", f"/v1/bundles/{other}/page-client") is None  # asked before any record
+    for method, path in [
+        ("GET", f"/v1/bundles/{bid}"),
+        ("POST", f"/v1/bundles/{bid}/expect"),
+        ("PUT", f"/v1/bundles/{bid}"),
+        ("DELETE", f"/v1/bundles/{bid}"),
+        ("POST", "/v1/workloads/w/brace"),
+        ("POST", f"/v1/redirects/{bid}/keep"),
+    ]:
+        assert why(a, method, path) is None, (method, path)
+    assert "no pending move of bundle" in (why(a, "GET", f"/v1/bundles/{other}") or "")
+    assert "no pending move of bundle" in (why({"c"}, "GET", f"/v1/bundles/{bid}") or "")
+    assert "no pending move of a job's rank" in (why({"e"}, "POST", "/v1/workloads/w/brace") or "")
+    for method, path in [
+        ("POST", f"/v1/bundles/{bid}/restore"),
+        ("POST", "/v1/workloads/w/checkpoint"),
+        ("GET", "/v1/workloads/w/logs"),
+        ("POST", "/v1/incoming"),
+        ("POST", "/v1/outgoing"),
+        ("GET", "/metrics"),
+    ]:
+        assert "the controller's, or this node's own" in (why(a, method, path) or ""), (method, path)
+    records.clear()  # the move is over: its bundle's routes close
+    assert why(a, "GET", f"/v1/bundles/{bid}") is not None

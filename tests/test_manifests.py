@@ -27,7 +27,7 @@ import pytest
 from criuctl.agent import preflight
 from criuctl.cli import main
 from criuctl.container import containers, runtime
-from criuctl.core import statedir, tokens
+from criuctl.core import statedir
 from criuctl.core.env import BUNDLE_KEY, STATE_DIR
 from criuctl.core.errors import CriuctlError
 from criuctl.format import bundle
@@ -197,7 +197,8 @@ def test_every_manifest_file_validates_strictly(version: str) -> None:
 @pytest.mark.parametrize("version", versions())
 def test_what_kubectl_apply_k_sends_validates_strictly(objects: list[Obj], version: str) -> None:
     kinds = sorted(o["kind"] for o in objects)
-    expected = ["Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Secret", "Secret"]
+    expected = ["Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding"]
+    expected += ["Secret"]  # criuctl-agent-tls: the agents' CA certificate (no token Secret: none is shared)
     expected += ["Secret"]  # criuctl-ca: the agents' CA, mounted by the controller alone
     expected += ["Role", "RoleBinding"]  # the agent's, in criuctl-system: move records, its Secrets
     expected += ["DaemonSet", "Deployment", "Service", "MutatingWebhookConfiguration"]  # agent, webhook
@@ -305,12 +306,14 @@ def test_requests_and_a_memory_limit_are_set(objects: list[Obj]) -> None:
     assert "memory" in res["limits"]
 
 
-def test_the_token_file_comes_from_the_secret_the_agent_accepts(objects: list[Obj]) -> None:
+def test_the_agent_takes_certificates_of_the_ca_from_the_secret_and_no_token(objects: list[Obj]) -> None:
+    """No token every node holds: callers show certificates of the agents' CA (criuctl.agent.callers)."""
     a = agent_options(objects)
-    secret, got_key, volume = secret_file(objects, a.token_file)
-    assert (secret["metadata"]["name"], got_key) == ("criuctl-agent", "token")
-    # the agent refuses a token file that group or others can read
-    assert volume["defaultMode"] & 0o077 == 0, "criuctl-agent's files are readable by others"
+    assert a.token_file is None and a.tls_from_cluster
+    secret, got_key, _ = secret_file(objects, a.peer_ca)
+    assert (secret["metadata"]["name"], got_key) == ("criuctl-agent-tls", "ca.crt")
+    env = {e["name"] for e in agent_container(objects)["env"]}
+    assert not {n for n in env if "TOKEN" in n}
     assert one(objects, "Secret", "criuctl-ca")["type"] == "kubernetes.io/tls"
 
 
@@ -329,13 +332,7 @@ def test_each_agent_signs_with_a_key_of_its_own_in_its_nodes_state_dir(objects: 
 def test_the_secret_templates_hold_placeholders_the_agent_refuses(objects: list[Obj], tmp_path: Path) -> None:
     """Applying the templates unchanged must leave the agents refusing to work, never running
     with a secret that is printed in this repository."""
-    auth = one(objects, "Secret", "criuctl-agent")
     tls = one(objects, "Secret", "criuctl-agent-tls")
-    token = tmp_path / "token"
-    token.write_text(secret_value(auth, "token"))
-    token.chmod(0o600)
-    with pytest.raises(tokens.BadTokenFile):
-        tokens.read_token(token)
     ca = one(objects, "Secret", "criuctl-ca")
     crt, pem = tmp_path / "tls.crt", tmp_path / "tls.key"
     crt.write_text(secret_value(ca, "tls.crt"))
@@ -449,13 +446,13 @@ def test_the_agent_role_is_exactly_the_minimal_one(objects: list[Obj]) -> None:
     """pods and nodes read, Events recorded, the kubelet checkpoint API, and what a controller-owned
     pod's move needs (its successor annotated, an empty placeholder deleted, its owner read, the
     claims and PVs of its volumes); in
-    criuctl-system only, the move records and criuctl's two Secrets by name: nothing more."""
+    criuctl-system only, the move records and the agents' CA's Secret by name: nothing more."""
     assert _granted(one(objects, "ClusterRole", "criuctl-agent")) == AGENT_RULES
     ns_role = one(objects, "Role", "criuctl-agent")
     assert ns_role["metadata"]["namespace"] == "criuctl-system"
     assert _granted(ns_role) == AGENT_NS_RULES
     (secrets,) = [r for r in ns_role["rules"] if "secrets" in r["resources"]]
-    assert sorted(secrets["resourceNames"]) == ["criuctl-agent", "criuctl-agent-tls"]
+    assert sorted(secrets["resourceNames"]) == ["criuctl-agent-tls"]
     sa = one(objects, "ServiceAccount", "criuctl-agent")["metadata"]
     subject = [{"kind": "ServiceAccount", "name": sa["name"], "namespace": sa["namespace"]}]
     for kind in ("ClusterRoleBinding", "RoleBinding"):
@@ -499,7 +496,7 @@ def test_the_controller_role_is_exactly_what_it_calls(objects: list[Obj]) -> Non
     ns_role = one(objects, "Role", "criuctl-controller")
     assert _granted(ns_role) == CONTROLLER_NS_RULES
     (secrets,) = [r for r in ns_role["rules"] if "secrets" in r["resources"]]
-    assert sorted(secrets["resourceNames"]) == ["criuctl-agent", "criuctl-agent-tls"]
+    assert sorted(secrets["resourceNames"]) == ["criuctl-agent-tls"]
     pod = one(objects, "Deployment", "criuctl-controller")["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "criuctl-controller"
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -589,6 +586,7 @@ CALLERS = {
         "owners",
         "podvolumes",
         "podplan",
+        "peerrules",
     ],
 }
 _RESOURCE = {
@@ -702,7 +700,6 @@ def test_an_overlay_replaces_the_secret_templates_as_docs_deploy_says(tmp_path: 
     overlay = tmp_path / "mycluster"
     overlay.mkdir()
     values = {
-        "token": secrets.token_hex(32),
         "ca.crt": "-----BEGIN CERTIFICATE-----\nnot-checked-here\n-----END CERTIFICATE-----\n",
         "tls.crt": "-----BEGIN CERTIFICATE-----\nnot-checked-here\n-----END CERTIFICATE-----\n",
         "tls.key": "-----BEGIN PRIVATE KEY-----\nnot-checked-here\n-----END PRIVATE KEY-----\n",
@@ -715,10 +712,6 @@ def test_an_overlay_replaces_the_secret_templates_as_docs_deploy_says(tmp_path: 
         "kind: Kustomization\n"
         f"resources: [{base}]\n"
         "secretGenerator:\n"
-        "  - name: criuctl-agent\n"
-        "    namespace: criuctl-system\n"
-        "    behavior: replace\n"
-        "    files: [token]\n"
         "  - name: criuctl-agent-tls\n"
         "    namespace: criuctl-system\n"
         "    behavior: replace\n"
@@ -733,18 +726,14 @@ def test_an_overlay_replaces_the_secret_templates_as_docs_deploy_says(tmp_path: 
     for version in versions():
         for obj in objs:
             validate(obj, version)
-    auth = one(objs, "Secret", "criuctl-agent")
     tls = one(objs, "Secret", "criuctl-agent-tls")
     ca = one(objs, "Secret", "criuctl-ca")
-    for secret in (auth, tls, ca):
+    for secret in (tls, ca):
         assert "stringData" not in secret
         for key in secret["data"]:
             assert secret_value(secret, key) == values[key]
     pod = one(objs, "DaemonSet")["spec"]["template"]["spec"]
-    assert {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v} == {
-        "criuctl-agent",
-        "criuctl-agent-tls",
-    }
+    assert {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v} == {"criuctl-agent-tls"}
     pod = one(objs, "Deployment", "criuctl-controller")["spec"]["template"]["spec"]
     assert {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v} == {"criuctl-ca"}
 

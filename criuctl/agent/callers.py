@@ -4,12 +4,21 @@ Agents present their node's certificate to each other (mutual TLS, `criuctl.agen
 server checks it against the agents' CA (`criuctl agent --peer-ca`). A name here is compared with
 the address a client dials that node at: the same name a client checks the node's certificate
 against when it is the server, so a node is the same party in both directions.
+
+On Kubernetes no token is shared: a caller proves who it is by its certificate alone. The
+controller's carries one URI name, `CONTROLLER`, which no node's can (its signer signs a node's
+DNS name and addresses only: `criuctl.kube.identity`); it drives every agent. A node's opens on
+another agent what a move that names both needs (`criuctl.kube.peerrules`), and everything on its
+own.
 """
 
 from __future__ import annotations
 
 import ipaddress
+from pathlib import Path
 from typing import Any
+
+from cryptography import x509
 
 
 def address(raw: str) -> str:
@@ -21,6 +30,31 @@ def address(raw: str) -> str:
         if not raw or len(raw) > 253 or not all(c.isalnum() or c in "-." for c in raw):
             raise ValueError(f"not an address or a DNS name: {raw!r}") from None
         return raw
+
+
+CONTROLLER = "urn:criuctl:controller"  # the URI name of the controller's client certificate
+
+
+def is_controller(peercert: dict[str, Any] | None) -> bool:
+    """Whether a certificate the TLS layer verified is the controller's."""
+    return ("URI", CONTROLLER) in tuple((peercert or {}).get("subjectAltName", ()))
+
+
+def names_in(pem: Path) -> frozenset[str]:
+    """The DNS names and addresses of the (first) certificate in a PEM file: an agent's own."""
+    try:
+        cert = x509.load_pem_x509_certificate(pem.read_bytes())
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (OSError, ValueError, x509.ExtensionNotFound):
+        return frozenset()
+    raw = [*san.get_values_for_type(x509.DNSName), *map(str, san.get_values_for_type(x509.IPAddress))]
+    out = set()
+    for value in raw:
+        try:
+            out.add(address(value))
+        except ValueError:
+            continue
+    return frozenset(out)
 
 
 def names(peercert: dict[str, Any] | None) -> frozenset[str]:

@@ -28,7 +28,7 @@ import logging
 import socket
 import ssl
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from criuctl.agent import handoffleases, pageserving, receiver, tickets, transfer, wire
+from criuctl.agent import callers, handoffleases, pageserving, receiver, tickets, transfer, wire
 from criuctl.agent.bundles import Bundles
 from criuctl.agent.httpjson import fail
 from criuctl.agent.incoming import Incoming
@@ -64,12 +64,17 @@ from criuctl.net import peers
 
 log = logging.getLogger("criuctl.agent")
 
+# why another node's certificate (its names) may not make the request (method, path); None: it may
+PeerRules = Callable[[frozenset[str], str, str], Awaitable[str | None]]
+
 
 @dataclass
 class AgentOptions:
     host: str
     port: int
-    token_file: Path
+    # the bearer token callers show; None: callers prove themselves by certificate alone (`peer_ca`:
+    # on Kubernetes, the controller's and the nodes' certificates, criuctl.agent.callers)
+    token_file: Path | None
     name: str = field(default_factory=socket.gethostname)
     metrics_token_file: Path | None = None  # a scrape credential that opens GET /metrics only
     tls_cert: Path | None = None
@@ -116,7 +121,7 @@ class Metrics:
 class Agent:
     def __init__(self, opts: AgentOptions) -> None:
         self.opts = opts
-        self.token = read_token(opts.token_file)
+        self.token = read_token(opts.token_file) if opts.token_file else None
         self.metrics_token = read_token(opts.metrics_token_file) if opts.metrics_token_file else None
         self.metrics = Metrics()
         self.incoming = Incoming(self)
@@ -128,10 +133,34 @@ class Agent:
         # what it serves HTTPS with, set by `serve`: an extension renewing the node's certificate
         # loads the new one into it (criuctl.kube.identity)
         self.tls: ssl.SSLContext | None = None
+        # what another node's certificate opens here, beyond GET /healthz and its ticket's routes:
+        # why not (None: allowed), for the caller's names and the request. Set by the layer that
+        # knows what moves there are (criuctl.kube.peerrules); without it, nothing
+        self.peer_rules: PeerRules | None = None
+        self._own: frozenset[str] | None = None
 
     @property
     def checks_peers(self) -> bool:
         return self.tls is not None and self.opts.peer_ca is not None
+
+    def own_names(self) -> frozenset[str]:
+        """The names this node's certificate carries: a caller showing them is this agent itself
+        (its own key; a rotation keeps the names)."""
+        if self._own is None:
+            self._own = callers.names_in(self.opts.tls_cert) if self.opts.tls_cert else frozenset()
+        return self._own
+
+    async def peer_refusal(self, peer: dict[str, Any], request: web.Request) -> str | None:
+        """Why a caller with this verified certificate may not make this request (None: it may)."""
+        if callers.is_controller(peer):
+            return None
+        names = callers.names(peer)
+        if names and names <= self.own_names():
+            return None
+        if self.peer_rules is None:
+            shown = ", ".join(sorted(names))
+            return f"another node's certificate ({shown}) opens nothing here but its move's ticket"
+        return await self.peer_rules(names, request.method, request.path)
 
     @property
     def name(self) -> str:
@@ -227,14 +256,29 @@ class Agent:
             request[tickets.PROVEN] = proven
             return await handler(request)
         token = given.removeprefix("Bearer ").strip() if given.startswith("Bearer ") else ""
-        if token and hmac.compare_digest(token.encode(), self.token.encode()):
+        if token and self.token and hmac.compare_digest(token.encode(), self.token.encode()):
             return await handler(request)
+        shown = request.transport.get_extra_info("peercert") if request.transport else None
+        peer = shown if self.checks_peers else None
+        if peer and not token:
+            why = await self.peer_refusal(peer, request)
+            if why is None:
+                return await handler(request)
+            log.warning("refused", extra={"path": request.path, "reason": why})
+            return fail(403, f"node {self.name} refused the call: {why}", "docs/deploy.md, Who holds what")
         scrape = request.method == "GET" and request.path == "/metrics" and self.metrics_token
         if token and scrape and hmac.compare_digest(token.encode(), str(self.metrics_token).encode()):
             return await handler(request)
         log.warning(
             "refused", extra={"path": request.path, "reason": "no token" if not token else "bad token"}
         )
+        if self.token is None:
+            return fail(
+                401,
+                f"node {self.name} refused the call: it takes no token; a caller shows its certificate",
+                "call it as criuctl's controller or agent does, with a certificate of the agents' CA "
+                "(docs/deploy.md, Who holds what)",
+            )
         return fail(
             401,
             f"node {self.name} refused the call: " + ("no bearer token" if not token else "wrong token"),

@@ -109,7 +109,12 @@ VERBS: dict[str, Verb] = {
         "run the node agent (the DaemonSet's process)",
         (
             opt("--listen", default="0.0.0.0:7070", metavar="HOST:PORT"),
-            opt("--token-file", required=True, metavar="FILE", help="bearer token, mode 0600"),
+            opt(
+                "--token-file",
+                metavar="FILE",
+                help="bearer token, mode 0600 (without it, with --peer-ca: callers show a certificate, "
+                "as on Kubernetes)",
+            ),
             opt(
                 "--tls-cert",
                 metavar="FILE",

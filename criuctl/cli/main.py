@@ -167,7 +167,13 @@ def _cmd_agent(a: argparse.Namespace) -> int:
         ident = identity.obtain(a.kubeconfig, a.name or socket.gethostname(), statedir.IDENTITY.path())
         a.tls_cert = a.tls_key = str(ident.path)
     preflight.check_transport(a.tls_cert, a.tls_key, a.insecure)
-    tokens.read_token(Path(a.token_file))
+    if a.token_file:
+        tokens.read_token(Path(a.token_file))
+    elif not a.peer_ca:
+        raise preflight.BadOption(
+            "the agent needs --token-file, or --peer-ca for callers that show a certificate instead",
+            "pass --token-file FILE (outside Kubernetes: scripts/agent-cert.sh, docs/deploy.md)",
+        )
     if a.metrics_token_file:
         tokens.read_token(Path(a.metrics_token_file))
     if a.runtime_endpoint and a.runtime_endpoint != "procfs":
@@ -184,7 +190,7 @@ def _cmd_agent(a: argparse.Namespace) -> int:
     opts = server.AgentOptions(
         host=host,
         port=port,
-        token_file=Path(a.token_file),
+        token_file=a.token_file and Path(a.token_file),
         metrics_token_file=a.metrics_token_file and Path(a.metrics_token_file),
         tls_cert=a.tls_cert and Path(a.tls_cert),
         tls_key=a.tls_key and Path(a.tls_key),

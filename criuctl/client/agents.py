@@ -56,7 +56,7 @@ class CertificateRefused(NodeUnreachable):
 class Node:
     name: str
     url: str
-    token_file: str
+    token_file: str | None  # None: the agent takes a certificate instead ($CRIUCTL_AGENT_IDENTITY)
     ca_file: str | None = None  # PEM of the CA that signed the agent's TLS certificate
 
     @property
@@ -64,6 +64,10 @@ class Node:
         return urlparse(self.url).hostname or ""
 
     def token(self) -> str:
+        if self.token_file is None:
+            raise CriuctlError(
+                f"node {self.name} was added with no token file", "criuctl node add NAME URL --token-file F"
+            )
         try:
             return Path(self.token_file).read_text().strip()
         except OSError as exc:
@@ -121,7 +125,7 @@ def add_node(node: Node) -> None:
     if node.ca_file:
         _check_ca(Path(node.ca_file))
     node.token()  # readable now, or say so now
-    tokens.read_token(Path(node.token_file))  # and a file the agent would accept, or say so now
+    tokens.read_token(Path(str(node.token_file)))  # and a file the agent would accept, or say so now
     with _editing() as nodes:
         nodes[node.name] = node
 
@@ -232,7 +236,8 @@ class AgentClient:
     def __init__(self, node: Node, timeout: float = 30.0) -> None:
         self.node, self.timeout = node, timeout
         self.s = requests.Session()
-        self.s.headers["Authorization"] = f"Bearer {node.token()}"
+        if node.token_file is not None:
+            self.s.headers["Authorization"] = f"Bearer {node.token()}"
         # per request, not on the session: requests lets REQUESTS_CA_BUNDLE override Session.verify
         self.verify: str | bool = node.ca_file or True
         # an agent calling another (a kept bundle carried on Kubernetes) presents its node's
@@ -260,7 +265,7 @@ class AgentClient:
                 "check that its agent runs and the network between here and there"
                 + ("" if self.node.tls else ", and whether it serves HTTPS (then add it as https://)"),
             ) from exc
-        if resp.status_code in (401, 403):
+        if resp.status_code in (401, 403) and self.node.token_file is not None:
             what = (
                 f"node {self.node.name} ({self.node.url}) refused the token in {self.node.token_file} "
                 f"(HTTP {resp.status_code}: wrong token)"

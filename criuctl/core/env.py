@@ -202,12 +202,12 @@ SPOOL_DIR: Var[Path | None] = Var(
 )
 AGENT_IDENTITY: Var[tuple[Path, Path] | None] = Var(
     "CRIUCTL_AGENT_IDENTITY",
-    "the agent's certificate and key (CERT:KEY), which it and its handoffs present to the agents "
-    "they call for a move (mutual TLS: the target checks it names the move's source); the agent sets it",
+    "the certificate and key (CERT:KEY) an agent, its handoffs or the controller present to the agents "
+    "they call (mutual TLS: on Kubernetes in place of a token); the agent and the controller set it",
     parse=lambda raw: (Path(raw.partition(":")[0]), Path(raw.partition(":")[2] or raw.partition(":")[0])),
     default=None,
     expect="CERT:KEY, two PEM files (or one holding both)",
-    readers="criuctl.agent.conn: the agent and its handoffs",
+    readers="criuctl.agent.conn, criuctl.client.agents: the agent, its handoffs, the controller",
 )
 BUNDLE_KEY: Var[Path | None] = Var(
     "CRIUCTL_BUNDLE_KEY",

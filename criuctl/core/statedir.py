@@ -194,7 +194,8 @@ NODES_LOCK = Place(
 )
 KUBE = Place(
     "kube",
-    "`token`, `ca.crt`: the agents' token and CA, read from the cluster's Secrets",
+    "`ca.crt`: the agents' CA, read from the cluster's Secret; `controller.pem`: the controller's "
+    "client certificate and key (0600), made from that CA",
     "the client on Kubernetes (criuctl.kube.cluster)",
 )
 

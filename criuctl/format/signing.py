@@ -26,7 +26,8 @@ def load_key(path: Path, create: bool = True) -> bytes:
     except FileNotFoundError:
         if not create:
             raise BundleError(
-                f"no signing key at {path}", "it is this node's own, made by its first dump: the bundle was not made here"
+                f"no signing key at {path}",
+                "it is this node's own, made by its first dump: the bundle was not made here",
             ) from None
     except (OSError, ValueError) as exc:
         raise BundleError(

@@ -1,7 +1,8 @@
 """The API server and the node agents as `criuctl migrate POD NODE` sees them: the official client
 configured from a kubeconfig or the pod's in-cluster account, nodes and their agents (the DaemonSet's
-pods), the agents' token and CA read from the Secrets `manifests/` installs. Every failure to reach
-or to be allowed is one line that says what to do."""
+pods), the agents' CA read from the Secret `manifests/` installs. No token: the controller and the
+agents show the agents their certificates (criuctl.agent.callers; $CRIUCTL_AGENT_IDENTITY). Every
+failure to reach or to be allowed is one line that says what to do."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from criuctl.client.agents import Node
-from criuctl.core import statedir, workloads
+from criuctl.core import env, statedir, workloads
 from criuctl.core.errors import CriuctlError
 from criuctl.kube import api
 from criuctl_hook import durable
@@ -53,7 +54,7 @@ class Cluster:
     custom: api.Bounded  # kubernetes.client.CustomObjectsApi
     apps: api.Bounded  # kubernetes.client.AppsV1Api
     namespace: str  # the context's namespace, for a pod named without -n
-    credentials: tuple[str, str | None] | None = None  # the agents' token file and CA file, once read
+    ca_file: str | None = None  # the agents' CA, once read
     coordination: api.Bounded | None = None  # kubernetes.client.CoordinationV1Api: the controller's Lease
     certificates: api.Bounded | None = None  # kubernetes.client.CertificatesV1Api: the agents' certificates
 
@@ -134,20 +135,22 @@ def _secret_file(c: Cluster, secret: str, key: str, dest: Path) -> str | None:
     return str(dest)
 
 
-def _credentials(c: Cluster) -> tuple[str, str | None]:
-    """The agents' token and CA from the Secrets `manifests/` installs: read once per command."""
-    if c.credentials is None:
-        home = statedir.KUBE.ensure()
-        token = _secret_file(c, "criuctl-agent", "token", home / "token")
-        if token is None:
-            raise CriuctlError(f"secret {SYSTEM_NS}/criuctl-agent has no token", "docs/deploy.md, Secrets")
-        c.credentials = (token, _secret_file(c, "criuctl-agent-tls", "ca.crt", home / "ca.crt"))
-    return c.credentials
+def _ca(c: Cluster) -> str | None:
+    """The agents' CA from the Secret `manifests/` installs (public), read once per process; and
+    this process's certificate to show them, or one line why there is none."""
+    if env.AGENT_IDENTITY.get() is None:
+        raise CriuctlError(
+            "this process has no certificate to show criuctl's agents (they take no token on Kubernetes)",
+            "the controller makes one from --agent-ca-cert/--agent-ca-key; an agent has its node's",
+        )
+    if c.ca_file is None:
+        c.ca_file = _secret_file(c, "criuctl-agent-tls", "ca.crt", statedir.KUBE.ensure() / "ca.crt")
+    return c.ca_file
 
 
 def agent_for(c: Cluster, node: dict) -> Node:
     """The agent of `node` (the DaemonSet's pod there, Ready) as a criuctl node, reached at the
-    node's InternalIP with the token and CA of the Secrets; or one line why there is none."""
+    node's InternalIP, its certificate checked against the agents' CA; or one line why there is none."""
     name = node["metadata"]["name"]
     pods = call(
         "the criuctl agent pods",
@@ -173,9 +176,9 @@ def agent_for(c: Cluster, node: dict) -> Node:
         raise CriuctlError(
             f"node {name} reports no InternalIP", "the agent is reached at the node's InternalIP"
         )
-    token, ca = _credentials(c)
+    ca = _ca(c)
     host = f"[{ips[0]}]" if ":" in ips[0] else ips[0]
-    return Node(name, f"https://{host}:{AGENT_PORT}", token, ca)
+    return Node(name, f"https://{host}:{AGENT_PORT}", None, ca)
 
 
 def agent_of(c: Cluster, node: str) -> Node:

@@ -44,7 +44,7 @@ from typing import Any
 
 from criuctl.client import migrate as agent_migrate
 from criuctl.client.agents import Node
-from criuctl.core import tokens
+from criuctl.core import env, statedir, tokens
 from criuctl.core.errors import CriuctlError
 from criuctl.kube import events, identity, movemetrics, moves, owners, podmigrate, podmigrations, podplan
 from criuctl.kube.cluster import SYSTEM_NS, Cluster, Conflict, NotFound, agent_for, agent_of, call, connect
@@ -729,6 +729,13 @@ def run(o: Options) -> None:
     call("the API server", c.core.get_api_resources)  # one line now if it cannot be reached
     _serve_health(o.health, o.metrics_token_file and tokens.read_token(o.metrics_token_file))
     leading = _Health.leading
+    if o.agent_ca is not None:  # what it shows the agents: they take no token (criuctl.agent.callers)
+        ca = identity.CA.load(*o.agent_ca)
+        mine = identity.controller_identity(ca, statedir.KUBE.ensure() / identity.CONTROLLER_FILE)
+        env.AGENT_IDENTITY.export(f"{mine.path}:{mine.path}")
+        threading.Thread(
+            target=identity.controller_renewal, args=(ca, mine.path), daemon=True, name="identity"
+        ).start()
     threading.Thread(target=_elect, args=(c, o, leading), daemon=True, name="lease").start()
     log.info(
         "waiting for the lease", extra={"lease": f"{o.lease_namespace}/{o.lease}", "identity": o.identity}

@@ -15,6 +15,11 @@ follow the same path (pkg/kubelet/certificate) with the approval left to a check
 Since every client reaches an agent at its node's address and checks the certificate against that
 address, a node's key serves as no other node.
 
+The controller has an identity too: a client certificate it makes itself from the CA it holds
+(`controller_identity`), whose one name is the URI `callers.CONTROLLER`, which no node's can carry
+(`judge` signs DNS names and addresses only). Agents take it in place of a token: on Kubernetes no
+credential is shared, so no node holds one that opens every other (criuctl.agent.callers).
+
 Rotation: the agent asks for a new key and certificate when two thirds of the current one's life
 has passed (or on SIGHUP), and loads them into the TLS context it serves with: handshakes from then
 on get the new one, connections already open keep theirs, so a move in flight never notices. The
@@ -43,6 +48,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from criuctl.agent import callers
 from criuctl.core.errors import CriuctlError
 from criuctl.kube.cluster import AGENT_LABEL, SYSTEM_NS, Cluster, NotFound, call, connect
 from criuctl_hook import durable
@@ -64,6 +70,7 @@ RETRY = 10.0  # s between two tries to renew (the controller may be changing lea
 ISSUE_WAIT = 60.0  # s an agent waits for its first certificate before it stops with one line
 BACKDATE = dt.timedelta(minutes=1)  # a node whose clock is a little behind still accepts it
 DEFAULT_SECONDS = 7 * 24 * 3600
+CONTROLLER_FILE = "controller.pem"  # in the controller's STATE_DIR/kube: its client key and certificate
 
 
 class Refused(CriuctlError):
@@ -273,6 +280,57 @@ class CA:
                 "mount the Secret criuctl-ca (tls.crt, tls.key: docs/deploy.md, TLS)",
             ) from exc
 
+    def certificate(
+        self, subject: x509.Name, key: Any, san: x509.SubjectAlternativeName, usages: list, seconds: int
+    ) -> bytes:
+        """A certificate (PEM) for `key`, signed by this CA, valid `seconds` from now."""
+        now = dt.datetime.now(dt.UTC)
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(self.cert.subject)
+            .public_key(key)
+            .serial_number(int.from_bytes(secrets.token_bytes(16)) >> 1)
+            .not_valid_before(now - BACKDATE)
+            .not_valid_after(now + dt.timedelta(seconds=seconds))
+            .add_extension(san, critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(
+                x509.KeyUsage(True, True, False, False, False, False, False, False, False), critical=True
+            )
+            .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+            .sign(self.key, None if _is_ed(self.key) else hashes.SHA256())
+        )
+        return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def controller_identity(ca: CA, path: Path, seconds: int = DEFAULT_SECONDS) -> Identity:
+    """The controller's client key and certificate (root-only, one file), made from the CA it holds:
+    what it shows the agents it drives instead of a token every agent would hold too."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "criuctl-controller")])
+    san = x509.SubjectAlternativeName([x509.UniformResourceIdentifier(callers.CONTROLLER)])
+    pem = ca.certificate(name, key.public_key(), san, [ExtendedKeyUsageOID.CLIENT_AUTH], seconds)
+    secret = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    durable.replace(path, pem + secret, 0o600)
+    return Identity(path)
+
+
+def controller_renewal(ca: CA, path: Path, seconds: int = DEFAULT_SECONDS) -> None:
+    """Forever: a new key and certificate once two thirds of the current one's life has passed (a
+    client presents the file as it is when it connects: nothing to reload)."""
+    while True:
+        try:
+            if Identity(path).due():
+                controller_identity(ca, path, seconds)
+                log.info("controller certificate renewed")
+        except OSError as exc:
+            log.warning("cannot renew the controller's certificate yet", extra={"error": str(exc)})
+        time.sleep(RETRY)
+
 
 class Signer:
     """Approves and signs the agents' certificate requests that pass `judge`, denies the others."""
@@ -320,29 +378,9 @@ class Signer:
         return req, f"criuctl's agent on node {node}"
 
     def sign(self, req: x509.CertificateSigningRequest) -> bytes:
-        now = dt.datetime.now(dt.UTC)
         san = req.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-        ca_key = self.ca.key
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(req.subject)
-            .issuer_name(self.ca.cert.subject)
-            .public_key(req.public_key())
-            .serial_number(int.from_bytes(secrets.token_bytes(16)) >> 1)
-            .not_valid_before(now - BACKDATE)
-            .not_valid_after(now + dt.timedelta(seconds=self.seconds))
-            .add_extension(san, critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(
-                x509.KeyUsage(True, True, False, False, False, False, False, False, False), critical=True
-            )
-            .add_extension(
-                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                critical=False,
-            )
-            .sign(ca_key, None if _is_ed(ca_key) else hashes.SHA256())
-        )
-        return cert.public_bytes(serialization.Encoding.PEM)
+        usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+        return self.ca.certificate(req.subject, req.public_key(), san, usages, self.seconds)
 
     def sweep(self) -> None:
         """Every pending request to criuctl's signer: approved and signed, or denied with the reason."""

@@ -9,6 +9,8 @@
 - the loop that restores kept bundles into their pods' successors (criuctl.kube.successors), and
   puts a Job's tracking finalizer back on a pod of this node untracked for a deletion that did not
   come (criuctl.kube.jobfailures.retrack_stale);
+- what other nodes' agents may ask of this one: what a pending move that names both needs
+  (criuctl.kube.peerrules; they show their certificates, no token is shared);
 - the ranks of this node's jobs, published on their pods for `criuctl ps --jobs` (`Ranks`,
   criuctl.kube.jobs): what a user may see, through the API server alone.
 
@@ -28,7 +30,7 @@ from aiohttp import web
 
 from criuctl.container import runtime
 from criuctl.core.errors import CriuctlError
-from criuctl.kube import cluster, jobfailures, jobs, mutate, prestop, successors
+from criuctl.kube import cluster, jobfailures, jobs, mutate, peerrules, prestop, successors
 from criuctl.net import netns
 
 if TYPE_CHECKING:
@@ -50,6 +52,7 @@ def extension(port: int, kubeconfig: str | None) -> Callable[[Agent, web.Applica
 
     def attach(agent: Agent, app: web.Application) -> None:
         runner: list[web.AppRunner] = []
+        agent.peer_rules = peerrules.PeerRules(c, agent.name)  # what other nodes' agents may ask here
 
         async def handle(r: web.Request) -> web.Response:
             return await _prestop(r, c, agent.name)

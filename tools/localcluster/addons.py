@@ -48,13 +48,6 @@ def overlay(lay: Layout) -> Path:
         {
             "apiVersion": "v1",
             "kind": "Secret",
-            "metadata": {"name": "criuctl-agent", "namespace": "criuctl-system"},
-            "stringData": None,
-            "data": {"token": _b64(pki / "agent-token")},
-        },
-        {
-            "apiVersion": "v1",
-            "kind": "Secret",
             "metadata": {"name": "criuctl-agent-tls", "namespace": "criuctl-system"},
             "stringData": None,
             "data": {"ca.crt": _b64(pki / "criuctl-ca.crt")},

@@ -101,8 +101,6 @@ def make(lay: Layout) -> dict[str, str]:
     lines = [f'{tokens[u]},{name},{name},"{group}"' for u, (name, group) in users.items()]
     (pki / "tokens.csv").write_text("\n".join(lines) + "\n")
     (pki / "tokens.csv").chmod(0o600)
-    (pki / "agent-token").write_text(secrets.token_hex(32) + "\n")
-    (pki / "agent-token").chmod(0o400)
     return tokens
 
 

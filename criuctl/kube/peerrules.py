@@ -1,0 +1,66 @@
+"""What another node's agent may ask of this one on Kubernetes, where no token is shared.
+
+Agents call each other for the successor path of a controller-owned pod (criuctl.kube.prestop,
+criuctl.kube.successors, criuctl.kube.jobmoves), showing their node's certificate. A node whose
+root is taken must not thereby hold every other node: its certificate opens here only what a
+pending move (criuctl.kube.moves, in the API server, which no agent can forge for another node:
+the record names the nodes the controller's or the preStop's choice put there) needs of a node
+it names:
+
+    GET  /v1/info, /v1/workloads, /v1/containers   any agent: what runs here, no memory, no logs
+    POST /v1/bundles/ID/page-client               any agent: a page-client certificate (public;
+                                                 its key stays here) asked before the move's
+                                                 record names the bundle (prestop._lazy)
+    /v1/bundles/ID[/…]                           a move whose bundle is ID names both nodes
+                                                 (source, target or holder): its copy, its
+                                                 pages, its deletion (its restore: the
+                                                 holder's own call alone)
+    POST /v1/workloads/NAME/brace, /v1/redirects…  a move names the caller: a job's rank moving
+                                                 bounds and re-points its staying peers' sockets
+
+Everything else (checkpoint, restore, run, logs, migrations) is the controller's, or the node's
+own; a move's ticket routes are the ticket's (criuctl.agent.tickets).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+from criuctl.core.errors import CriuctlError
+from criuctl.kube import moves
+from criuctl.kube.cluster import Cluster
+
+_OPEN = {("GET", "/v1/info"), ("GET", "/v1/workloads"), ("GET", "/v1/containers")}
+_CLIENT = re.compile(r"^/v1/bundles/[0-9a-f]{32}/page-client$")
+_BUNDLE = re.compile(r"^/v1/bundles/([0-9a-f]{32})(/manifest|/pages|/page-client|/expect)?$")  # no restore
+_JOB = re.compile(r"^(/v1/workloads/[^/]+/brace|/v1/redirects(/[0-9a-f]{32}(/keep)?)?)$")
+
+
+class PeerRules:
+    """`criuctl.agent.server.PeerRules` for node `me`, from the move records."""
+
+    def __init__(self, c: Cluster, me: str) -> None:
+        self.c, self.me = c, me
+
+    async def __call__(self, names: frozenset[str], method: str, path: str) -> str | None:
+        who = f"node {'/'.join(sorted(names)) or '(no name)'}"
+        if (method, path) in _OPEN or (method == "POST" and _CLIENT.match(path)):
+            return None
+        bundle = _BUNDLE.match(path)
+        if bundle is None and not _JOB.match(path):
+            return f"{who} may not call {method} {path} here: that is the controller's, or this node's own"
+        try:
+            records = await asyncio.to_thread(moves.every, self.c)
+        except CriuctlError as exc:
+            return f"cannot read the pending moves to check {who}'s call: {exc.what}"
+        for m in records:
+            nodes = {m.source, m.target, m.holder} - {""}
+            if not nodes & names:
+                continue
+            if bundle is None or (m.bundle == bundle.group(1) and self.me in nodes):
+                return None
+        what = f"bundle {bundle.group(1)}" if bundle else "a job's rank"
+        return (
+            f"{who} may not call {method} {path} here: no pending move of {what} names it and node {self.me}"
+        )
