@@ -198,7 +198,11 @@ def test_no_token_is_shared_a_nodes_certificate_opens_on_another_only_what_a_mov
     assert call("GET", "/v1/workloads", mine).ok
     r = call("POST", "/v1/workloads/x/checkpoint", mine)
     assert r.status_code == 403 and "the controller's, or this node's own" in r.json()["what"], r.text
-    r = call("GET", "/v1/bundles/" + "0" * 32, mine)
+    r = call("DELETE", "/v1/bundles/" + "0" * 32, mine)
     assert r.status_code == 403 and "no pending move of bundle" in r.json()["what"], r.text
+    r = call("GET", "/v1/bundles/" + "0" * 32, mine)  # a bundle's bytes: its holder's own call alone
+    assert r.status_code == 403, r.text
+    own = str(lay.node_dir(b) / "var-lib-criuctl" / "identity.pem")
+    assert call("GET", "/v1/bundles/" + "0" * 32, own).status_code == 404  # b itself: let in, none there
     assert call("GET", "/v1/workloads", str(ctl.path)).ok
     assert k.get("secret", "criuctl-agent", SYSTEM_NS) is None, "a token Secret is still installed"

@@ -952,7 +952,6 @@ def test_a_nodes_certificate_opens_on_another_what_a_pending_move_names(monkeypa
     assert why(a, "GET", "/v1/info") is None and why(a, "GET", "/v1/workloads") is None
     assert why({"e"}, "POST", f"/v1/bundles/{other}/page-client") is None  # asked before any record
     for method, path in [
-        ("GET", f"/v1/bundles/{bid}"),
         ("POST", f"/v1/bundles/{bid}/expect"),
         ("PUT", f"/v1/bundles/{bid}"),
         ("DELETE", f"/v1/bundles/{bid}"),
@@ -960,10 +959,15 @@ def test_a_nodes_certificate_opens_on_another_what_a_pending_move_names(monkeypa
         ("POST", f"/v1/redirects/{bid}/keep"),
     ]:
         assert why(a, method, path) is None, (method, path)
-    assert "no pending move of bundle" in (why(a, "GET", f"/v1/bundles/{other}") or "")
-    assert "no pending move of bundle" in (why({"c"}, "GET", f"/v1/bundles/{bid}") or "")
+    assert "no pending move of bundle" in (why(a, "PUT", f"/v1/bundles/{other}") or "")
+    assert "no pending move of bundle" in (why({"c"}, "DELETE", f"/v1/bundles/{bid}") or "")
     assert "no pending move of a job's rank" in (why({"e"}, "POST", "/v1/workloads/w/brace") or "")
-    for method, path in [
+    for method, path in [  # reading a bundle, restoring it: the holder's own calls alone
+        ("GET", f"/v1/bundles/{bid}"),
+        ("GET", f"/v1/bundles/{bid}/manifest"),
+        ("GET", f"/v1/bundles/{bid}/pages"),
+        ("PUT", f"/v1/bundles/{bid}/expect"),
+        ("POST", f"/v1/bundles/{bid}"),
         ("POST", f"/v1/bundles/{bid}/restore"),
         ("POST", "/v1/workloads/w/checkpoint"),
         ("GET", "/v1/workloads/w/logs"),
@@ -972,5 +976,11 @@ def test_a_nodes_certificate_opens_on_another_what_a_pending_move_names(monkeypa
         ("GET", "/metrics"),
     ]:
         assert "the controller's, or this node's own" in (why(a, method, path) or ""), (method, path)
-    records.clear()  # the move is over: its bundle's routes close
-    assert why(a, "GET", f"/v1/bundles/{bid}") is not None
+
+    def malformed(c: object) -> list:
+        raise KeyError("phase")  # a ConfigMap labelled as a record, without one: moves._from fails
+
+    monkeypatch.setattr(moves, "every", malformed)
+    assert "malformed record" in (why(a, "PUT", f"/v1/bundles/{bid}") or "")
+    monkeypatch.setattr(moves, "every", lambda c: [])  # the move is over: its bundle's routes close
+    assert why(a, "PUT", f"/v1/bundles/{bid}") is not None

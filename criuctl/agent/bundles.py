@@ -206,8 +206,10 @@ class Bundles:
             if len(key) != 32:
                 return fail(400, f"bad {SEAL_HEADER} header", "send the key the receiving node gave (expect)")
             try:
-                raw, sig = await asyncio.to_thread(bundle.signed_for, path, self.agent.bundle_key(), key)
-            except bundle.BundleError as exc:
+                raw, sig = await asyncio.to_thread(
+                    lambda: bundle.signed_for(path, self.agent.bundle_key(), key)
+                )
+            except (bundle.BundleError, OSError) as exc:
                 return self.agent.error_response(exc)
             given = {bundle.MANIFEST: raw, bundle.SIGNATURE: sig}
         resp = web.StreamResponse(headers={"Content-Type": "application/x-tar"})

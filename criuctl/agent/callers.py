@@ -15,10 +15,7 @@ own.
 from __future__ import annotations
 
 import ipaddress
-from pathlib import Path
 from typing import Any
-
-from cryptography import x509
 
 
 def address(raw: str) -> str:
@@ -38,23 +35,6 @@ CONTROLLER = "urn:criuctl:controller"  # the URI name of the controller's client
 def is_controller(peercert: dict[str, Any] | None) -> bool:
     """Whether a certificate the TLS layer verified is the controller's."""
     return ("URI", CONTROLLER) in tuple((peercert or {}).get("subjectAltName", ()))
-
-
-def names_in(pem: Path) -> frozenset[str]:
-    """The DNS names and addresses of the (first) certificate in a PEM file: an agent's own."""
-    try:
-        cert = x509.load_pem_x509_certificate(pem.read_bytes())
-        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    except (OSError, ValueError, x509.ExtensionNotFound):
-        return frozenset()
-    raw = [*san.get_values_for_type(x509.DNSName), *map(str, san.get_values_for_type(x509.IPAddress))]
-    out = set()
-    for value in raw:
-        try:
-            out.add(address(value))
-        except ValueError:
-            continue
-    return frozenset(out)
 
 
 def names(peercert: dict[str, Any] | None) -> frozenset[str]:

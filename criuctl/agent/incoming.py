@@ -181,6 +181,12 @@ class Incoming:
             if mode == Mode.POST_COPY:
                 await asyncio.to_thread(criu.ensure_lazy_pages)
             await asyncio.to_thread(self.agent.bundle_key)
+        except OSError as exc:
+            return fail(
+                503,
+                f"node {self.agent.name} cannot make its bundle key: {exc.strerror or exc}",
+                "check its state dir",
+            )
         except CriuctlError as exc:
             return fail(503, f"node {self.agent.name} cannot restore: {exc.what}", exc.hint)
         w = await asyncio.to_thread(workloads.load, name)

@@ -137,25 +137,17 @@ class Agent:
         # why not (None: allowed), for the caller's names and the request. Set by the layer that
         # knows what moves there are (criuctl.kube.peerrules); without it, nothing
         self.peer_rules: PeerRules | None = None
-        self._own: frozenset[str] | None = None
 
     @property
     def checks_peers(self) -> bool:
         return self.tls is not None and self.opts.peer_ca is not None
-
-    def own_names(self) -> frozenset[str]:
-        """The names this node's certificate carries: a caller showing them is this agent itself
-        (its own key; a rotation keeps the names)."""
-        if self._own is None:
-            self._own = callers.names_in(self.opts.tls_cert) if self.opts.tls_cert else frozenset()
-        return self._own
 
     async def peer_refusal(self, peer: dict[str, Any], request: web.Request) -> str | None:
         """Why a caller with this verified certificate may not make this request (None: it may)."""
         if callers.is_controller(peer):
             return None
         names = callers.names(peer)
-        if names and names <= self.own_names():
+        if self.name.lower() in names:  # this agent itself: the CA signs a node's name for its agent alone
             return None
         if self.peer_rules is None:
             shown = ", ".join(sorted(names))
@@ -259,7 +251,9 @@ class Agent:
         if token and self.token and hmac.compare_digest(token.encode(), self.token.encode()):
             return await handler(request)
         shown = request.transport.get_extra_info("peercert") if request.transport else None
-        peer = shown if self.checks_peers else None
+        # a certificate in place of a token only where the agent has none (Kubernetes): where it has
+        # one, the CA given as --peer-ca may sign certificates for more than criuctl's agents
+        peer = shown if self.checks_peers and self.token is None else None
         if peer and not token:
             why = await self.peer_refusal(peer, request)
             if why is None:

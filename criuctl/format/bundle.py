@@ -48,7 +48,7 @@ from criuctl.format.signing import file_digest as file_digest
 from criuctl.format.signing import hasher as hasher
 from criuctl.format.signing import load_key as load_key
 from criuctl.format.signing import sign as _sign
-from criuctl_hook.durable import fsync_dir
+from criuctl_hook.durable import fsync_dir, replace
 
 IMAGES_DIR = "images"
 DUMP_LOG = "dump.log"
@@ -315,7 +315,8 @@ def adopt(
     it: a node's key opens no other node's bundles, and a move's key no other move's.
     """
     raw, manifest = _verified(root, key, digests, vouched)
-    _write(root / SIGNATURE, (_sign(own, raw, manifest.format_version) + "\n").encode(), durable=True)
+    # whole or not at all: a crash leaves the move's signature or this node's, never half of one
+    replace(root / SIGNATURE, (_sign(own, raw, manifest.format_version) + "\n").encode())
     return manifest
 
 

@@ -327,8 +327,8 @@ def controller_renewal(ca: CA, path: Path, seconds: int = DEFAULT_SECONDS) -> No
             if Identity(path).due():
                 controller_identity(ca, path, seconds)
                 log.info("controller certificate renewed")
-        except OSError as exc:
-            log.warning("cannot renew the controller's certificate yet", extra={"error": str(exc)})
+        except Exception:  # this loop must outlive any one try: the certificate ends otherwise
+            log.exception("cannot renew the controller's certificate yet")
         time.sleep(RETRY)
 
 

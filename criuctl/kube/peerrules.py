@@ -3,23 +3,29 @@
 Agents call each other for the successor path of a controller-owned pod (criuctl.kube.prestop,
 criuctl.kube.successors, criuctl.kube.jobmoves), showing their node's certificate. A node whose
 root is taken must not thereby hold every other node: its certificate opens here only what a
-pending move (criuctl.kube.moves, in the API server, which no agent can forge for another node:
-the record names the nodes the controller's or the preStop's choice put there) needs of a node
-it names:
+pending move (criuctl.kube.moves, the records in the API server) needs of a node it names:
 
     GET  /v1/info, /v1/workloads, /v1/containers   any agent: what runs here, no memory, no logs
     POST /v1/bundles/ID/page-client               any agent: a page-client certificate (public;
                                                  its key stays here) asked before the move's
                                                  record names the bundle (prestop._lazy)
-    /v1/bundles/ID[/…]                           a move whose bundle is ID names both nodes
-                                                 (source, target or holder): its copy, its
-                                                 pages, its deletion (its restore: the
-                                                 holder's own call alone)
+    POST /v1/bundles/ID/expect, PUT /v1/bundles/ID,   a move whose bundle is ID names both nodes
+    DELETE /v1/bundles/ID                        (source, target or holder): its copy coming
+                                                 here, its deletion. Reading a bundle (its
+                                                 stream, manifest, pages) and restoring it are
+                                                 the node's own calls alone: every copy is sent
+                                                 by the node that holds it
     POST /v1/workloads/NAME/brace, /v1/redirects…  a move names the caller: a job's rank moving
                                                  bounds and re-points its staying peers' sockets
 
 Everything else (checkpoint, restore, run, logs, migrations) is the controller's, or the node's
 own; a move's ticket routes are the ticket's (criuctl.agent.tickets).
+
+What this does not stop: the records are ConfigMaps every agent may write (an agent makes a
+drain's record), so a node whose root is taken can write one naming itself and another node, and
+so reach that node's bundle routes above for an ID of its choosing — deliver a bundle there that a
+forged `kept` record has it restore — and any node's redirects. Records only the controller
+writes, or signs, would close it (docs/deploy.md, "Who holds what").
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from criuctl.kube.cluster import Cluster
 
 _OPEN = {("GET", "/v1/info"), ("GET", "/v1/workloads"), ("GET", "/v1/containers")}
 _CLIENT = re.compile(r"^/v1/bundles/[0-9a-f]{32}/page-client$")
-_BUNDLE = re.compile(r"^/v1/bundles/([0-9a-f]{32})(/manifest|/pages|/page-client|/expect)?$")  # no restore
+_BUNDLE = re.compile(r"^/v1/bundles/([0-9a-f]{32})(/expect)?$")
 _JOB = re.compile(r"^(/v1/workloads/[^/]+/brace|/v1/redirects(/[0-9a-f]{32}(/keep)?)?)$")
 
 
@@ -47,13 +53,17 @@ class PeerRules:
         who = f"node {'/'.join(sorted(names)) or '(no name)'}"
         if (method, path) in _OPEN or (method == "POST" and _CLIENT.match(path)):
             return None
-        bundle = _BUNDLE.match(path)
+        bundle = _BUNDLE.match(path) if method in ("POST", "PUT", "DELETE") else None
+        if bundle is not None and (method == "POST") != bool(bundle.group(2)):
+            bundle = None  # POST is expect's alone; PUT and DELETE the bundle's
         if bundle is None and not _JOB.match(path):
             return f"{who} may not call {method} {path} here: that is the controller's, or this node's own"
         try:
             records = await asyncio.to_thread(moves.every, self.c)
         except CriuctlError as exc:
             return f"cannot read the pending moves to check {who}'s call: {exc.what}"
+        except (KeyError, ValueError, TypeError) as exc:  # a record not as criuctl writes them
+            return f"cannot read the pending moves to check {who}'s call: a malformed record ({exc!r})"
         for m in records:
             nodes = {m.source, m.target, m.holder} - {""}
             if not nodes & names:
