@@ -325,11 +325,8 @@ def signed_for(root: Path, own: bytes, key: bytes) -> tuple[bytes, bytes]:
     that goes to another node with a key that node gave for this one copy (`adopt` there). The
     signature is checked with this node's key first: an altered manifest goes nowhere; the
     receiver checks every file against it."""
-    raw = _read_raw(root)
-    signed = _signed_version(root, own, raw)
-    if signed is None or _parse(root, raw).format_version != signed:
-        raise _unsigned(root)
-    return raw, (_sign(key, raw, signed) + "\n").encode()
+    raw, manifest = _signed(root, own)
+    return raw, (_sign(key, raw, manifest.format_version) + "\n").encode()
 
 
 def _unsigned(root: Path) -> BundleError:
@@ -340,15 +337,21 @@ def _unsigned(root: Path) -> BundleError:
     )
 
 
-def _verified(
-    root: Path, key: bytes, digests: dict[str, str] | None, vouched: Vouched | None
-) -> tuple[bytes, Manifest]:
-    """manifest.json is read once: the signature is checked on those bytes, and only then are the
-    same bytes parsed — a file swapped between the check and a second read cannot slip through."""
+def _signed(root: Path, key: bytes) -> tuple[bytes, Manifest]:
+    """manifest.json's bytes and what they say, once `key`'s signature of them is checked. The file
+    is read once: the signature is checked on those bytes, and only then are the same bytes parsed —
+    a file swapped between the check and a second read cannot slip through."""
     raw = _read_raw(root)
     signed = _signed_version(root, key, raw)
     if signed is None or (manifest := _parse(root, raw)).format_version != signed:
         raise _unsigned(root)
+    return raw, manifest
+
+
+def _verified(
+    root: Path, key: bytes, digests: dict[str, str] | None, vouched: Vouched | None
+) -> tuple[bytes, Manifest]:
+    raw, manifest = _signed(root, key)
     bad = _bad_files(root, manifest, digests) + _bad_direct(root, manifest, vouched)
     if bad:
         raise BundleError(f"{root}/{bad[0]}", "the bundle was altered or damaged; refusing to restore it")

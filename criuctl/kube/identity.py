@@ -209,11 +209,7 @@ def issue(kubeconfig: str | None, node: str, path: Path, wait: float = ISSUE_WAI
         raise CriuctlError(
             f"the certificate issued for node {node} is not for its key and names", "see the controller's log"
         )
-    secret = key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    durable.replace(path, pem + secret, 0o600)  # checked first: what is on disk is always a pair
+    _keep(path, pem, key)  # checked first: what is on disk is always a pair
     log.info("certificate issued", extra={"request": name, "serial": f"{cert.serial_number:x}"})
     return Identity(path)
 
@@ -311,12 +307,17 @@ def controller_identity(ca: CA, path: Path, seconds: int = DEFAULT_SECONDS) -> I
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "criuctl-controller")])
     san = x509.SubjectAlternativeName([x509.UniformResourceIdentifier(callers.CONTROLLER)])
     pem = ca.certificate(name, key.public_key(), san, [ExtendedKeyUsageOID.CLIENT_AUTH], seconds)
+    _keep(path, pem, key)
+    return Identity(path)
+
+
+def _keep(path: Path, pem: bytes, key: ec.EllipticCurvePrivateKey) -> None:
+    """A certificate and its key as one root-only file, written in one piece (`Identity`)."""
     secret = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     durable.replace(path, pem + secret, 0o600)
-    return Identity(path)
 
 
 def controller_renewal(ca: CA, path: Path, seconds: int = DEFAULT_SECONDS) -> None:
