@@ -14,6 +14,7 @@ import socket
 import ssl
 import time
 import uuid
+from typing import Any
 
 import psutil
 import pytest
@@ -23,6 +24,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, padding
 from cryptography.x509.oid import NameOID
 
+from criuctl.agent import grants
 from criuctl.kube import identity
 from criuctl.kube.cluster import AGENT_PORT, SYSTEM_NS
 from tests.conftest import needs_criu
@@ -177,9 +179,11 @@ def _restarts(k: Kubectl, node: str) -> int:
 def test_no_token_is_shared_a_nodes_certificate_opens_on_another_only_what_a_move_needs(
     local_cluster, tmp_path
 ) -> None:
-    """No Secret holds a token: the agents take certificates of their CA. The controller's opens
-    everything; a node's, on another node, what runs there and what a pending move that names both
-    needs (criuctl.kube.peerrules): not a checkpoint, not a bundle no move names."""
+    """No Secret holds a token: the agents take certificates of their CA. A node's, on another
+    node, opens what runs there and what a pending move that names both needs
+    (criuctl.kube.peerrules): not a checkpoint, not a bundle no move names. The controller's alone
+    reads what runs there; a move's routes take that move's grant, naming the node (and, for a
+    call that names a workload, its pod's container: criuctl.agent.grants)."""
     lay, k = local_cluster
     ips = {n: lay.node(n).ip for n in lay.nodes}
     a, b = sorted(ips)
@@ -204,5 +208,26 @@ def test_no_token_is_shared_a_nodes_certificate_opens_on_another_only_what_a_mov
     assert r.status_code == 403, r.text
     own = str(lay.node_dir(b) / "var-lib-criuctl" / "identity.pem")
     assert call("GET", "/v1/bundles/" + "0" * 32, own).status_code == 404  # b itself: let in, none there
+    # the controller's certificate alone reads what runs there; a move's routes take the move's grant
     assert call("GET", "/v1/workloads", str(ctl.path)).ok
+    og = "/v1/outgoing/" + "0" * 32
+    r = call("GET", og, str(ctl.path))
+    assert r.status_code == 403 and "without a move's grant" in r.json()["what"], r.text
+    key = identity.CA.load(lay.pki / "criuctl-ca.crt", lay.pki / "criuctl-ca.key").key
+
+    def granted(method: str, path: str, nodes: tuple[str, ...], body: Any = None) -> requests.Response:
+        shown = grants.sign(grants.Grant("default", "p", "u", nodes, time.time() + 60), key)
+        url = f"https://{ips[b]}:{AGENT_PORT}{path}"
+        cert = (str(ctl.path), str(ctl.path))
+        return requests.request(
+            method, url, json=body, verify=ca, cert=cert, headers={grants.GRANT_HEADER: shown}, timeout=30
+        )
+
+    assert granted("GET", og, (a, b)).status_code == 404  # let in: no such move there
+    r = granted("GET", og, (a,))
+    assert r.status_code == 403 and f"not node {b}" in r.json()["what"], r.text
+    r = granted("POST", "/v1/workloads/x/checkpoint", (a, b))
+    assert r.status_code == 403 and "no move needs it" in r.json()["what"], r.text
+    r = granted("POST", "/v1/outgoing", (a, b), {"workload": "ctr-000000000000", "mode": "stop-and-copy"})
+    assert r.status_code == 403 and "is not its container" in r.json()["what"], r.text
     assert k.get("secret", "criuctl-agent", SYSTEM_NS) is None, "a token Secret is still installed"

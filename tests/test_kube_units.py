@@ -984,3 +984,78 @@ def test_a_nodes_certificate_opens_on_another_what_a_pending_move_names(monkeypa
     assert "malformed record" in (why(a, "PUT", f"/v1/bundles/{bid}") or "")
     monkeypatch.setattr(moves, "every", lambda c: [])  # the move is over: its bundle's routes close
     assert why(a, "PUT", f"/v1/bundles/{bid}") is not None
+
+
+def test_the_controllers_certificate_opens_a_move_only_with_that_moves_grant(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """criuctl.agent.grants: on node b, the controller's certificate alone reads what runs there;
+    a move's routes take a grant the agents' CA signed, unexpired, naming b, and where the call
+    names a workload, one of the granted pod's. A stolen grant opens nothing else, for minutes."""
+    import asyncio
+    import json
+
+    from cryptography.hazmat.primitives import serialization
+
+    from criuctl.agent import grants
+    from criuctl.agent.server import Agent, AgentOptions
+    from criuctl.core import workloads
+
+    monkeypatch.setenv("CRIUCTL_STATE_DIR", str(tmp_path / "state"))
+    hour, minute = datetime.timedelta(hours=1), datetime.timedelta(minutes=1)
+    keys = {}
+    for who in ("ca", "other"):
+        _certificate(tmp_path / f"{who}.pem", who, [], life=hour, age=minute)
+        keys[who] = serialization.load_pem_private_key((tmp_path / f"{who}.pem").read_bytes(), None)
+    cafile = tmp_path / "ca.crt"
+    cafile.write_text((tmp_path / "ca.pem").read_text().split("-----BEGIN PRIVATE KEY")[0])
+    agent = Agent(AgentOptions("127.0.0.1", 0, None, name="b", peer_ca=cafile))
+    workloads.save(workloads.Workload("ctr-aaaaaaaaaaaa", ["python"], 0, 0, {}, pod_uid="u1"))
+    workloads.save(workloads.Workload("ctr-bbbbbbbbbbbb", ["python"], 0, 0, {}, pod_uid="u2"))
+
+    class Request:  # what `grant_refusal` reads of aiohttp's request
+        def __init__(self, method: str, path: str, grant: str | None, body: Any = None) -> None:
+            self.method, self.path, self.body = method, path, body
+            self.headers = {} if grant is None else {grants.GRANT_HEADER: grant}
+
+        async def json(self) -> Any:
+            return self.body
+
+    def grant(nodes=("a", "b"), uid="u1", expires=300.0, key="ca") -> str:
+        return grants.sign(grants.Grant("ns", "p", uid, nodes, time.time() + expires), keys[key])
+
+    def why(method: str, path: str, shown: str | None, body: Any = None) -> str:
+        return asyncio.run(agent.grant_refusal(Request(method, path, shown, body))) or ""  # type: ignore[arg-type]
+
+    mig = "/v1/outgoing/" + "1" * 32
+    assert why("GET", "/v1/workloads", None) == "" and why("GET", "/v1/info", None) == ""
+    assert "without a move's grant" in why("GET", mig, None)
+    assert why("GET", mig, grant()) == "" and why("DELETE", "/v1/incoming/" + "2" * 32, grant()) == ""
+    for method, path in [
+        ("POST", "/v1/workloads/ctr-aaaaaaaaaaaa/checkpoint"),
+        ("GET", "/v1/bundles/" + "1" * 32),
+    ]:
+        assert "no move needs it" in why(method, path, grant()), path  # a grant opens a move's routes alone
+    assert "not node b" in why("GET", mig, grant(nodes=("a", "c")))
+    assert "expired" in why("GET", mig, grant(expires=-1))
+    assert "claims to last" in why("GET", mig, grant(expires=2 * grants.LONGEST))
+    assert "signature is not the agents' CA's" in why("GET", mig, grant(key="other"))
+    data, _, sig = grant().partition(".")
+    forged = json.loads(grants._unb64(data)) | {"uid": "u2"}
+    assert "signature" in why("GET", mig, grants._b64(json.dumps(forged).encode()) + "." + sig)
+    assert "not one criuctl's controller writes" in why("GET", mig, "garbage")
+    assert why("POST", "/v1/outgoing", grant(), {"workload": "ctr-aaaaaaaaaaaa"}) == ""
+    for named in ("ctr-bbbbbbbbbbbb", "ctr-cccccccccccc", "../x"):  # another pod's, none, a hostile name
+        assert "is not its container" in why("POST", "/v1/outgoing", grant(), {"workload": named}), named
+    assert "is not its container" in why(
+        "POST", "/v1/outgoing/settle", grant(uid="u2"), {"workload": "ctr-aaaaaaaaaaaa"}
+    )
+
+    scope: list[Any] = [None]
+    granter = grants.Granter(lambda: scope[0], keys["ca"])
+    assert granter() == ""  # nothing planned yet: no grant, so only reads open
+    scope[0] = ("ns", "p", "u1", ("a", "b"))
+    first = granter()
+    assert granter() == first and why("GET", mig, first) == ""
+    scope[0] = ("ns", "p", "u1", ("a", "c"))  # the status names other nodes: signed anew
+    assert "not node b" in why("GET", mig, granter())

@@ -7,7 +7,8 @@ against when it is the server, so a node is the same party in both directions.
 
 On Kubernetes no token is shared: a caller proves who it is by its certificate alone. The
 controller's carries one URI name, `CONTROLLER`, which no node's can (its signer signs a node's
-DNS name and addresses only: `criuctl.kube.identity`); it drives every agent. A node's opens on
+DNS name and addresses only: `criuctl.kube.identity`); alone it opens `READS`, and a move's routes
+with the grant the controller signs for that move (`criuctl.agent.grants`). A node's opens on
 another agent what a move that names both needs (`criuctl.kube.peerrules`), and everything on its
 own.
 """
@@ -30,6 +31,10 @@ def address(raw: str) -> str:
 
 
 CONTROLLER = "urn:criuctl:controller"  # the URI name of the controller's client certificate
+
+# what any certificate of the agents' CA may read on any agent: what runs there (no memory, no logs);
+# the controller places and plans with it, a node finds a job's ranks
+READS = frozenset({("GET", "/v1/info"), ("GET", "/v1/workloads"), ("GET", "/v1/containers")})
 
 
 def is_controller(peercert: dict[str, Any] | None) -> bool:

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import re
 import socket
 import ssl
 import time
@@ -44,7 +45,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from criuctl.agent import callers, handoffleases, pageserving, receiver, tickets, transfer, wire
+from criuctl.agent import callers, grants, handoffleases, pageserving, receiver, tickets, transfer, wire
 from criuctl.agent.bundles import Bundles
 from criuctl.agent.httpjson import fail
 from criuctl.agent.incoming import Incoming
@@ -66,6 +67,9 @@ log = logging.getLogger("criuctl.agent")
 
 # why another node's certificate (its names) may not make the request (method, path); None: it may
 PeerRules = Callable[[frozenset[str], str, str], Awaitable[str | None]]
+# what a move's grant opens to the controller (criuctl.agent.grants): the two sides of a migration
+_MOVE_ROUTE = re.compile(r"^/v1/(incoming|outgoing)(/.*)?$")
+_NAMING_BODY = frozenset({"/v1/outgoing", "/v1/outgoing/settle"})  # their body's `workload`
 
 
 @dataclass
@@ -137,6 +141,7 @@ class Agent:
         # why not (None: allowed), for the caller's names and the request. Set by the layer that
         # knows what moves there are (criuctl.kube.peerrules); without it, nothing
         self.peer_rules: PeerRules | None = None
+        self._authorities: list[Any] | None = None  # the public keys of --peer-ca: who signs grants
 
     @property
     def checks_peers(self) -> bool:
@@ -145,7 +150,7 @@ class Agent:
     async def peer_refusal(self, peer: dict[str, Any], request: web.Request) -> str | None:
         """Why a caller with this verified certificate may not make this request (None: it may)."""
         if callers.is_controller(peer):
-            return None
+            return await self.grant_refusal(request)
         names = callers.names(peer)
         if self.name.lower() in names:  # this agent itself: the CA signs a node's name for its agent alone
             return None
@@ -153,6 +158,39 @@ class Agent:
             shown = ", ".join(sorted(names))
             return f"another node's certificate ({shown}) opens nothing here but its move's ticket"
         return await self.peer_rules(names, request.method, request.path)
+
+    async def grant_refusal(self, request: web.Request) -> str | None:
+        """Why the controller's certificate may not make this request (None: it may). Alone it reads
+        what runs here; a move's routes take the grant of that move (criuctl.agent.grants)."""
+        if (request.method, request.path) in callers.READS:
+            return None
+        if not _MOVE_ROUTE.match(request.path):
+            return f"the controller may not call {request.method} {request.path} here: no move needs it"
+        shown = request.headers.get(grants.GRANT_HEADER)
+        if not shown:
+            return f"the controller's call {request.method} {request.path} came without a move's grant"
+        try:
+            if self._authorities is None and self.opts.peer_ca is not None:
+                self._authorities = await asyncio.to_thread(grants.authorities, self.opts.peer_ca)
+            g = grants.read(shown, self._authorities or [], self.name)
+        except grants.GrantRefused as exc:
+            return str(exc)
+        except (OSError, ValueError) as exc:
+            return f"cannot read the agents' CA to check the controller's grant: {exc}"
+        named = ""
+        if request.method == "POST" and request.path in _NAMING_BODY:
+            try:
+                named = str((await request.json()).get("workload", ""))
+            except (ValueError, AttributeError):
+                return None  # the handler answers a body it cannot read with its own 400
+        if named:
+            try:
+                w = await asyncio.to_thread(workloads.load, workloads.validate_name(named))
+            except workloads.BadName:
+                w = None
+            if w is None or w.pod_uid != g.uid:
+                return f"the grant is for {g.what}; workload {named} here is not its container"
+        return None
 
     @property
     def name(self) -> str:

@@ -8,6 +8,7 @@ that names the node.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import fcntl
 import json
 from collections.abc import Callable, Iterator
@@ -19,11 +20,26 @@ from urllib.parse import urlparse
 
 import requests
 
+from criuctl.agent.grants import GRANT_HEADER, Mint
 from criuctl.agent.messages import SEAL_HEADER, BundleExpected, BundleKept, ErrorAnswer, LogChunk
 from criuctl.core import env, statedir, tokens, workloads, worklogs
 from criuctl.core.errors import CriuctlError
 from criuctl.core.workloads import WorkloadRow
 from criuctl_hook import durable
+
+# the move this thread's calls are for, as the controller carries it: its grant goes with each call
+# (criuctl.agent.grants); unset for everyone else (a person's CLI, an agent calling another)
+GRANT: contextvars.ContextVar[Mint | None] = contextvars.ContextVar("criuctl_grant", default=None)
+
+
+@contextlib.contextmanager
+def granted(mint: Mint | None) -> Iterator[None]:
+    """Every agent call made in this context shows the grant `mint` signs."""
+    token = GRANT.set(mint)
+    try:
+        yield
+    finally:
+        GRANT.reset(token)
 
 
 class UnknownNode(CriuctlError):
@@ -249,6 +265,8 @@ class AgentClient:
         self, method: str, path: str, body: Any = None, timeout: float | None = None, **kw: Any
     ) -> requests.Response:
         url = self.node.url.rstrip("/") + path
+        if (mint := GRANT.get()) is not None and self.s.cert is not None and (shown := mint()):
+            kw["headers"] = {**kw.get("headers", {}), GRANT_HEADER: shown}
         try:
             resp = self.s.request(
                 method, url, json=body, timeout=(5, timeout or self.timeout), verify=self.verify, **kw

@@ -11,6 +11,7 @@ emptyDir volumes to carry, and refusals that must come before anything is frozen
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import ipaddress
 import os
 from dataclasses import dataclass
@@ -361,26 +362,31 @@ def write_inject_dir(dest: Path = INJECT_DIR) -> Path:
     # entries are swapped one by one (the stamp last) from a staging folder on the same mount.
     in_place = os.path.ismount(dest)
     home = dest if in_place else dest.parent
-    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=home))
+    # Writers on one host (agents starting together) take turns on a lock of the folder the swap
+    # happens in: a look-then-rename without it lets one writer move away what another just saw.
+    held = os.open(home, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        shutil.copy2(nsinit.__file__, staging / "nsinit.py")
-        shutil.copytree(HOOKS_DIR, staging / "hooks", ignore=shutil.ignore_patterns("__pycache__"))
-        (staging / ".criuctl-files").write_text(digest)
-        for p in [staging, *staging.rglob("*")]:
-            p.chmod(0o755 if p.is_dir() else 0o644)
-        old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old.", dir=home))
+        fcntl.flock(held, fcntl.LOCK_EX)
+        if _stamped(stamp, digest):
+            return dest
+        staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=home))
         try:
-            swaps = [(staging / n, dest / n) for n in ("hooks", "nsinit.py", ".criuctl-files")]
-            for new, live in swaps if in_place else [(staging, dest)]:
-                if live.exists():
-                    durable.move(live, old / live.name)
-                durable.move(new, live)
-        except OSError:
-            if not _stamped(stamp, digest):
-                raise
-            # another agent put the same files in place between our look and our rename
+            shutil.copy2(nsinit.__file__, staging / "nsinit.py")
+            shutil.copytree(HOOKS_DIR, staging / "hooks", ignore=shutil.ignore_patterns("__pycache__"))
+            (staging / ".criuctl-files").write_text(digest)
+            for p in [staging, *staging.rglob("*")]:
+                p.chmod(0o755 if p.is_dir() else 0o644)
+            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old.", dir=home))
+            try:
+                swaps = [(staging / n, dest / n) for n in ("hooks", "nsinit.py", ".criuctl-files")]
+                for new, live in swaps if in_place else [(staging, dest)]:
+                    if live.exists():
+                        durable.move(live, old / live.name)
+                    durable.move(new, live)
+            finally:
+                shutil.rmtree(old, ignore_errors=True)
         finally:
-            shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(staging, ignore_errors=True)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        os.close(held)
     return dest

@@ -42,8 +42,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from criuctl.agent import grants
 from criuctl.client import migrate as agent_migrate
-from criuctl.client.agents import Node
+from criuctl.client.agents import Node, granted
 from criuctl.core import env, statedir, tokens
 from criuctl.core.errors import CriuctlError
 from criuctl.kube import events, identity, movemetrics, moves, owners, podmigrate, podmigrations, podplan
@@ -217,6 +218,14 @@ class Journal:
             METRICS.phases.labels(str(phase)).inc()
             log.info("phase", extra={"podmigration": f"{self.ns}/{self.name}", "phase": str(phase)})
             events.record(self.c, self.obj, events.Reason.PHASE, f"{phase}")
+
+    def scope(self) -> grants.Scope | None:
+        """What this move's grant covers, as the status says once the move is planned: the pod
+        (by its UID) and the nodes it involves; None before (no agent call but reads needs one)."""
+        st = self.status
+        uid, pod = st.get("sourceUID"), st.get("pod")
+        nodes = tuple(n for n in (st.get("source"), st.get("target")) if n)
+        return (self.ns, pod, uid, nodes) if uid and pod and nodes else None
 
     def progress(self, step: str, done: int | None = None, total: int | None = None) -> None:
         """The orchestration's progress (render.migration_progress's steps), for `criuctl migrate`
@@ -504,16 +513,18 @@ def _resume_placeholder(c: Cluster, j: Journal, phase: Phase) -> None:
     j.succeeded(None, reason, downtime)
 
 
-def carry(c: Cluster, obj: dict, fence: Fence, deleting: bool = False) -> None:
+def carry(c: Cluster, obj: dict, fence: Fence, deleting: bool = False, ca: Any = None) -> None:
     """Carry PodMigration `obj` to its end from the phase its status records. Raises Retry while
-    the agents have not settled a move in doubt; every other outcome ends in the status."""
+    the agents have not settled a move in doubt; every other outcome ends in the status. `ca`: the
+    agents' CA (`identity.CA`), whose key signs the move's grant each agent call shows."""
     obj = podmigrations.read(c, obj["metadata"]["namespace"], obj["metadata"]["name"])  # its latest status
     phase = podmigrations.phase_of(obj)
     if phase.final:
         return
     j = Journal(c, obj, fence)
     try:
-        _carry(c, j, phase, deleting)
+        with granted(None if ca is None else grants.Granter(j.scope, ca.key)):
+            _carry(c, j, phase, deleting)
     finally:
         j.close()
 
@@ -553,7 +564,7 @@ def _carry(c: Cluster, j: Journal, phase: Phase, deleting: bool) -> None:
 # ---- kopf and the Lease
 
 
-def _handlers(c: Cluster, fence: Fence) -> Any:
+def _handlers(c: Cluster, fence: Fence, ca: Any = None) -> Any:
     """The kopf registry of this controller's handlers."""
     import kopf
 
@@ -562,7 +573,7 @@ def _handlers(c: Cluster, fence: Fence) -> Any:
 
     def handle(body: Any, deleting: bool = False) -> None:
         try:
-            carry(c, dict(body), fence, deleting)
+            carry(c, dict(body), fence, deleting, ca)
         except Retry as exc:
             raise kopf.TemporaryError(str(exc), delay=exc.delay) from exc
         except Deposed as exc:
@@ -729,8 +740,8 @@ def run(o: Options) -> None:
     call("the API server", c.core.get_api_resources)  # one line now if it cannot be reached
     _serve_health(o.health, o.metrics_token_file and tokens.read_token(o.metrics_token_file))
     leading = _Health.leading
-    if o.agent_ca is not None:  # what it shows the agents: they take no token (criuctl.agent.callers)
-        ca = identity.CA.load(*o.agent_ca)
+    ca = None if o.agent_ca is None else identity.CA.load(*o.agent_ca)
+    if ca is not None:  # what it shows the agents: they take no token (criuctl.agent.callers)
         mine = identity.controller_identity(ca, statedir.KUBE.ensure() / identity.CONTROLLER_FILE)
         env.AGENT_IDENTITY.export(f"{mine.path}:{mine.path}")
         threading.Thread(
@@ -742,9 +753,9 @@ def run(o: Options) -> None:
     )
     leading.wait()
     log.info("leading", extra={"identity": o.identity})
-    if o.agent_ca is not None:  # only the leader signs: one certificate per request
-        signer = identity.Signer(c, identity.CA.load(*o.agent_ca), o.agent_cert_seconds)
+    if ca is not None:  # only the leader signs: one certificate per request
+        signer = identity.Signer(c, ca, o.agent_cert_seconds)
         threading.Thread(target=signer.forever, daemon=True, name="signer").start()
     threading.Thread(target=_expire_forever, args=(c,), daemon=True, name="ttl").start()
     fence = Fence(o.identity, o.lease, o.lease_namespace, o.lease_seconds)
-    asyncio.run(kopf.operator(registry=_handlers(c, fence), standalone=True, clusterwide=True))
+    asyncio.run(kopf.operator(registry=_handlers(c, fence, ca), standalone=True, clusterwide=True))

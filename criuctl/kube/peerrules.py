@@ -33,11 +33,11 @@ from __future__ import annotations
 import asyncio
 import re
 
+from criuctl.agent import callers
 from criuctl.core.errors import CriuctlError
 from criuctl.kube import moves
 from criuctl.kube.cluster import Cluster
 
-_OPEN = {("GET", "/v1/info"), ("GET", "/v1/workloads"), ("GET", "/v1/containers")}
 _CLIENT = re.compile(r"^/v1/bundles/[0-9a-f]{32}/page-client$")
 _BUNDLE = re.compile(r"^/v1/bundles/([0-9a-f]{32})(/expect)?$")
 _JOB = re.compile(r"^(/v1/workloads/[^/]+/brace|/v1/redirects(/[0-9a-f]{32}(/keep)?)?)$")
@@ -51,7 +51,7 @@ class PeerRules:
 
     async def __call__(self, names: frozenset[str], method: str, path: str) -> str | None:
         who = f"node {'/'.join(sorted(names)) or '(no name)'}"
-        if (method, path) in _OPEN or (method == "POST" and _CLIENT.match(path)):
+        if (method, path) in callers.READS or (method == "POST" and _CLIENT.match(path)):
             return None
         bundle = _BUNDLE.match(path) if method in ("POST", "PUT", "DELETE") else None
         if bundle is not None and (method == "POST") != bool(bundle.group(2)):

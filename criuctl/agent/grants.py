@@ -1,0 +1,171 @@
+"""A move's grant: what the controller may ask of an agent for one PodMigration, and until when.
+
+On Kubernetes the controller shows the agents a client certificate of their CA
+(`criuctl.agent.callers.CONTROLLER`). That certificate alone opens nothing but what every agent may
+read (`callers.READS`): a process that steals it, or a controller bug, reaches no job's memory. What
+the controller does for a move it does under a grant it signs, per move, with the CA's key (which
+only it holds, and which every agent already trusts as `--peer-ca`): the pod (namespace, name,
+UID), the nodes the move involves, and an expiry minutes away. The controller signs a new one as
+the old one nears its end (`Granter`), so a long move never runs out, while a grant copied off the
+wire opens, for minutes, the move routes of that one pod on those nodes alone.
+
+An agent checks (`read`): the signature against the CA it trusts, the expiry (a grant that claims
+more than `LONGEST` is refused: no controller signs one), that it names this node, that the route is
+a move's (`/v1/incoming…`, `/v1/outgoing…`), and, where the call names a workload, that the workload
+is that pod's container (its record's pod UID: `criuctl.agent.server.Agent.grant_refusal`).
+
+Format (header `GRANT_HEADER`): base64url(canonical JSON) "." base64url(signature). The signature is
+the CA key's own kind: ECDSA P-256/P-384 with SHA-256, Ed25519, or RSA PKCS#1 v1.5 with SHA-256.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
+
+GRANT_HEADER = "Criuctl-Grant"
+SECONDS = 300  # a grant's life; a new one is signed at half of it (`Granter`)
+LONGEST = 3600  # an agent refuses a grant that claims to last longer (clocks may differ by less)
+VERSION = 1
+
+
+class GrantRefused(Exception):
+    """Why a grant opens nothing (one line, for the caller's 403)."""
+
+
+@dataclass(frozen=True)
+class Grant:
+    namespace: str
+    pod: str
+    uid: str  # the pod's UID: a pod of the same name made later is another pod
+    nodes: tuple[str, ...]  # the nodes the move involves (source, target): the agents it opens
+    expires: float  # seconds since the epoch
+
+    def payload(self) -> bytes:
+        body = {
+            "v": VERSION,
+            "namespace": self.namespace,
+            "pod": self.pod,
+            "uid": self.uid,
+            "nodes": sorted(n.lower() for n in self.nodes if n),
+            "expires": int(self.expires),
+        }
+        return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+    @property
+    def what(self) -> str:
+        return f"pod {self.namespace}/{self.pod} on {', '.join(sorted(self.nodes))}"
+
+
+def _b64(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def sign(grant: Grant, key: Any) -> str:
+    """The header value of `grant`, signed with the CA's private key `key`."""
+    data = grant.payload()
+    if isinstance(key, ed25519.Ed25519PrivateKey):
+        sig = key.sign(data)
+    elif isinstance(key, ec.EllipticCurvePrivateKey):
+        sig = key.sign(data, ec.ECDSA(hashes.SHA256()))
+    elif isinstance(key, rsa.RSAPrivateKey):
+        sig = key.sign(data, padding.PKCS1v15(), hashes.SHA256())
+    else:
+        raise TypeError(f"a CA key of kind {type(key).__name__} signs no grant")
+    return f"{_b64(data)}.{_b64(sig)}"
+
+
+def _verified(pub: Any, sig: bytes, data: bytes) -> bool:
+    try:
+        if isinstance(pub, ed25519.Ed25519PublicKey):
+            pub.verify(sig, data)
+        elif isinstance(pub, ec.EllipticCurvePublicKey):
+            pub.verify(sig, data, ec.ECDSA(hashes.SHA256()))
+        elif isinstance(pub, rsa.RSAPublicKey):
+            pub.verify(sig, data, padding.PKCS1v15(), hashes.SHA256())
+        else:
+            return False
+    except InvalidSignature:
+        return False
+    return True
+
+
+def authorities(ca_file: Path) -> list[Any]:
+    """The public keys of the certificates in `ca_file` (the agent's --peer-ca): who may sign grants."""
+    return [c.public_key() for c in x509.load_pem_x509_certificates(ca_file.read_bytes())]
+
+
+def read(value: str, keys: list[Any], node: str, now: float | None = None) -> Grant:
+    """The grant in header `value`, checked: signed by one of `keys`, unexpired, naming `node`."""
+    now = time.time() if now is None else now
+    data_text, _, sig_text = value.strip().partition(".")
+    try:
+        data, sig = _unb64(data_text), _unb64(sig_text)
+        body = json.loads(data)
+    except (binascii.Error, ValueError) as exc:
+        raise GrantRefused(f"the grant is not one criuctl's controller writes ({exc})") from None
+    if not any(_verified(k, sig, data) for k in keys):
+        raise GrantRefused("the grant's signature is not the agents' CA's")
+    try:
+        if body["v"] != VERSION:
+            raise GrantRefused(f"the grant is of version {body['v']!r}; this agent reads {VERSION}")
+        g = Grant(
+            str(body["namespace"]),
+            str(body["pod"]),
+            str(body["uid"]),
+            tuple(body["nodes"]),
+            float(body["expires"]),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise GrantRefused(f"the grant lacks a field ({exc!r})") from None
+    if g.expires <= now:
+        raise GrantRefused(f"the grant for {g.what} expired {int(now - g.expires)} s ago")
+    if g.expires > now + LONGEST:
+        raise GrantRefused(f"the grant for {g.what} claims to last past {LONGEST} s from now")
+    if node.lower() not in g.nodes:
+        raise GrantRefused(f"the grant is for {g.what}, not node {node}")
+    return g
+
+
+Scope = tuple[str, str, str, tuple[str, ...]]  # namespace, pod, UID, nodes
+
+
+class Granter:
+    """The grant of one move, signed anew when half its life has passed or its scope changed (the
+    controller learns the pod's UID and the nodes as it plans): what `criuctl.client.agents` shows
+    with each of the controller's calls while the move is carried. "" while there is no scope yet."""
+
+    def __init__(self, scope: Callable[[], Scope | None], key: Any) -> None:
+        self.scope, self.key = scope, key
+        self._lock = threading.Lock()
+        self._value, self._expires, self._signed = "", 0.0, None
+
+    def __call__(self) -> str:
+        scope = self.scope()
+        if scope is None:
+            return ""
+        with self._lock:
+            now = time.time()
+            if scope != self._signed or self._expires - now < SECONDS / 2:
+                self._expires, self._signed = now + SECONDS, scope
+                self._value = sign(Grant(*scope, expires=self._expires), self.key)
+            return self._value
+
+
+Mint = Callable[[], str]
