@@ -30,7 +30,7 @@ import requests
 
 from criuctl.agent import tickets
 from criuctl.agent.protocol import Ticket
-from criuctl.core import env
+from criuctl.core import env, procinfo
 from tests.jobs import CRIUCTL, Job, workload_cmd
 
 _STEP = re.compile(r"^step (\d+) loss (\S+)$")
@@ -283,11 +283,15 @@ class Cluster:
         for node in self.nodes.values():
             node.stop_agent(signal.SIGKILL)
             for rec in node.records():
-                for pid in (rec["root_pid"], rec["supervisor_pid"]):
-                    if pid <= 0:  # a container's workload has no supervisor of ours (0: never kill(0))
-                        continue
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
+                # only the very process the record names: a PID of a job that ended long ago may
+                # name another test's process now (the other session's CLI was once SIGKILLed so)
+                boot, born = rec.get("boot_id") or procinfo.boot_id(), rec.get("started")
+                ours = [procinfo.Identity(rec["root_pid"], rec.get("root_start"), boot, born)]
+                ours.append(procinfo.Identity(rec["supervisor_pid"], None, boot, born))  # started before it
+                for who in ours:
+                    if who.pid > 0 and who.alive():  # a container's workload has no supervisor: 0
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(who.pid, signal.SIGKILL)
         # a target handoff supervising a job ends with it; anything still here after that leaked
         deadline = time.monotonic() + 10
         while (left := self.handoffs()) and time.monotonic() < deadline:
