@@ -450,6 +450,30 @@ def test_the_agents_answers_have_the_fields_their_types_name(tmp_path, state_dir
         job.wait()
 
 
+def test_page_client_keys_another_node_asks_for_are_capped_and_go_unused_after_a_day(
+    state_dir, monkeypatch
+) -> None:
+    """`POST /v1/bundles/ID/page-client` is open to any agent of the CA (criuctl.kube.peerrules):
+    what it makes a node keep is capped, an unused pair goes after a day, and one in use (a
+    server's pinned certificate beside it) stays."""
+    from criuctl.agent import pageserving
+
+    monkeypatch.setattr(pageserving, "MOST_UNUSED", 2)
+    first, second, third = "a" * 32, "b" * 32, "c" * 32
+    mine = pageserving.asked_client(first)
+    pageserving.asked_client(second)
+    with pytest.raises(pageserving.TooManyAsked, match="2 page-client key pairs"):
+        pageserving.asked_client(third)
+    assert pageserving.asked_client(first).pem == mine.pem  # asked again: the same, no new one
+    (pageserving.folder(second) / f"{pageserving.SERVER_PEER}.crt").write_text("pinned")  # a pull's
+    day_ago = time.time() - pageserving.UNUSED_SECONDS - 60
+    for bid in (first, second):
+        os.utime(pageserving.folder(bid), (day_ago, day_ago))
+    pageserving.tidy()
+    assert not pageserving.folder(first).exists() and pageserving.folder(second).exists()
+    pageserving.asked_client(third)  # room again
+
+
 def test_what_a_dead_serving_handoff_left_is_cleared_once_its_time_is_up(state_dir) -> None:
     """A post-copy bundle whose serving handoff died (killed, OOM) while its CRIU served on: the
     janitor leaves the CRIU while its pages may still be pulled, kills it past its time, then

@@ -170,7 +170,14 @@ class Bundles:
         """This node's page-client certificate for post-copy bundle ID (made once): what the node
         serving its pages is told to accept (criuctl.agent.pageserving)."""
         path = self._path(r)
-        me = await asyncio.to_thread(pageserving.client, path.name)
+        try:
+            me = await asyncio.to_thread(pageserving.asked_client, path.name)
+        except pageserving.TooManyAsked as exc:
+            return fail(
+                429,
+                f"node {self.agent.name} makes no more page-client keys now: {exc}",
+                "ask again once moves have used them; an unused one goes after a day",
+            )
         return web.json_response(PageClient(cert=me.pem))
 
     async def pages(self, r: web.Request) -> web.Response:

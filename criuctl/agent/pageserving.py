@@ -51,6 +51,32 @@ def client(bid: str) -> pagetls.Identity:
     return pagetls.load_identity(here, CLIENT) or pagetls.make_identity(here, CLIENT)
 
 
+# what another node may make this one keep unasked (`POST /v1/bundles/ID/page-client`: any agent
+# may ask before a move's record names the bundle): a key pair per bundle ID, at most this many
+# that no move has used yet, each gone after a day unused (`tidy`)
+MOST_UNUSED = 256
+UNUSED_SECONDS = 24 * 3600
+
+
+class TooManyAsked(Exception):
+    """Page-client key pairs asked for and not used: as many as this node keeps."""
+
+
+def _unused(here: Path) -> bool:
+    """A bundle's folder holding only a client key pair: asked for, not (yet) served or pulled."""
+    return all(p.name.startswith(f"{CLIENT}.") for p in here.iterdir())
+
+
+def asked_client(bid: str) -> pagetls.Identity:
+    """`client`, asked by another node: refused once MOST_UNUSED asked ones wait unused here."""
+    root = statedir.PAGES.ensure()
+    if not (root / bid).exists():
+        waiting = sum(1 for p in root.iterdir() if p.is_dir() and _unused(p))
+        if waiting >= MOST_UNUSED:
+            raise TooManyAsked(f"{waiting} page-client key pairs asked for here wait unused")
+    return client(bid)
+
+
 def serve_tls(bid: str, clients: list[object]) -> tuple[criu.PageTls, str]:
     """The page server's TLS for bundle `bid`, accepting `clients` (PEMs, checked as hostile) and
     this node's own client; with the server's certificate (PEM) for the clients to pin."""
@@ -91,6 +117,10 @@ def tidy() -> list[str]:
     cleared."""
     root = statedir.PAGES.path()
     cleared = []
+    for here in root.iterdir() if root.exists() else []:
+        with contextlib.suppress(OSError):
+            if here.is_dir() and _unused(here) and time.time() - here.stat().st_mtime > UNUSED_SECONDS:
+                forget(here.name)
     for rec_path in sorted(root.glob(f"*/{SERVING}")) if root.exists() else []:
         bid = rec_path.parent.name
         rec = records.read(rec_path, lambda d: d if isinstance(d, dict) else {})

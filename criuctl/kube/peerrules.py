@@ -8,7 +8,8 @@ pending move (criuctl.kube.moves, the records in the API server) needs of a node
     GET  /v1/info, /v1/workloads, /v1/containers   any agent: what runs here, no memory, no logs
     POST /v1/bundles/ID/page-client               any agent: a page-client certificate (public;
                                                  its key stays here) asked before the move's
-                                                 record names the bundle (prestop._lazy)
+                                                 record names the bundle (prestop._lazy); at most
+                                                 pageserving.MOST_UNUSED wait unused, a day each
     POST /v1/bundles/ID/expect, PUT /v1/bundles/ID,   a move whose bundle is ID names both nodes
     DELETE /v1/bundles/ID                        (source, target or holder): its copy coming
                                                  here, its deletion. Reading a bundle (its
