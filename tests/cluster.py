@@ -121,6 +121,13 @@ class Node:
     ) -> None:
         """Start the agent and wait until it answers; `check_cert=False`: a TLS handshake that fails
         our check counts as an answer (for a test that gives a node a certificate it should not have)."""
+        self.spawn_agent(env, lease, spool)
+        self.wait_agent(check_cert)
+
+    def spawn_agent(
+        self, env: dict[str, str] | None = None, lease: float = 120.0, spool: Path | None = None
+    ) -> None:
+        """Start the agent (a cluster starts all of its nodes' at once, then waits for each)."""
         prefix = self.inside()
         if self.hide:  # its own mount namespace, where `hide` is an empty tmpfs
             mount = f'mount -t tmpfs none {self.hide} && exec "$@"'
@@ -147,6 +154,8 @@ class Node:
         self.agent = subprocess.Popen(
             argv, stdout=log, stderr=log, env={**os.environ, **self.env, **(env or {})}
         )
+
+    def wait_agent(self, check_cert: bool = True) -> None:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
@@ -263,7 +272,9 @@ class Cluster:
                 node.tls = agent_cert(self.root / "pki", name, node.addr)
             self.nodes[name] = node
         for node in self.nodes.values():
-            node.start_agent(lease=self.lease)
+            node.spawn_agent(lease=self.lease)
+        for node in self.nodes.values():
+            node.wait_agent()
             args = ["node", "add", node.name, node.url, "--token-file", str(node.token_file)]
             if node.tls:
                 args += ["--ca", str(node.tls[2])]

@@ -25,6 +25,28 @@ def workload_cmd(script: str, *args: str) -> list[str]:
     return [sys.executable, str(WORKLOADS / script), *args]
 
 
+# each workload's flag that only sleeps (input latency, a slow step): nothing a loss or a weight
+# depends on. A reference run, which only reports them, runs with it at 0
+_SLOW_STEP = ("train_ddp.py", "train_ddp_nodes.py", "train_gpu.py", "train_migrator.py", "train_mlp.py")
+_DELAY = {"train_cnn_loader.py": "--read-latency"} | {
+    s: "--step-time" for s in (*_SLOW_STEP, "train_long_step.py", "train_tcp_client.py")
+}
+
+
+def undelayed(script: str, *args: str) -> tuple[str, ...]:
+    """`args` with the script's sleep (`_DELAY`) at 0: for a reference run, whose losses and final
+    weights are the same at any pace (the jobs it is compared with keep theirs)."""
+    flag = _DELAY.get(Path(script).name)
+    if flag is None:
+        return args
+    out = list(args)
+    for i, a in enumerate(out[:-1]):
+        if a == flag:
+            out[i + 1] = "0"
+            return tuple(out)
+    return (*out, flag, "0")
+
+
 class Job:
     """A foreground criuctl process (`run` or `restore`) whose output is collected as it comes."""
 
@@ -104,7 +126,7 @@ class Reference:
     """The losses and final weights of an uninterrupted run, under the same supervisor."""
 
     def __init__(self, name: str, script: str, *args: str) -> None:
-        job = Job.run(name, script, *args)
+        job = Job.run(name, script, *undelayed(script, *args))
         assert job.wait() == 0, job.err[-10:]
         self.steps, self.final = job.steps, job.final
         assert self.steps and self.final, "reference run reported nothing"
@@ -115,7 +137,16 @@ class Ref:
 
     def __init__(self, root: Path, script: str, *args: str) -> None:
         job = Job(
-            [*CRIUCTL, "run", "--state-dir", str(root), "--name", "ref", "--", *workload_cmd(script, *args)]
+            [
+                *CRIUCTL,
+                "run",
+                "--state-dir",
+                str(root),
+                "--name",
+                "ref",
+                "--",
+                *workload_cmd(script, *undelayed(script, *args)),
+            ]
         )
         assert job.wait(600) == 0, job.err[-10:]
         self.steps, self.final = job.steps, job.final

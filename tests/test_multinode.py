@@ -23,7 +23,7 @@ from criuctl.agent.protocol import Point
 from criuctl.core.env import PAUSE_AT, PAUSE_DIR
 from tests.cluster import Cluster
 from tests.conftest import needs_criu
-from tests.jobs import CRIUCTL, WORKLOADS, Job, workload_cmd
+from tests.jobs import CRIUCTL, WORKLOADS, Job, undelayed, workload_cmd
 from tests.test_boundaries import _wait_paused
 
 pytestmark = [needs_criu, pytest.mark.slow]
@@ -36,7 +36,15 @@ def reference(world: int) -> tuple[dict[int, str], str]:
     """Rank 0's losses and the final weights of an uninterrupted run of `world` ranks (loopback)."""
     if world not in _REFS:
         port = random.randint(20000, 29000)
-        common = ("--world", str(world), "--master", f"127.0.0.1:{port}", "--ifname", "lo", *STEPS)
+        common = (
+            "--world",
+            str(world),
+            "--master",
+            f"127.0.0.1:{port}",
+            "--ifname",
+            "lo",
+            *undelayed(SCRIPT, *STEPS),
+        )
         ranks = [Job(workload_cmd(SCRIPT, "--rank", str(r), *common)) for r in range(world)]
         for j in ranks:
             assert j.wait(600) == 0, j.err[-10:]

@@ -82,6 +82,10 @@ def overlay(lay: Layout) -> Path:
             "value": {"name": "CRIUCTL_PAUSE_DIR", "value": "/var/lib/criuctl/pause"},
         }
     )
+    # an agent restarted under a move (the tests kill them) is Ready within 2 s, not up to 10
+    lease.append(
+        {"op": "replace", "path": "/spec/template/spec/containers/0/readinessProbe/periodSeconds", "value": 2}
+    )
     patches = [{"path": f"secret{i}.json"} for i in range(len(secrets))]
     patches.append({"target": {"kind": "DaemonSet", "name": "criuctl-agent"}, "patch": json.dumps(lease)})
     # the controller's Lease short too: a replica takes a dead leader's moves up within seconds
