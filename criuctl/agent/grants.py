@@ -154,7 +154,8 @@ class Granter:
     def __init__(self, scope: Callable[[], Scope | None], key: Any) -> None:
         self.scope, self.key = scope, key
         self._lock = threading.Lock()
-        self._value, self._expires, self._signed = "", 0.0, None
+        self._value, self._expires = "", 0.0
+        self._signed: Scope | None = None
 
     def __call__(self) -> str:
         scope = self.scope()
