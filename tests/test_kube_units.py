@@ -1059,3 +1059,31 @@ def test_the_controllers_certificate_opens_a_move_only_with_that_moves_grant(
     assert granter() == first and why("GET", mig, first) == ""
     scope[0] = ("ns", "p", "u1", ("a", "c"))  # the status names other nodes: signed anew
     assert "not node b" in why("GET", mig, granter())
+
+
+def test_a_body_the_auth_middleware_read_still_reaches_the_handler() -> None:
+    """The grant's check reads `POST /v1/outgoing`'s body (its workload) before the route does:
+    the route must see the same body, not an empty one (aiohttp's `can_read_body` is False then)."""
+    import asyncio
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from criuctl.agent.httpjson import body_json
+
+    @web.middleware
+    async def peek(request: web.Request, handler: Any) -> web.StreamResponse:
+        await request.json()
+        return await handler(request)
+
+    async def route(request: web.Request) -> web.Response:
+        return web.json_response(await body_json(request))
+
+    async def go() -> None:
+        app = web.Application(middlewares=[peek])
+        app.router.add_post("/v1/outgoing", route)
+        async with TestClient(TestServer(app)) as client:
+            r = await client.post("/v1/outgoing", json={"workload": "ctr-aaaaaaaaaaaa"})
+            assert await r.json() == {"workload": "ctr-aaaaaaaaaaaa"}
+
+    asyncio.run(go())

@@ -57,10 +57,12 @@ async def body_json(r: web.Request) -> Any:
 
     Any JSON object: a route annotates it with its request's type (`criuctl.agent.messages`), so
     that the names of its fields are checked against the client's, and still checks each field."""
-    if not r.can_read_body:
+    # read whole and cached by aiohttp: the auth middleware may have read it first (a grant's check)
+    raw = await r.read() if r.body_exists else b""
+    if not raw:
         return {}
     try:
-        body = await r.json()
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise error(400, "the request body is not JSON", "send a JSON object") from None
     if not isinstance(body, dict):
