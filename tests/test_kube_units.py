@@ -939,14 +939,43 @@ def test_a_nodes_certificate_opens_on_another_what_a_pending_move_names(monkeypa
     from criuctl.kube import moves, peerrules
 
     bid, other = "1" * 32, "2" * 32
-    m = moves.Move("ns", "p", "u", "a", "c", moves.Phase.KEPT, target="b", holder="b", bundle=bid)
+    m = moves.Move(
+        "ns", "p", "u", "a", "c", moves.Phase.KEPT, target="b", holder="b", bundle=bid, address="10.1.0.5"
+    )
     far = moves.Move("ns", "q", "v", "c", "c", moves.Phase.KEPT, target="d", holder="d", bundle=other)
     records = [m, far]
     monkeypatch.setattr(moves, "every", lambda c: records)
     on_b = peerrules.PeerRules(None, "b")  # type: ignore[arg-type]
 
-    def why(names: set[str], method: str, path: str) -> str | None:
-        return asyncio.run(on_b(frozenset(names), method, path))
+    class Request:  # what the rules read of aiohttp's request
+        def __init__(self, method: str, path: str, body: Any) -> None:
+            self.method, self.path, self.body = method, path, body
+
+        async def json(self) -> Any:
+            if self.body is None:
+                raise ValueError("no body")
+            return self.body
+
+    def why(names: set[str], method: str, path: str, body: Any = None) -> str | None:
+        return asyncio.run(on_b(frozenset(names), Request(method, path, body)))  # type: ignore[arg-type]
+
+    # a job's rank: a brace or a new redirect only of connections to the moving rank's old address
+    to_it = [["10.1.0.9", 41000, "10.1.0.5", 29500, "10.1.0.7"]]
+    elsewhere = [
+        ["10.1.0.9", 41000, "10.1.0.5", 29500, "10.1.0.7"],
+        ["10.1.0.9", 5432, "10.9.9.9", 5432, "10.1.0.7"],
+    ]
+    assert why({"a"}, "POST", "/v1/redirects", {"rules": to_it, "move": bid}) is None
+    assert why({"a"}, "POST", "/v1/workloads/w/brace", {"connections": [r[:4] for r in to_it]}) is None
+    for path, body in [
+        ("/v1/redirects", {"rules": elsewhere, "move": bid}),  # a database's connection too
+        ("/v1/redirects", {"rules": to_it, "move": other}),  # another move's
+        ("/v1/redirects", {"rules": [], "move": bid}),
+        ("/v1/workloads/w/brace", {"connections": [r[:4] for r in elsewhere]}),
+        ("/v1/workloads/w/brace", {"connections": "all"}),
+    ]:
+        assert "whose old address these connections name" in (why({"a"}, "POST", path, body) or ""), body
+    assert "no JSON body" in (why({"a"}, "POST", "/v1/redirects") or "")
 
     a = {"a", "10.0.0.2"}
     assert why(a, "GET", "/v1/info") is None and why(a, "GET", "/v1/workloads") is None
@@ -955,13 +984,15 @@ def test_a_nodes_certificate_opens_on_another_what_a_pending_move_names(monkeypa
         ("POST", f"/v1/bundles/{bid}/expect"),
         ("PUT", f"/v1/bundles/{bid}"),
         ("DELETE", f"/v1/bundles/{bid}"),
-        ("POST", "/v1/workloads/w/brace"),
         ("POST", f"/v1/redirects/{bid}/keep"),
+        ("DELETE", f"/v1/redirects/{bid}"),
     ]:
         assert why(a, method, path) is None, (method, path)
     assert "no pending move of bundle" in (why(a, "PUT", f"/v1/bundles/{other}") or "")
     assert "no pending move of bundle" in (why({"c"}, "DELETE", f"/v1/bundles/{bid}") or "")
-    assert "no pending move of a job's rank" in (why({"e"}, "POST", "/v1/workloads/w/brace") or "")
+    assert "no pending move of a job's rank" in (why({"e"}, "POST", f"/v1/redirects/{bid}/keep") or "")
+    brace = {"connections": [r[:4] for r in to_it]}
+    assert "whose old address" in (why({"e"}, "POST", "/v1/workloads/w/brace", brace) or "")
     for method, path in [  # reading a bundle, restoring it: the holder's own calls alone
         ("GET", f"/v1/bundles/{bid}"),
         ("GET", f"/v1/bundles/{bid}/manifest"),

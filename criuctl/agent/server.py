@@ -66,7 +66,7 @@ from criuctl.net import peers
 log = logging.getLogger("criuctl.agent")
 
 # why another node's certificate (its names) may not make the request (method, path); None: it may
-PeerRules = Callable[[frozenset[str], str, str], Awaitable[str | None]]
+PeerRules = Callable[[frozenset[str], web.Request], Awaitable[str | None]]
 # what a move's grant opens to the controller (criuctl.agent.grants): the two sides of a migration
 _MOVE_ROUTE = re.compile(r"^/v1/(incoming|outgoing)(/.*)?$")
 _NAMING_BODY = frozenset({"/v1/outgoing", "/v1/outgoing/settle"})  # their body's `workload`
@@ -157,7 +157,7 @@ class Agent:
         if self.peer_rules is None:
             shown = ", ".join(sorted(names))
             return f"another node's certificate ({shown}) opens nothing here but its move's ticket"
-        return await self.peer_rules(names, request.method, request.path)
+        return await self.peer_rules(names, request)
 
     async def grant_refusal(self, request: web.Request) -> str | None:
         """Why the controller's certificate may not make this request (None: it may). Alone it reads

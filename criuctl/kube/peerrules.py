@@ -16,8 +16,12 @@ pending move (criuctl.kube.moves, the records in the API server) needs of a node
                                                  stream, manifest, pages) and restoring it are
                                                  the node's own calls alone: every copy is sent
                                                  by the node that holds it
-    POST /v1/workloads/NAME/brace, /v1/redirects…  a move names the caller: a job's rank moving
-                                                 bounds and re-points its staying peers' sockets
+    POST /v1/workloads/NAME/brace, /v1/redirects   a move names the caller, and every connection
+                                                 the body bounds or re-points is one to that
+                                                 move's rank at the address it was dumped at (a
+                                                 redirect: and follows that move's bundle)
+    POST /v1/redirects/ID/keep, DELETE …/ID      a move names the caller: a redirect it made kept
+                                                 or taken back
 
 Everything else (checkpoint, restore, run, logs, migrations) is the controller's, or the node's
 own; a move's ticket routes are the ticket's (criuctl.agent.tickets).
@@ -25,14 +29,18 @@ own; a move's ticket routes are the ticket's (criuctl.agent.tickets).
 What this does not stop: the records are ConfigMaps every agent may write (an agent makes a
 drain's record), so a node whose root is taken can write one naming itself and another node, and
 so reach that node's bundle routes above for an ID of its choosing — deliver a bundle there that a
-forged `kept` record has it restore — and any node's redirects. Records only the controller
-writes, or signs, would close it (docs/deploy.md, "Who holds what").
+forged `kept` record has it restore — and redirects of connections to an address its forged
+record claims. Records only the controller writes, or signs, would close it (docs/deploy.md,
+"Who holds what").
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+from typing import Any
+
+from aiohttp import web
 
 from criuctl.agent import callers
 from criuctl.core.errors import CriuctlError
@@ -42,6 +50,7 @@ from criuctl.kube.cluster import Cluster
 _CLIENT = re.compile(r"^/v1/bundles/[0-9a-f]{32}/page-client$")
 _BUNDLE = re.compile(r"^/v1/bundles/([0-9a-f]{32})(/expect)?$")
 _JOB = re.compile(r"^(/v1/workloads/[^/]+/brace|/v1/redirects(/[0-9a-f]{32}(/keep)?)?)$")
+_AIMED = re.compile(r"^(/v1/workloads/[^/]+/brace|/v1/redirects)$")  # their bodies name the connections
 
 
 class PeerRules:
@@ -50,7 +59,8 @@ class PeerRules:
     def __init__(self, c: Cluster, me: str) -> None:
         self.c, self.me = c, me
 
-    async def __call__(self, names: frozenset[str], method: str, path: str) -> str | None:
+    async def __call__(self, names: frozenset[str], request: web.Request) -> str | None:
+        method, path = request.method, request.path
         who = f"node {'/'.join(sorted(names)) or '(no name)'}"
         if (method, path) in callers.READS or (method == "POST" and _CLIENT.match(path)):
             return None
@@ -59,6 +69,12 @@ class PeerRules:
             bundle = None  # POST is expect's alone; PUT and DELETE the bundle's
         if bundle is None and not _JOB.match(path):
             return f"{who} may not call {method} {path} here: that is the controller's, or this node's own"
+        aimed = None
+        if bundle is None and method == "POST" and _AIMED.match(path):
+            try:
+                aimed = await request.json()
+            except ValueError:
+                return f"{who}'s call {method} {path} has no JSON body to check"
         try:
             records = await asyncio.to_thread(moves.every, self.c)
         except CriuctlError as exc:
@@ -69,9 +85,32 @@ class PeerRules:
             nodes = {m.source, m.target, m.holder} - {""}
             if not nodes & names:
                 continue
-            if bundle is None or (m.bundle == bundle.group(1) and self.me in nodes):
+            if bundle is not None:
+                if m.bundle == bundle.group(1) and self.me in nodes:
+                    return None
+            elif aimed is None or _aims_at(m, aimed, path):
                 return None
-        what = f"bundle {bundle.group(1)}" if bundle else "a job's rank"
+        if bundle is not None:
+            what = f"bundle {bundle.group(1)}"
+        elif aimed is not None:
+            what = "a job's rank whose old address these connections name"
+        else:
+            what = "a job's rank"
         return (
             f"{who} may not call {method} {path} here: no pending move of {what} names it and node {self.me}"
         )
+
+
+def _aims_at(m: moves.Move, body: Any, path: str) -> bool:
+    """Whether a brace or a new redirect asks only about move `m`'s rank: every connection it
+    bounds or re-points is one to the address the rank had when it was dumped (`m.address`), and a
+    redirect names `m`'s bundle as the move it follows. Nothing else a staying rank holds."""
+    if not isinstance(body, dict) or not m.address:
+        return False
+    if path == "/v1/redirects":
+        rows, follows = body.get("rules"), body.get("move") == m.bundle
+    else:
+        rows, follows = body.get("connections"), True
+    if not follows or not isinstance(rows, list) or not rows:
+        return False
+    return all(isinstance(r, list) and len(r) >= 4 and r[2] == m.address for r in rows)
