@@ -1025,6 +1025,7 @@ def test_the_controllers_certificate_opens_a_move_only_with_that_moves_grant(
     names a workload, one of the granted pod's. A stolen grant opens nothing else, for minutes."""
     import asyncio
     import json
+    from types import SimpleNamespace
 
     from cryptography.hazmat.primitives import serialization
 
@@ -1081,6 +1082,11 @@ def test_the_controllers_certificate_opens_a_move_only_with_that_moves_grant(
     assert "is not its container" in why(
         "POST", "/v1/outgoing/settle", grant(uid="u2"), {"workload": "ctr-aaaaaaaaaaaa"}
     )
+    og = "3" * 32  # a move the agent started, of pod u2's workload: its later calls are u2's grant's
+    agent.outgoing.machines[og] = SimpleNamespace(spec=SimpleNamespace(workload="ctr-bbbbbbbbbbbb"))  # type: ignore[assignment]
+    assert "is not its container" in why("POST", f"/v1/outgoing/{og}/commit", grant())
+    assert why("POST", f"/v1/outgoing/{og}/commit", grant(uid="u2")) == ""
+    assert why("GET", f"/v1/outgoing/{og}", grant(uid="u2")) == ""
 
     scope: list[Any] = [None]
     granter = grants.Granter(lambda: scope[0], keys["ca"])

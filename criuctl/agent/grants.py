@@ -11,8 +11,10 @@ wire opens, for minutes, the move routes of that one pod on those nodes alone.
 
 An agent checks (`read`): the signature against the CA it trusts, the expiry (a grant that claims
 more than `LONGEST` is refused: no controller signs one), that it names this node, that the route is
-a move's (`/v1/incoming…`, `/v1/outgoing…`), and, where the call names a workload, that the workload
-is that pod's container (its record's pod UID: `criuctl.agent.server.Agent.grant_refusal`).
+a move's (`/v1/incoming…`, `/v1/outgoing…`), and, where the call names a workload (in its body, or
+as the workload of the outgoing move it names), that the workload is that pod's container (its
+record's pod UID: `criuctl.agent.server.Agent.grant_refusal`). The target's calls are scoped by
+node and time alone: the placeholder it restores into is another pod.
 
 Format (header `GRANT_HEADER`): base64url(canonical JSON) "." base64url(signature). The signature is
 the CA key's own kind: ECDSA P-256/P-384 with SHA-256, Ed25519, or RSA PKCS#1 v1.5 with SHA-256.

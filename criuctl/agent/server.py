@@ -70,6 +70,7 @@ PeerRules = Callable[[frozenset[str], web.Request], Awaitable[str | None]]
 # what a move's grant opens to the controller (criuctl.agent.grants): the two sides of a migration
 _MOVE_ROUTE = re.compile(r"^/v1/(incoming|outgoing)(/.*)?$")
 _NAMING_BODY = frozenset({"/v1/outgoing", "/v1/outgoing/settle"})  # their body's `workload`
+_OUTGOING_ID = re.compile(r"^/v1/outgoing/([0-9a-f]{32})(/[a-z]+)?$")  # its workload: the machine's
 
 
 @dataclass
@@ -183,6 +184,9 @@ class Agent:
                 named = str((await request.json()).get("workload", ""))
             except (ValueError, AttributeError):
                 return None  # the handler answers a body it cannot read with its own 400
+        if not named and (og := _OUTGOING_ID.match(request.path)) is not None:
+            started = self.outgoing.machines.get(og.group(1))  # a move it started: of that workload
+            named = started.spec.workload if started is not None else ""
         if named:
             try:
                 w = await asyncio.to_thread(workloads.load, workloads.validate_name(named))
