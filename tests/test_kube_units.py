@@ -931,14 +931,22 @@ def test_an_agents_identity_is_renewed_after_two_thirds_and_only_for_its_own_nam
     assert ident.due() and not ident.names("a", ["10.0.0.2"])
 
 
-def test_a_nodes_certificate_opens_on_another_what_a_pending_move_names(monkeypatch) -> None:
+def test_a_nodes_certificate_opens_on_another_what_a_pending_move_names(tmp_path: Path, monkeypatch) -> None:
     """criuctl.kube.peerrules: on node b, a's certificate opens what runs there, and the bundle
     routes of a move whose record names both a and b; nothing the controller or b alone does."""
     import asyncio
 
+    from criuctl.agent import records as agent_records
+    from criuctl.agent import redirects
     from criuctl.kube import moves, peerrules
 
+    monkeypatch.setenv("CRIUCTL_STATE_DIR", str(tmp_path / "state"))
     bid, other = "1" * 32, "2" * 32
+    # b's redirects: one made for a's move (bundle bid), one for another move, one of a host job
+    ours, theirs, hosts = "a" * 32, "b" * 32, "c" * 32
+    for rid, move in ((ours, bid), (theirs, other), (hosts, None)):
+        rec = redirects.RedirectRecord(rid, [["10.1.0.9", 1, "10.1.0.5", 2, "10.1.0.7"]], None, "t", move=move)
+        agent_records.write(redirects._path(rid), rec.to_json())
     m = moves.Move(
         "ns", "p", "u", "a", "c", moves.Phase.KEPT, target="b", holder="b", bundle=bid, address="10.1.0.5"
     )
@@ -984,13 +992,18 @@ def test_a_nodes_certificate_opens_on_another_what_a_pending_move_names(monkeypa
         ("POST", f"/v1/bundles/{bid}/expect"),
         ("PUT", f"/v1/bundles/{bid}"),
         ("DELETE", f"/v1/bundles/{bid}"),
-        ("POST", f"/v1/redirects/{bid}/keep"),
-        ("DELETE", f"/v1/redirects/{bid}"),
+        ("POST", f"/v1/redirects/{ours}/keep"),
+        ("DELETE", f"/v1/redirects/{ours}"),
     ]:
         assert why(a, method, path) is None, (method, path)
     assert "no pending move of bundle" in (why(a, "PUT", f"/v1/bundles/{other}") or "")
     assert "no pending move of bundle" in (why({"c"}, "DELETE", f"/v1/bundles/{bid}") or "")
-    assert "no pending move of a job's rank" in (why({"e"}, "POST", f"/v1/redirects/{bid}/keep") or "")
+    # a redirect by its id: only a node the move it follows names (not any node some move names)
+    assert "does not name it" in (why({"e"}, "POST", f"/v1/redirects/{ours}/keep") or "")
+    for method, tail in (("POST", "/keep"), ("DELETE", "")):
+        assert "does not name it" in (why(a, method, f"/v1/redirects/{theirs}{tail}") or "")  # c's move's
+        for rid in (hosts, "d" * 32):  # a host job's (its ticket settles it); none
+            assert "no redirect of a pod's move" in (why(a, method, f"/v1/redirects/{rid}{tail}") or "")
     brace = {"connections": [r[:4] for r in to_it]}
     assert "whose old address" in (why({"e"}, "POST", "/v1/workloads/w/brace", brace) or "")
     for method, path in [  # reading a bundle, restoring it: the holder's own calls alone

@@ -105,6 +105,18 @@ def parse_rules(raw: object) -> list[netcut.Redirect]:
     return netcut.parse(raw, "apapa")
 
 
+def _path(rid: str) -> Path:
+    return statedir.REDIRECTS.ensure() / f"{rid}.json"
+
+
+def load(rid: str) -> RedirectRecord | None:
+    """Redirect `rid` of this node, None if there is none (or `rid` is no id)."""
+    if not valid_id(rid):
+        return None
+    rec = records.read(_path(rid), RedirectRecord.from_json)
+    return rec if isinstance(rec, RedirectRecord) else None
+
+
 class Redirects:
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
@@ -119,17 +131,8 @@ class Redirects:
     def folder(self) -> Path:
         return statedir.REDIRECTS.ensure()
 
-    def _path(self, rid: str) -> Path:
-        return self.folder / f"{rid}.json"
-
-    def _load(self, rid: str) -> RedirectRecord | None:
-        if not valid_id(rid):
-            return None
-        rec = records.read(self._path(rid), RedirectRecord.from_json)
-        return rec if isinstance(rec, RedirectRecord) else None
-
     def _get(self, r: web.Request) -> RedirectRecord:
-        rec = self._load(r.match_info["id"])
+        rec = load(r.match_info["id"])
         if rec is None:
             raise error(404, f"no redirect {r.match_info['id']} on node {self.agent.name}")
         return rec
@@ -169,7 +172,7 @@ class Redirects:
             await asyncio.to_thread(self._drop, same)  # the move's successor changed: its rules go
         rid = uuid.uuid4().hex
         rec = RedirectRecord(rid, wanted, ticket, netcut.NAT + rid, pid=pid, netns=netns, move=move)
-        await asyncio.to_thread(records.write, self._path(rid), rec.to_json())  # before the rules
+        await asyncio.to_thread(records.write, _path(rid), rec.to_json())  # before the rules
         try:
             await asyncio.to_thread(netcut.redirect, rid, rules, pid)
         except CriuctlError as exc:
@@ -185,7 +188,7 @@ class Redirects:
     async def keep(self, r: web.Request) -> web.Response:
         rec = self._get(r)
         rec.state = KEPT
-        await asyncio.to_thread(records.write, self._path(rec.id), rec.to_json())
+        await asyncio.to_thread(records.write, _path(rec.id), rec.to_json())
         return web.json_response(StateAnswer(state=KEPT))
 
     async def remove(self, r: web.Request) -> web.Response:
@@ -233,7 +236,7 @@ class Redirects:
     def _drop(self, rec: RedirectRecord) -> None:
         with contextlib.suppress(NamespaceGone):
             netcut.remove(rec.table, rec.where())
-        self._path(rec.id).unlink(missing_ok=True)
+        _path(rec.id).unlink(missing_ok=True)
 
     async def settle(self, rid: str, seconds: float) -> None:
         """The client did not settle it in time: the moved rank's target says what is true."""
@@ -246,7 +249,7 @@ class Redirects:
             log.warning("redirect lease expired", extra={"id": rid, "target_state": state})
             if state == TargetState.RUNNING:
                 rec.state = KEPT
-                await asyncio.to_thread(records.write, self._path(rid), rec.to_json())
+                await asyncio.to_thread(records.write, _path(rid), rec.to_json())
             elif state in (TargetState.ABORTED, TargetState.FAILED):
                 await asyncio.to_thread(self._drop, rec)
             else:
@@ -281,7 +284,7 @@ class Redirects:
                 try:
                     rec.where()
                 except NamespaceGone:
-                    self._path(rec.id).unlink(missing_ok=True)
+                    _path(rec.id).unlink(missing_ok=True)
                 continue
             if rec.state == KEPT and not any((la, lp) in live for la, lp, *_ in rec.rules):
                 self._drop(rec)

@@ -20,8 +20,9 @@ pending move (criuctl.kube.moves, the records in the API server) needs of a node
                                                  the body bounds or re-points is one to that
                                                  move's rank at the address it was dumped at (a
                                                  redirect: and follows that move's bundle)
-    POST /v1/redirects/ID/keep, DELETE …/ID      a move names the caller: a redirect it made kept
-                                                 or taken back
+    POST /v1/redirects/ID/keep, DELETE …/ID      the move the redirect follows (its `move`: that
+                                                 move's bundle) names the caller: a redirect made
+                                                 for it kept or taken back, no other
 
 Everything else (checkpoint, restore, run, logs, migrations) is the controller's, or the node's
 own; a move's ticket routes are the ticket's (criuctl.agent.tickets).
@@ -42,7 +43,7 @@ from typing import Any
 
 from aiohttp import web
 
-from criuctl.agent import callers
+from criuctl.agent import callers, redirects
 from criuctl.core.errors import CriuctlError
 from criuctl.kube import moves
 from criuctl.kube.cluster import Cluster
@@ -51,6 +52,7 @@ _CLIENT = re.compile(r"^/v1/bundles/[0-9a-f]{32}/page-client$")
 _BUNDLE = re.compile(r"^/v1/bundles/([0-9a-f]{32})(/expect)?$")
 _JOB = re.compile(r"^(/v1/workloads/[^/]+/brace|/v1/redirects(/[0-9a-f]{32}(/keep)?)?)$")
 _AIMED = re.compile(r"^(/v1/workloads/[^/]+/brace|/v1/redirects)$")  # their bodies name the connections
+_BY_ID = re.compile(r"^/v1/redirects/([0-9a-f]{32})(/keep)?$")  # the redirect names the move it follows
 
 
 class PeerRules:
@@ -75,6 +77,12 @@ class PeerRules:
                 aimed = await request.json()
             except ValueError:
                 return f"{who}'s call {method} {path} has no JSON body to check"
+        follows = None
+        if bundle is None and (by_id := _BY_ID.match(path)):
+            rec = await asyncio.to_thread(redirects.load, by_id.group(1))
+            if rec is None or not rec.move:
+                return f"{who} may not call {method} {path} here: no redirect of a pod's move has that id"
+            follows = rec.move
         try:
             records = await asyncio.to_thread(moves.every, self.c)
         except CriuctlError as exc:
@@ -88,17 +96,18 @@ class PeerRules:
             if bundle is not None:
                 if m.bundle == bundle.group(1) and self.me in nodes:
                     return None
-            elif aimed is None or _aims_at(m, aimed, path):
+            elif follows is not None:
+                if m.bundle == follows:
+                    return None
+            elif aimed is not None and _aims_at(m, aimed, path):
                 return None
-        if bundle is not None:
-            what = f"bundle {bundle.group(1)}"
-        elif aimed is not None:
-            what = "a job's rank whose old address these connections name"
+        if follows is not None:
+            why = f"the move it follows (bundle {follows}) is not pending or does not name it"
+        elif bundle is not None:
+            why = f"no pending move of bundle {bundle.group(1)} names it and node {self.me}"
         else:
-            what = "a job's rank"
-        return (
-            f"{who} may not call {method} {path} here: no pending move of {what} names it and node {self.me}"
-        )
+            why = "no pending move naming it is of a job's rank whose old address these connections name"
+        return f"{who} may not call {method} {path} here: {why}"
 
 
 def _aims_at(m: moves.Move, body: Any, path: str) -> bool:
