@@ -12,7 +12,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${1:?usage: scripts/run-tests.sh PYTHON [--serial]}
-ARGS=(-ra --durations=25 -p no:cacheprovider)
+ARGS=(-ra --durations=40 -p no:cacheprovider)
 tmp=$(mktemp -d /tmp/criuctl-tests.XXXXXX)
 
 if [ "${2:-}" = --serial ]; then

@@ -1,4 +1,5 @@
 import ast
+import collections
 import gc
 import subprocess
 
@@ -98,3 +99,21 @@ def local_cluster(tmp_path_factory):
         yield lay, Kubectl(lay)
     finally:
         lc.down(lay)
+
+
+_MODULE_SECONDS: collections.Counter[str] = collections.Counter()
+
+
+def pytest_runtest_logreport(report) -> None:
+    _MODULE_SECONDS[report.nodeid.split("::")[0]] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Seconds each module took (setup, call and teardown): what `scripts/run-tests.sh` balances
+    its two sessions by, and where CI's time goes (a session's module-scoped fixtures, the local
+    cluster's start among them, count in the module that first used them)."""
+    if not _MODULE_SECONDS:
+        return
+    terminalreporter.write_sep("=", "seconds per module")
+    for module, seconds in _MODULE_SECONDS.most_common():
+        terminalreporter.write_line(f"{seconds:8.1f}  {module}")

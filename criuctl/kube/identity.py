@@ -387,10 +387,13 @@ class Signer:
         """Every pending request to criuctl's signer: approved and signed, or denied with the reason."""
         listed = call("certificate requests", self.c.certificates.list_certificate_signing_request)
         for item in listed.items:
-            csr = self.c.serialize(item)
-            spec, status = csr.get("spec") or {}, csr.get("status") or {}
-            if spec.get("signerName") != SIGNER or status.get("certificate"):
+            # read off the typed object first: every request of the last hour is listed each
+            # second (the API server keeps issued ones an hour), and only a pending one of ours
+            # is worth serialising
+            if item.spec.signer_name != SIGNER or (item.status and item.status.certificate):
                 continue
+            csr = self.c.serialize(item)
+            status = csr.get("status") or {}
             done = {cond.get("type") for cond in status.get("conditions") or []}
             if done & {"Denied", "Failed"}:
                 continue
