@@ -945,7 +945,9 @@ def test_a_nodes_certificate_opens_on_another_what_a_pending_move_names(tmp_path
     # b's redirects: one made for a's move (bundle bid), one for another move, one of a host job
     ours, theirs, hosts = "a" * 32, "b" * 32, "c" * 32
     for rid, move in ((ours, bid), (theirs, other), (hosts, None)):
-        rec = redirects.RedirectRecord(rid, [["10.1.0.9", 1, "10.1.0.5", 2, "10.1.0.7"]], None, "t", move=move)
+        rec = redirects.RedirectRecord(
+            rid, [["10.1.0.9", 1, "10.1.0.5", 2, "10.1.0.7"]], None, "t", move=move
+        )
         agent_records.write(redirects._path(rid), rec.to_json())
     m = moves.Move(
         "ns", "p", "u", "a", "c", moves.Phase.KEPT, target="b", holder="b", bundle=bid, address="10.1.0.5"
