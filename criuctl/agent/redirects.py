@@ -242,7 +242,7 @@ class Redirects:
         """The client did not settle it in time: the moved rank's target says what is true."""
         await asyncio.sleep(seconds)
         backoff = Backoff(timeouts().ask_backoff_max)
-        while (rec := await asyncio.to_thread(self._load, rid)) is not None and rec.state == PENDING:
+        while (rec := await asyncio.to_thread(load, rid)) is not None and rec.state == PENDING:
             if rec.ticket is None:
                 return  # a pod's: whoever moves its peer keeps or removes it
             state = await asyncio.to_thread(verdicts.ask_state, rec.ticket)
