@@ -1,6 +1,8 @@
 import ast
 import collections
+import contextlib
 import gc
+import os
 import subprocess
 
 import pytest
@@ -98,7 +100,33 @@ def local_cluster(tmp_path_factory):
         criuctl_runs_the_built_image(lay, Kubectl(lay))
         yield lay, Kubectl(lay)
     finally:
+        _keep_logs(lay, tmp_path_factory.mktemp("kube-logs"))
         lc.down(lay)
+
+
+def _keep_logs(lay, into) -> None:
+    """What explains a failed move after the cluster is gone (`down` removes its folder; the
+    session's folder is kept when a test failed): the control plane's logs, each node's criuctl
+    pods' logs (every restart's) and the CRIU logs in the agents' state."""
+    import shutil
+
+    def small(src: str, names: list[str]) -> set[str]:  # no images, bundles or job files
+        return {
+            n
+            for n in names
+            if os.path.isfile(f"{src}/{n}")
+            and (not n.endswith(".log") or os.path.getsize(f"{src}/{n}") > 20 << 20)
+        }
+
+    with contextlib.suppress(OSError):
+        shutil.copytree(lay.dir / "logs", into / "control-plane")
+    for node in lay.nodes:
+        here = lay.node_dir(node)
+        for pods in (here / "var-log-pods").glob("criuctl-system_*"):
+            with contextlib.suppress(OSError):
+                shutil.copytree(pods, into / node / "pods" / pods.name)
+        with contextlib.suppress(OSError):
+            shutil.copytree(here / "var-lib-criuctl", into / node / "criuctl", ignore=small, symlinks=True)
 
 
 _MODULE_SECONDS: collections.Counter[str] = collections.Counter()

@@ -230,3 +230,23 @@ def test_a_containers_control_directory_is_never_followed_out_of_it(tmp_path):
     assert json.loads((run / "boundary" / contract.REQUEST).read_text()) == {"id": "r2"}
     sb.let_go_on_target(control, "r2")
     assert (run / "boundary" / contract.RELEASED / "r2").is_file()
+
+
+def test_a_subpath_file_the_node_replaced_is_refused_before_the_freeze() -> None:
+    """An edited ConfigMap mounted by subPath: the kubelet swaps its folder, the job's file is
+    deleted (the kernel's mountinfo ends its root with //deleted), and CRIU's restore would fail
+    after the freeze; containers refuses before it, naming the volume."""
+    vol = "/var/lib/kubelet/pods/3f1a2b4c-0000-4000-8000-000000000001/volume-subpaths/one/train/11"
+
+    class View:  # the part of NodeView the check reads
+        def paths(self, m: mounts.Mount) -> list[str]:
+            return [vol] if m.point == "/etc/one.conf" else []
+
+    def check(root: str) -> None:
+        inside = mounts.parse(INSIDE + f"120 95 0:61 {root} /etc/one.conf ro,relatime - tmpfs tmpfs rw\n")
+        points = [*mounts.externals(inside, mounts.parse(HOST)), "/etc/one.conf"]
+        containers._refuse_replaced_mounts(inside, points, View())  # type: ignore[arg-type]
+
+    check("/..2026_12_07_05_31_00.1/one.conf")  # as mounted: moves
+    with pytest.raises(containers.NotCheckpointable, match=r"volume one .* replaced its file"):
+        check("/..2026_12_07_05_31_00.1/one.conf//deleted")

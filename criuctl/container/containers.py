@@ -228,6 +228,7 @@ def plan(w: workloads.Workload, pids: list[int], connections: bool = False) -> D
     # the node's view, not ours: the agent's container lacks most of the node's folders
     inside, view = mounts.of(pid), NodeView.of_runtime(w.runtime)
     points = view.externals(inside)
+    _refuse_replaced_mounts(inside, points, view)
     external = [f"mnt[{p}]:{p}" for p in points]
     netns_external = _netns(pid) != _netns("self")
     if netns_external:
@@ -267,6 +268,25 @@ def _refuse_unknown_devices(pids: list[int]) -> None:
                     f"PID {pid} holds device {target} open (fd {fd}), which criuctl cannot move",
                     "nothing was frozen; close the device (or use the GPU path for /dev/nvidia*)",
                 )
+
+
+def _refuse_replaced_mounts(inside: list[mounts.Mount], points: list[str], view: NodeView) -> None:
+    """A volume's file mounted by itself (a kubelet subPath) whose file the node has since replaced:
+    an edited ConfigMap or Secret, which the kubelet swaps in a new folder and never re-mounts into
+    a running container. The job still sees the old file, deleted; CRIU records the mount as
+    deleted and, restoring, tries to make that file again where the restorer's new mount already
+    is, and fails after the freeze ('Can't re-create deleted file … File exists'). Refused here,
+    before anything is frozen, instead."""
+    for m in mounts.by_point(inside).values():
+        if m.point in points and m.root.endswith(mounts.DELETED):
+            v = volumes.classify(m, view.paths(m))
+            what = v.label() if v is not None else m.point
+            raise NotCheckpointable(
+                f"{what} at {m.point}: the node replaced its file since the container started (an edited "
+                "ConfigMap or Secret mounted by subPath, which the kubelet never updates), and a "
+                "restore cannot put the old one back",
+                "nothing was frozen; restart the pod to mount the new file, then move it",
+            )
 
 
 def _refuse_remote_tcp(pids: list[int]) -> None:

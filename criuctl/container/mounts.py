@@ -34,6 +34,11 @@ class Mount:
     super_options: dict[str, str]
 
 
+# how mountinfo ends the root of a mount whose file or folder was deleted (the kernel's
+# show_mountinfo: "//deleted"; d_path's " (deleted)" where a path is printed otherwise)
+DELETED = ("//deleted", " (deleted)")
+
+
 def _unescape(field: str) -> str:
     """mountinfo escapes space, tab, newline and backslash as octal (\\040)."""
     out, i = [], 0
