@@ -1,5 +1,5 @@
 """Each node's agent its own identity on the real local cluster (criuctl.kube.identity): a key made
-on the node, a certificate naming that node alone signed by the controller from a CA only it mounts,
+on the node, a certificate naming that node alone signed by criuctl's signer from a CA only it mounts,
 issued through the API server's CertificateSigningRequest API to the agent pod of that node and to
 nothing else, renewed under a running cluster without a client noticing."""
 
@@ -24,8 +24,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, padding
 from cryptography.x509.oid import NameOID
 
-from criuctl.agent import grants
-from criuctl.kube import identity
+from criuctl.agent import callers, grants
+from criuctl.kube import identity, signer
 from criuctl.kube.cluster import AGENT_PORT, SYSTEM_NS
 from tests.conftest import needs_criu
 from tests.kube import Kubectl
@@ -55,14 +55,39 @@ def _handshake(ca: str, ip: str, expect: str) -> None:
         pass
 
 
-def _ask(k: Kubectl, node: str, ip: str, *token: str) -> str:
-    """A certificate request to criuctl's signer for `node`, made as the admin or with `token`;
-    the Denied condition's message once the controller has judged it (or a failure if approved)."""
+def _node(node: str, ip: str) -> tuple[str, list[x509.GeneralName]]:
+    return node, [x509.DNSName(node), x509.IPAddress(ipaddress.ip_address(ip))]
+
+
+CONTROLLER = (identity.CONTROLLER_CN, [x509.UniformResourceIdentifier(callers.CONTROLLER)])
+
+
+def _token(k: Kubectl, account: str, pod: dict | None = None) -> str:
+    """A token of ServiceAccount criuctl-system/`account`, bound to `pod` if given (as the agents' are)."""
+    spec: dict[str, Any] = {"expirationSeconds": 600}
+    if pod is not None:
+        spec["boundObjectRef"] = {
+            "kind": "Pod",
+            "apiVersion": "v1",
+            "name": pod["metadata"]["name"],
+            "uid": pod["metadata"]["uid"],
+        }
+    bound = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec}
+    path = f"/api/v1/namespaces/{SYSTEM_NS}/serviceaccounts/{account}/token"
+    r = k("create", "--raw", path, "-f", "-", input=json.dumps(bound))
+    return json.loads(r.stdout)["status"]["token"]
+
+
+def _ask(k: Kubectl, names: tuple[str, list[x509.GeneralName]], *token: str) -> str:
+    """A certificate request to criuctl's signer for common name and SANs `names`, made as the
+    admin or with `token`; the Denied condition's message once the signer has judged it (or a
+    failure if approved)."""
     key = ec.generate_private_key(ec.SECP256R1())
-    san = x509.SubjectAlternativeName([x509.DNSName(node), x509.IPAddress(ipaddress.ip_address(ip))])
+    cn, sans = names
+    san = x509.SubjectAlternativeName(sans)
     req = (
         x509.CertificateSigningRequestBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node)]))
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
         .add_extension(san, critical=False)
         .sign(key, hashes.SHA256())
     )
@@ -81,12 +106,12 @@ def _ask(k: Kubectl, node: str, ip: str, *token: str) -> str:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         status = (k.get("csr", name) or {}).get("status") or {}
-        assert not status.get("certificate"), f"the controller signed {name} for node {node}"
+        assert not status.get("certificate"), f"the signer signed {name} for {cn}"
         for cond in status.get("conditions") or []:
-            assert cond["type"] == "Denied", f"the controller approved {name}: {cond}"
+            assert cond["type"] == "Denied", f"the signer approved {name}: {cond}"
             return cond["message"]
         time.sleep(0.5)
-    pytest.fail(f"the controller never judged {name}")
+    pytest.fail(f"the signer never judged {name}")
 
 
 def _agent_pod(k: Kubectl, node: str) -> dict:
@@ -137,28 +162,38 @@ def test_each_agent_serves_its_own_nodes_certificate_and_no_one_else_gets_one(lo
         _handshake(ca_path, ips[a], ips[b])
 
     # a request for a's name by anyone else is denied, with why: the admin (no pod) ...
-    said = _ask(k, a, ips[a])
+    said = _ask(k, _node(a, ips[a]))
     assert "not criuctl's agent" in said, said
     # ... and b's own agent pod, with a token bound to it as its own is, asking for a's name
-    pod = _agent_pod(k, b)
-    bound = {
-        "apiVersion": "authentication.k8s.io/v1",
-        "kind": "TokenRequest",
-        "spec": {
-            "boundObjectRef": {
-                "kind": "Pod",
-                "apiVersion": "v1",
-                "name": pod["metadata"]["name"],
-                "uid": pod["metadata"]["uid"],
-            },
-            "expirationSeconds": 600,
-        },
-    }
-    path = f"/api/v1/namespaces/{SYSTEM_NS}/serviceaccounts/criuctl-agent/token"
-    r = k("create", "--raw", path, "-f", "-", input=json.dumps(bound))
-    token = json.loads(r.stdout)["status"]["token"]
-    said = _ask(k, a, ips[a], token)
+    token = _token(k, "criuctl-agent", _agent_pod(k, b))
+    said = _ask(k, _node(a, ips[a]), token)
     assert f"runs on node '{b}'" in said, said
+    # ... or for the controller's name (which opens every agent's reads and signs grants)
+    said = _ask(k, CONTROLLER, token)
+    assert "asked for" in said, said
+    # the controller's ServiceAccount gets the controller's name alone: not a node's
+    said = _ask(k, _node(a, ips[a]), _token(k, "criuctl-controller"))
+    assert "not the controller's name alone" in said, said
+    said = _ask(k, CONTROLLER)
+    assert "not criuctl's agent" in said, said
+    # and the controller got its own from the signer (it holds no CA): a client certificate of the
+    # agents' CA, naming its URI alone
+    issued = [
+        c
+        for c in json.loads(
+            k("get", "csr", "-l", "app.kubernetes.io/name=criuctl-controller", "-o", "json").stdout
+        )["items"]
+        if (c.get("status") or {}).get("certificate")
+    ]
+    assert issued, "the controller has no certificate from criuctl's signer"
+    cert = x509.load_pem_x509_certificate(base64.b64decode(issued[-1]["status"]["certificate"]))
+    assert cert.issuer == ca.subject
+    assert cert.extensions.get_extension_for_class(
+        x509.SubjectAlternativeName
+    ).value == x509.SubjectAlternativeName([x509.UniformResourceIdentifier(callers.CONTROLLER)])
+    assert [
+        u.dotted_string for u in cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    ] == ["1.3.6.1.5.5.7.3.2"]  # client auth: it serves nothing
 
     # rotation: SIGHUP asks for a new key now; the agent serves it, for the same node, and goes on
     before, restarts = served[a], _restarts(k, a)
@@ -189,8 +224,8 @@ def test_no_token_is_shared_a_nodes_certificate_opens_on_another_only_what_a_mov
     a, b = sorted(ips)
     ca = str(lay.pki / "criuctl-ca.crt")
     mine = str(lay.node_dir(a) / "var-lib-criuctl" / "identity.pem")
-    ctl = identity.controller_identity(
-        identity.CA.load(lay.pki / "criuctl-ca.crt", lay.pki / "criuctl-ca.key"), tmp_path / "ctl.pem"
+    ctl = signer.controller_identity(
+        signer.CA.load(lay.pki / "criuctl-ca.crt", lay.pki / "criuctl-ca.key"), tmp_path / "ctl.pem"
     )
 
     def call(method: str, path: str, cert: str | None) -> requests.Response:
@@ -213,7 +248,7 @@ def test_no_token_is_shared_a_nodes_certificate_opens_on_another_only_what_a_mov
     og = "/v1/outgoing/" + "0" * 32
     r = call("GET", og, str(ctl.path))
     assert r.status_code == 403 and "without a move's grant" in r.json()["what"], r.text
-    key = identity.CA.load(lay.pki / "criuctl-ca.crt", lay.pki / "criuctl-ca.key").key
+    key = grants.Signing.load(ctl.path)
 
     def granted(method: str, path: str, nodes: tuple[str, ...], body: Any = None) -> requests.Response:
         shown = grants.sign(grants.Grant("default", "p", "u", nodes, time.time() + 60), key)

@@ -3,6 +3,7 @@ NAME means a pod, the PodMigration's body and conditions, the controller's optio
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import copy
 import datetime
@@ -255,14 +256,16 @@ def test_a_condition_keeps_when_it_became_true() -> None:
         (["--retry-seconds", "0"], "do not fit"),
         (["--lease", "Bad_Name"], "not a valid lease name"),
         (["--health", "nowhere"], "is not HOST:PORT"),
-        (["--agent-ca-cert", "/nonexistent/tls.crt", "--agent-ca-key", "/nonexistent/tls.key"], "agents' CA"),
-        (["--agent-cert-seconds", "5"], "too short"),
+        (["signer", "--ca-cert", "/nonexistent/tls.crt", "--ca-key", "/nonexistent/tls.key"], "agents' CA"),
+        (["signer", "--ca-cert", "c", "--ca-key", "k", "--cert-seconds", "5"], "too short"),
     ],
 )
 def test_bad_controller_options_are_one_line(args: list[str], says: str, tmp_path: Path) -> None:
-    """Refused before anything starts (the client's election would sys.exit with its own words)."""
+    """Refused before anything starts (the client's election would sys.exit with its own words);
+    the signer's likewise."""
+    verb, args = (args[:1], args[1:]) if args[0] == "signer" else (["controller"], args)
     r = subprocess.run(
-        [*CRIUCTL, "controller", "--state-dir", str(tmp_path), *args],
+        [*CRIUCTL, *verb, "--state-dir", str(tmp_path), *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -1036,26 +1039,50 @@ def test_the_controllers_certificate_opens_a_move_only_with_that_moves_grant(
     tmp_path: Path, monkeypatch
 ) -> None:
     """criuctl.agent.grants: on node b, the controller's certificate alone reads what runs there;
-    a move's routes take a grant the agents' CA signed, unexpired, naming b, and where the call
-    names a workload, one of the granted pod's. A stolen grant opens nothing else, for minutes."""
+    a move's routes take a grant signed by the controller's key (its certificate, issued by the
+    agents' CA and naming the controller, attached: no node's, no other CA's, none ended),
+    unexpired, naming b, and where the call names a workload, one of the granted pod's. A stolen
+    grant opens nothing else, for minutes."""
     import asyncio
     import json
     from types import SimpleNamespace
 
+    from cryptography import x509
     from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     from criuctl.agent import grants
     from criuctl.agent.server import Agent, AgentOptions
     from criuctl.core import workloads
+    from criuctl.kube import signer
 
     monkeypatch.setenv("CRIUCTL_STATE_DIR", str(tmp_path / "state"))
     hour, minute = datetime.timedelta(hours=1), datetime.timedelta(minutes=1)
-    keys = {}
-    for who in ("ca", "other"):
+    cas = {}
+    for who in ("ca", "other"):  # the agents' CA, and another
         _certificate(tmp_path / f"{who}.pem", who, [], life=hour, age=minute)
-        keys[who] = serialization.load_pem_private_key((tmp_path / f"{who}.pem").read_bytes(), None)
+        raw = (tmp_path / f"{who}.pem").read_bytes()
+        cas[who] = signer.CA(
+            x509.load_pem_x509_certificate(raw), serialization.load_pem_private_key(raw, None)
+        )
+    keys = {  # the controller's certificate of each, and a node's of the agents' CA
+        who: grants.Signing.load(signer.controller_identity(ca, tmp_path / f"ctl-{who}.pem").path)
+        for who, ca in cas.items()
+    }
+    node_key = ec.generate_private_key(ec.SECP256R1())
+    node_cert = cas["ca"].certificate(
+        x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "a")]),
+        node_key.public_key(),
+        x509.SubjectAlternativeName([x509.DNSName("a")]),
+        [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
+        3600,
+    )
+    keys["node"] = grants.Signing(node_key, x509.load_pem_x509_certificate(node_cert))
+    old = signer.controller_identity(cas["ca"], tmp_path / "ctl-old.pem", seconds=60)
+    keys["old"] = grants.Signing.load(old.path)
     cafile = tmp_path / "ca.crt"
-    cafile.write_text((tmp_path / "ca.pem").read_text().split("-----BEGIN PRIVATE KEY")[0])
+    cafile.write_bytes(cas["ca"].cert.public_bytes(serialization.Encoding.PEM))
     agent = Agent(AgentOptions("127.0.0.1", 0, None, name="b", peer_ca=cafile))
     workloads.save(workloads.Workload("ctr-aaaaaaaaaaaa", ["python"], 0, 0, {}, pod_uid="u1"))
     workloads.save(workloads.Workload("ctr-bbbbbbbbbbbb", ["python"], 0, 0, {}, pod_uid="u2"))
@@ -1086,10 +1113,21 @@ def test_the_controllers_certificate_opens_a_move_only_with_that_moves_grant(
     assert "not node b" in why("GET", mig, grant(nodes=("a", "c")))
     assert "expired" in why("GET", mig, grant(expires=-1))
     assert "claims to last" in why("GET", mig, grant(expires=2 * grants.LONGEST))
-    assert "signature is not the agents' CA's" in why("GET", mig, grant(key="other"))
-    data, _, sig = grant().partition(".")
+    # signed by another CA's controller, by a node of the agents' CA, by a certificate no longer valid
+    assert "not issued by the agents' CA" in why("GET", mig, grant(key="other"))
+    assert "not the controller's" in why("GET", mig, grant(key="node"))
+    assert why("GET", mig, grant(key="old")) == ""
+    with pytest.raises(grants.GrantRefused, match="not valid now"):  # two minutes on: it has ended
+        grants.read(grant(key="old"), [cas["ca"].cert], "b", now=time.time() + 120)
+    data, sig, cert = grant().split(".")
     forged = json.loads(grants._unb64(data)) | {"uid": "u2"}
-    assert "signature" in why("GET", mig, grants._b64(json.dumps(forged).encode()) + "." + sig)
+    assert "signature" in why("GET", mig, f"{grants._b64(json.dumps(forged).encode())}.{sig}.{cert}")
+    # the agents' CA's own key signs no grant either (version 1 did): a grant needs the controller's
+    keys["self"] = grants.Signing(cas["ca"].key, cas["ca"].cert)
+    assert "not the controller's" in why("GET", mig, grant(key="self"))
+    other_cert = grant(key="other").split(".")[2]
+    assert "not issued by" in why("GET", mig, f"{data}.{sig}.{other_cert}")
+    assert "not one criuctl's controller writes" in why("GET", mig, f"{data}.{sig}")
     assert "not one criuctl's controller writes" in why("GET", mig, "garbage")
     assert why("POST", "/v1/outgoing", grant(), {"workload": "ctr-aaaaaaaaaaaa"}) == ""
     for named in ("ctr-bbbbbbbbbbbb", "ctr-cccccccccccc", "../x"):  # another pod's, none, a hostile name
@@ -1104,7 +1142,7 @@ def test_the_controllers_certificate_opens_a_move_only_with_that_moves_grant(
     assert why("GET", f"/v1/outgoing/{og}", grant(uid="u2")) == ""
 
     scope: list[Any] = [None]
-    granter = grants.Granter(lambda: scope[0], keys["ca"])
+    granter = grants.Granter(lambda: scope[0], lambda: keys["ca"])
     assert granter() == ""  # nothing planned yet: no grant, so only reads open
     scope[0] = ("ns", "p", "u1", ("a", "b"))
     first = granter()
@@ -1139,3 +1177,49 @@ def test_a_body_the_auth_middleware_read_still_reaches_the_handler() -> None:
             assert await r.json() == {"workload": "ctr-aaaaaaaaaaaa"}
 
     asyncio.run(go())
+
+
+def test_the_signer_gives_the_controller_its_name_alone_and_a_client_certificate(tmp_path: Path) -> None:
+    """criuctl.kube.signer: the controller's ServiceAccount gets a certificate naming the URI
+    `callers.CONTROLLER` and nothing else, for calling alone (it serves nothing); a request of it
+    that adds a node's name, or names another, is denied with why."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    from criuctl.agent import callers
+    from criuctl.kube import identity, signer
+
+    _certificate(tmp_path / "ca.pem", "ca", [], life=datetime.timedelta(hours=1), age=datetime.timedelta(0))
+    raw = (tmp_path / "ca.pem").read_bytes()
+    ca = signer.CA(x509.load_pem_x509_certificate(raw), serialization.load_pem_private_key(raw, None))
+
+    def spec(cn: str, *names: x509.GeneralName, user: str = identity.CONTROLLER_USER) -> dict:
+        req = (
+            x509.CertificateSigningRequestBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
+            .add_extension(x509.SubjectAlternativeName(list(names)), critical=False)
+            .sign(ec.generate_private_key(ec.SECP256R1()), hashes.SHA256())
+        )
+        pem = base64.b64encode(req.public_bytes(serialization.Encoding.PEM)).decode()
+        return {"spec": {"username": user, "request": pem}}
+
+    s = signer.Signer.__new__(signer.Signer)  # judging the controller reads nothing from the API server
+    s.ca, s.seconds = ca, 3600
+    uri = x509.UniformResourceIdentifier(callers.CONTROLLER)
+    req, why = s.judge(spec(identity.CONTROLLER_CN, uri))
+    assert req is not None and why == "criuctl's controller"
+    cert = x509.load_pem_x509_certificate(s.sign(req))
+    assert cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value == x509.ExtendedKeyUsage(
+        [ExtendedKeyUsageOID.CLIENT_AUTH]
+    )
+    for bad in [
+        spec(identity.CONTROLLER_CN, uri, x509.DNSName("node-a")),  # and a node's name
+        spec("node-a", x509.DNSName("node-a")),  # a node's alone
+        spec(identity.CONTROLLER_CN, x509.UniformResourceIdentifier("urn:criuctl:other")),
+    ]:
+        req, why = s.judge(bad)
+        assert req is None and "not the controller's name alone" in why, why
+    req, why = s.judge(spec(identity.CONTROLLER_CN, uri, user="system:serviceaccount:default:default"))
+    assert req is None and "not criuctl's agent" in why, why

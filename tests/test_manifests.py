@@ -31,7 +31,7 @@ from criuctl.core import statedir
 from criuctl.core.env import BUNDLE_KEY, STATE_DIR
 from criuctl.core.errors import CriuctlError
 from criuctl.format import bundle
-from criuctl.kube import identity
+from criuctl.kube import identity, signer
 from tests.conftest import parse_python
 from tests.requirements import needs, require
 
@@ -199,7 +199,7 @@ def test_what_kubectl_apply_k_sends_validates_strictly(objects: list[Obj], versi
     kinds = sorted(o["kind"] for o in objects)
     expected = ["Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding"]
     expected += ["Secret"]  # criuctl-agent-tls: the agents' CA certificate (no token Secret: none is shared)
-    expected += ["Secret"]  # criuctl-ca: the agents' CA, mounted by the controller alone
+    expected += ["Secret"]  # criuctl-ca: the agents' CA, mounted by the signer alone
     expected += ["Role", "RoleBinding"]  # the agent's, in criuctl-system: move records, its Secrets
     expected += ["DaemonSet", "Deployment", "Service", "MutatingWebhookConfiguration"]  # agent, webhook
     expected += ["ServiceAccount", "Role", "RoleBinding"]  # the webhook's: reads move records
@@ -210,6 +210,8 @@ def test_what_kubectl_apply_k_sends_validates_strictly(objects: list[Obj], versi
     expected += ["CustomResourceDefinition"]  # PodMigration
     expected += ["Deployment", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"]
     expected += ["ClusterRole"]  # criuctl-migrator, for users
+    # the signer's (holds the CA key, signs the agents' and the controller's certificates)
+    expected += ["Deployment", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"]
     assert kinds == sorted(expected)
     for obj in objects:
         validate(obj, version)
@@ -338,7 +340,7 @@ def test_the_secret_templates_hold_placeholders_the_agent_refuses(objects: list[
     crt.write_text(secret_value(ca, "tls.crt"))
     pem.write_text(secret_value(ca, "tls.key"))
     with pytest.raises(CriuctlError):
-        identity.CA.load(crt, pem)
+        signer.CA.load(crt, pem)
     assert "BEGIN CERTIFICATE" not in secret_value(tls, "ca.crt")
 
 
@@ -478,11 +480,15 @@ CONTROLLER_RULES = {
     ("jobset.x-k8s.io", "jobsets"): {"get"},
     ("", "persistentvolumeclaims"): {"get"},
     ("", "persistentvolumes"): {"get"},
-    # the agents' certificate requests, judged and signed (criuctl.kube.identity)
+    # its own certificate request, asked of criuctl's signer (criuctl.kube.identity); it signs none
+    ("certificates.k8s.io", "certificatesigningrequests"): {"create", "get"},
+}
+SIGNER_RULES = {
     ("certificates.k8s.io", "certificatesigningrequests"): {"get", "list"},
     ("certificates.k8s.io", "certificatesigningrequests/approval"): {"update"},
     ("certificates.k8s.io", "certificatesigningrequests/status"): {"update"},
     ("certificates.k8s.io", "signers"): {"approve", "sign"},
+    ("", "nodes"): {"get"},
 }
 CONTROLLER_NS_RULES = {
     ("", "secrets"): {"get"},
@@ -501,15 +507,29 @@ def test_the_controller_role_is_exactly_what_it_calls(objects: list[Obj]) -> Non
     assert pod["serviceAccountName"] == "criuctl-controller"
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert not any("hostPath" in v for v in pod.get("volumes", [])), "the controller needs no host path"
+    assert "--tls-from-cluster" in pod["containers"][0]["args"]
+
+
+def test_the_signer_role_is_exactly_what_it_calls(objects: list[Obj]) -> None:
+    """The one component that may approve and sign, for criuctl's signer name alone, and read the
+    asking agent pods of its own namespace: no Secret, no move, no write but a request's verdict."""
+    assert _granted(one(objects, "ClusterRole", "criuctl-signer")) == SIGNER_RULES
+    assert _granted(one(objects, "Role", "criuctl-signer")) == {("", "pods"): {"get"}}
     (signers,) = [
-        r for r in one(objects, "ClusterRole", "criuctl-controller")["rules"] if "signers" in r["resources"]
+        r for r in one(objects, "ClusterRole", "criuctl-signer")["rules"] if "signers" in r["resources"]
     ]
     assert signers["resourceNames"] == [identity.SIGNER], "it may approve and sign for criuctl's signer alone"
+    dep = one(objects, "Deployment", "criuctl-signer")["spec"]
+    assert dep["replicas"] == 1 and dep["strategy"]["type"] == "Recreate"
+    pod = dep["template"]["spec"]
+    assert pod["serviceAccountName"] == "criuctl-signer" and pod["securityContext"]["runAsNonRoot"] is True
+    assert not any("hostPath" in v for v in pod.get("volumes", [])), "the signer needs no host path"
 
 
-def test_each_agent_gets_its_own_certificate_and_only_the_controller_holds_the_ca(objects: list[Obj]) -> None:
+def test_each_agent_gets_its_own_certificate_and_only_the_signer_holds_the_ca(objects: list[Obj]) -> None:
     """No Secret holds an agent's key: each agent asks for its own certificate with a token bound to
-    its pod, and the CA's key is mounted in the controller's pod alone, readable by its user only."""
+    its pod, and the CA's key is mounted in the signer's pod alone (not the controller's: a stolen
+    controller makes no node), readable by its user only."""
     a = agent_options(objects)
     assert a.tls_from_cluster and a.tls_cert is None and a.tls_key is None
     secret, key, _ = secret_file(objects, a.peer_ca)  # callers checked against the agents' CA
@@ -528,14 +548,14 @@ def test_each_agent_gets_its_own_certificate_and_only_the_controller_holds_the_c
         for v in o["spec"]["template"]["spec"].get("volumes", [])
         if (v.get("secret") or {}).get("secretName") == "criuctl-ca"
     ]
-    assert holders == ["criuctl-controller"]
-    pod = one(objects, "Deployment", "criuctl-controller")["spec"]["template"]["spec"]
+    assert holders == ["criuctl-signer"]
+    pod = one(objects, "Deployment", "criuctl-signer")["spec"]["template"]["spec"]
     (ca,) = [v for v in pod["volumes"] if (v.get("secret") or {}).get("secretName") == "criuctl-ca"]
     assert ca["secret"]["defaultMode"] & 0o007 == 0, "the CA key is readable by others"
     (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == ca["name"]]
     args = pod["containers"][0]["args"]
-    assert args[args.index("--agent-ca-cert") + 1] == f"{mount['mountPath']}/tls.crt"
-    assert args[args.index("--agent-ca-key") + 1] == f"{mount['mountPath']}/tls.key"
+    assert args[args.index("--ca-cert") + 1] == f"{mount['mountPath']}/tls.crt"
+    assert args[args.index("--ca-key") + 1] == f"{mount['mountPath']}/tls.key"
     assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsUser"]
 
 
@@ -571,10 +591,11 @@ CALLERS = {
         "cluster",
         "owners",
         "podvolumes",
-        "identity:judge,sweep,node_addresses",
+        "identity:_ask",
     ],
+    "criuctl-signer": ["signer", "identity:node_addresses"],
     "criuctl-agent": [
-        "identity:issue,obtain,node_addresses",
+        "identity:_ask,issue,obtain,node_addresses",
         "podmigrations:record_drain,create",
         "jobs:publish",
         "prestop",
@@ -734,8 +755,10 @@ def test_an_overlay_replaces_the_secret_templates_as_docs_deploy_says(tmp_path: 
             assert secret_value(secret, key) == values[key]
     pod = one(objs, "DaemonSet")["spec"]["template"]["spec"]
     assert {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v} == {"criuctl-agent-tls"}
-    pod = one(objs, "Deployment", "criuctl-controller")["spec"]["template"]["spec"]
+    pod = one(objs, "Deployment", "criuctl-signer")["spec"]["template"]["spec"]
     assert {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v} == {"criuctl-ca"}
+    pod = one(objs, "Deployment", "criuctl-controller")["spec"]["template"]["spec"]
+    assert not any("secret" in v for v in pod["volumes"]), "the controller mounts no Secret"
 
 
 # ------------------------------------------------------------------- CRIUCTL_BUNDLE_KEY (code)

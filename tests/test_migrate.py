@@ -179,11 +179,11 @@ def test_an_agent_with_a_token_takes_no_certificate_in_its_place(cluster, tmp_pa
     criuctl's agents: a certificate alone (the controller's name, the node's own, another node's)
     opens nothing but its move's ticket there; the token still does. (Where an agent has no token,
     on Kubernetes, the certificates are what opens it: tests/test_kube_identity.py.)"""
-    from criuctl.kube import identity
+    from criuctl.kube import signer
 
     a, b = cluster.nodes["a"], cluster.nodes["b"]
     pki = b.tls[2].parent
-    ctl = identity.controller_identity(identity.CA.load(pki / "ca.crt", pki / "ca.key"), tmp_path / "ctl.pem")
+    ctl = signer.controller_identity(signer.CA.load(pki / "ca.crt", pki / "ca.key"), tmp_path / "ctl.pem")
 
     def call(cert: tuple[str, str] | None, headers: dict | None = None) -> requests.Response:
         return requests.get(f"{b.url}/v1/workloads", timeout=30, verify=b.verify, cert=cert, headers=headers)

@@ -406,23 +406,36 @@ VERBS: dict[str, Verb] = {
             opt("--retry-seconds", type=int, default=2, metavar="S"),
             opt("--health", default="0.0.0.0:8081", metavar="HOST:PORT", help="serves /healthz and /metrics"),
             opt(
-                "--agent-ca-cert",
-                metavar="FILE",
-                help="the agents' CA certificate: with --agent-ca-key, the leader signs each agent's "
-                "certificate request for its own node (criuctl.kube.identity)",
-            ),
-            opt("--agent-ca-key", metavar="FILE", help="that CA's private key (the Secret criuctl-ca)"),
-            opt(
-                "--agent-cert-seconds",
-                type=int,
-                default=7 * 24 * 3600,
-                metavar="S",
-                help="how long an agent's certificate lasts (renewed after two thirds)",
+                "--tls-from-cluster",
+                action="store_true",
+                help="ask criuctl's signer for this controller's certificate (criuctl.kube.identity): "
+                "what it shows the agents and signs each move's grant with; it leads no move before",
             ),
             opt(
                 "--metrics-token-file",
                 metavar="FILE",
                 help="the scrape credential /metrics asks for (default: /metrics is open on that port)",
+            ),
+        ),
+    ),
+    "signer": Verb(
+        "approve and sign criuctl's certificate requests with the agents' CA: each agent's for its "
+        "own node, the controller's for its own name (manifests/signer.yaml)",
+        (
+            opt("--kubeconfig", metavar="FILE", help="default: in-cluster (the pod's service account)"),
+            opt("--ca-cert", required=True, metavar="FILE", help="the agents' CA certificate"),
+            opt(
+                "--ca-key",
+                required=True,
+                metavar="FILE",
+                help="that CA's private key (the Secret criuctl-ca)",
+            ),
+            opt(
+                "--cert-seconds",
+                type=int,
+                default=7 * 24 * 3600,
+                metavar="S",
+                help="how long a certificate it signs lasts (each is renewed after two thirds)",
             ),
         ),
     ),

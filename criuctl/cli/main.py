@@ -429,11 +429,21 @@ def _cmd_controller(a: argparse.Namespace) -> int:
         retry_seconds=a.retry_seconds,
         health=a.health,
         metrics_token_file=a.metrics_token_file and Path(a.metrics_token_file),
-        agent_ca=(Path(a.agent_ca_cert), Path(a.agent_ca_key)) if a.agent_ca_cert else None,
-        agent_cert_seconds=a.agent_cert_seconds,
+        tls_from_cluster=a.tls_from_cluster,
     )
     controller.check(o)
     controller.run(o)
+    return 0
+
+
+def _cmd_signer(a: argparse.Namespace) -> int:
+    from criuctl.core import jsonlog
+    from criuctl.kube import signer
+
+    jsonlog.to_stderr()
+    if a.cert_seconds < 60:
+        raise CriuctlError(f"--cert-seconds {a.cert_seconds} is too short", "at least 60")
+    signer.run(a.kubeconfig, signer.CA.load(Path(a.ca_cert), Path(a.ca_key)), a.cert_seconds)
     return 0
 
 
@@ -454,6 +464,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "webhook": _cmd_webhook,
     "inject": _cmd_inject,
     "controller": _cmd_controller,
+    "signer": _cmd_signer,
     "settle": climigrate.cmd_settle,
     "cancel": climigrate.cmd_cancel,
     "get": climigrate.cmd_get,

@@ -141,7 +141,7 @@ def _ca(c: Cluster) -> str | None:
     if env.AGENT_IDENTITY.get() is None:
         raise CriuctlError(
             "this process has no certificate to show criuctl's agents (they take no token on Kubernetes)",
-            "the controller makes one from --agent-ca-cert/--agent-ca-key; an agent has its node's",
+            "the controller asks criuctl's signer for one (--tls-from-cluster); an agent has its node's",
         )
     if c.ca_file is None:
         c.ca_file = _secret_file(c, "criuctl-agent-tls", "ca.crt", statedir.KUBE.ensure() / "ca.crt")

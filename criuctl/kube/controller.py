@@ -49,7 +49,6 @@ from criuctl.core import env, statedir, tokens
 from criuctl.core.errors import CriuctlError
 from criuctl.kube import events, identity, movemetrics, moves, owners, podmigrate, podmigrations, podplan
 from criuctl.kube.cluster import SYSTEM_NS, Cluster, Conflict, NotFound, agent_for, agent_of, call, connect
-from criuctl.kube.identity import DEFAULT_SECONDS as AGENT_CERT_SECONDS
 from criuctl.kube.movemetrics import METRICS
 from criuctl.kube.podmigrations import COMMITTED, Phase
 
@@ -72,8 +71,7 @@ class Options:
     retry_seconds: int = 2
     health: str = "0.0.0.0:8081"  # /healthz: "leading" or "standby"; /metrics
     metrics_token_file: Path | None = None  # the scrape credential /metrics asks for (None: open)
-    agent_ca: tuple[Path, Path] | None = None  # the agents' CA certificate and key: sign their requests
-    agent_cert_seconds: int = AGENT_CERT_SECONDS
+    tls_from_cluster: bool = False  # its certificate from criuctl's signer: what it shows the agents
 
 
 class _Latest(threading.Thread):
@@ -513,17 +511,17 @@ def _resume_placeholder(c: Cluster, j: Journal, phase: Phase) -> None:
     j.succeeded(None, reason, downtime)
 
 
-def carry(c: Cluster, obj: dict, fence: Fence, deleting: bool = False, ca: Any = None) -> None:
+def carry(c: Cluster, obj: dict, fence: Fence, deleting: bool = False, mine: Path | None = None) -> None:
     """Carry PodMigration `obj` to its end from the phase its status records. Raises Retry while
-    the agents have not settled a move in doubt; every other outcome ends in the status. `ca`: the
-    agents' CA (`identity.CA`), whose key signs the move's grant each agent call shows."""
+    the agents have not settled a move in doubt; every other outcome ends in the status. `mine`:
+    the controller's identity file, whose key signs the move's grant each agent call shows."""
     obj = podmigrations.read(c, obj["metadata"]["namespace"], obj["metadata"]["name"])  # its latest status
     phase = podmigrations.phase_of(obj)
     if phase.final:
         return
     j = Journal(c, obj, fence)
     try:
-        with granted(None if ca is None else grants.Granter(j.scope, ca.key)):
+        with granted(None if mine is None else grants.Granter(j.scope, lambda: grants.Signing.load(mine))):
             _carry(c, j, phase, deleting)
     finally:
         j.close()
@@ -564,7 +562,7 @@ def _carry(c: Cluster, j: Journal, phase: Phase, deleting: bool) -> None:
 # ---- kopf and the Lease
 
 
-def _handlers(c: Cluster, fence: Fence, ca: Any = None) -> Any:
+def _handlers(c: Cluster, fence: Fence, mine: Path | None = None) -> Any:
     """The kopf registry of this controller's handlers."""
     import kopf
 
@@ -573,7 +571,7 @@ def _handlers(c: Cluster, fence: Fence, ca: Any = None) -> Any:
 
     def handle(body: Any, deleting: bool = False) -> None:
         try:
-            carry(c, dict(body), fence, deleting, ca)
+            carry(c, dict(body), fence, deleting, mine)
         except Retry as exc:
             raise kopf.TemporaryError(str(exc), delay=exc.delay) from exc
         except Deposed as exc:
@@ -719,10 +717,27 @@ def check(o: Options) -> None:
         raise CriuctlError(f"--health {o.health!r} is not HOST:PORT", "e.g. --health 0.0.0.0:8081")
     if o.metrics_token_file:
         tokens.read_token(o.metrics_token_file)
-    if o.agent_ca is not None:
-        identity.CA.load(*o.agent_ca)
-    if o.agent_cert_seconds < 60:
-        raise CriuctlError(f"--agent-cert-seconds {o.agent_cert_seconds} is too short", "at least 60")
+
+
+def _identity(o: Options) -> Path:
+    """This replica's certificate from criuctl's signer, before it may lead: what it shows the
+    agents (they take no token: criuctl.agent.callers) and signs grants with. Until the signer
+    answers (it may start after this pod) the replica stays a standby, saying why each minute."""
+    path = statedir.KUBE.ensure() / identity.CONTROLLER_FILE
+    said = 0.0
+    while identity.Identity(path).due():
+        try:
+            identity.issue_controller(o.kubeconfig, path)
+        except CriuctlError as exc:
+            if time.monotonic() - said > 60:
+                said = time.monotonic()
+                log.warning("no certificate from criuctl's signer yet", extra={"error": exc.line()})
+            time.sleep(2)
+    env.AGENT_IDENTITY.export(f"{path}:{path}")
+    threading.Thread(
+        target=identity.controller_renewal, args=(o.kubeconfig, path), daemon=True, name="identity"
+    ).start()
+    return path
 
 
 def run(o: Options) -> None:
@@ -740,22 +755,13 @@ def run(o: Options) -> None:
     call("the API server", c.core.get_api_resources)  # one line now if it cannot be reached
     _serve_health(o.health, o.metrics_token_file and tokens.read_token(o.metrics_token_file))
     leading = _Health.leading
-    ca = None if o.agent_ca is None else identity.CA.load(*o.agent_ca)
-    if ca is not None:  # what it shows the agents: they take no token (criuctl.agent.callers)
-        mine = identity.controller_identity(ca, statedir.KUBE.ensure() / identity.CONTROLLER_FILE)
-        env.AGENT_IDENTITY.export(f"{mine.path}:{mine.path}")
-        threading.Thread(
-            target=identity.controller_renewal, args=(ca, mine.path), daemon=True, name="identity"
-        ).start()
+    mine = _identity(o) if o.tls_from_cluster else None
     threading.Thread(target=_elect, args=(c, o, leading), daemon=True, name="lease").start()
     log.info(
         "waiting for the lease", extra={"lease": f"{o.lease_namespace}/{o.lease}", "identity": o.identity}
     )
     leading.wait()
     log.info("leading", extra={"identity": o.identity})
-    if ca is not None:  # only the leader signs: one certificate per request
-        signer = identity.Signer(c, ca, o.agent_cert_seconds)
-        threading.Thread(target=signer.forever, daemon=True, name="signer").start()
     threading.Thread(target=_expire_forever, args=(c,), daemon=True, name="ttl").start()
     fence = Fence(o.identity, o.lease, o.lease_namespace, o.lease_seconds)
-    asyncio.run(kopf.operator(registry=_handlers(c, fence, ca), standalone=True, clusterwide=True))
+    asyncio.run(kopf.operator(registry=_handlers(c, fence, mine), standalone=True, clusterwide=True))

@@ -52,7 +52,7 @@ def overlay(lay: Layout) -> Path:
             "stringData": None,
             "data": {"ca.crt": _b64(pki / "criuctl-ca.crt")},
         },
-        {  # the agents' own CA (not the cluster's): the controller signs their certificates with it
+        {  # the agents' own CA (not the cluster's): criuctl's signer signs their certificates with it
             "apiVersion": "v1",
             "kind": "Secret",
             "metadata": {"name": "criuctl-ca", "namespace": "criuctl-system"},
@@ -93,12 +93,6 @@ def overlay(lay: Layout) -> Path:
         {"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": v}
         for v in ("--lease-seconds", "6", "--renew-seconds", "4", "--retry-seconds", "1")
     ]
-    # the agents' certificates short-lived: each is renewed every 10 minutes, under the moves the
-    # tests make (a rotation must not fail one)
-    election += [
-        {"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": v}
-        for v in ("--agent-cert-seconds", "900")
-    ]
     # the tests stop the controller at a named instant (criuctl.agent.points): they arm the points in
     # DIR/pause/armed, which every replica reads (a test-only setting: docs/kubernetes.md)
     pause = lay.dir / "pause"
@@ -124,6 +118,13 @@ def overlay(lay: Layout) -> Path:
     patches.append(
         {"target": {"kind": "Deployment", "name": "criuctl-controller"}, "patch": json.dumps(election)}
     )
+    # the certificates short-lived: the agents' and the controller's are renewed every 10 minutes,
+    # under the moves the tests make (a rotation must not fail one)
+    short = [
+        {"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": v}
+        for v in ("--cert-seconds", "900")
+    ]
+    patches.append({"target": {"kind": "Deployment", "name": "criuctl-signer"}, "patch": json.dumps(short)})
     for i, s in enumerate(secrets):
         (d / f"secret{i}.json").write_text(json.dumps(s))
     kust = {
