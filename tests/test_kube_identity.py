@@ -32,7 +32,7 @@ from tests.kube import Kubectl
 
 pytestmark = [needs_criu, pytest.mark.slow]
 
-RENEWED_EVERY = datetime.timedelta(minutes=10)  # two thirds of --agent-cert-seconds 900
+RENEWED_EVERY = datetime.timedelta(minutes=10)  # two thirds of the signer's --cert-seconds 900
 
 
 def _served(ip: str) -> x509.Certificate:

@@ -31,8 +31,11 @@ What this does not stop: the records are ConfigMaps every agent may write (an ag
 drain's record), so a node whose root is taken can write one naming itself and another node, and
 so reach that node's bundle routes above for an ID of its choosing — deliver a bundle there that a
 forged `kept` record has it restore — and redirects of connections to an address its forged
-record claims. Records only the controller writes, or signs, would close it (docs/deploy.md,
-"Who holds what").
+record claims. Signing each record with its writer's certificate (the controller's, or the
+`source` node's) would close the part that names another node as source; the part that names
+itself needs a check that the pod was on it, and the source deletes the pod before it copies the
+bundle (criuctl.kube.prestop: the kubelet of 1.20 would hold the pod a minute otherwise), so the
+check must come before that deletion (docs/deploy.md, "Who holds what").
 """
 
 from __future__ import annotations
