@@ -761,9 +761,16 @@ def test_the_controller_counts_moves_and_serves_them_behind_its_scrape_token(mon
         assert 'criuctl_podmigrations_ended_total{phase="Succeeded"} 1.0' in lines
         assert "criuctl_podmigration_downtime_seconds_count 1.0" in lines
         assert requests.get(url.replace("/metrics", "/healthz"), timeout=5).text == "standby\n"
+        # a replica that has no certificate yet says why it cannot lead (controller._identity)
+        controller._Health.waiting = "no certificate from criuctl's signer yet (x)"
+        said = requests.get(url.replace("/metrics", "/healthz"), timeout=5)
+        assert (
+            said.status_code == 200 and said.text == "standby: no certificate from criuctl's signer yet (x)\n"
+        )
     finally:
         srv.shutdown()
         controller._Health.metrics_token = None
+        controller._Health.waiting = ""
 
 
 class _FakeCore:
@@ -1127,7 +1134,8 @@ def test_the_controllers_certificate_opens_a_move_only_with_that_moves_grant(
     assert "not the controller's" in why("GET", mig, grant(key="self"))
     other_cert = grant(key="other").split(".")[2]
     assert "not issued by" in why("GET", mig, f"{data}.{sig}.{other_cert}")
-    assert "not one criuctl's controller writes" in why("GET", mig, f"{data}.{sig}")
+    assert "different versions" in why("GET", mig, f"{data}.{sig}")  # version 1's form
+    assert "not one criuctl's controller writes" in why("GET", mig, f"{data}.{sig}.{cert}.x")
     assert "not one criuctl's controller writes" in why("GET", mig, "garbage")
     assert why("POST", "/v1/outgoing", grant(), {"workload": "ctr-aaaaaaaaaaaa"}) == ""
     for named in ("ctr-bbbbbbbbbbbb", "ctr-cccccccccccc", "../x"):  # another pod's, none, a hostile name

@@ -174,6 +174,11 @@ def read(value: str, cas: list[x509.Certificate], node: str, now: float | None =
     unexpired, naming `node`."""
     now = time.time() if now is None else now
     parts = value.strip().split(".")
+    if len(parts) == 2:  # version 1's form: the CA's signature, no certificate
+        raise GrantRefused(
+            "the grant is of an older criuctl (signed by the CA's key): the controller and this agent run "
+            "different versions; finish rolling both out"
+        )
     try:
         if len(parts) != 3:
             raise ValueError(f"{len(parts)} parts, not 3")

@@ -657,6 +657,7 @@ class _Health(http.server.BaseHTTPRequestHandler):
 
     leading = threading.Event()
     metrics_token: str | None = None
+    waiting = ""  # why a standby cannot lead yet (no certificate from criuctl's signer), for /healthz
 
     def do_GET(self) -> None:
         status, kind = 200, "text/plain; charset=utf-8"
@@ -666,7 +667,8 @@ class _Health(http.server.BaseHTTPRequestHandler):
             else:
                 status, body = 401, b"the scrape token (--metrics-token-file) is needed\n"
         else:
-            body = b"leading\n" if self.leading.is_set() else b"standby\n"
+            said = "leading" if self.leading.is_set() else f"standby{self.waiting and ': ' + self.waiting}"
+            body = f"{said}\n".encode()
             status = 200 if self.path == "/healthz" else 404
         self.send_response(status)
         self.send_header("Content-Type", kind)
@@ -729,10 +731,12 @@ def _identity(o: Options) -> Path:
         try:
             identity.issue_controller(o.kubeconfig, path)
         except CriuctlError as exc:
+            _Health.waiting = f"no certificate from criuctl's signer yet ({exc.what})"
             if time.monotonic() - said > 60:
                 said = time.monotonic()
                 log.warning("no certificate from criuctl's signer yet", extra={"error": exc.line()})
             time.sleep(2)
+    _Health.waiting = ""
     env.AGENT_IDENTITY.export(f"{path}:{path}")
     threading.Thread(
         target=identity.controller_renewal, args=(o.kubeconfig, path), daemon=True, name="identity"

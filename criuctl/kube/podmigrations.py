@@ -302,6 +302,7 @@ def follow(c: Cluster, namespace: str, name: str, progress, pending_timeout: flo
             raise Unfinished(
                 f"no controller took podmigration {namespace}/{name} up within {pending_timeout:.0f} s; "
                 "it was deleted, nothing was changed",
-                "is criuctl's controller running? `kubectl -n criuctl-system get deploy criuctl-controller`",
+                "is criuctl's controller running (it leads once criuctl's signer gave it its certificate)? "
+                "`kubectl -n criuctl-system get deploy criuctl-controller criuctl-signer`",
             )
         time.sleep(0.25)
