@@ -1157,6 +1157,13 @@ def test_the_controllers_certificate_opens_a_move_only_with_that_moves_grant(
     assert granter() == first and why("GET", mig, first) == ""
     scope[0] = ("ns", "p", "u1", ("a", "c"))  # the status names other nodes: signed anew
     assert "not node b" in why("GET", mig, granter())
+    # a grant whose certificate ends within half a grant's life is signed anew, with the renewed one
+    signing = [keys["old"]]  # ends in a minute
+    scope[0] = ("ns", "p", "u1", ("a", "b"))
+    granter = grants.Granter(lambda: scope[0], lambda: signing[0])
+    first = granter()
+    signing[0] = keys["ca"]  # the controller renewed its certificate
+    assert granter() != first and granter().split(".")[2] == grant().split(".")[2]
 
 
 def test_a_body_the_auth_middleware_read_still_reaches_the_handler() -> None:

@@ -223,6 +223,7 @@ class Granter:
         self._lock = threading.Lock()
         self._value, self._expires = "", 0.0
         self._signed: Scope | None = None
+        self._cert_ends = 0.0  # when the certificate the grant carries ends: it is re-signed before
 
     def __call__(self) -> str:
         scope = self.scope()
@@ -230,9 +231,11 @@ class Granter:
             return ""
         with self._lock:
             now = time.time()
-            if scope != self._signed or self._expires - now < SECONDS / 2:
+            if scope != self._signed or min(self._expires, self._cert_ends) - now < SECONDS / 2:
+                signing = self.signing()
                 self._expires, self._signed = now + SECONDS, scope
-                self._value = sign(Grant(*scope, expires=self._expires), self.signing())
+                self._cert_ends = signing.cert.not_valid_after_utc.timestamp()
+                self._value = sign(Grant(*scope, expires=self._expires), signing)
             return self._value
 
 

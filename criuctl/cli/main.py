@@ -441,8 +441,8 @@ def _cmd_signer(a: argparse.Namespace) -> int:
     from criuctl.kube import signer
 
     jsonlog.to_stderr()
-    if a.cert_seconds < 60:
-        raise CriuctlError(f"--cert-seconds {a.cert_seconds} is too short", "at least 60")
+    if a.cert_seconds < 900:  # renewed at two thirds: a third must outlast a grant (grants.SECONDS)
+        raise CriuctlError(f"--cert-seconds {a.cert_seconds} is too short", "at least 900 (15 minutes)")
     signer.run(a.kubeconfig, signer.CA.load(Path(a.ca_cert), Path(a.ca_key)), a.cert_seconds)
     return 0
 
