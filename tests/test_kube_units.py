@@ -1238,3 +1238,21 @@ def test_the_signer_gives_the_controller_its_name_alone_and_a_client_certificate
         assert req is None and "not the controller's name alone" in why, why
     req, why = s.judge(spec(identity.CONTROLLER_CN, uri, user="system:serviceaccount:default:default"))
     assert req is None and "not criuctl's agent" in why, why
+
+
+def test_a_signer_given_another_key_than_its_cas_refuses_to_start(tmp_path: Path) -> None:
+    """What it signed would verify against no one's ca.crt: one line, before any request is signed."""
+    hour = datetime.timedelta(hours=1)
+    for who in ("ca", "other"):
+        _certificate(tmp_path / f"{who}.pem", who, [], life=hour, age=datetime.timedelta(0))
+    files = ["--ca-cert", str(tmp_path / "ca.pem"), "--ca-key", str(tmp_path / "other.pem")]
+    r = subprocess.run(
+        [*CRIUCTL, "signer", "--state-dir", str(tmp_path), *files, "--kubeconfig", str(tmp_path / "none")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1 and "is not the key of the CA certificate" in lines[0], (
+        r.stderr
+    )

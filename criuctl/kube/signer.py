@@ -59,7 +59,7 @@ class CA:
     @classmethod
     def load(cls, cert: Path, key: Path) -> CA:
         try:
-            return cls(
+            ca = cls(
                 x509.load_pem_x509_certificate(cert.read_bytes()),
                 serialization.load_pem_private_key(key.read_bytes(), None),
             )
@@ -68,6 +68,14 @@ class CA:
                 f"cannot load the agents' CA ({cert}, {key}): {exc}",
                 "mount the Secret criuctl-ca (tls.crt, tls.key: docs/deploy.md, TLS)",
             ) from exc
+        der, spki = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        if ca.cert.public_key().public_bytes(der, spki) != ca.key.public_key().public_bytes(der, spki):
+            # what it signed would verify against no one's ca.crt: every agent would fail to start
+            raise CriuctlError(
+                f"the key {key} is not the key of the CA certificate {cert}",
+                "put the CA's certificate and its own key into the Secret criuctl-ca",
+            )
+        return ca
 
     def certificate(
         self, subject: x509.Name, key: Any, san: x509.SubjectAlternativeName, usages: list, seconds: int
