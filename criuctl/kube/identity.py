@@ -136,14 +136,15 @@ def node_addresses(c: Cluster, node: str) -> list[str]:
     return [a["address"] for a in n.get("status", {}).get("addresses") or [] if a.get("type") == "InternalIP"]
 
 
-def _request_pem(key: ec.EllipticCurvePrivateKey, cn: str, san: list[x509.GeneralName]) -> bytes:
-    req = (
+def _request(
+    key: ec.EllipticCurvePrivateKey, cn: str, san: list[x509.GeneralName]
+) -> x509.CertificateSigningRequest:
+    return (
         x509.CertificateSigningRequestBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
         .add_extension(x509.SubjectAlternativeName(san), critical=False)
         .sign(key, hashes.SHA256())
     )
-    return req.public_bytes(serialization.Encoding.PEM)
 
 
 def _bound(kubeconfig: str | None) -> Cluster:
@@ -164,13 +165,15 @@ def _ask(
     asking component (criuctl-agent, criuctl-controller), the request's label."""
     assert c.certificates is not None
     key = ec.generate_private_key(ec.SECP256R1())
-    name = f"{who}-{cn}-{uuid.uuid4().hex[:8]}"[:253] if who != cn else f"{who}-{uuid.uuid4().hex[:8]}"
+    req = _request(key, cn, san)
+    base = who if cn == who else f"{who}-{cn}"  # an agent's names its node
+    name = f"{base}-{uuid.uuid4().hex[:8]}"[:253]
     body = {
         "apiVersion": "certificates.k8s.io/v1",
         "kind": "CertificateSigningRequest",
         "metadata": {"name": name, "labels": {"app.kubernetes.io/name": who}},
         "spec": {
-            "request": base64.b64encode(_request_pem(key, cn, san)).decode(),
+            "request": base64.b64encode(req.public_bytes(serialization.Encoding.PEM)).decode(),
             "signerName": SIGNER,
             "usages": usages,
         },
@@ -203,10 +206,9 @@ def _ask(
         raise CriuctlError(
             f"request {name} was answered with no certificate: {exc}", "see the signer's log"
         ) from exc
-    asked = x509.load_pem_x509_csr(_request_pem(key, cn, san))
     mine = serialization.PublicFormat.SubjectPublicKeyInfo
     if names_of(cert.subject, cert.extensions) != names_of(
-        asked.subject, asked.extensions
+        req.subject, req.extensions
     ) or cert.public_key().public_bytes(serialization.Encoding.DER, mine) != key.public_key().public_bytes(
         serialization.Encoding.DER, mine
     ):
