@@ -1256,3 +1256,49 @@ def test_a_signer_given_another_key_than_its_cas_refuses_to_start(tmp_path: Path
     assert r.returncode == 1 and len(lines) == 1 and "is not the key of the CA certificate" in lines[0], (
         r.stderr
     )
+
+
+def test_a_pod_is_deleted_for_its_move_only_once_its_hook_reaches_the_agent(monkeypatch) -> None:
+    """criuctl.kube.podmigrate.heard: waits while the agent has not said it listens in the pod
+    (a pod just started, a job just restored), returns once it has, and refuses in one line, with
+    nothing changed, when the word does not come, when a process of the pod holds the port, or
+    when the pod is gone or replaced meanwhile."""
+    from criuctl.kube import mutate, podmigrate, podplan
+
+    hook = {"preStop": {"httpGet": {"port": 7071, "path": "/v1/prestop/ml/st-0"}}}
+    base = {
+        "metadata": {"name": "st-0", "namespace": "ml", "uid": "u1", "annotations": {}},
+        "spec": {"containers": [{"name": "train", "lifecycle": hook}]},
+        "status": {"containerStatuses": [{"name": "train", "containerID": "containerd://c1"}]},
+    }
+    p = podplan.PodPlan("ml", "st-0", "a", "b", "train", "ctr-c1", "st-0", 0, 0, None, None, base, None)  # type: ignore[arg-type]
+    answers: list[dict | None] = []
+    monkeypatch.setattr(
+        podmigrate, "read_pod", lambda c, ns, name: answers.pop(0) if len(answers) > 1 else answers[0]
+    )
+    monkeypatch.setattr(podmigrate.time, "sleep", lambda s: None)
+
+    def saying(value: str | None, uid: str = "u1") -> dict:
+        p = copy.deepcopy(base)
+        p["metadata"]["uid"] = uid
+        if value is not None:
+            p["metadata"]["annotations"][mutate.LISTENER] = value
+        return p
+
+    answers[:] = [saying(None), saying(None), saying("c1")]
+    podmigrate.heard(None, p)  # type: ignore[arg-type]
+    assert answers == [saying("c1")], "it read until the agent's word came"
+    answers[:] = [saying(None)]
+    with pytest.raises(podplan.NotMigratable) as late:
+        podmigrate.heard(None, p, wait=0)  # type: ignore[arg-type]
+    assert (
+        "not yet made its preStop listener" in late.value.what
+        and "agent running on node a" in late.value.hint
+    )
+    answers[:] = [saying(mutate.TAKEN + "c1")]
+    with pytest.raises(podplan.NotMigratable, match="a process of the pod listens on port 7071"):
+        podmigrate.heard(None, p)  # type: ignore[arg-type]
+    for gone in (None, saying("c1", uid="u2")):
+        answers[:] = [gone]
+        with pytest.raises(podplan.NotMigratable, match="pod st-0 is gone"):
+            podmigrate.heard(None, p)  # type: ignore[arg-type]

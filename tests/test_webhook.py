@@ -841,6 +841,34 @@ def test_a_named_pod_gets_the_prestop_hook_and_time_for_it() -> None:
     assert longer["spec"]["terminationGracePeriodSeconds"] == 900, "a longer grace period is the user's"
 
 
+def test_a_move_waits_for_the_agents_listener_in_the_container_that_runs_now() -> None:
+    """A delete before the agent's listener is in the pod would end the job, not move it: the
+    move reads the agent's word on the pod (mutate.LISTENER) for the running container's ID. An
+    earlier container's word is no word; a port the pod's own process holds is a lasting no; a
+    hook at the agent's loopback, or a pod in the node's network, needs no listener in the pod."""
+    new = mutate.wrap(named(pod(TRAIN)), prestop_port=7071)
+    new["status"] = {"containerStatuses": [{"name": "train", "containerID": "containerd://c2", "state": {}}]}
+
+    def said(value: str | None, p: Obj = new) -> Obj:
+        p = copy.deepcopy(p)
+        if value is not None:
+            p["metadata"].setdefault("annotations", {})[mutate.LISTENER] = value
+        return p
+
+    why, lasting = mutate.unheard(said(None), "train") or ("", True)
+    assert "has not yet made its preStop listener in the pod (port 7071)" in why and not lasting
+    assert mutate.unheard(said("c1"), "train") == (why, False), "the container before it"
+    assert mutate.unheard(said("c2"), "train") is None
+    taken = mutate.unheard(said(mutate.TAKEN + "c2"), "train")
+    assert taken is not None and "a process of the pod listens on port 7071" in taken[0] and taken[1]
+    on_host = mutate.wrap(named(pod(TRAIN)), prestop_port=7071, prestop_on_host=True)
+    assert mutate.unheard({**on_host, "status": new["status"]}, "train") is None
+    in_node_net = said(None, {**new, "spec": {**new["spec"], "hostNetwork": True}})
+    assert mutate.unheard(in_node_net, "train") is None
+    bare = mutate.wrap(pod(TRAIN), prestop_port=7071)  # a generated name: no hook
+    assert (mutate.unheard(bare, "train") or ("", False))[1], "nothing to wait for: refused at once"
+
+
 def test_no_prestop_for_a_generated_name_or_a_users_own_hook() -> None:
     generated = mutate.wrap(pod(TRAIN), prestop_port=7071)  # its successor gets another name
     assert "lifecycle" not in containers_by_name(generated)["train"]

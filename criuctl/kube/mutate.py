@@ -54,6 +54,10 @@ PATCHED = (
     ("spec", "affinity"),
 )
 PRESTOP_PATH = "/v1/prestop"  # + /NAMESPACE/POD: criuctl.kube.prestop, the agent's listener in the pod
+# on a pod, by its node's agent: the container ID in whose network namespace its preStop listener
+# is (criuctl.kube.nodeside.PodHooks), or TAKEN + that ID where a process of the pod holds the port
+LISTENER = "criuctl.io/prestop-listener"
+TAKEN = "taken:"
 # a preStop checkpoint (freeze, dump, copy to another node) must fit in the pod's grace period
 PRESTOP_GRACE = 300
 
@@ -234,6 +238,34 @@ def has_prestop(container: dict[str, Any]) -> bool:
     """The container carries criuctl's preStop hook (`wrap` with a port)."""
     get = ((container.get("lifecycle") or {}).get("preStop") or {}).get("httpGet") or {}
     return str(get.get("path", "")).startswith(PRESTOP_PATH + "/")
+
+
+def unheard(pod: Pod, container: str) -> tuple[str, bool] | None:
+    """Why deleting `pod` now would checkpoint nothing, its preStop hook reaching no listener, and
+    whether that lasts for the container's life (None: it reaches one). A hook at the pod's IP
+    needs the listener the agent makes in the pod's network namespace after the container starts:
+    a pod deleted before it (within seconds of its start, a restored pod's too) would end and start
+    over, so a move waits for the agent's word, read from the pod, for the container that runs
+    now. A hook at the agent's loopback needs nothing."""
+    ctr = next((c for c in pod["spec"]["containers"] if c["name"] == container), None)
+    get = ((((ctr or {}).get("lifecycle") or {}).get("preStop") or {}).get("httpGet")) or {}
+    if ctr is None or not has_prestop(ctr):
+        return f"container {container} has no criuctl preStop hook (the webhook did not wrap it)", True
+    if get.get("host") or pod["spec"].get("hostNetwork"):
+        return None
+    running = next(
+        (s for s in (pod.get("status") or {}).get("containerStatuses") or [] if s["name"] == container), {}
+    )
+    cid = (running.get("containerID") or "").partition("://")[2]
+    said = ((pod.get("metadata") or {}).get("annotations") or {}).get(LISTENER, "")
+    if cid and said == cid:
+        return None
+    if cid and said == TAKEN + cid:
+        return (
+            f"a process of the pod listens on port {get.get('port')}, where its preStop hook calls the agent",
+            True,
+        )
+    return f"the agent has not yet made its preStop listener in the pod (port {get.get('port')})", False
 
 
 def successor(pod: Pod, node: str, source: str) -> Pod:

@@ -21,6 +21,7 @@ with itself and its application at start-up.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -125,23 +126,28 @@ class PodHooks:
         for key in set(self.sites) - set(pods):
             await self.sites.pop(key).stop()
         self.refused &= set(pods)
-        for key, who in pods.items():
-            if key in self.sites or key in self.refused:
-                continue
-            try:
-                pid = await asyncio.to_thread(self._pid, key[1])
-                sock = await asyncio.to_thread(netns.listen_in, pid, self.port)
-            except netns.PortTaken as exc:  # for the pod's life: said once
-                self.refused.add(key)
-                log.warning("no preStop listener in the pod", extra={"pod": who, "why": exc.line()})
-                continue
-            except CriuctlError as exc:  # the runtime, the container or its namespace: next time
-                log.info("preStop listener not made yet", extra={"pod": who, "why": exc.line()})
-                continue
-            site = web.SockSite(self.runner, sock)
-            await site.start()
-            self.sites[key] = site
-            log.info("preStop listener", extra={"pod": who, "port": self.port})
+        for key, pod in pods.items():
+            if key not in self.sites and key not in self.refused:
+                await self._listen(key, pod)
+            said = mutate.TAKEN + key[1] if key in self.refused else key[1] if key in self.sites else None
+            if said is not None and pod.said != said:  # what a move waits for (mutate.unheard)
+                await asyncio.to_thread(_announce, self.c, pod, said)
+
+    async def _listen(self, key: tuple[str, str], pod: Hooked) -> None:
+        try:
+            pid = await asyncio.to_thread(self._pid, key[1])
+            sock = await asyncio.to_thread(netns.listen_in, pid, self.port)
+        except netns.PortTaken as exc:  # for the pod's life: said once
+            self.refused.add(key)
+            log.warning("no preStop listener in the pod", extra={"pod": pod.who, "why": exc.line()})
+            return
+        except CriuctlError as exc:  # the runtime, the container or its namespace: next time
+            log.info("preStop listener not made yet", extra={"pod": pod.who, "why": exc.line()})
+            return
+        site = web.SockSite(self.runner, sock)
+        await site.start()
+        self.sites[key] = site
+        log.info("preStop listener", extra={"pod": pod.who, "port": self.port})
 
 
 class Ranks:
@@ -178,11 +184,25 @@ class Ranks:
             await asyncio.sleep(RANKS_EVERY)
 
 
-def hooked_pods(c: cluster.Cluster, node: str) -> dict[tuple[str, str], str]:
+@dataclasses.dataclass(frozen=True)
+class Hooked:
+    """A pod whose preStop listener this agent makes, as the API server has it."""
+
+    namespace: str
+    name: str
+    uid: str
+    said: str  # its mutate.LISTENER annotation: what this agent last said of it
+
+    @property
+    def who(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+def hooked_pods(c: cluster.Cluster, node: str) -> dict[tuple[str, str], Hooked]:
     """The pods on `node` whose preStop hook calls the pod's own IP (`mutate.prestop_hook` without
-    `host`) and whose wrapped container runs: (UID, container ID) → NAMESPACE/NAME. Read from the
-    API server's cache (resourceVersion 0), as the kubelet's own list is: cheap for it at any size."""
-    out: dict[tuple[str, str], str] = {}
+    `host`) and whose wrapped container runs, by (UID, container ID). Read from the API server's
+    cache (resourceVersion 0), as the kubelet's own list is: cheap for it at any size."""
+    out: dict[tuple[str, str], Hooked] = {}
     listed = cluster.call(
         f"the pods of node {node}",
         c.core.list_pod_for_all_namespaces,
@@ -199,9 +219,23 @@ def hooked_pods(c: cluster.Cluster, node: str) -> dict[tuple[str, str], str]:
             if mutate.has_prestop(ctr) and not hook.get("host"):
                 cid = cluster.container_id(pod, ctr["name"])
                 if cid:
-                    out[(meta["uid"], cid)] = f"{meta['namespace']}/{meta['name']}"
+                    said = (meta.get("annotations") or {}).get(mutate.LISTENER, "")
+                    out[(meta["uid"], cid)] = Hooked(meta["namespace"], meta["name"], meta["uid"], said)
                 break
     return out
+
+
+def _announce(c: cluster.Cluster, pod: Hooked, said: str) -> None:
+    """The pod's mutate.LISTENER annotation, on this very pod (its UID in the patch: a successor of
+    the same name is refused, not marked). A pod gone meanwhile is no error; another failure is
+    tried again at the next look."""
+    body = {"metadata": {"uid": pod.uid, "annotations": {mutate.LISTENER: said}}}
+    try:
+        cluster.call(f"pod {pod.who}", c.core.patch_namespaced_pod, pod.name, pod.namespace, body)
+    except cluster.NotFound:
+        pass
+    except CriuctlError as exc:
+        log.info("preStop listener not announced yet", extra={"pod": pod.who, "why": exc.line()})
 
 
 async def _prestop(r: web.Request, c: cluster.Cluster, node: str) -> web.Response:

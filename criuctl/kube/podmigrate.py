@@ -39,12 +39,21 @@ from criuctl.client import migrate as agent_migrate
 from criuctl.client.agents import AgentClient, AgentError, Node, running_here
 from criuctl.core.errors import CriuctlError
 from criuctl.core.workloads import UnknownWorkload
-from criuctl.kube import events, jobfailures, moves, owners
+from criuctl.kube import events, jobfailures, moves, mutate, owners
 from criuctl.kube.cluster import Cluster, NotFound, call, delete_now
 from criuctl.kube.podmigrations import Phase, downtime_text
 from criuctl.kube.podplan import NotMigratable, PodPlan, plan
 
-__all__ = ["execute", "execute_owned", "follow_owned", "hand_over", "plan", "request_owned", "settle"]
+__all__ = [
+    "execute",
+    "execute_owned",
+    "follow_owned",
+    "hand_over",
+    "heard",
+    "plan",
+    "request_owned",
+    "settle",
+]
 
 # journal(phase, **status fields): the caller's durable record of the step about to be taken
 # (criuctl.kube.controller writes it into the PodMigration's status before the step runs)
@@ -57,6 +66,7 @@ def _unrecorded(_phase: Phase, **_fields: object) -> None:
 
 # as the progress shows them
 PHASES = {moves.Phase.DUMPING: "checkpoint", moves.Phase.KEPT: "restore", moves.Phase.PULLING: "pages"}
+HOOK_WAIT = 30.0  # for the agent's preStop listener in a pod just started (nodeside.HOOKS_EVERY, a few times)
 OWNED_TIMEOUT = 900.0  # delete → restored: the grace period's checkpoint, the controller, the restore
 
 
@@ -340,6 +350,7 @@ def request_owned(c: Cluster, p: PodPlan, journal: Journal = _unrecorded, mode: 
     """Record the move (naming the target, and the mode if one was asked) and delete the pod: its
     preStop checkpoints the job."""
     uid = p.source_pod["metadata"]["uid"]
+    heard(c, p)
     journal(Phase.PLACING, sourceUID=uid)
     stale = moves.read(c, p.namespace, p.identity)
     if stale is not None and (
@@ -375,6 +386,26 @@ def request_owned(c: Cluster, p: PodPlan, journal: Journal = _unrecorded, mode: 
             if (pod := read_pod(c, p.namespace, p.pod)) is not None and pod["metadata"]["uid"] == uid:
                 jobfailures.retrack(c, pod)
         raise
+
+
+def heard(c: Cluster, p: PodPlan, wait: float = HOOK_WAIT) -> None:
+    """Until the pod's preStop hook reaches its agent (mutate.unheard): a pod deleted before would
+    end and start over, not move. Refused after `wait` s, with nothing changed."""
+    deadline = time.monotonic() + wait
+    while True:
+        pod = read_pod(c, p.namespace, p.pod)
+        if pod is None or pod["metadata"]["uid"] != p.source_pod["metadata"]["uid"]:
+            raise NotMigratable(f"pod {p.pod} is gone", "nothing was changed")
+        if (unheard := mutate.unheard(pod, p.container)) is None:
+            return
+        why, lasting = unheard
+        if lasting or time.monotonic() >= deadline:
+            raise NotMigratable(
+                f"pod {p.pod} cannot be checkpointed on delete yet: {why}",
+                f"is criuctl's agent running on node {p.source}? (`kubectl -n {moves.SYSTEM_NS} get pods -o "
+                "wide`); it makes the listener within seconds of the container's start; nothing was changed",
+            )
+        time.sleep(0.5)
 
 
 def _untrack(c: Cluster, p: PodPlan) -> None:
