@@ -1302,3 +1302,51 @@ def test_a_pod_is_deleted_for_its_move_only_once_its_hook_reaches_the_agent(monk
         answers[:] = [gone]
         with pytest.raises(podplan.NotMigratable, match="pod st-0 is gone"):
             podmigrate.heard(None, p)  # type: ignore[arg-type]
+
+
+def test_a_dumped_pod_whose_prestop_died_with_its_agent_is_deleted_once_its_bundle_is_sealed(
+    monkeypatch,
+) -> None:
+    """criuctl.kube.successors._settle_dumping, in the restarted source agent: a pod not yet
+    deleted is left alone (no agent asked); one Terminating without a sealed bundle waits (its dump
+    goes on, or fails and it ends); one Terminating beside a sealed bundle runs nothing and is
+    deleted at once, as its preStop would have next, and the bundle goes on to the target, kept."""
+    from criuctl.client.agents import AgentError
+    from criuctl.kube import moves, successors
+
+    m = moves.Move("ml", "st-0", "u1", "a", "train", moves.Phase.DUMPING, target="b", bundle="0" * 32)
+    live = {"metadata": {"name": "st-0", "namespace": "ml", "uid": "u1"}}
+    leaving = {"metadata": {**live["metadata"], "deletionTimestamp": "2026-12-07T10:15:15Z"}}
+    pods: list[dict] = []
+    sealed: list[bool] = []
+    done: list[str] = []
+
+    class Agent:
+        def get(self, path: str) -> dict:
+            done.append(f"get {path.rsplit('/', 1)[-1]}")
+            if not sealed[0]:
+                raise AgentError("no bundle", "", 404, {})  # type: ignore[typeddict-item]
+            return {}
+
+        def copy_bundle(self, bundle: str, to: object) -> int:
+            done.append("copy")
+            return 1
+
+    def delete_now(c, pod: dict) -> None:
+        done.append(f"delete {pod['metadata']['uid']}")
+        pods.remove(pod)
+
+    monkeypatch.setattr(successors.owners, "pods_of", lambda c, ns, name, sel: list(pods))
+    monkeypatch.setattr(successors, "_agent", lambda c, node: Agent())
+    monkeypatch.setattr(successors, "delete_now", delete_now)
+    monkeypatch.setattr(successors.moves, "save", lambda c, rec: done.append(f"save {rec.phase}"))
+    for pod, has, then in (
+        (live, True, []),
+        (leaving, False, ["get manifest"]),
+        (leaving, True, ["get manifest", "delete u1", "copy", f"save {moves.Phase.KEPT}"]),
+    ):
+        pods[:], sealed[:], done[:] = [pod], [has], []
+        m.pages = "x"  # no page lookup in this test
+        successors._settle_dumping(None, m, "a")  # type: ignore[arg-type]
+        assert done == then, (pod, has)
+    assert m.phase == moves.Phase.KEPT and m.holder == "b"

@@ -24,9 +24,12 @@ instant picks up where the last one was. For a record whose bundle this node hol
     restore failed             the other copy (the source's) becomes the holder, the empty
                                placeholder is deleted: the job comes back on the source node
                                (post-copy: its restore pulls the pages from its own node)
-A record stuck in `dumping` after its pod is gone (the preStop's agent died mid-way) is settled by
-the source node: its bundle there means the dump committed (copied on, kept), none means the job
-ended with its pod (failed; the successor starts over).
+A record stuck in `dumping` whose preStop's agent died mid-way is settled by the source node: its
+bundle there means the dump committed (copied on, kept), none once the pod is gone means the job
+ended with its pod (failed; the successor starts over). A pod still there with its bundle sealed
+runs nothing any more: it is deleted at once, as its preStop would have done next, so that its
+successor does not wait for its kubelet (a preStop call its dead agent never answered holds the
+kill for the whole grace period, and Kubernetes 1.20's kubelet retries a failed kill a minute later).
 """
 
 from __future__ import annotations
@@ -121,9 +124,9 @@ def _settle_dumping(c: Cluster, m: moves.Move, node: str) -> None:
     if m.bundle in moves.AT_WORK:
         return  # its preStop, in this process, deleted the pod and copies the bundle
     found = owners.pods_of(c, m.namespace, m.pod, m.selector)
-    if any(p["metadata"]["uid"] == m.uid for p in found):
-        return  # its preStop is still at work
-    pod = next(iter(found), None)
+    dumped = next((p for p in found if p["metadata"]["uid"] == m.uid), None)
+    if dumped is not None and not dumped["metadata"].get("deletionTimestamp"):
+        return  # not yet deleted: its preStop has not begun
     src = _agent(c, node)
     try:
         src.get(f"/v1/bundles/{m.bundle}/manifest")
@@ -132,6 +135,12 @@ def _settle_dumping(c: Cluster, m: moves.Move, node: str) -> None:
         if not (isinstance(exc, AgentError) and exc.status == 404):
             return
         has = False
+    if dumped is not None:
+        if not has:
+            return  # its dump goes on (a handoff outside the agent), or it fails and the pod ends
+        delete_now(c, dumped)  # sealed: its tree has ended; its successor is made meanwhile
+        found = owners.pods_of(c, m.namespace, m.pod, m.selector)
+    pod = next((p for p in found if p["metadata"]["uid"] != m.uid), None)
     if not has:
         _fail(c, m, "the pod ended during its checkpoint: the job started over", pod)
         return
