@@ -266,3 +266,79 @@ def test_no_token_is_shared_a_nodes_certificate_opens_on_another_only_what_a_mov
     r = granted("POST", "/v1/outgoing", (a, b), {"workload": "ctr-000000000000", "mode": "stop-and-copy"})
     assert r.status_code == 403 and "is not its container" in r.json()["what"], r.text
     assert k.get("secret", "criuctl-agent", SYSTEM_NS) is None, "a token Secret is still installed"
+
+
+def test_an_agent_writes_only_the_move_records_its_node_begins_or_is_part_of(local_cluster) -> None:
+    """criuctl's webhook judges every write of a move record on the API server's word on the
+    writer (criuctl.kube.recordrules): with tokens bound to the agent pods, as theirs are, b's agent
+    cannot begin a move of a's pod (naming a as source, or itself), a's can, for its pod being
+    deleted there; b, its target, cannot turn its target or bundle, but may hold it; the
+    controller writes requests alone. A refusal names the rule; nothing refused is written."""
+    from tests.test_kube import _sleeper
+
+    _, k = local_cluster
+    nodes = sorted({p["spec"]["nodeName"] for p in k.pods(SYSTEM_NS, "app.kubernetes.io/name=criuctl-agent")})
+    a, b = nodes[:2]
+    pod = _sleeper("rr-0", node=a)
+    pod["metadata"]["finalizers"] = ["criuctl.io/test-hold"]  # deleted, it stays: being deleted on a
+    k.apply(pod)
+    live = k.wait_running("rr-0")
+    key = "move.default.rr-0"
+    tokens = {n: _token(k, "criuctl-agent", _agent_pod(k, n)) for n in (a, b)}
+    tokens["controller"] = _token(k, "criuctl-controller")
+
+    def record(**data: str) -> dict:
+        base = {
+            "namespace": "default",
+            "pod": "rr-0",
+            "uid": live["metadata"]["uid"],
+            "source": a,
+            "container": "main",
+            "phase": "dumping",
+            "target": b,
+            "bundle": uuid.uuid4().hex,
+            "source_pod": "rr-0",
+            "since": repr(time.time()),
+        }
+        return {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": key, "namespace": SYSTEM_NS, "labels": {"criuctl.io/move": "true"}},
+            "data": {**base, **data},
+        }
+
+    def write(by: str, verb: str, body: dict) -> str:
+        r = k("--token", tokens[by], verb, "-f", "-", input=json.dumps(body), check=False)
+        return "" if r.returncode == 0 else r.stderr
+
+    try:
+        said = write(b, "create", record())
+        assert "records.criuctl.io" in said and "only a move from its own node" in said, said
+        said = write(b, "create", record(source=b))
+        assert f"not being deleted on node {b}" in said, said
+        said = write(a, "create", record())
+        assert f"not being deleted on node {a}" in said, "a's pod, not yet being deleted: " + said
+        said = write("controller", "create", record())
+        assert "writes only requested" in said, said
+        assert k.get("configmap", key, SYSTEM_NS) is None, "nothing refused was written"
+        k("delete", "pod", "rr-0", "--wait=false")
+        assert write(a, "create", record()) == "", "its source begins it, its pod being deleted there"
+        kept = k.get("configmap", key, SYSTEM_NS)
+        assert kept is not None
+        kept["data"].update(phase="kept", target=a)
+        assert "may not change target" in write(b, "replace", kept)
+        kept["data"].update(target=b, holder=b)
+        assert write(b, "replace", kept) == "", "its target holds it"
+        assert write(b, "delete", kept) == "", "a node it names ends it"
+    finally:
+        k("-n", SYSTEM_NS, "delete", "configmap", key, "--ignore-not-found")
+        k(
+            "patch",
+            "pod",
+            "rr-0",
+            "--type=json",
+            "-p",
+            '[{"op":"remove","path":"/metadata/finalizers"}]',
+            check=False,
+        )
+        k("delete", "pod", "rr-0", "--wait=false", "--ignore-not-found")

@@ -1350,3 +1350,101 @@ def test_a_dumped_pod_whose_prestop_died_with_its_agent_is_deleted_once_its_bund
         successors._settle_dumping(None, m, "a")  # type: ignore[arg-type]
         assert done == then, (pod, has)
     assert m.phase == moves.Phase.KEPT and m.holder == "b"
+
+
+def test_who_may_write_a_move_record(monkeypatch) -> None:
+    """criuctl.kube.recordrules.judge, the webhook's word on every write of a record: the
+    controller writes requests; an agent begins a move only from its own node, for a pod being
+    deleted there at the address it claims, keeping the target asked for and taking a bundle id no
+    other move names; later writes keep the move's identity, come from a node it names and name one
+    of its two nodes as holder; a node deletes only what names it, or a request or failure whose
+    pod is gone. Anyone else is RBAC's."""
+    from criuctl.kube import identity, moves
+    from criuctl.kube.recordrules import Operation, Writer, judge
+
+    C, U, D = Operation.CREATE, Operation.UPDATE, Operation.DELETE
+    ctl, admin = Writer(identity.CONTROLLER_USER), Writer("kubernetes-admin")
+    a, b, x = (Writer(identity.AGENT_USER, n) for n in "abx")
+    pod = {
+        "metadata": {"name": "st-0", "uid": "u1", "deletionTimestamp": "2026-12-07T10:00:00Z"},
+        "spec": {"nodeName": "a"},
+        "status": {"podIP": "10.0.0.5", "podIPs": [{"ip": "10.0.0.5"}]},
+    }
+    pods: dict[tuple[str, str], dict | None] = {("ml", "st-0"): pod}
+    others = [moves.Move("ml", "other", "u9", "b", "t", moves.Phase.KEPT, target="a", bundle="9" * 32)]
+
+    def rec(phase=moves.Phase.DUMPING, **kw) -> moves.Move:
+        base = {"target": "b", "bundle": "1" * 32, "source_pod": "st-0", "address": "10.0.0.5"}
+        if phase == moves.Phase.REQUESTED:
+            base.update(bundle="", address="")
+        kw = {**base, **kw}
+        return moves.Move("ml", "st-0", kw.pop("uid", "u1"), kw.pop("source", "a"), "t", phase, **kw)
+
+    def why(op, who, old, new) -> str | None:
+        return judge(op, who, old, new, lambda ns, n: pods.get((ns, n)), lambda: others)
+
+    req = rec(moves.Phase.REQUESTED)
+    assert why(C, ctl, None, req) is None and why(D, ctl, rec(), None) is None
+    assert "writes only requested" in (why(U, ctl, rec(), rec(moves.Phase.KEPT, holder="b")) or "")
+    assert why(C, admin, None, rec(source="x", target="x")) is None  # RBAC's to judge
+    # begun by its source, for its pod being deleted there
+    assert why(C, a, None, rec()) is None and why(U, a, req, rec()) is None
+    assert "only a move from its own node" in (why(C, x, None, rec()) or "")
+    assert "not being deleted on node x" in (why(C, x, None, rec(source="x", target="x")) or "")
+    assert "target asked for" in (why(U, a, req, rec(target="x")) or "")
+    assert "no address 10.9.9.9" in (why(C, a, None, rec(address="10.9.9.9")) or "")
+    assert "another move's" in (why(C, a, None, rec(bundle="9" * 32)) or "")
+    assert "held by node a or b alone, not node x" in (why(C, a, None, rec(holder="x")) or "")
+    pods[("ml", "st-0")] = {**pod, "metadata": {"name": "st-0", "uid": "u1"}}  # not being deleted
+    assert "not being deleted on node a" in (why(C, a, None, rec()) or "")
+    pods[("ml", "st-0")] = pod
+    # later writes: the move's nodes, its identity unchanged, held by one of its two nodes
+    kept = rec(moves.Phase.KEPT, holder="b", version="7")
+    assert why(U, b, kept, rec(moves.Phase.PULLING, holder="b", pulled=5)) is None
+    assert why(U, b, kept, rec(moves.Phase.FAILED, holder="a")) is None
+    assert "may not write" in (why(U, x, kept, rec(moves.Phase.FAILED, holder="b")) or "")
+    assert "held by node a or b alone" in (why(U, b, kept, rec(moves.Phase.KEPT, holder="x")) or "")
+    assert "may not change target" in (why(U, b, kept, rec(moves.Phase.KEPT, holder="b", target="x")) or "")
+    assert "may not change bundle" in (
+        why(U, a, kept, rec(moves.Phase.KEPT, holder="b", bundle="2" * 32)) or ""
+    )
+    # deletions: a node the move names; else only a request or a failure whose pod is gone
+    assert why(D, b, kept, None) is None
+    assert "not part of" in (why(D, x, kept, None) or "")
+    assert "not part of" in (why(D, x, req, None) or ""), "its pod is still there"
+    pods[("ml", "st-0")] = None
+    assert why(D, x, req, None) is None and why(D, x, rec(moves.Phase.FAILED), None) is None
+    assert "not part of" in (why(D, x, kept, None) or ""), "a kept bundle's record"
+
+
+def test_the_webhook_refuses_a_records_write_it_cannot_judge() -> None:
+    """POST /records: another namespace's ConfigMap is none of criuctl's; without credentials, or
+    with the API server silent, a write is refused (Fail closed), with why, in a 403."""
+    from criuctl.kube import webhook
+
+    def review(namespace: str = "criuctl-system") -> dict:
+        request = {
+            "uid": "r1",
+            "kind": {"group": "", "version": "v1", "kind": "ConfigMap"},
+            "operation": "CREATE",
+            "namespace": namespace,
+            "name": "move.ml.st-0",
+            "userInfo": {"username": "system:serviceaccount:criuctl-system:criuctl-agent"},
+        }
+        return {"apiVersion": webhook.API_VERSION, "kind": "AdmissionReview", "request": request}
+
+    def silent(req: dict) -> str | None:
+        raise webhook.MovesUnknown("the API server did not answer")
+
+    assert webhook.review_record(review("ml"))["response"]["allowed"]
+    cases = [
+        (webhook.Options(), "no API credentials"),
+        (webhook.Options(record_write=lambda req: "node x may not"), "node x may not"),
+        (webhook.Options(record_write=silent), "did not answer"),
+    ]
+    for opts, says in cases:
+        r = webhook.review_record(review(), opts)["response"]
+        assert not r["allowed"] and r["status"]["code"] == 403 and says in r["status"]["message"], r
+    assert webhook.review_record(review(), webhook.Options(record_write=lambda req: None))["response"][
+        "allowed"
+    ]

@@ -593,7 +593,7 @@ CALLERS = {
         "podvolumes",
         "identity:_ask",
     ],
-    "criuctl-signer": ["signer", "identity:node_addresses"],
+    "criuctl-signer": ["signer", "identity:node_addresses,agent_node"],
     "criuctl-agent": [
         "identity:_ask,issue,obtain,node_addresses",
         "podmigrations:record_drain,create",
@@ -681,7 +681,7 @@ def test_the_webhook_reads_move_records_and_pods_and_patches_only_pods(objects: 
     where the request is no dry run, and never stands in a drain's way."""
     role = one(objects, "Role", "criuctl-webhook")
     assert role["metadata"]["namespace"] == "criuctl-system"
-    assert _granted(role) == {("", "configmaps"): {"get"}}
+    assert _granted(role) == {("", "configmaps"): {"get", "list"}}
     assert _granted(one(objects, "ClusterRole", "criuctl-webhook")) == {
         ("", "pods"): {"list", "get", "patch"}
     }

@@ -30,7 +30,7 @@ import yaml
 from criuctl.agent import preflight
 from criuctl.container import containers
 from criuctl.core import nsinit
-from criuctl.kube import mutate, webhook
+from criuctl.kube import moves, mutate, webhook
 from criuctl.kube.mutate import INIT, INJECTED, NOT_WRAPPED, PLACEHOLDER_FOR
 from tests import podsecurity
 from tests.jobs import CRIUCTL
@@ -753,9 +753,24 @@ def test_the_cert_script_trusts_old_and_new_ca_then_applies_and_restarts(certs: 
 def test_the_manifest_agrees_with_the_code_and_the_script(certs: Path) -> None:
     objs = manifest()
     hooks = {h["name"]: h for h in objs["MutatingWebhookConfiguration"]["webhooks"]}
-    assert set(hooks) == {"pods.criuctl.io", "namespaces.criuctl.io", "evictions.criuctl.io"}
+    assert set(hooks) == {
+        "pods.criuctl.io",
+        "namespaces.criuctl.io",
+        "evictions.criuctl.io",
+        "records.criuctl.io",
+    }
     evict = hooks.pop("evictions.criuctl.io")  # tests/test_manifests.py: the pods it may patch
     assert evict["clientConfig"]["service"]["path"] == "/evict" and evict["failurePolicy"] == "Ignore"
+    # every write of a move record is judged, and none goes unjudged (Fail); only criuctl's namespace
+    records = hooks.pop("records.criuctl.io")
+    assert records["clientConfig"]["service"]["path"] == "/records" and records["failurePolicy"] == "Fail"
+    assert records["sideEffects"] == "None"
+    (rule,) = records["rules"]
+    assert rule["resources"] == ["configmaps"] and rule["operations"] == ["CREATE", "UPDATE", "DELETE"]
+    assert records["objectSelector"]["matchExpressions"] == [{"key": moves.LABEL, "operator": "Exists"}]
+    assert records["namespaceSelector"]["matchExpressions"] == [
+        {"key": "kubernetes.io/metadata.name", "operator": "In", "values": [moves.SYSTEM_NS]}
+    ]
     svc = objs["Service"]
     # a pod labelled itself must not be admitted unwrapped; a namespace's every pod must not be blocked
     assert hooks["pods.criuctl.io"]["failurePolicy"] == "Fail"

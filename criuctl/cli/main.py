@@ -403,6 +403,7 @@ def _cmd_webhook(a: argparse.Namespace) -> int:
         opts.pending = webhook.pending_moves(a.kubeconfig)
         opts.leaving = webhook.leaving_pods(a.kubeconfig)
         opts.untrack = webhook.untracker(a.kubeconfig)
+        opts.record_write = webhook.record_judge(a.kubeconfig)
         opts.image = opts.image or webhook.own_image(a.kubeconfig)
     webhook.serve(a.listen, a.tls_cert, a.tls_key, opts)  # runs as the webhook's own user, not root
     return 0

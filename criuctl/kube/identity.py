@@ -52,7 +52,7 @@ from cryptography.x509.oid import NameOID
 
 from criuctl.agent import callers
 from criuctl.core.errors import CriuctlError
-from criuctl.kube.cluster import SYSTEM_NS, Cluster, call, connect
+from criuctl.kube.cluster import AGENT_LABEL, SYSTEM_NS, Cluster, NotFound, call, connect
 from criuctl_hook import durable
 
 if TYPE_CHECKING:
@@ -147,13 +147,22 @@ def _request(
     )
 
 
-def _bound(kubeconfig: str | None) -> Cluster:
-    """The API server as the agent's pod itself: its bound token, read now (the kubelet renews it)."""
+def as_agent_pod(kubeconfig: str | None) -> Cluster:
+    """The API server as the agent's pod itself, for every call: its bound token, read at each
+    request (the kubelet renews the file). The API server then knows which pod, so which node,
+    calls: the signer issues it that node's name alone, and criuctl's webhook lets it write only
+    the move records that name that node (criuctl.kube.recordrules). With a kubeconfig, or outside
+    a pod, the credentials given."""
     c = connect(kubeconfig)
     if kubeconfig is None and BOUND_TOKEN.exists():
+
+        def fresh(cfg: Any) -> None:
+            with contextlib.suppress(OSError):
+                cfg.api_key = {"authorization": "Bearer " + BOUND_TOKEN.read_text().strip()}
+
         cfg = c.core.api_client.configuration
-        cfg.refresh_api_key_hook = None
-        cfg.api_key = {"authorization": "Bearer " + BOUND_TOKEN.read_text().strip()}
+        cfg.refresh_api_key_hook = fresh
+        fresh(cfg)
     return c
 
 
@@ -220,9 +229,34 @@ def _ask(
     return Identity(path)
 
 
+def agent_node(c: Cluster, extra: dict[str, Any], live: bool = True) -> tuple[str, str]:
+    """The node whose criuctl agent pod made a request, from the API server's own word on the
+    caller (`extra`: its bound token's pod name and UID, as a CSR or an AdmissionReview carries
+    them): (node, "") or ("", why not). `live`: a pod being deleted is refused too."""
+    pod_name, pod_uid = (extra.get(POD_NAME) or [""])[0], (extra.get(POD_UID) or [""])[0]
+    if not pod_name:
+        return "", "asked without a token bound to a pod (mount /var/run/secrets/criuctl/token)"
+    try:
+        pod = c.serialize(call(f"pod {pod_name}", c.core.read_namespaced_pod, pod_name, SYSTEM_NS))
+    except NotFound:
+        return "", f"asked by pod {SYSTEM_NS}/{pod_name}, which is gone"
+    meta = pod["metadata"]
+    key, _, value = AGENT_LABEL.partition("=")
+    if (
+        meta.get("uid") != pod_uid
+        or (meta.get("labels") or {}).get(key) != value
+        or (live and meta.get("deletionTimestamp"))
+    ):
+        return "", f"asked by pod {SYSTEM_NS}/{pod_name}, not a live criuctl agent pod"
+    node = (pod.get("spec") or {}).get("nodeName") or ""
+    if not node:
+        return "", f"asked by pod {SYSTEM_NS}/{pod_name}, which runs on no node yet"
+    return node, ""
+
+
 def issue(kubeconfig: str | None, node: str, path: Path, wait: float = ISSUE_WAIT) -> Identity:
     """A new key and a certificate naming node `node` (its name and addresses), asked as its agent's pod."""
-    c = _bound(kubeconfig)
+    c = as_agent_pod(kubeconfig)
     addresses = node_addresses(c, node)
     if not addresses:
         raise CriuctlError(f"node {node} has no InternalIP address", "check the kubelet's --node-ip")

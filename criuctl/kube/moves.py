@@ -32,6 +32,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, fields
 from enum import StrEnum
+from typing import Any
 
 from criuctl.kube.cluster import SYSTEM_NS, Cluster, NotFound, call
 
@@ -138,8 +139,11 @@ def record_name(namespace: str, pod: str) -> str:
 
 
 def _from(cm) -> Move:
-    data = dict(cm.data or {})
-    kw = {f.name: data[f.name] for f in fields(Move) if f.name in data}
+    return _parse(dict(cm.data or {}), cm.metadata.resource_version)
+
+
+def _parse(data: dict[str, str], version: str | None) -> Move:
+    kw: dict[str, Any] = {f.name: data[f.name] for f in fields(Move) if f.name in data}
     kw["phase"] = Phase(kw["phase"])
     kw["since"] = float(kw.get("since") or 0)
     kw["size"] = int(kw.get("size") or 0)
@@ -148,8 +152,24 @@ def _from(cm) -> Move:
     kw["turn"] = int(kw.get("turn") or 0)
     kw["memory"] = int(kw.get("memory") or 0)
     kw["pulled"] = int(kw.get("pulled") or 0)
-    kw["version"] = cm.metadata.resource_version
+    kw["version"] = version or ""
     return Move(**kw)
+
+
+def is_record(labels: dict[str, str] | None) -> bool:
+    """Whether a ConfigMap of criuctl's namespace is a move record: labelled as criuctl writes them.
+    One without the label is not (the webhook that judges every write selects records by it)."""
+    return (labels or {}).get(LABEL) == "true"
+
+
+def from_object(obj: dict[str, Any] | None) -> Move | None:
+    """The record a ConfigMap of criuctl's namespace (as JSON: an AdmissionReview's object) holds;
+    None if it is none.
+    ValueError, KeyError or TypeError for one labelled a record but not as criuctl writes them."""
+    meta = (obj or {}).get("metadata") or {}
+    if obj is None or not is_record(meta.get("labels")):
+        return None
+    return _parse(dict(obj.get("data") or {}), meta.get("resourceVersion"))
 
 
 def read(c: Cluster, namespace: str, pod: str) -> Move | None:
@@ -157,12 +177,12 @@ def read(c: Cluster, namespace: str, pod: str) -> Move | None:
         cm = call("a move record", c.core.read_namespaced_config_map, record_name(namespace, pod), SYSTEM_NS)
     except NotFound:
         return None
-    return _from(cm)
+    return _from(cm) if is_record(cm.metadata.labels) else None
 
 
 def every(c: Cluster) -> list[Move]:
     cms = call("the move records", c.core.list_namespaced_config_map, SYSTEM_NS, label_selector=LABEL)
-    return [_from(cm) for cm in cms.items]
+    return [_from(cm) for cm in cms.items if is_record(cm.metadata.labels)]
 
 
 def save(c: Cluster, m: Move) -> Move:

@@ -31,7 +31,7 @@ from aiohttp import web
 
 from criuctl.container import runtime
 from criuctl.core.errors import CriuctlError
-from criuctl.kube import cluster, jobfailures, jobs, mutate, peerrules, prestop, successors
+from criuctl.kube import cluster, identity, jobfailures, jobs, mutate, peerrules, prestop, successors
 from criuctl.net import netns
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ RANKS_EVERY = 10.0  # s between two looks at this node's jobs' connections (a pa
 def extension(port: int, kubeconfig: str | None) -> Callable[[Agent, web.Application], None]:
     """What `criuctl agent --prestop-port PORT` adds to the agent; the cluster is reached at start-up
     (a bad configuration stops the agent with one line, before it serves)."""
-    c = cluster.connect(kubeconfig)
+    c = identity.as_agent_pod(kubeconfig)  # its bound token: the API server knows its node
 
     def attach(agent: Agent, app: web.Application) -> None:
         runner: list[web.AppRunner] = []

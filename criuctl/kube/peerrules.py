@@ -27,15 +27,11 @@ pending move (criuctl.kube.moves, the records in the API server) needs of a node
 Everything else (checkpoint, restore, run, logs, migrations) is the controller's, or the node's
 own; a move's ticket routes are the ticket's (criuctl.agent.tickets).
 
-What this does not stop: the records are ConfigMaps every agent may write (an agent makes a
-drain's record), so a node whose root is taken can write one naming itself and another node, and
-so reach that node's bundle routes above for an ID of its choosing — deliver a bundle there that a
-forged `kept` record has it restore — and redirects of connections to an address its forged
-record claims. Signing each record with its writer's certificate (the controller's, or the
-`source` node's) would close the part that names another node as source; the part that names
-itself needs a check that the pod was on it, and the source deletes the pod before it copies the
-bundle (criuctl.kube.prestop: the kubelet of 1.20 would hold the pod a minute otherwise), so the
-check must come before that deletion (docs/deploy.md, "Who holds what").
+The records these rules read are judged at each write by criuctl's webhook on the writer's node
+(criuctl.kube.recordrules): a node begins a move only from itself, for its own pod being deleted,
+and a move's identity (its nodes, bundle, address) never changes after. So a record that names a
+caller is one the controller asked for or that move's source wrote (docs/deploy.md, "Who holds
+what").
 """
 
 from __future__ import annotations

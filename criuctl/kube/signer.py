@@ -31,17 +31,16 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from criuctl.agent import callers
 from criuctl.core.errors import CriuctlError
-from criuctl.kube.cluster import AGENT_LABEL, SYSTEM_NS, Cluster, NotFound, call, connect
+from criuctl.kube.cluster import Cluster, call, connect
 from criuctl.kube.identity import (
     AGENT_USER,
     BACKDATE,
     CONTROLLER_CN,
     CONTROLLER_USER,
     DEFAULT_SECONDS,
-    POD_NAME,
-    POD_UID,
     SIGNER,
     Identity,
+    agent_node,
     keep,
     names_of,
     node_addresses,
@@ -129,34 +128,16 @@ class Signer:
             return _judge_controller(spec)
         if spec.get("username") != AGENT_USER:
             return None, f"asked by {spec.get('username')!r}, not criuctl's agent ({AGENT_USER})"
-        extra = spec.get("extra") or {}
-        pod_name, pod_uid = (extra.get(POD_NAME) or [""])[0], (extra.get(POD_UID) or [""])[0]
-        if not pod_name:
-            return None, "asked without a token bound to a pod (mount /var/run/secrets/criuctl/token)"
-        try:
-            pod = self.c.serialize(
-                call(f"pod {pod_name}", self.c.core.read_namespaced_pod, pod_name, SYSTEM_NS)
-            )
-        except NotFound:
-            return None, f"asked by pod {SYSTEM_NS}/{pod_name}, which is gone"
-        meta = pod["metadata"]
-        key, _, value = AGENT_LABEL.partition("=")
-        if (
-            meta.get("uid") != pod_uid
-            or (meta.get("labels") or {}).get(key) != value
-            or meta.get("deletionTimestamp")
-        ):
-            return None, f"asked by pod {SYSTEM_NS}/{pod_name}, not a live criuctl agent pod"
-        node = (pod.get("spec") or {}).get("nodeName") or ""
+        node, why = agent_node(self.c, spec.get("extra") or {})
         if not node:
-            return None, f"asked by pod {SYSTEM_NS}/{pod_name}, which runs on no node yet"
+            return None, why
         req, why = _request(spec)
         if req is None:
             return None, why
         cn, sans = names_of(req.subject, req.extensions)
         wanted = node_sans(node, node_addresses(self.c, node))
         if cn != node or not sans or not sans <= wanted:
-            return None, f"pod {pod_name} runs on node {node!r}, and asked for {cn!r} {sorted(sans)}"
+            return None, f"its pod runs on node {node!r}, and asked for {cn!r} {sorted(sans)}"
         return req, f"criuctl's agent on node {node}"
 
     def sign(self, req: x509.CertificateSigningRequest) -> bytes:

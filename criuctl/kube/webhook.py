@@ -28,7 +28,7 @@ from aiohttp import web
 from criuctl.agent import preflight
 from criuctl.core import env
 from criuctl.core.errors import CriuctlError
-from criuctl.kube import api, cluster, jobfailures, moves, mutate, owners
+from criuctl.kube import api, cluster, identity, jobfailures, moves, mutate, owners, recordrules
 
 log = logging.getLogger("criuctl.webhook")
 
@@ -62,6 +62,9 @@ class Options:
     leaving: Callable[[str, str, str], str | None] | None = None
     # a pod about to be evicted (a drain): what was done to keep it out of its Job's failure count
     untrack: Callable[[str, str], str] | None = None
+    # a write of a move record (the review's request): why it is refused, None if it is not
+    # (criuctl.kube.recordrules); raises MovesUnknown when the API server cannot tell
+    record_write: Callable[[dict[str, Any]], str | None] | None = None
 
 
 def review(request: dict[str, Any], opts: Options | None = None) -> dict[str, Any]:
@@ -156,6 +159,85 @@ def _evict(body: Any, opts: Options) -> tuple[dict[str, Any], str]:
     if opts.untrack is None or not req.get("namespace") or not req.get("name"):
         return _response(uid), f"eviction of {who}: allowed (no credentials: its Job counts it)"
     return _response(uid), f"eviction of {who}: {opts.untrack(req['namespace'], req['name'])}"
+
+
+def review_record(request: dict[str, Any], opts: Options | None = None) -> dict[str, Any]:
+    """An AdmissionReview of a write of a ConfigMap labelled a move record → allowed, or refused
+    with why (criuctl.kube.recordrules). Fail closed: a write that cannot be judged (no
+    credentials, the API server not answering, a review not read) is refused, and its writer tries
+    again; a ConfigMap of another namespace is none of criuctl's."""
+    return _record(request, opts or Options())[0]
+
+
+def _record(body: Any, opts: Options) -> tuple[dict[str, Any], str]:
+    uid = ""
+    try:
+        req = _request(body)
+        uid = req["uid"]
+        kind, namespace = req.get("kind") or {}, req.get("namespace")
+        what = f"{req.get('operation')} configmap {namespace}/{req.get('name') or '?'}"
+        if (kind.get("group"), kind.get("kind")) != ("", "ConfigMap") or namespace != moves.SYSTEM_NS:
+            return _response(uid), f"{what}: no move record, left alone"
+        if opts.record_write is None:
+            why: str | None = "criuctl's webhook has no API credentials to judge it with"
+        else:
+            try:
+                why = opts.record_write(req)
+            except MovesUnknown as exc:
+                why = str(exc)
+    except Malformed as exc:
+        why, what = str(exc), "a move record's write"
+    if why is None:
+        return _response(uid), f"{what} by {_user(body)}: allowed"
+    message = f"criuctl's admission webhook refused the write of a move record: {why}"
+    return _response(
+        uid, allowed=False, message=message, code=403
+    ), f"{what} by {_user(body)}: refused, {why}"
+
+
+def _user(body: Any) -> str:
+    req = body.get("request") if isinstance(body, dict) else None
+    return str(((req or {}).get("userInfo") or {}).get("username") or "?") if isinstance(req, dict) else "?"
+
+
+def record_judge(kubeconfig: str | None) -> Callable[[dict[str, Any]], str | None]:
+    """`Options.record_write` through the API server, bounded as `pending_moves`: the writer as the
+    API server authenticated it (an agent's node from its pod), the record before and after, the
+    pod it names, and the other records for a bundle id, judged by criuctl.kube.recordrules."""
+    c = cluster.connect(kubeconfig, api.timeouts().admission())
+
+    def pod_of(namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return c.serialize(cluster.call(f"pod {name}", c.core.read_namespaced_pod, name, namespace))
+        except cluster.NotFound:
+            return None
+
+    def judge(req: dict[str, Any]) -> str | None:
+        user = req.get("userInfo") or {}
+        who = recordrules.Writer(str(user.get("username") or ""))
+        if not (who.is_agent or who.is_controller):
+            return None  # RBAC's to judge
+        try:
+            op = recordrules.Operation(req.get("operation"))
+            old = moves.from_object(req.get("oldObject"))
+            new = moves.from_object(req.get("object")) if op != recordrules.Operation.DELETE else None
+        except (KeyError, ValueError, TypeError) as exc:
+            return f"not a move record as criuctl writes them ({exc!r})"
+        if old is None and new is None:
+            return None  # no record before or after: a ConfigMap of criuctl's own
+        if new is None:
+            op = recordrules.Operation.DELETE  # a record's label taken off: it is one no more
+        try:
+            if who.is_agent:
+                node, why = identity.agent_node(c, user.get("extra") or {}, live=False)
+                if not node:
+                    return f"criuctl's agent: {why}"
+                who = recordrules.Writer(who.user, node)
+            return recordrules.judge(op, who, old, new, pod_of, lambda: moves.every(c))
+        except CriuctlError as exc:
+            raise MovesUnknown(f"the API server did not answer what the write needs ({exc.what})") from exc
+
+    return judge
 
 
 def _hold(
@@ -271,11 +353,13 @@ OPTIONS = web.AppKey("options", Options)
 
 
 def app(opts: Options | None = None) -> web.Application:
-    """POST /mutate (pod creations), POST /evict (evictions) and GET /healthz (the readiness probe)."""
+    """POST /mutate (pod creations), POST /evict (evictions), POST /records (move records' writes)
+    and GET /healthz (the readiness probe)."""
     application = web.Application(client_max_size=MAX_BODY)
     application[OPTIONS] = opts or Options()
     application.router.add_post("/mutate", _endpoint(_admit))
     application.router.add_post("/evict", _endpoint(_evict))
+    application.router.add_post("/records", _endpoint(_record))
     application.router.add_get("/healthz", _healthz)
     return application
 
@@ -377,5 +461,5 @@ def serve(listen: str, cert: str, key: str, opts: Options | None = None) -> None
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.load_cert_chain(cert, key)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
-    log.info("listening on https://%s:%d (/mutate, /evict)", host, port)
+    log.info("listening on https://%s:%d (/mutate, /evict, /records)", host, port)
     web.run_app(app(opts), host=host, port=port, ssl_context=ctx, print=None, access_log=None)
