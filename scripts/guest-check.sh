@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# A node with a kernel of its own (issue 43, its first step): a Debian 12 guest made with mmdebstrap
+# (systemd as PID 1, cgroup v2, Debian's 6.1 kernel, the CRIU scripts/install-criu.sh built on this
+# machine and the libraries it links), booted by QEMU with KVM where KVM runs a Linux kernel, else
+# with QEMU's TCG (an emulator: correct, not fast). Inside it, at boot: the cgroup layout, PID 1,
+# `criu check`, userfaultfd (post-copy), and a process dumped and restored that goes on counting.
+# Not run by `make test` (a guest image is ~1 GB and a minute to build); it writes what it found to
+# bench/results/guest-check.json, with the commit it ran on.
+#   sudo scripts/guest-check.sh [WORKDIR]      (default /var/tmp/criuctl-guest; rebuilt each run)
+set -euo pipefail
+log() { echo "guest-check: $*" >&2; }
+cd "$(dirname "$0")/.."
+# shellcheck source=scripts/lib.sh
+. scripts/lib.sh
+
+[ "$(id -u)" = 0 ] || die "run as root (mmdebstrap --mode=root, a loop-free ext4 image, /dev/kvm)"
+criu=$(command -v criu) || die "no criu here: run make test (or scripts/install-criu.sh) first"
+command -v mmdebstrap >/dev/null || apt_install mmdebstrap
+command -v qemu-system-x86_64 >/dev/null || apt_install qemu-system-x86
+work=${1:-/var/tmp/criuctl-guest}
+rm -rf "$work" && mkdir -p "$work"
+root=$work/root
+
+# the packages of the libraries criu links (glibc's is in every guest), as dpkg names them
+libs=$(ldd "$criu" | awk '/=> \// {print $3}' | while read -r lib; do
+  dpkg -S "*/$(basename "$lib")" 2>/dev/null | head -1 | cut -d: -f1 || true
+done | grep -v '^libc6$' | sort -u | paste -sd,)
+log "building the guest (Debian 12, systemd, kernel, $libs)"
+mmdebstrap --variant=apt --mode=root --quiet \
+  --include="linux-image-amd64,initramfs-tools,systemd-sysv,udev,iproute2,kmod,procps,$libs" \
+  --customize-hook='echo guest > "$1/etc/hostname"; echo "/dev/vda / ext4 rw 0 1" > "$1/etc/fstab"' \
+  --customize-hook='ln -sf /dev/null "$1/etc/systemd/system/serial-getty@ttyS0.service"' \
+  bookworm "$root" "$(debian_uri)" >"$work/mmdebstrap.log" 2>&1 || die "mmdebstrap failed: see $work/mmdebstrap.log"
+cp "$criu" "$root/usr/local/sbin/criu"
+
+# the checks, each a `key: value` line in /root/check.txt, read back from the image after poweroff
+cat >"$root/root/check.sh" <<'EOF'
+#!/bin/sh
+exec >/root/check.txt 2>&1
+say() { echo "$1: $2"; }
+say kernel "$(uname -r)"
+say cgroup "$(stat -fc %T /sys/fs/cgroup)"
+say pid1 "$(ps -p 1 -o comm=)"
+say criu "$(/usr/local/sbin/criu --version | head -1)"
+/usr/local/sbin/criu check >/dev/null 2>&1 && say criu_check ok || say criu_check failed
+/usr/local/sbin/criu check --feature uffd-noncoop >/dev/null 2>&1 && say uffd ok || say uffd missing
+mkdir -p /tmp/img
+setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i >/tmp/count; sleep 0.2; done' </dev/null >/dev/null 2>&1 &
+sleep 1
+pid=$(pgrep -f 'while :' | head -1)
+if /usr/local/sbin/criu dump -t "$pid" -D /tmp/img --shell-job -o dump.log; then
+  sleep 1; before=$(cat /tmp/count)
+  if /usr/local/sbin/criu restore -D /tmp/img --shell-job -d -o restore.log; then
+    sleep 1.5; after=$(cat /tmp/count)
+    [ "$after" -gt "$before" ] && say dump_restore "ok (counted $before, then $after after its restore)" \
+      || say dump_restore "restored but stopped at $after"
+  else say dump_restore "restore failed: $(tail -1 /tmp/img/restore.log)"; fi
+else say dump_restore "dump failed: $(tail -1 /tmp/img/dump.log)"; fi
+say done yes
+sync
+systemctl poweroff
+EOF
+chmod +x "$root/root/check.sh"
+cat >"$root/etc/systemd/system/guest-check.service" <<'EOF'
+[Unit]
+Description=criuctl guest check
+After=multi-user.target
+[Service]
+Type=oneshot
+ExecStart=/root/check.sh
+[Install]
+WantedBy=multi-user.target
+EOF
+ln -sf /etc/systemd/system/guest-check.service "$root/etc/systemd/system/multi-user.target.wants/"
+cp "$root"/boot/vmlinuz-* "$work/vmlinuz" && cp "$root"/boot/initrd.img-* "$work/initrd.img"
+
+# boot: a fresh image each time (the check writes into it); DONE when the guest wrote its last line
+boot() {
+  local name=$1 seconds=$2 started
+  shift 2
+  rm -f "$work/disk.img" && truncate -s 4G "$work/disk.img" && mkfs.ext4 -q -F -d "$root" "$work/disk.img"
+  started=$(date +%s.%N)
+  timeout "$seconds" qemu-system-x86_64 "$@" -m 2048 -smp 2 -nographic -no-reboot \
+    -kernel "$work/vmlinuz" -initrd "$work/initrd.img" -append "root=/dev/vda rw console=ttyS0 quiet" \
+    -drive "file=$work/disk.img,format=raw,if=virtio" -nic none >"$work/$name.log" 2>&1 || true
+  echo "seconds: $(echo "$(date +%s.%N) - $started" | bc)" >"$work/$name.txt"
+  debugfs -R "cat /root/check.txt" "$work/disk.img" 2>/dev/null >>"$work/$name.txt" || true
+  grep -q '^done: yes' "$work/$name.txt"
+}
+
+accel=kvm why_not_kvm=""
+if [ ! -w /dev/kvm ]; then
+  why_not_kvm="no writable /dev/kvm"
+elif ! boot kvm 90 -enable-kvm -cpu host; then
+  why_not_kvm="/dev/kvm opens and runs the BIOS, but the guest's kernel did not boot within 90 s"
+  why_not_kvm+=" (its console's last words: $(tr -d '\r' <"$work/kvm.log" | sed 's/\x1b[^a-zA-Z]*[a-zA-Z]//g' \
+    | grep -av -e '^[[:space:]]*$' -e '^qemu-system' | tail -1 | cut -c1-120))"
+fi
+if [ -n "$why_not_kvm" ]; then
+  log "KVM: $why_not_kvm; booting with TCG"
+  accel=tcg
+  boot tcg 600 -accel tcg,thread=multi -cpu max || die "the guest did not finish its checks under TCG either: see $work/tcg.log"
+fi
+
+python3 - "$work/$accel.txt" "$accel" "$why_not_kvm" <<'EOF'
+import json, os, subprocess, sys, time
+path, accel, why = sys.argv[1:4]
+found = dict(line.split(": ", 1) for line in open(path).read().splitlines() if ": " in line)
+commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True).stdout.strip()
+out = {
+    "commit": commit,
+    "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    "host_kernel": os.uname().release,
+    "accelerator": accel,
+    "kvm": "booted" if accel == "kvm" else why,
+    "boot_and_checks_seconds": round(float(found.pop("seconds")), 1),
+    "guest": {k: found[k] for k in ("kernel", "cgroup", "pid1", "criu", "criu_check", "uffd", "dump_restore")},
+}
+os.makedirs("bench/results", exist_ok=True)
+with open("bench/results/guest-check.json", "w") as f:
+    json.dump(out, f, indent=2)
+    f.write("\n")
+print(json.dumps(out, indent=2))
+EOF
