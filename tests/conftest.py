@@ -138,7 +138,7 @@ def pytest_runtest_logreport(report) -> None:
 
 def pytest_terminal_summary(terminalreporter) -> None:
     """Seconds each module took (setup, call and teardown): what `scripts/run-tests.sh` balances
-    its two sessions by, and where CI's time goes (a session's module-scoped fixtures, the local
+    its sessions by, and where CI's time goes (a session's module-scoped fixtures, the local
     cluster's start among them, count in the module that first used them)."""
     if not _MODULE_SECONDS:
         return
