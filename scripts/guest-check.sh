@@ -3,7 +3,9 @@
 # (systemd as PID 1, cgroup v2, Debian's 6.1 kernel, the CRIU scripts/install-criu.sh built on this
 # machine and the libraries it links), booted by QEMU with KVM where KVM runs a Linux kernel, else
 # with QEMU's TCG (an emulator: correct, not fast). Inside it, at boot: the cgroup layout, PID 1,
-# `criu check`, userfaultfd (post-copy), and a process dumped and restored that goes on counting.
+# `criu check`, userfaultfd (post-copy), a process dumped and restored that goes on counting, the
+# layout as criuctl names it, a helper leaving a cgroup namespace of its own (cgroup v2, nsdelegate),
+# and a restore into another cgroup (a placeholder's) by the unified hierarchy's root.
 # Not run by `make test` (a guest image is ~1 GB and a minute to build); it writes what it found to
 # bench/results/guest-check.json, with the commit it ran on.
 #   sudo scripts/guest-check.sh [WORKDIR]      (default /var/tmp/criuctl-guest; rebuilt each run)
@@ -27,11 +29,16 @@ libs=$(ldd "$criu" | awk '/=> \// {print $3}' | while read -r lib; do
 done | grep -v '^libc6$' | sort -u | paste -sd,)
 log "building the guest (Debian 12, systemd, kernel, $libs)"
 mmdebstrap --variant=apt --mode=root --quiet \
-  --include="linux-image-amd64,initramfs-tools,systemd-sysv,udev,iproute2,kmod,procps,$libs" \
+  --include="linux-image-amd64,initramfs-tools,systemd-sysv,udev,iproute2,kmod,procps,python3,$libs" \
   --customize-hook='echo guest > "$1/etc/hostname"; echo "/dev/vda / ext4 rw 0 1" > "$1/etc/fstab"' \
   --customize-hook='ln -sf /dev/null "$1/etc/systemd/system/serial-getty@ttyS0.service"' \
   bookworm "$root" "$(debian_uri)" >"$work/mmdebstrap.log" 2>&1 || die "mmdebstrap failed: see $work/mmdebstrap.log"
 cp "$criu" "$root/usr/local/sbin/criu"
+# criuctl's cgroup code needs only Python's standard library: the guest's python3 runs it
+mkdir -p "$root/opt/criuctl/criuctl/container"
+cp criuctl/__init__.py "$root/opt/criuctl/criuctl/"
+cp criuctl/container/__init__.py criuctl/container/cgroups.py criuctl/container/mounts.py \
+  "$root/opt/criuctl/criuctl/container/"
 
 # the checks, each a `key: value` line in /root/check.txt, read back from the image after poweroff
 cat >"$root/root/check.sh" <<'EOF'
@@ -56,6 +63,41 @@ if /usr/local/sbin/criu dump -t "$pid" -D /tmp/img --shell-job -o dump.log; then
       || say dump_restore "restored but stopped at $after"
   else say dump_restore "restore failed: $(tail -1 /tmp/img/restore.log)"; fi
 else say dump_restore "dump failed: $(tail -1 /tmp/img/dump.log)"; fi
+# criuctl's view of the layout (what `criuctl doctor` says), then a helper in a cgroup namespace of
+# its own, as in an agent's container on cgroup v2: nsdelegate keeps it in; it enters the node's
+# namespace and leaves (criuctl.container.cgroups)
+cd /opt/criuctl
+say layout "$(python3 -m criuctl.container.cgroups)"
+mkdir -p /sys/fs/cgroup/ctr
+say cgroupns_escape "$(python3 - <<'PY' 2>&1 | tail -1
+import ctypes, os
+from criuctl.container import cgroups
+mine = lambda: open("/proc/self/cgroup").read().strip()
+open("/sys/fs/cgroup/ctr/cgroup.procs", "w").write(str(os.getpid()))
+assert ctypes.CDLL(None, use_errno=True).unshare(0x02000000) == 0, "unshare"
+inside = mine()
+try:
+    open("/sys/fs/cgroup/cgroup.procs", "w").write(str(os.getpid()))
+    refused = "not refused"
+except OSError as exc:
+    refused = f"refused ({os.strerror(exc.errno)})"
+assert not cgroups.leave_container() and cgroups.enter_node_namespace(), "enter"
+seen = mine()
+assert cgroups.leave_container(), "leave"
+print(f"ok (in a namespace of its own: {inside}, a move to the root {refused}; in the node's: {seen}, then {mine()})")
+PY
+)"
+cd /
+# a restore into another cgroup, as into a placeholder's: the unified hierarchy's root for every
+# controller (CRIU's --cgroup-root PATH; criuctl passes a cg_root without a controller)
+mkdir -p /sys/fs/cgroup/src /sys/fs/cgroup/ph /tmp/cg
+setsid sh -c 'echo $$ >/sys/fs/cgroup/src/cgroup.procs; exec sleep 1000' </dev/null >/dev/null 2>&1 &
+sleep 0.5
+if /usr/local/sbin/criu dump -t $! -D /tmp/cg --shell-job -o dump.log &&
+  /usr/local/sbin/criu restore -D /tmp/cg --shell-job -d --manage-cgroups=soft --cgroup-root /ph -o restore.log \
+    --pidfile /tmp/cg/pid; then
+  say cgroup_root "restored into $(cut -d: -f3 "/proc/$(cat /tmp/cg/pid)/cgroup") (dumped in /src)"
+else say cgroup_root "failed: $(tail -1 /tmp/cg/restore.log 2>/dev/null || tail -1 /tmp/cg/dump.log)"; fi
 say done yes
 sync
 systemctl poweroff
@@ -114,7 +156,13 @@ out = {
     "accelerator": accel,
     "kvm": "booted" if accel == "kvm" else why,
     "boot_and_checks_seconds": round(float(found.pop("seconds")), 1),
-    "guest": {k: found[k] for k in ("kernel", "cgroup", "pid1", "criu", "criu_check", "uffd", "dump_restore")},
+    "guest": {
+        k: found.get(k, "not reached")
+        for k in (
+            "kernel", "cgroup", "pid1", "criu", "criu_check", "uffd", "dump_restore",
+            "layout", "cgroupns_escape", "cgroup_root",
+        )
+    },
 }
 os.makedirs("bench/results", exist_ok=True)
 with open("bench/results/guest-check.json", "w") as f:

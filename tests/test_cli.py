@@ -125,6 +125,8 @@ def test_doctor_reports_each_check():
         "CUDA checkpoint API",
     ):
         assert any(name in line for line in lines), name
+    # this machine: v1 controllers with the unified hierarchy beside them, in the node's namespace
+    assert any(line.startswith("ok   cgroups: cgroup hybrid") for line in lines), r.stdout
 
 
 def test_install_script_is_idempotent_and_fast():

@@ -183,6 +183,37 @@ def test_a_helper_leaves_its_containers_cgroups_for_the_roots(tmp_path: Path) ->
         box.rmdir()
 
 
+def test_a_helper_in_a_cgroup_namespace_of_its_own_enters_the_nodes_and_leaves(tmp_path: Path) -> None:
+    """A handoff started by an agent whose container has a cgroup namespace of its own (cgroup v2's
+    containers): /proc/self/cgroup is relative to the container's cgroup there, and nothing moves
+    out of it. It enters the node's namespace (PID 1's), sees the container's cgroup by its node-wide
+    path, and leaves it for the root (on cgroup v2 with nsdelegate too: scripts/guest-check.sh)."""
+    from criuctl.container import cgroups
+
+    mount = next(m for m in (Path("/sys/fs/cgroup/pids"), cgroups.ROOT) if (m / "cgroup.procs").exists())
+    box = mount / f"criuctl-test-ns-{os.getpid()}"
+    box.mkdir()
+    try:
+        code = (
+            "import ctypes, os, pathlib; from criuctl.container import cgroups\n"
+            f"pathlib.Path({str(box / 'cgroup.procs')!r}).write_text(str(os.getpid()))\n"
+            "assert ctypes.CDLL(None, use_errno=True).unshare(0x02000000) == 0\n"  # a container's namespace
+            "lines = lambda: open('/proc/self/cgroup').read().splitlines()\n"
+            "mine = lambda: [x for x in lines() if ':pids:' in x or x[:3] == '0::']\n"
+            "print(mine()[0]); print(cgroups.leave_container()); print(cgroups.enter_node_namespace())\n"
+            "print(mine()[0]); print(cgroups.leave_container()); print(mine()[0])"
+        )
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        inside, left_there, entered, seen, left, after = r.stdout.splitlines()
+        assert inside.endswith(":/") and left_there == "False", r.stdout  # the container's cgroup is its root
+        assert entered == "True" and seen.endswith(f":/{box.name}"), r.stdout  # the node's path of it
+        assert left == "True" and after.endswith(":/"), r.stdout
+        assert not (box / "cgroup.procs").read_text().strip()
+    finally:
+        box.rmdir()
+
+
 # ------------------------------------------------ the step boundary's control directory in a container
 
 
@@ -250,3 +281,91 @@ def test_a_subpath_file_the_node_replaced_is_refused_before_the_freeze() -> None
     check("/..2026_12_07_05_31_00.1/one.conf")  # as mounted: moves
     with pytest.raises(containers.NotCheckpointable, match=r"volume one .* replaced its file"):
         check("/..2026_12_07_05_31_00.1/one.conf//deleted")
+
+
+# ----------------------------------------------------------------- the node's cgroup layout and driver
+
+# /sys/fs/cgroup as each layout mounts it: (mountinfo lines, the folders of pods' cgroups)
+_V1 = "31 25 0:27 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n"
+_TMPFS = "25 22 0:24 / /sys/fs/cgroup ro - tmpfs tmpfs ro,mode=755\n"
+_UNIFIED = "26 25 0:25 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw,nsdelegate\n"
+_V2 = "25 22 0:24 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw,nsdelegate,memory_recursiveprot\n"
+_V2_PLAIN = "25 22 0:24 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n"
+LAYOUTS = {
+    # a kubeadm node on Debian 10 (v1, cgroupfs); this machine's local cluster (hybrid, a
+    # --cgroup-root per node); a GKE, EKS or kubeadm node today (v2, systemd); k3s (v2, cgroupfs)
+    "v1-cgroupfs": (_TMPFS + _V1, ["memory/kubepods/burstable"], "cgroup v1, cgroupfs driver"),
+    "hybrid-root": (
+        _TMPFS + _V1 + _UNIFIED,
+        ["memory/node-a/kubepods"],
+        "cgroup hybrid (nsdelegate), cgroupfs",
+    ),
+    "v2-systemd": (
+        _V2,
+        ["kubepods.slice/kubepods-burstable.slice"],
+        "cgroup v2 (nsdelegate), systemd driver",
+    ),
+    "v2-cgroupfs": (_V2_PLAIN, ["kubepods/besteffort"], "cgroup v2, cgroupfs driver"),
+    "v2-no-pods": (_V2, ["system.slice"], "cgroup v2 (nsdelegate), no pods' cgroups"),
+}
+
+
+@pytest.mark.parametrize("own", [False, True])
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_doctor_names_the_cgroup_layout_and_driver_it_finds(tmp_path: Path, name: str, own: bool) -> None:
+    from criuctl.container import cgroups
+
+    info, folders, said = LAYOUTS[name]
+    root = tmp_path / "sys-fs-cgroup"
+    for f in folders:
+        (root / f).mkdir(parents=True)
+    proc = tmp_path / "proc"
+    for pid, ns in (("self", f"cgroup:[{4026531835 + own}]"), ("1", "cgroup:[4026531835]")):
+        (proc / pid / "ns").mkdir(parents=True)
+        (proc / pid / "ns" / ns).touch()  # what the link opens, as the kernel's does
+        (proc / pid / "ns" / "cgroup").symlink_to(ns)
+    (proc / "self" / "mountinfo").write_text(
+        "22 1 254:0 / / rw - ext4 /dev/vda rw\n" + info.replace("/sys/fs/cgroup", str(root))
+    )
+    found = cgroups.layout(proc, root)
+    assert found.describe().startswith(said), found
+    assert found.own_namespace is own
+    if own:  # a root process may enter the node's namespace (as a privileged agent with hostPID)
+        assert found.ok and found.describe().endswith(
+            "handoffs enter the node's before they read or move cgroups"
+        )
+        (proc / "1" / "ns" / "cgroup:[4026531835]").unlink()  # PID 1 not the node's, or not in view
+        stuck = cgroups.layout(proc, root)
+        assert not stuck.ok and stuck.describe().endswith("the node's cannot be entered from here")
+    else:
+        assert found.ok and found.describe().endswith("handoffs read and move cgroups as the node does")
+
+
+def test_a_placeholders_cgroups_are_the_roots_of_the_restored_tree(tmp_path: Path) -> None:
+    """CRIU's restore puts the tree under the placeholder's cgroups: a root per v1 controller; on a
+    v2-only node the unified one, as the root of every controller (a cg_root without a controller:
+    CRIU's --cgroup-root PATH); in a hybrid layout the unified hierarchy holds no controller and is
+    CRIU's to handle."""
+    import pycriu
+
+    from criuctl.container import cgroups
+    from criuctl.engine import criu
+
+    scope = "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-podu.slice/cri-containerd-ab.scope"
+    cases = {
+        "v1": ("4:memory:/kubepods/podu/ab\n3:cpu,cpuacct:/kubepods/podu/ab\n", {"memory", "cpu,cpuacct"}),
+        "hybrid": ("4:memory:/kubepods/podu/ab\n0::/kubepods/podu/ab\n", {"memory"}),
+        "v2": (f"0::{scope}\n", {cgroups.UNIFIED}),
+    }
+    for name, (text, keys) in cases.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "cgroup").write_text(text)
+        roots = cgroups.roots_of(name, tmp_path)
+        assert set(roots) == keys, (name, roots)
+        opts = criu.build_restore_request(criu.RestoreOptions(tmp_path, tmp_path, cgroup_roots=roots))
+        assert opts.manage_cgroups and opts.manage_cgroups_mode == pycriu.rpc.SOFT
+        given = [(r.ctrl if r.HasField("ctrl") else None, r.path) for r in opts.cg_root]
+        if name == "v2":
+            assert given == [(None, scope)], given  # every controller's root: no ctrl at all
+        else:
+            assert {c for c, _ in given} == keys and all(p.endswith("/ab") for _, p in given), given

@@ -84,6 +84,9 @@ def test_agent_image_runs_doctor_and_agent_help(local_cluster) -> None:
     assert f"agent image of commit {commit} (CRIU {built})" in doctor.stdout, doctor.stdout
     assert f"ok   CRIU: {built} at /usr/local/sbin/criu" in doctor.stdout, doctor.stdout
     assert "ok   criu check" in doctor.stdout and "ok   container runtime: containerd" in doctor.stdout
+    # the node's whole tree mounted (manifests/daemonset.yaml), the kubelets' --cgroup-root under it
+    said = [line for line in doctor.stdout.splitlines() if line.startswith("ok   cgroups: ")]
+    assert said and "cgroupfs driver; the node's cgroup namespace" in said[0], doctor.stdout
     version = inside("criuctl", "--version")
     assert f"agent image of commit {commit} (CRIU {built})" in version.stdout, version.stdout
     help_ = inside("criuctl", "agent", "--help")

@@ -494,6 +494,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--events-fd", type=int, help="the pipe the agent reads this process's events from")
     a = p.parse_args(argv)
     role, spec = a.role, a.spec
+    # before any thread: the paths it reads, the roots it gives CRIU and the moves it makes are then
+    # the node's, not those of the agent's cgroup namespace (cgroup v2: criuctl.container.cgroups)
+    if not cgroups.enter_node_namespace():
+        print("the handoff stays in the agent's cgroup namespace: it cannot leave it", file=sys.stderr)
     if a.events_fd is not None:
         _Events.out = os.fdopen(a.events_fd, "w")
     if role == warmstart.WARM:  # started ahead: the agent names the job on stdin when it has one

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from criuctl.cli import version
+from criuctl.container import cgroups
 from criuctl.core.errors import CriuctlError
 from criuctl.engine import criu
 from criuctl.gpu import cuda, gpus
@@ -146,6 +147,20 @@ def _pid_namespaces() -> Check:
     )
 
 
+def _cgroups() -> Check:
+    try:
+        found = cgroups.layout()
+    except OSError as exc:
+        return Check("cgroups", False, f"cannot read the cgroup layout: {exc}", required=False)
+    return Check(
+        "cgroups",
+        found.ok,
+        found.describe(),
+        "run the agent privileged in the node's PID namespace (hostPID: true, as manifests/daemonset.yaml)",
+        required=False,
+    )
+
+
 def _sysctl(name: str) -> str | None:
     try:
         return Path("/proc/sys", name.replace(".", "/")).read_text().strip()
@@ -265,6 +280,7 @@ CHECKS: list[Callable[[], Check | list[Check]]] = [
     _features,
     _cap_checkpoint_restore,
     _pid_namespaces,
+    _cgroups,
     _pipe_max_size,
     _nftables,
     _io_uring,

@@ -210,17 +210,12 @@ def restore_options(ph: Placeholder, facts: ContainerFacts, stdio_pipes: dict[st
         inherit["extRootNetNS"] = fd
     else:  # the job had its node's network: on this node, that is the placeholder's
         join["net"] = f"/proc/{ph.pid}/ns/net"
-    cgroups = {}
-    for line in Path(f"/proc/{ph.pid}/cgroup").read_text().splitlines():
-        _, ctrl, path = line.split(":", 2)
-        if ctrl:
-            cgroups[ctrl] = path
     return {
         "root": str(ph.rootfs),
         "join_ns": join,
         "ext_mount_map": ext,
         "inherit_fds": inherit,
-        "cgroup_roots": cgroups,
+        "cgroup_roots": cgroups.roots_of(ph.pid),
     }
 
 

@@ -236,7 +236,8 @@ class RestoreOptions:
     log_file: str = "restore.log"
     # Restoring into another container (a placeholder): its rootfs as the tree's root, namespaces
     # to join ({"uts": "/proc/PID/ns/uts"}), external mounts mapped to host paths ({"/data": "/var/…"}),
-    # and the cgroup each controller's tasks go to ({"memory": "/k8s.io/ID"}, CRIU's soft mode).
+    # and the cgroup each controller's tasks go to ({"memory": "/k8s.io/ID"}, CRIU's soft mode; on
+    # cgroup v2 {"": "/kubepods.slice/…/cri-containerd-ID.scope"}: criuctl.container.cgroups.roots_of).
     root: str | None = None
     join_ns: dict[str, str] = field(default_factory=dict)
     ext_mount_map: dict[str, str] = field(default_factory=dict)
@@ -358,7 +359,10 @@ def build_restore_request(o: RestoreOptions, images_fd: int = -1, work_fd: int =
         opts.manage_cgroups = True
         opts.manage_cgroups_mode = _pycriu().rpc.SOFT
         for ctrl, path in o.cgroup_roots.items():
-            opts.cg_root.add(ctrl=ctrl, path=path)
+            if ctrl:
+                opts.cg_root.add(ctrl=ctrl, path=path)
+            else:  # cgroup v2's one hierarchy: the root of every controller
+                opts.cg_root.add(path=path)
     return opts
 
 
