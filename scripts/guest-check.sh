@@ -29,7 +29,7 @@ libs=$(ldd "$criu" | awk '/=> \// {print $3}' | while read -r lib; do
 done | grep -v '^libc6$' | sort -u | paste -sd,)
 log "building the guest (Debian 12, systemd, kernel, $libs)"
 mmdebstrap --variant=apt --mode=root --quiet \
-  --include="linux-image-amd64,initramfs-tools,systemd-sysv,udev,iproute2,kmod,procps,python3,$libs" \
+  --include="linux-image-amd64,initramfs-tools,systemd-sysv,udev,iproute2,kmod,procps,python3,nftables,$libs" \
   --customize-hook='echo guest > "$1/etc/hostname"; echo "/dev/vda / ext4 rw 0 1" > "$1/etc/fstab"' \
   --customize-hook='ln -sf /dev/null "$1/etc/systemd/system/serial-getty@ttyS0.service"' \
   bookworm "$root" "$(debian_uri)" >"$work/mmdebstrap.log" 2>&1 || die "mmdebstrap failed: see $work/mmdebstrap.log"
@@ -43,6 +43,7 @@ cp criuctl/container/__init__.py criuctl/container/cgroups.py criuctl/container/
 # the checks, each a `key: value` line in /root/check.txt, read back from the image after poweroff
 cat >"$root/root/check.sh" <<'EOF'
 #!/bin/sh
+grep -q 'criuctl.node=' /proc/cmdline && exec /root/node.sh  # the move's guests (below)
 exec >/root/check.txt 2>&1
 say() { echo "$1: $2"; }
 say kernel "$(uname -r)"
@@ -144,9 +145,90 @@ if [ -n "$why_not_kvm" ]; then
   boot tcg 600 -accel tcg,thread=multi -cpu max || die "the guest did not finish its checks under TCG either: see $work/tcg.log"
 fi
 
-python3 - "$work/$accel.txt" "$accel" "$why_not_kvm" <<'EOF'
+# ------------------------------------------------------------------ a move between two guests
+# Two guests from one image (each its own copy-on-write view: QEMU's snapshot=on), nodes a and b,
+# on an Ethernet of their own (QEMU's socket netdev: a joined to b, nothing else on it), each with
+# this machine's Python and the project's venv at the same paths and criuctl's agent. On a: a
+# reference run, then the same job under `criuctl run`, moved by `criuctl migrate` to b. On b: the
+# job's end. Their console lines `RESULT NODE KEY: VALUE` are what the host reads.
+move=$work/move.txt
+: >"$move"
+venv=$(pwd)/.venv
+python=$(readlink -f "$venv/bin/python")
+pyhome=$(cd "$(dirname "$python")/.." && pwd)
+job=${GUEST_JOB:-train_mlp.py --steps 60 --step-time 0.3}
+mode=${GUEST_MODE:-stop-and-copy}
+if [ ! -x "$venv/bin/criuctl" ]; then
+  log "no venv at $venv (make install): no move between guests"
+  echo "skipped: no venv at $venv (run make install first)" >"$move"
+else
+  log "the move: $pyhome and $(pwd) (with its venv) into the guests; job: $job"
+  mkdir -p "$root$pyhome" "$root$(pwd)"
+  cp -a "$pyhome/." "$root$pyhome/"
+  tar -C "$(pwd)" --exclude=.git --exclude=./build -cf - . | tar -C "$root$(pwd)" -xf -
+  cat >"$root/root/node.sh" <<EOF2
+#!/bin/bash
+node=\$(sed -n 's/.*criuctl\.node=\([ab]\).*/\1/p' /proc/cmdline)
+say() { echo "RESULT \$node \$1: \$2" >/dev/ttyS0; }
+dev=\$(ls /sys/class/net | grep -v '^lo\$' | head -1)
+ip link set lo up && ip link set "\$dev" up
+ip addr add "10.250.0.\$([ "\$node" = a ] && echo 11 || echo 12)/24" dev "\$dev"
+export PATH=$venv/bin:\$PATH CRIUCTL_STATE_DIR=/var/lib/criuctl
+cd $(pwd)
+echo guest-token-for-this-run >/root/token && chmod 600 /root/token
+say layout "\$(criuctl doctor 2>&1 | grep cgroups: | cut -c6-)"
+criuctl agent --listen 0.0.0.0:7070 --token-file /root/token --name "\$node" --insecure >/root/agent.log 2>&1 &
+up() { python -c "import sys, urllib.request; urllib.request.urlopen('http://10.250.0.'+sys.argv[1]+':7070/healthz', timeout=2)" "\$1" 2>/dev/null; }
+for _ in \$(seq 300); do up "\$([ "\$node" = a ] && echo 11 || echo 12)" && break; sleep 1; done
+if [ "\$node" = a ]; then
+  say reference "\$(python tests/workloads/$job --step-time 0 | grep '^final ')"
+  for _ in \$(seq 300); do up 12 && break; sleep 1; done
+  criuctl node add a http://10.250.0.11:7070 --token-file /root/token >/dev/null
+  criuctl node add b http://10.250.0.12:7070 --token-file /root/token >/dev/null
+  criuctl run --name job -- python tests/workloads/$job >/root/run.log 2>&1 &
+  for _ in \$(seq 600); do grep -q '^step 5 ' /var/lib/criuctl/logs/job.log 2>/dev/null && break; sleep 0.5; done
+  if criuctl migrate job --to b --json --mode $mode >/root/migrate.json 2>/root/migrate.err; then
+    say migrate "\$(tail -1 /root/migrate.json)"
+  else say migrate "failed: \$(tail -3 /root/migrate.err | tr '\n' ' ')"; say agent_log "\$(tail -5 /root/agent.log | tr '\n' ' ')"; fi
+  say steps_here "\$(grep -c '^step ' /var/lib/criuctl/logs/job.log)"
+  sleep infinity
+else
+  for _ in \$(seq 1800); do grep -q '^final ' /var/lib/criuctl/logs/job.log 2>/dev/null && break; sleep 0.5; done
+  say final "\$(grep '^final ' /var/lib/criuctl/logs/job.log 2>/dev/null || echo 'none: the job did not end here')"
+  say steps_here "\$(grep -c '^step ' /var/lib/criuctl/logs/job.log 2>/dev/null)"
+  say first_step_here "\$(grep -m1 '^step ' /var/lib/criuctl/logs/job.log 2>/dev/null | cut -d' ' -f2)"
+  [ -s /var/lib/criuctl/logs/job.log ] || say agent_log "\$(tail -5 /root/agent.log | tr '\n' ' ')"
+  systemctl poweroff
+fi
+EOF2
+  chmod +x "$root/root/node.sh"
+  rm -f "$work/disk.img" && truncate -s 8G "$work/disk.img" && mkfs.ext4 -q -F -d "$root" "$work/disk.img"
+  sock=$((20000 + RANDOM % 20000))
+  guest() {  # NODE NETDEV: one of the two, in the background, its console in $work/NODE.log
+    local accel_args=(-accel tcg,thread=multi -cpu max)
+    [ "$accel" = kvm ] && accel_args=(-enable-kvm -cpu host)
+    qemu-system-x86_64 "${accel_args[@]}" -m 3072 -smp 2 -nographic -no-reboot \
+      -kernel "$work/vmlinuz" -initrd "$work/initrd.img" \
+      -append "root=/dev/vda rw console=ttyS0 quiet criuctl.node=$1" \
+      -drive "file=$work/disk.img,format=raw,if=virtio,snapshot=on" \
+      -netdev "socket,id=n0,$2" -device "virtio-net-pci,netdev=n0,mac=52:54:00:00:00:1${1/a/1}" \
+      >"$work/$1.log" 2>&1 &
+  }
+  started=$(date +%s)
+  guest a "listen=127.0.0.1:$sock"; a_pid=$!
+  sleep 2
+  guest b "connect=127.0.0.1:$sock"; b_pid=$!
+  waited=0
+  while kill -0 "$b_pid" 2>/dev/null && [ "$waited" -lt "${GUEST_MOVE_SECONDS:-1800}" ]; do sleep 5; waited=$((waited + 5)); done
+  kill "$a_pid" "$b_pid" 2>/dev/null || true
+  wait 2>/dev/null || true
+  echo "seconds: $(($(date +%s) - started))" >>"$move"
+  cat "$work/a.log" "$work/b.log" | tr -d '\r' | grep -a '^RESULT ' | sed 's/^RESULT //' >>"$move"
+fi
+
+python3 - "$work/$accel.txt" "$accel" "$why_not_kvm" "$move" "$job" "$mode" <<'EOF'
 import json, os, subprocess, sys, time
-path, accel, why = sys.argv[1:4]
+path, accel, why, move_path, job, mode = sys.argv[1:7]
 found = dict(line.split(": ", 1) for line in open(path).read().splitlines() if ": " in line)
 commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True).stdout.strip()
 out = {
@@ -164,6 +246,14 @@ out = {
         )
     },
 }
+said = [line.split(": ", 1) for line in open(move_path).read().splitlines() if ": " in line]
+move = {k.replace(" ", "_"): v for k, v in said}
+ref = move.get("a_reference", "").removeprefix("final ")
+end = move.get("b_final", "").removeprefix("final ")
+move["job"] = job
+move["mode"] = mode
+move["bit_identical"] = bool(ref) and ref == end
+out["move_between_guests"] = move
 os.makedirs("bench/results", exist_ok=True)
 with open("bench/results/guest-check.json", "w") as f:
     json.dump(out, f, indent=2)
