@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -306,6 +307,27 @@ def _wait_for_process(c: Cluster, pattern: str, timeout: float = 60) -> psutil.P
     raise AssertionError(f"no process of this cluster matching {pattern!r}")
 
 
+def _wait_for_child(parent: psutil.Process, pattern: str, timeout: float = 60) -> int:
+    """A descendant of `parent` matching `pattern`, found through the kernel's children lists (as
+    CRIU walks a tree). `_wait_for_process`'s look at every process on the machine was slower than
+    a whole dump in a loaded CI run: it never saw the source's CRIU, and the move ended meanwhile."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        todo = [parent.pid]
+        while todo:
+            pid = todo.pop()
+            with contextlib.suppress(OSError, ValueError):
+                argv = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+                if pid != parent.pid and pattern in argv:
+                    return pid
+                for kids in Path(f"/proc/{pid}/task").glob("*/children"):
+                    todo += [int(k) for k in kids.read_text().split()]
+        if not parent.is_running():
+            break
+        time.sleep(0.005)
+    raise AssertionError(f"no process under {parent.pid} matching {pattern!r}")
+
+
 def _background_migrate(c: Cluster, name: str, to: str, *flags: str) -> subprocess.Popen:
     env = {**os.environ, "CRIUCTL_STATE_DIR": str(c.client_state)}
     return subprocess.Popen(
@@ -326,9 +348,16 @@ def test_source_agent_killed_mid_dump(cluster, mlp_ref):
     c = cluster
     _mlp_on_a(c, 10)
     p = _background_migrate(c, "mlp", "b", "--mode", "stop-and-copy")
-    _wait_for_process(c, "criuctl.agent.handoff source")
-    _wait_for_process(c, "criu swrk")  # CRIU is freezing and dumping the tree now
-    c.nodes["a"].agent.kill()
+    source = _wait_for_child(psutil.Process(c.nodes["a"].agent.pid), "criuctl.agent.handoff source")
+    dumping = _wait_for_child(psutil.Process(source), "criu swrk")
+    os.kill(
+        dumping, signal.SIGSTOP
+    )  # CRIU, freezing and dumping the tree, holds there until a's agent is dead
+    try:
+        c.nodes["a"].agent.kill()
+        c.nodes["a"].agent.wait(30)
+    finally:
+        os.kill(dumping, signal.SIGCONT)
     _failed(_finish(p))
     deadline = time.monotonic() + 60  # the handoff sees its lease break once CRIU is done, and thaws
     while c.running("mlp") != ["a"]:
