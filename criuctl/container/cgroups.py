@@ -92,12 +92,8 @@ def layout(proc: Path = Path("/proc"), root: Path = ROOT) -> Layout:
                 break
         if driver is not Driver.NONE:
             break
-    own = can = False
-    node = proc / node_process(proc) / "ns" / "cgroup"
-    with contextlib.suppress(OSError):
-        own = os.readlink(proc / "self" / "ns" / "cgroup") != os.readlink(node)
-    if own:
-        can = os.access(node, os.R_OK) and _may_enter()
+    own = _in_own_namespace(proc) is True
+    can = own and os.access(proc / node_process(proc) / "ns" / "cgroup", os.R_OK) and _may_enter()
     return Layout(version, driver, unified is not None and "nsdelegate" in unified.super_options, own, can)
 
 
@@ -121,15 +117,25 @@ def node_process(proc: Path = Path("/proc")) -> str:
     return "1"
 
 
+def _in_own_namespace(proc: Path = Path("/proc")) -> bool | None:
+    """Whether this process's cgroup namespace is another than the node's; None when unreadable."""
+    try:
+        return os.readlink(proc / "self" / "ns" / "cgroup") != os.readlink(
+            proc / node_process(proc) / "ns" / "cgroup"
+        )
+    except OSError:
+        return None
+
+
 def enter_node_namespace() -> bool:
     """Enter the node's cgroup namespace (`node_process`'s). Call it while the process has one
     thread: a namespace is a thread's, and the threads and children made after it inherit it.
     True when this process is in it now."""
-    node = f"/proc/{node_process()}/ns/cgroup"
+    own = _in_own_namespace()
+    if own is not True:
+        return own is False
     try:
-        if os.readlink("/proc/self/ns/cgroup") == os.readlink(node):
-            return True
-        fd = os.open(node, os.O_RDONLY)
+        fd = os.open(f"/proc/{node_process()}/ns/cgroup", os.O_RDONLY)
     except OSError:
         return False
     try:
@@ -138,11 +144,19 @@ def enter_node_namespace() -> bool:
         os.close(fd)
 
 
+def _lines(pid: int | str, proc: Path = Path("/proc")) -> list[tuple[str, str]]:
+    """(controllers, path) for each line of /proc/PID/cgroup; controllers "" for the unified one."""
+    out = []
+    for line in (proc / str(pid) / "cgroup").read_text().splitlines():
+        ctrl, _, path = line.partition(":")[2].partition(":")
+        out.append((ctrl, path))
+    return out
+
+
 def _hierarchies(pid: int | str) -> list[tuple[Path, str]]:
     """(the hierarchy's mount, the process's path in it) for each line of /proc/PID/cgroup."""
     out = []
-    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
-        _, ctrl, path = line.split(":", 2)
+    for ctrl, path in _lines(pid):
         mount = ROOT / ("unified" if not ctrl else ctrl.removeprefix("name="))
         if not ctrl and not mount.exists():
             mount = ROOT  # cgroup v2 only: the unified hierarchy is the mount itself
@@ -155,14 +169,10 @@ def roots_of(pid: int | str, proc: Path = Path("/proc")) -> dict[str, str]:
     tree it restores (`cg_root`): a path per v1 controller; on a v2-only node the unified one, under
     the key `UNIFIED` (CRIU's root for every controller). In a hybrid layout the unified hierarchy is
     left to CRIU: it holds no controller."""
-    v1, unified = {}, None
-    for line in (proc / str(pid) / "cgroup").read_text().splitlines():
-        _, ctrl, path = line.split(":", 2)
-        if ctrl:
-            v1[ctrl] = path
-        else:
-            unified = path
-    return v1 if v1 or unified is None else {UNIFIED: unified}
+    lines = _lines(pid, proc)
+    v1 = {ctrl: path for ctrl, path in lines if ctrl}
+    unified = [path for ctrl, path in lines if not ctrl]
+    return v1 if v1 or not unified else {UNIFIED: unified[0]}
 
 
 def _join(procs: Path, pid: int | None = None) -> bool:
@@ -194,9 +204,8 @@ def leave_container() -> bool:
     every hierarchy took it; False in a cgroup namespace of its own that it could not leave
     (`enter_node_namespace`), whose root is the container's cgroup and out of which the kernel
     moves nothing."""
-    with contextlib.suppress(OSError):  # unreadable: try, and let the kernel say
-        if os.readlink("/proc/self/ns/cgroup") != os.readlink(f"/proc/{node_process()}/ns/cgroup"):
-            return False
+    if _in_own_namespace():  # None, unreadable: try, and let the kernel say
+        return False
     return all([_join(mount / "cgroup.procs") for mount, path in _hierarchies("self") if path])
 
 
