@@ -20,7 +20,12 @@ criu=$(command -v criu) || die "no criu here: run make test (or scripts/install-
 command -v mmdebstrap >/dev/null || apt_install mmdebstrap
 command -v qemu-system-x86_64 >/dev/null || apt_install qemu-system-x86
 work=${1:-/var/tmp/criuctl-guest}
-rm -rf "$work" && mkdir -p "$work"
+# rebuilt each run: only ever a folder this script made (its marker), never one a typo names
+if [ -e "$work" ]; then
+  [ -f "$work/.criuctl-guest" ] || [ -z "$(ls -A "$work" 2>/dev/null)" ] || die "$work exists and is not a guest-check folder: name a new or empty one"
+  rm -rf --one-file-system "$work"
+fi
+mkdir -p "$work" && touch "$work/.criuctl-guest"
 root=$work/root
 
 # the packages of the libraries criu links (glibc's is in every guest), as dpkg names them

@@ -5,7 +5,8 @@
 # multi-node modules that need no Kubernetes; one everything else. Much of a test is waiting
 # (kubelets, controllers, a job's steps: two sessions kept 2 cores 42% busy in CI), so on 2 cores
 # the three together take less than one after the other (the suite alone took 69-81 min on a slow
-# VM; two sessions 46-57 min in CI, 2026-12-07). Each session has its own share of the test nets
+# VM; two sessions 46-57 min in CI; three 44.5-50 min, with the cores ~95% busy: a fourth would not
+# help; 2026-12-07). Each session has its own share of the test nets
 # (tests/cluster.py) and its own temporary folder. The two helper sessions' output is printed once
 # they end; the exit status is non-zero when any failed.
 #   scripts/run-tests.sh PYTHON            the three sessions at once
