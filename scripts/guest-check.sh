@@ -34,7 +34,7 @@ libs=$(ldd "$criu" | awk '/=> \// {print $3}' | while read -r lib; do
 done | grep -v '^libc6$' | sort -u | paste -sd,)
 log "building the guest (Debian 12, systemd, kernel, $libs)"
 mmdebstrap --variant=apt --mode=root --quiet \
-  --include="linux-image-amd64,initramfs-tools,systemd-sysv,udev,iproute2,kmod,procps,python3,nftables,$libs" \
+  --include="linux-image-amd64,initramfs-tools,systemd-sysv,udev,dbus,iproute2,kmod,procps,python3,nftables,runc,$libs" \
   --customize-hook='echo guest > "$1/etc/hostname"; echo "/dev/vda / ext4 rw 0 1" > "$1/etc/fstab"' \
   --customize-hook='ln -sf /dev/null "$1/etc/systemd/system/serial-getty@ttyS0.service"' \
   bookworm "$root" "$(debian_uri)" >"$work/mmdebstrap.log" 2>&1 || die "mmdebstrap failed: see $work/mmdebstrap.log"
@@ -164,15 +164,20 @@ venv=$(pwd)/.venv
 python=$(readlink -f "$venv/bin/python")
 pyhome=$(cd "$(dirname "$python")/.." && pwd)
 job=${GUEST_JOB:-train_mlp.py --steps 60 --step-time 0.3}
+pod_steps=${GUEST_POD_STEPS:-40}  # the container move's job: tests/containerd.py's (DataLoader workers, emptyDir)
+containerd2=${CRIUCTL_CONTAINERD2:-/usr/local/lib/criuctl/containerd-2}
+images=/usr/local/lib/criuctl/images
 mode=${GUEST_MODE:-stop-and-copy}
-if [ ! -x "$venv/bin/criuctl" ]; then
-  log "no venv at $venv (make install): no move between guests"
-  echo "skipped: no venv at $venv (run make install first)" >"$move"
+if [ ! -x "$venv/bin/criuctl" ] || [ ! -x "$containerd2/bin/containerd" ] || [ ! -f "$images/busybox.tar" ]; then
+  log "no venv at $venv, containerd 2 at $containerd2 or test image in $images (make install): no move between guests"
+  echo "skipped: no venv, containerd 2 or busybox image (run make install first)" >"$move"
 else
   log "the move: $pyhome and $(pwd) (with its venv) into the guests; job: $job"
   mkdir -p "$root$pyhome" "$root$(pwd)"
   cp -a "$pyhome/." "$root$pyhome/"
-  tar -C "$(pwd)" --exclude=.git --exclude=./build -cf - . | tar -C "$root$(pwd)" -xf -
+  tar -C "$(pwd)" --exclude=.git -cf - . | tar -C "$root$(pwd)" -xf -  # build/: the CRI stubs
+  mkdir -p "$root$containerd2" "$root$images"
+  cp -a "$containerd2/." "$root$containerd2/" && cp "$images/busybox.tar" "$root$images/"
   cat >"$root/root/node.sh" <<EOF2
 #!/bin/bash
 node=\$(sed -n 's/.*criuctl\.node=\([ab]\).*/\1/p' /proc/cmdline)
@@ -180,11 +185,15 @@ say() { echo "RESULT \$node \$1: \$2" >/dev/ttyS0; }
 dev=\$(ls /sys/class/net | grep -v '^lo\$' | head -1)
 ip link set lo up && ip link set "\$dev" up
 ip addr add "10.250.0.\$([ "\$node" = a ] && echo 11 || echo 12)/24" dev "\$dev"
-export PATH=$venv/bin:\$PATH CRIUCTL_STATE_DIR=/var/lib/criuctl
+export PATH=$containerd2/bin:$venv/bin:\$PATH CRIUCTL_STATE_DIR=/var/lib/criuctl PYTHONPATH=tools:.
 cd $(pwd)
+pods() { python scripts/guest_pods.py "\$@" 2>>/root/pods.err | while IFS= read -r line; do say "pod_\${line%%: *}" "\${line#*: }"; done; }
+pods up "\$node"
+[ -s /root/pods.err ] && say pod_error "\$(tail -3 /root/pods.err | tr '\n' ' ')"
 echo guest-token-for-this-run >/root/token && chmod 600 /root/token
 say layout "\$(criuctl doctor 2>&1 | grep cgroups: | cut -c6-)"
-criuctl agent --listen 0.0.0.0:7070 --token-file /root/token --name "\$node" --insecure >/root/agent.log 2>&1 &
+criuctl agent --listen 0.0.0.0:7070 --token-file /root/token --name "\$node" --insecure \
+  --runtime-endpoint unix:///var/lib/criuctl-ctr/containerd.sock --inject-dir /var/lib/criuctl-ctr/inject >/root/agent.log 2>&1 &
 up() { python -c "import sys, urllib.request; urllib.request.urlopen('http://10.250.0.'+sys.argv[1]+':7070/healthz', timeout=2)" "\$1" 2>/dev/null; }
 for _ in \$(seq 300); do up "\$([ "\$node" = a ] && echo 11 || echo 12)" && break; sleep 1; done
 if [ "\$node" = a ]; then
@@ -198,6 +207,8 @@ if [ "\$node" = a ]; then
     say migrate "\$(tail -1 /root/migrate.json)"
   else say migrate "failed: \$(tail -3 /root/migrate.err | tr '\n' ' ')"; say agent_log "\$(tail -5 /root/agent.log | tr '\n' ' ')"; fi
   say steps_here "\$(grep -c '^step ' /var/lib/criuctl/logs/job.log)"
+  pods move $pod_steps
+  [ -s /root/pods.err ] && say pod_error "\$(tail -3 /root/pods.err | tr '\n' ' ')"
   sleep infinity
 else
   for _ in \$(seq 1800); do grep -q '^final ' /var/lib/criuctl/logs/job.log 2>/dev/null && break; sleep 0.5; done
@@ -205,16 +216,18 @@ else
   say steps_here "\$(grep -c '^step ' /var/lib/criuctl/logs/job.log 2>/dev/null)"
   say first_step_here "\$(grep -m1 '^step ' /var/lib/criuctl/logs/job.log 2>/dev/null | cut -d' ' -f2)"
   [ -s /var/lib/criuctl/logs/job.log ] || say agent_log "\$(tail -5 /root/agent.log | tr '\n' ' ')"
+  pods end $pod_steps
+  [ -s /root/pods.err ] && say pod_error "\$(tail -3 /root/pods.err | tr '\n' ' ')"
   systemctl poweroff
 fi
 EOF2
   chmod +x "$root/root/node.sh"
-  rm -f "$work/disk.img" && truncate -s 8G "$work/disk.img" && mkfs.ext4 -q -F -d "$root" "$work/disk.img"
+  rm -f "$work/disk.img" && truncate -s 12G "$work/disk.img" && mkfs.ext4 -q -F -d "$root" "$work/disk.img"
   sock=$((20000 + RANDOM % 20000))
   guest() {  # NODE NETDEV: one of the two, in the background, its console in $work/NODE.log
     local accel_args=(-accel tcg,thread=multi -cpu max)
     [ "$accel" = kvm ] && accel_args=(-enable-kvm -cpu host)
-    qemu-system-x86_64 "${accel_args[@]}" -m 3072 -smp 2 -nographic -no-reboot \
+    qemu-system-x86_64 "${accel_args[@]}" -m 4096 -smp 2 -nographic -no-reboot \
       -kernel "$work/vmlinuz" -initrd "$work/initrd.img" \
       -append "root=/dev/vda rw console=ttyS0 quiet criuctl.node=$1" \
       -drive "file=$work/disk.img,format=raw,if=virtio,snapshot=on" \
@@ -226,7 +239,7 @@ EOF2
   sleep 2
   guest b "connect=127.0.0.1:$sock"; b_pid=$!
   waited=0
-  while kill -0 "$b_pid" 2>/dev/null && [ "$waited" -lt "${GUEST_MOVE_SECONDS:-1800}" ]; do sleep 5; waited=$((waited + 5)); done
+  while kill -0 "$b_pid" 2>/dev/null && [ "$waited" -lt "${GUEST_MOVE_SECONDS:-3600}" ]; do sleep 5; waited=$((waited + 5)); done
   kill "$a_pid" "$b_pid" 2>/dev/null || true
   wait 2>/dev/null || true
   echo "seconds: $(($(date +%s) - started))" >>"$move"
@@ -257,9 +270,9 @@ EOF2
     echo "{\"error\": \"failed: $work/ns.log\"}" >"$work/ns.json"
 fi
 
-python3 - "$work/$accel.txt" "$accel" "$why_not_kvm" "$move" "$job" "$mode" "$work/ns.json" <<'EOF'
+python3 - "$work/$accel.txt" "$accel" "$why_not_kvm" "$move" "$job" "$mode" "$work/ns.json" "$pod_steps" <<'EOF'
 import json, os, subprocess, sys, time
-path, accel, why, move_path, job, mode, ns_path = sys.argv[1:8]
+path, accel, why, move_path, job, mode, ns_path, pod_steps = sys.argv[1:9]
 found = dict(line.split(": ", 1) for line in open(path).read().splitlines() if ": " in line)
 commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True).stdout.strip()
 out = {
@@ -278,13 +291,20 @@ out = {
     },
 }
 said = [line.split(": ", 1) for line in open(move_path).read().splitlines() if ": " in line]
-move = {k.replace(" ", "_"): v for k, v in said}
+every = {k.replace(" ", "_"): v for k, v in said}
+move = {k: v for k, v in every.items() if "_pod_" not in k}
 ref = move.get("a_reference", "").removeprefix("final ")
 end = move.get("b_final", "").removeprefix("final ")
 move["job"] = job
 move["mode"] = mode
 move["bit_identical"] = bool(ref) and ref == end
 out["move_between_guests"] = move
+# the container move (scripts/guest_pods.py): containerd 2, systemd cgroup driver, CDI
+pod = {k.replace("_pod_", "_", 1): v for k, v in every.items() if "_pod_" in k}
+ref, end = pod.get("a_reference", ""), pod.get("b_final", "")
+pod["job"] = f"tests/containerd.py job_argv({pod_steps}) (train_cnn_loader.py, 2 DataLoader workers, an emptyDir)"
+pod["bit_identical"] = ref.startswith("final ") and ref == end
+out["container_move_between_guests"] = pod
 if os.path.exists(ns_path):
     ns = json.load(open(ns_path))
     ns["job"], ns["mode"] = job, mode

@@ -52,8 +52,10 @@ class Pod:
 
 
 class Containerd:
-    def __init__(self, root: Path, netns: str | None = None) -> None:
+    def __init__(self, root: Path, netns: str | None = None, config: str | None = None) -> None:
+        """`config`: a containerd configuration of the caller's (default: format 2, 1.6's)."""
         self.root = root
+        self.config = config
         self.sock = root / "containerd.sock"
         self.netns = netns
         self.proc: subprocess.Popen | None = None
@@ -67,7 +69,8 @@ class Containerd:
         for d in ("cni-bin", "cni-conf", "logs"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
         config = self.root / "config.toml"
-        config.write_text(containerd_config.v2(self.root, BUSYBOX, shutil.which("criu") or "criu"))
+        criu = shutil.which("criu") or "criu"
+        config.write_text(self.config or containerd_config.v2(self.root, BUSYBOX, criu))
         argv = ["containerd", "--config", str(config)]
         if self.netns:
             argv = ["nsenter", f"--net=/run/netns/{self.netns}", *argv]
@@ -110,8 +113,12 @@ class Containerd:
         memory_limit: int = 0,
         env: dict[str, str] | None = None,
         devices: list[str] | dict[str, str] | None = None,
+        annotations: dict[str, str] | None = None,
+        cgroup_parent: str = "",
     ) -> Pod:
-        """A pod with one container, as the kubelet would create it (host network, own PID ns)."""
+        """A pod with one container, as the kubelet would create it (host network, own PID ns).
+        `annotations`: the container's (a device plugin's CDI devices, `cdi.k8s.io/NAME: KIND=DEV`);
+        `cgroup_parent`: the pod's cgroup, as the kubelet names it for its cgroup driver."""
         uid = f"uid-{name}-{os.urandom(3).hex()}"
         logdir = self.root / "logs" / f"{namespace}_{name}_{uid}"
         logdir.mkdir(parents=True, exist_ok=True)
@@ -126,7 +133,8 @@ class Containerd:
             log_directory=str(logdir),
             labels=labels,
             linux=pb.LinuxPodSandboxConfig(
-                security_context=pb.LinuxSandboxSecurityContext(namespace_options=ns)
+                cgroup_parent=cgroup_parent,
+                security_context=pb.LinuxSandboxSecurityContext(namespace_options=ns),
             ),
         )
         sandbox = self.rt.RunPodSandbox(pb.RunPodSandboxRequest(config=cfg), timeout=60).pod_sandbox_id
@@ -146,6 +154,7 @@ class Containerd:
                 )
             ],
             labels={**labels, "io.kubernetes.container.name": container},
+            annotations=annotations or {},
             linux=pb.LinuxContainerConfig(
                 resources=pb.LinuxContainerResources(memory_limit_in_bytes=memory_limit),
                 security_context=pb.LinuxContainerSecurityContext(namespace_options=ns),

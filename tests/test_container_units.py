@@ -369,3 +369,47 @@ def test_a_placeholders_cgroups_are_the_roots_of_the_restored_tree(tmp_path: Pat
             assert given == [(None, scope)], given  # every controller's root: no ctrl at all
         else:
             assert {c for c, _ in given} == keys and all(p.endswith("/ab") for _, p in given), given
+
+
+@pytest.mark.parametrize(
+    ("annotations", "want"),
+    [
+        (
+            {"cdi.k8s.io/nvidia-device-plugin_0": "nvidia.com/gpu=0,nvidia.com/gpu=1"},
+            ["nvidia.com/gpu=0", "nvidia.com/gpu=1"],
+        ),
+        (
+            {"cdi.k8s.io/a": "nvidia.com/gpu=all", "cdi.k8s.io/b": "nvidia.com/gpu=all"},
+            ["nvidia.com/gpu=all"],
+        ),
+        ({"cdi.k8s.io/x": "vendor.example/sub/nic=eth1 "}, ["vendor.example/sub/nic=eth1"]),
+        ({"io.kubernetes.pod.name": "nvidia.com/gpu=0", "cdi.k8s.io/x": "gpu=0,nvidia.com/=0,/x=1"}, []),
+        ({}, []),
+    ],
+)
+def test_cdi_devices_are_read_from_a_containers_annotations(annotations: dict, want: list) -> None:
+    from criuctl.container import cdi
+
+    assert cdi.devices(annotations) == want
+
+
+def test_a_placeholder_needs_as_many_cdi_devices_of_each_kind_not_the_same_ones(tmp_path: Path) -> None:
+    from criuctl.container import cdi, placeholder
+    from criuctl.format.bundle import ContainerFacts
+
+    had = ["nvidia.com/gpu=0", "nvidia.com/gpu=1", "criuctl.test/nic=a"]
+    assert cdi.missing(had, ["nvidia.com/gpu=6", "nvidia.com/gpu=7", "criuctl.test/nic=b"]) == []
+    assert cdi.missing(had, ["nvidia.com/gpu=6", "criuctl.test/nic=b", "other.com/x=1"]) == [
+        "nvidia.com/gpu=1"
+    ]
+    assert cdi.missing([], ["nvidia.com/gpu=6"]) == []
+
+    def holder(annotations: dict[str, str]) -> placeholder.Placeholder:
+        c = Container(id="f" * 64, pid=os.getpid(), state="running", annotations=annotations)
+        return placeholder.Placeholder(c, tmp_path, [], view=None)  # type: ignore[arg-type]
+
+    facts = ContainerFacts(id="e" * 64, cdi_devices=had[:2])
+    with pytest.raises(placeholder.NotAPlaceholder) as exc:
+        placeholder.prepare(holder({"cdi.k8s.io/p": "nvidia.com/gpu=3"}), tmp_path, facts)
+    assert "nvidia.com/gpu" in str(exc.value) and "2" in str(exc.value), exc.value
+    placeholder.prepare(holder({"cdi.k8s.io/p": "nvidia.com/gpu=3,nvidia.com/gpu=4"}), tmp_path, facts)

@@ -33,19 +33,21 @@ if missing("containerd") is None:  # tests.containerd needs the CRI stubs make i
 LONG = 5000  # steps: the job outlives every test here
 
 
-def _job(nodes: Nodes, pod: str, placeholder: bool = True):
-    """A long training container on node a (and, if asked, its placeholder on node b)."""
+def _job(nodes: Nodes, pod: str, placeholder: bool = True, **kw):
+    """A long training container on node a (and, if asked, its placeholder on node b); `kw` for
+    the job's container (Containerd.run_pod)."""
     job = nodes.pod(
-        "a", pod, [*INIT, "--", *job_argv(LONG, "/workspace/train.log")], nodes.empty_dir("a", pod)
+        "a", pod, [*INIT, "--", *job_argv(LONG, "/workspace/train.log")], nodes.empty_dir("a", pod), **kw
     )
-    holder = None
-    if placeholder:
-        holder = nodes.pod("b", pod, [*INIT, "--placeholder"], nodes.empty_dir("b", pod))
-        wait_until(
-            lambda: "placeholder ready" in holder.log.read_text(errors="replace"), 30, "the placeholder"
-        )
+    holder = _placeholder(nodes, pod) if placeholder else None
     wait_until(lambda: len(cri_steps(job.log)) >= 10, 120, "10 steps on node a")
     return job, holder
+
+
+def _placeholder(nodes: Nodes, pod: str, **kw):
+    holder = nodes.pod("b", pod, [*INIT, "--placeholder"], nodes.empty_dir("b", pod), **kw)
+    wait_until(lambda: "placeholder ready" in holder.log.read_text(errors="replace"), 30, "the placeholder")
+    return holder
 
 
 def _keeps_training(nodes: Nodes, job, more: int = 5) -> None:
@@ -88,6 +90,29 @@ def test_no_placeholder_keeps_the_job_on_its_node(nodes: Nodes) -> None:
     assert "no empty placeholder for default/homeless/train" in r.stderr
     assert "Traceback" not in r.stderr
     _keeps_training(nodes, job)
+
+
+def test_a_placeholder_without_the_jobs_kind_of_cdi_device_keeps_the_job_on_its_node(nodes: Nodes) -> None:
+    """The device plugin gave the job a CDI device (its `cdi.k8s.io/*` annotation, as the kubelet
+    passes it); a placeholder given none of that kind is refused, after the dump, and the job goes
+    on at home. One given another device of the same kind (another GPU's index) takes the job.
+    (containerd 1.6 keeps the annotation without acting on it; the devices themselves, with CDI on,
+    in containerd 2 on cgroup v2 and systemd: scripts/guest-check.sh.)"""
+    gpu = {"cdi.k8s.io/criuctl-test": "criuctl.test/gpu=0"}
+    job, holder = _job(nodes, "cdi", annotations=gpu)
+    r = nodes.cluster.migrate(containers.name_of(job.container), "b")
+    assert r.returncode == 4, r.stderr
+    assert "was given 0 CDI device(s) (none); the job had 1 (criuctl.test/gpu=0)" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    _keeps_training(nodes, job)
+    b = nodes.runtimes["b"]
+    b.stop_container(holder.container, grace=5)
+    b.wait_exited(holder.container, timeout=60)
+    other = _placeholder(nodes, "cdi", annotations={"cdi.k8s.io/criuctl-test": "criuctl.test/gpu=3"})
+    rec = _migrated(nodes, job)
+    assert rec["container"] == other.container
+    seen = max(cri_steps(other.log), default=-1)
+    wait_until(lambda: max(cri_steps(other.log), default=-1) >= seen + 3, 60, "3 more steps on node b")
 
 
 @pytest.mark.parametrize("point", [Point.CLIENT_SENT, Point.CLIENT_RESTORED])

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from criuctl.container import mounts, volumes
+from criuctl.container import cdi, mounts, runtime, volumes
 from criuctl.container.nodeview import NodeView, NodeViewError
 from criuctl.container.runtime import Container, Runtime
 from criuctl.core import nsinit, procinfo, workloads
@@ -246,8 +246,18 @@ def plan(w: workloads.Workload, pids: list[int], connections: bool = False) -> D
         external_mounts=points,
         netns_external=netns_external,
         cgroup=cgroup,
+        cdi_devices=_cdi_devices(w),
     )
     return DumpPlan(external, facts, upper, pid, view, inside, volumes.of_container(inside, view))
+
+
+def _cdi_devices(w: workloads.Workload) -> list[str]:
+    """The CDI devices the runtime gave the container; none known where it cannot say (the procfs
+    backend, a runtime down: the dump does not need it, and the GPU path checks GPUs itself)."""
+    try:
+        return cdi.devices(runtime.connect(w.runtime).container(w.container or "").annotations)
+    except CriuctlError:
+        return []
 
 
 def _cgroup_lines(pid: int) -> list[str]:

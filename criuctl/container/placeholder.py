@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from criuctl.container import cgroups, mounts, rootfsdiff, volumes
+from criuctl.container import cdi, cgroups, mounts, rootfsdiff, volumes
 from criuctl.container.containers import is_placeholder, placeholder_ready, runs_criuctl_init
 from criuctl.container.nodeview import NodeView
 from criuctl.container.runtime import Container, Runtime
@@ -153,7 +153,17 @@ def match(rt: Runtime, facts: ContainerFacts) -> Placeholder:
 def prepare(ph: Placeholder, bundle_dir: Path, facts: ContainerFacts) -> None:
     """Put the job's files in place: the writable layer into the rootfs, what the dump carried of
     its volumes into the placeholder's (a file already there with the same content is left alone);
-    refuse a ConfigMap or Secret whose files differ from those the job saw."""
+    refuse a ConfigMap or Secret whose files differ from those the job saw, or a placeholder that
+    lacks a kind of CDI device the job had (criuctl.container.cdi)."""
+    given = cdi.devices(ph.container.annotations)
+    if lacking := cdi.missing(facts.cdi_devices, given):
+        kinds = sorted({cdi.kind(d) for d in lacking})
+        raise NotAPlaceholder(
+            f"placeholder {ph.container.short_id} was given {len(given)} CDI device(s) "
+            f"({', '.join(given) or 'none'}); the job had {len(facts.cdi_devices)} "
+            f"({', '.join(facts.cdi_devices)}): no {' or '.join(kinds)} for {', '.join(lacking)}",
+            "request the same devices in the placeholder's pod (its resources, as the job's pod did)",
+        )
     for point, want in sorted(facts.volume_digests.items()):
         _reach(ph, point)  # it has the volume at all
         m = ph.mount(point)

@@ -53,6 +53,8 @@ class ContainerFacts:
     # mount point -> digest of a ConfigMap's or Secret's files as the job saw them: the target's must match
     volume_digests: dict[str, str] = field(default_factory=dict)
     cgroup: str = ""  # the source container's cgroup (for the record)
+    # its CDI devices (`vendor/class=name`): a placeholder needs as many of each kind (container.cdi)
+    cdi_devices: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -12,8 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def _runc(plugin: str, root: Path, criu: str | None) -> str:
-    """The runc runtime section under `plugin` (the CRI plugin's name differs between formats)."""
+def _runc(plugin: str, root: Path, criu: str | None, systemd: bool = False) -> str:
+    """The runc runtime section under `plugin` (the CRI plugin's name differs between formats).
+    `systemd`: runc's systemd cgroup driver (every kubeadm and managed node's default on cgroup v2),
+    which asks systemd over D-Bus for a scope per container; needs systemd as PID 1."""
     criu_line = f'        CriuPath = "{criu}"\n' if criu else ""  # 2.x dropped it: runc takes PATH's
     return (
         f"  [{plugin}.containerd]\n"
@@ -21,7 +23,7 @@ def _runc(plugin: str, root: Path, criu: str | None) -> str:
         f"    [{plugin}.containerd.runtimes.runc]\n"
         '      runtime_type = "io.containerd.runc.v2"\n'
         f"      [{plugin}.containerd.runtimes.runc.options]\n"
-        "        SystemdCgroup = false\n"
+        f"        SystemdCgroup = {str(systemd).lower()}\n"
         f"{criu_line}"
         f'        Root = "{root}/runc"\n'
     )
@@ -53,8 +55,11 @@ def v2(root: Path, sandbox_image: str, criu: str) -> str:
     )
 
 
-def v3(root: Path, sandbox_image: str) -> str:
-    """containerd 2.x: the CRI plugin split into images and runtime; NRI and CDI off."""
+def v3(root: Path, sandbox_image: str, systemd: bool = False, cdi_dirs: tuple[Path, ...] = ()) -> str:
+    """containerd 2.x: the CRI plugin split into images and runtime; NRI off. As a node of the GPU
+    Operator runs it where asked: the systemd cgroup driver (`systemd`), and CDI on with its specs in
+    `cdi_dirs` (devices named by a container's `cdi.k8s.io/*` annotations or its CDI devices)."""
+    cdi = f"  enable_cdi = true\n  cdi_spec_dirs = {[str(d) for d in cdi_dirs]!r}\n" if cdi_dirs else ""
     plugin = "plugins.'io.containerd.cri.v1.runtime'"
     return (
         _head(3, root)
@@ -63,9 +68,9 @@ def v3(root: Path, sandbox_image: str) -> str:
         + f"[plugins.'io.containerd.cri.v1.images'.pinned_images]\n  sandbox = \"{sandbox_image}\"\n"
         + f"[{plugin}]\n"
         + _CRI_COMMON
-        + "  enable_cdi = false\n"
+        + (cdi or "  enable_cdi = false\n")
         + f'  [{plugin}.cni]\n    bin_dirs = ["{root}/cni-bin"]\n    conf_dir = "{root}/cni-conf"\n'
-        + _runc(plugin, root, None)
+        + _runc(plugin, root, None, systemd)
     )
 
 

@@ -58,6 +58,9 @@ class Container:
     log_path: str = ""  # the runtime's log file for this container (what `kubectl logs` reads)
     runtime: str = ""  # "containerd 1.6.20", "procfs"
     labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(
+        default_factory=dict
+    )  # the CDI devices' among them (criuctl.container.cdi)
 
     @property
     def short_id(self) -> str:

@@ -134,6 +134,7 @@ class CRIRuntime:
             log_path=st.log_path,
             runtime=self.version(),
             labels=labels,
+            annotations=dict(st.annotations),
         )
 
     def checkpoint(self, ident: str, location: str, timeout: float = 300.0) -> None:
