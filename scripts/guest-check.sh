@@ -5,8 +5,11 @@
 # with QEMU's TCG (an emulator: correct, not fast). Inside it, at boot: the cgroup layout, PID 1,
 # `criu check`, userfaultfd (post-copy), a process dumped and restored that goes on counting, the
 # layout as criuctl names it, a helper leaving a cgroup namespace of its own (cgroup v2, nsdelegate),
-# and a restore into another cgroup (a placeholder's) by the unified hierarchy's root.
-# Not run by `make test` (a guest image is ~1 GB and a minute to build); it writes what it found to
+# and a restore into another cgroup (a placeholder's) by the unified hierarchy's root. Then two
+# guests as nodes a and b: criuctl's host move, and a container's move between two containerd 2s
+# with runc's systemd cgroup driver and CDI on (scripts/guest_pods.py), each beside the same move
+# between two namespace nodes on this machine.
+# Not run by `make test` (~13 min here: a guest image, two guests under TCG); it writes what it found to
 # bench/results/guest-check.json, with the commit it ran on.
 #   sudo scripts/guest-check.sh [WORKDIR]      (default /var/tmp/criuctl-guest; rebuilt each run)
 set -euo pipefail
@@ -20,6 +23,7 @@ criu=$(command -v criu) || die "no criu here: run make test (or scripts/install-
 command -v mmdebstrap >/dev/null || apt_install mmdebstrap
 command -v qemu-system-x86_64 >/dev/null || apt_install qemu-system-x86
 work=${1:-/var/tmp/criuctl-guest}
+commit=$(git describe --always --dirty 2>/dev/null || echo unknown)  # what the guests get, copied below
 # rebuilt each run: only ever a folder this script made (its marker), never one a typo names
 if [ -e "$work" ]; then
   [ -f "$work/.criuctl-guest" ] || [ -z "$(ls -A "$work" 2>/dev/null)" ] || die "$work exists and is not a guest-check folder: name a new or empty one"
@@ -36,6 +40,7 @@ log "building the guest (Debian 12, systemd, kernel, $libs)"
 mmdebstrap --variant=apt --mode=root --quiet \
   --include="linux-image-amd64,initramfs-tools,systemd-sysv,udev,dbus,iproute2,kmod,procps,python3,nftables,runc,$libs" \
   --customize-hook='echo guest > "$1/etc/hostname"; echo "/dev/vda / ext4 rw 0 1" > "$1/etc/fstab"' \
+  --customize-hook='printf "127.0.0.1 localhost\n::1 localhost\n" > "$1/etc/hosts"; : > "$1/etc/resolv.conf"' \
   --customize-hook='ln -sf /dev/null "$1/etc/systemd/system/serial-getty@ttyS0.service"' \
   bookworm "$root" "$(debian_uri)" >"$work/mmdebstrap.log" 2>&1 || die "mmdebstrap failed: see $work/mmdebstrap.log"
 cp "$criu" "$root/usr/local/sbin/criu"
@@ -157,7 +162,8 @@ fi
 # on an Ethernet of their own (QEMU's socket netdev: a joined to b, nothing else on it), each with
 # this machine's Python and the project's venv at the same paths and criuctl's agent. On a: a
 # reference run, then the same job under `criuctl run`, moved by `criuctl migrate` to b. On b: the
-# job's end. Their console lines `RESULT NODE KEY: VALUE` are what the host reads.
+# job's end. Then the same for a pod's container (scripts/guest_pods.py): b's placeholder is ready
+# before b's agent answers, a's job is moved by `criuctl migrate ctr-…` (its default mode). Their console lines `RESULT NODE KEY: VALUE` are what the host reads.
 move=$work/move.txt
 : >"$move"
 venv=$(pwd)/.venv
@@ -268,13 +274,15 @@ with Cluster(root, tls=False) as c:
     print(json.dumps({"migrate": json.loads(r.stdout), "final": c.final("job"), "reference": reference}))
 EOF2
     echo "{\"error\": \"failed: $work/ns.log\"}" >"$work/ns.json"
+  log "the same container move between two namespace nodes on this machine (containerd 1.6, cgroupfs, v1)"
+  PYTHONPATH=tools:. "$venv/bin/python" scripts/guest_pods.py ns "$pod_steps" >"$work/ns-pod.json" 2>"$work/ns-pod.log" ||
+    echo "{\"error\": \"failed: $work/ns-pod.log\"}" >"$work/ns-pod.json"
 fi
 
-python3 - "$work/$accel.txt" "$accel" "$why_not_kvm" "$move" "$job" "$mode" "$work/ns.json" "$pod_steps" <<'EOF'
-import json, os, subprocess, sys, time
-path, accel, why, move_path, job, mode, ns_path, pod_steps = sys.argv[1:9]
+python3 - "$work/$accel.txt" "$accel" "$why_not_kvm" "$move" "$job" "$mode" "$work/ns.json" "$pod_steps" "$work/ns-pod.json" "$commit" <<'EOF'
+import json, os, sys, time
+path, accel, why, move_path, job, mode, ns_path, pod_steps, ns_pod_path, commit = sys.argv[1:11]
 found = dict(line.split(": ", 1) for line in open(path).read().splitlines() if ": " in line)
-commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True).stdout.strip()
 out = {
     "commit": commit,
     "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -305,6 +313,11 @@ ref, end = pod.get("a_reference", ""), pod.get("b_final", "")
 pod["job"] = f"tests/containerd.py job_argv({pod_steps}) (train_cnn_loader.py, 2 DataLoader workers, an emptyDir)"
 pod["bit_identical"] = ref.startswith("final ") and ref == end
 out["container_move_between_guests"] = pod
+if os.path.exists(ns_pod_path):
+    ns = json.load(open(ns_pod_path))
+    ns["job"] = pod["job"]
+    ns["bit_identical"] = bool(ns.get("reference")) and ns.get("final") == ns["reference"]
+    out["container_move_between_namespace_nodes"] = ns
 if os.path.exists(ns_path):
     ns = json.load(open(ns_path))
     ns["job"], ns["mode"] = job, mode

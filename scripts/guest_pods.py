@@ -4,6 +4,8 @@ systemd cgroup driver, CDI on, a CDI spec for a stand-in device class — and po
 as a kubelet with the systemd driver makes them (the pod's cgroup a `kubepods-…-pod<uid>.slice`,
 the device plugin's CDI device in the container's `cdi.k8s.io/*` annotation).
 
+    ns STEPS   on the host, not in a guest: the same job and move between two of the tests'
+               namespace nodes (tests/containerd.py: containerd 1.6, cgroupfs, cgroup v1), one JSON line
     up NODE    containerd up (before the node's agent, which serves its socket); on b also the
                placeholder the job moves into, ready before b's agent answers
     move STEPS the job's pod on a, `criuctl migrate` of it to b once it ran STEPS // 4 steps
@@ -16,8 +18,10 @@ the stand-in CDI device are this file's; the job is the tests' (tests/containerd
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -167,6 +171,55 @@ def end(steps: int) -> None:
     say("steps_expected", steps)
 
 
+def ns(steps: int) -> None:
+    """The same job and move between two namespace nodes on this machine, for the numbers beside
+    the guests' (one kernel, no emulator); its own reference (the guests' CPU is another)."""
+    from tests.containerd import two_nodes
+
+    made: list[str] = []
+
+    class Folders:  # what two_nodes asks of pytest's tmp_path_factory
+        def mktemp(self, name: str) -> Path:
+            made.append(tempfile.mkdtemp(prefix=f"criuctl-guest-{name}-"))
+            return Path(made[-1])
+
+    ran = subprocess.run(
+        [sys.executable, *job_argv(steps, "/dev/null", None)[1:]], capture_output=True, text=True, check=True
+    ).stdout
+    reference = [line for line in ran.splitlines() if line.startswith("final ")]
+    cluster = two_nodes(Folders())
+    nodes = next(cluster)
+    try:
+        job = nodes.pod(
+            "a", POD, [*INIT, "--", *job_argv(steps, "/workspace/train.log")], nodes.empty_dir("a", POD)
+        )
+        holder = nodes.pod("b", POD, [*INIT, "--placeholder"], nodes.empty_dir("b", POD))
+        wait_until(
+            lambda: "placeholder ready" in holder.log.read_text(errors="replace"), 120, "the placeholder"
+        )
+        wait_until(lambda: len(cri_steps(job.log)) >= steps // 4, 600, f"{steps // 4} steps on node a")
+        r = nodes.cluster.migrate(containers.name_of(job.container), "b")
+        if r.returncode != 0:
+            raise SystemExit(f"the move failed: {r.stderr.strip()[-500:]}")
+        nodes.runtimes["b"].wait_exited(holder.container, timeout=600)
+        after = cri_steps(holder.log)
+        print(
+            json.dumps(
+                {
+                    "migrate": json.loads(r.stdout.strip().splitlines()[-1]),
+                    "reference": reference,
+                    "final": [f"final {f}" for f in cri_final(holder.log)],
+                    "steps_there": len(cri_steps(job.log)),
+                    "steps_here": len(after),
+                }
+            )
+        )
+    finally:
+        cluster.close()  # its agents, containerds and pods go
+        for folder in made:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def _is_job(proc: Path) -> bool:
     try:
         return b"train_cnn_loader.py" in (proc / "cmdline").read_bytes()
@@ -175,5 +228,12 @@ def _is_job(proc: Path) -> bool:
 
 
 if __name__ == "__main__":
-    verb, arg = sys.argv[1], sys.argv[2]
-    {"up": lambda: up(arg), "move": lambda: move(int(arg)), "end": lambda: end(int(arg))}[verb]()
+    verbs = {
+        "up": lambda a: up(a),
+        "move": lambda a: move(int(a)),
+        "end": lambda a: end(int(a)),
+        "ns": lambda a: ns(int(a)),
+    }
+    if len(sys.argv) != 3 or sys.argv[1] not in verbs:
+        raise SystemExit("usage: guest_pods.py up NODE | move STEPS | end STEPS | ns STEPS (guest-check.sh)")
+    verbs[sys.argv[1]](sys.argv[2])
