@@ -58,9 +58,8 @@ class Container:
     log_path: str = ""  # the runtime's log file for this container (what `kubectl logs` reads)
     runtime: str = ""  # "containerd 1.6.20", "procfs"
     labels: dict[str, str] = field(default_factory=dict)
-    annotations: dict[str, str] = field(
-        default_factory=dict
-    )  # the CDI devices' among them (criuctl.container.cdi)
+    # the runtime's record of the container's annotations: a device plugin's CDI devices among them
+    annotations: dict[str, str] = field(default_factory=dict)
 
     @property
     def short_id(self) -> str:
