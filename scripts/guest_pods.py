@@ -39,7 +39,7 @@ CDI_DIR = Path("/etc/cdi")
 # The stand-in device class: what a GPU's CDI spec gives a container (a device node, an
 # environment variable), with /dev/zero's numbers standing in for the GPU's.
 CDI_KIND, CDI_DEVICE, DEVICE_NODE = "criuctl.test/gpu", "0", "/dev/criuctl-gpu0"
-CDI_ENV = "CRIUCTL_TEST_CDI_GPU=0"
+CDI_ENV = "STANDIN_CDI_GPU=0"  # not CRIUCTL_*: no variable of criuctl (tests/test_env.py)
 POD, CONTAINER = "trainer", "train"
 UID = "5a1e0000-0000-4000-8000-00000000c0de"  # one pod's UID on both nodes, as a successor keeps its name
 
