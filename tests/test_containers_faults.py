@@ -113,6 +113,9 @@ def test_a_placeholder_without_the_jobs_kind_of_cdi_device_keeps_the_job_on_its_
     assert rec["container"] == other.container
     seen = max(cri_steps(other.log), default=-1)
     wait_until(lambda: max(cri_steps(other.log), default=-1) >= seen + 3, 60, "3 more steps on node b")
+    b.stop_container(other.container, grace=5)  # the job ends with it: node b runs nothing of it after
+    b.wait_exited(other.container, timeout=60)
+    wait_until(lambda: not psutil.pid_exists(rec["root_pid"]), 10, "the restored tree to end")
 
 
 @pytest.mark.parametrize("point", [Point.CLIENT_SENT, Point.CLIENT_RESTORED])
