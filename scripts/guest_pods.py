@@ -25,12 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import grpc
 from criuctl_cri import api_pb2 as pb
-from criuctl_cri import api_pb2_grpc as rpc
 from localcluster import containerd_config
 
-from criuctl.container import containers
+from criuctl.container import cgroups, containers
 from tests.containerd import BUSYBOX, INIT, Containerd, Nodes, cri_final, cri_steps, job_argv, wait_until
 
 ROOT = Path("/var/lib/criuctl-ctr")
@@ -48,7 +46,8 @@ def say(key: str, value: object) -> None:
     print(f"{key}: {value}", flush=True)
 
 
-def _runtime() -> Containerd:
+def _cdi_spec() -> None:
+    """The node's CDI spec for the stand-in device class (a GPU Operator writes the GPUs')."""
     spec = {
         "cdiVersion": "0.6.0",
         "kind": CDI_KIND,
@@ -62,6 +61,9 @@ def _runtime() -> Containerd:
     }
     CDI_DIR.mkdir(parents=True, exist_ok=True)
     (CDI_DIR / "criuctl-test.json").write_text(json.dumps(spec))
+
+
+def _runtime() -> Containerd:
     config = containerd_config.v3(ROOT, BUSYBOX, systemd=True, cdi_dirs=(CDI_DIR,))
     return Containerd(ROOT, config=config)
 
@@ -87,8 +89,7 @@ def _pod(nodes: Nodes, command: list[str]) -> object:
 
 def _cgroup(pid: int) -> str:
     """The unified hierarchy's cgroup (the only one on a v2 node)."""
-    lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
-    return next((line for line in lines if line.startswith("0::")), " ".join(lines))
+    return f"0::{cgroups.unified_path(pid)}"
 
 
 def _cdi_seen(pid: int) -> str:
@@ -100,6 +101,7 @@ def _cdi_seen(pid: int) -> str:
 
 def up(node: str) -> None:
     containers.write_inject_dir(INJECT)
+    _cdi_spec()
     rt = _runtime().start()
     say("containerd", rt.rt.Version(pb.VersionRequest(), timeout=30).runtime_version)
     if node != "b":
@@ -112,10 +114,15 @@ def up(node: str) -> None:
 
 def _connect() -> Containerd:
     """This node's containerd, started by `up` (a process of its own), reached again."""
-    rt = _runtime()
-    rt.channel = grpc.insecure_channel(rt.endpoint)
-    rt.rt = rpc.RuntimeServiceStub(rt.channel)
-    return rt
+    return _runtime().connect()
+
+
+def _reference(steps: int) -> list[str]:
+    """The job's `final` line from an uninterrupted run here (this CPU's float sums)."""
+    ran = subprocess.run(
+        [sys.executable, *job_argv(steps, "/dev/null", None)[1:]], capture_output=True, text=True, check=True
+    ).stdout
+    return [line for line in ran.splitlines() if line.startswith("final ")]
 
 
 def _holder(rt: Containerd) -> tuple[str, Path]:
@@ -127,10 +134,7 @@ def _holder(rt: Containerd) -> tuple[str, Path]:
 
 def move(steps: int) -> None:
     rt = _connect()
-    ran = subprocess.run(
-        [sys.executable, *job_argv(steps, "/dev/null", None)[1:]], capture_output=True, text=True, check=True
-    ).stdout
-    say("reference", next((line for line in ran.splitlines() if line.startswith("final ")), "none"))
+    say("reference", next(iter(_reference(steps)), "none"))
     job = _pod(_nodes(rt), [*INIT, "--", *job_argv(steps, "/workspace/train.log")])
     wait_until(lambda: len(cri_steps(job.log)) >= steps // 4, 1800, f"{steps // 4} steps on node a")
     pid = rt.pid_of(job.container)
@@ -183,10 +187,7 @@ def ns(steps: int) -> None:
             made.append(tempfile.mkdtemp(prefix=f"criuctl-guest-{name}-"))
             return Path(made[-1])
 
-    ran = subprocess.run(
-        [sys.executable, *job_argv(steps, "/dev/null", None)[1:]], capture_output=True, text=True, check=True
-    ).stdout
-    reference = [line for line in ran.splitlines() if line.startswith("final ")]
+    reference = _reference(steps)
     cluster = two_nodes(Folders())
     nodes = next(cluster)
     try:

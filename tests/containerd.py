@@ -81,8 +81,7 @@ class Containerd:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"containerd did not start: {self.log()[-2000:]}")
             time.sleep(0.1)
-        self.channel = grpc.insecure_channel(self.endpoint)
-        self.rt = rpc.RuntimeServiceStub(self.channel)
+        self.connect()
         while True:  # a restarted containerd recovers its containers before its CRI serves
             try:
                 self.rt.Version(pb.VersionRequest(), timeout=30)
@@ -97,6 +96,12 @@ class Containerd:
             text=True,
         )
         assert r.returncode == 0, r.stderr
+        return self
+
+    def connect(self) -> Containerd:
+        """The CRI client of this containerd (started here, or by another process at `root`)."""
+        self.channel = grpc.insecure_channel(self.endpoint)
+        self.rt = rpc.RuntimeServiceStub(self.channel)
         return self
 
     def log(self) -> str:

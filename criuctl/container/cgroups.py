@@ -153,6 +153,15 @@ def _lines(pid: int | str, proc: Path = Path("/proc")) -> list[tuple[str, str]]:
     return out
 
 
+def unified_path(pid: int | str) -> str:
+    """The process's cgroup in the unified hierarchy (its only one on v2); "" where it has none or
+    is gone."""
+    try:
+        return next((path for ctrl, path in _lines(pid) if not ctrl), "")
+    except OSError:
+        return ""
+
+
 def _hierarchies(pid: int | str) -> list[tuple[Path, str]]:
     """(the hierarchy's mount, the process's path in it) for each line of /proc/PID/cgroup."""
     out = []

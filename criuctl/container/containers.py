@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from criuctl.container import cdi, mounts, runtime, volumes
+from criuctl.container import cdi, cgroups, mounts, runtime, volumes
 from criuctl.container.nodeview import NodeView, NodeViewError
 from criuctl.container.runtime import Container, Runtime
 from criuctl.core import nsinit, procinfo, workloads
@@ -235,7 +235,7 @@ def plan(w: workloads.Workload, pids: list[int], connections: bool = False) -> D
         external.append(f"net[{_netns(pid)}]:extRootNetNS")
     root = mounts.root_mount(inside)
     upper = root.super_options.get("upperdir") if root.fstype == "overlay" else None
-    cgroup = next((line.rpartition(":")[2] for line in _cgroup_lines(pid) if line.startswith("0::")), "")
+    cgroup = cgroups.unified_path(pid)
     pod = (w.pod or "").split("/")
     facts = ContainerFacts(
         id=w.container or "",
@@ -257,13 +257,6 @@ def _cdi_devices(w: workloads.Workload) -> list[str]:
     try:
         return cdi.devices(runtime.connect(w.runtime).container(w.container or "").annotations)
     except CriuctlError:
-        return []
-
-
-def _cgroup_lines(pid: int) -> list[str]:
-    try:
-        return Path(f"/proc/{pid}/cgroup").read_text().splitlines()
-    except OSError:
         return []
 
 
